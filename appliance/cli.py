@@ -1,0 +1,290 @@
+"""Command line: parses, validates, dispatches. No logic of its own (design.md, "Commands")."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from appliance.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_PREEMPTED, BadInput
+
+DEFAULT_LOG_FORMAT = "text"
+
+
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="run every stage (default: on the embedded sample corpus)")
+    p.add_argument("--corpus", type=Path, nargs="+", help="files or directories (.txt, .jsonl[.gz|.zst], .parquet)")
+    p.add_argument("--run-dir", type=Path, help="run directory (default: runs/<time>-<model>)")
+    p.add_argument("--model", help="model preset name or TOML file (default: the largest that fits the budget)")
+    p.add_argument("--hardware", help="plan for a hardware profile instead of the detected machine")
+    p.add_argument("--headless", action="store_true", help="no dashboard: progress lines and events on stdout")
+    p.add_argument("--log-format", choices=["text", "json"], default=DEFAULT_LOG_FORMAT)
+    p.add_argument("--max-steps", type=int, help="stop after N optimizer steps")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a training setting (e.g. lr=3e-4); unknown keys are an error",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bloom_appliance.py",
+        description="Config-free BLOOM training: detect, plan, prepare, tokenize, train, evaluate, export.",
+    )
+    sub = parser.add_subparsers(dest="command")
+    _add_run(sub)
+
+    p = sub.add_parser("detect", help="show the detected hardware")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("plan", help="plan the parallel layout with the cost model")
+    p.add_argument("--hardware", help="hardware profile name or TOML file (default: detect)")
+    p.add_argument("--model", help="model preset name or TOML file (default: the model ladder picks)")
+    p.add_argument("--global-batch-size", type=int)
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--layout", help="evaluate this layout, e.g. tp=4,pp=12,dp=8,mbs=2[,zero=1][,recompute=full]")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("prep", help="clean, filter, deduplicate and redact a corpus")
+    p.add_argument("--input", type=Path, nargs="+", required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--strict", action="store_true", help="stop at the first bad record (file, line, byte offset)")
+
+    p = sub.add_parser("tokenizer", help="train BLOOM's byte-level BPE tokenizer on a prepared corpus")
+    p.add_argument("--corpus", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--vocab-size", type=int, default=250_680)  # BLOOM's, before padding for tensor parallelism
+    p.add_argument("--tp", type=int, default=1, help="pad the vocabulary to a multiple of 128 x TP")
+
+    p = sub.add_parser("train", help="train (or resume) the run in a run directory")
+    p.add_argument("--run-dir", type=Path, required=True)
+    p.add_argument("--resume", action="store_true", help="resume from the newest valid checkpoint (the default)")
+
+    p = sub.add_parser("eval", help="evaluate the newest checkpoint of a run")
+    p.add_argument("--run-dir", type=Path, required=True)
+
+    p = sub.add_parser("export", help="write a Hugging Face transformers Bloom directory (safetensors)")
+    p.add_argument("--run-dir", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+
+    p = sub.add_parser("tui", help="attach the dashboard to a run directory (live or finished)")
+    p.add_argument("--run-dir", type=Path, required=True)
+    return parser
+
+
+def _need_run_dir(path: Path) -> Path:
+    if not (path / "plan.json").is_file():
+        raise BadInput(f"--run-dir {path}: not a run directory (no plan.json)")
+    return path
+
+
+# ---- commands ------------------------------------------------------------------------------------------------
+def cmd_run(args: argparse.Namespace) -> int:
+    from appliance.data.sample_corpus import SAMPLE_CORPUS_DIR
+    from appliance.overrides import parse_overrides
+    from appliance.pipeline import RunRequest, default_run_dir, make_run_plan, run
+
+    req = RunRequest(
+        corpus=args.corpus or [SAMPLE_CORPUS_DIR],
+        run_dir=args.run_dir,
+        model=args.model,
+        hardware=args.hardware,
+        max_steps=args.max_steps,
+        overrides=parse_overrides(args.overrides),
+    )
+    headless = args.headless or not sys.stdout.isatty()
+    if not headless:
+        # Validate in the foreground (exit 2 here on bad input), then run headless in the background and attach
+        # the dashboard: quitting the dashboard leaves the run going, as on a head node.
+        from appliance.pipeline import check_inputs
+
+        check_inputs(req.corpus)
+        plan = make_run_plan(req)
+        run_dir = req.run_dir or default_run_dir(plan["model"].get("name", "model"))
+        return _run_with_dashboard(run_dir)
+    return _run_headless(req, args.log_format, run)
+
+
+def _run_headless(req: object, log_format: str, run: Callable[..., int]) -> int:
+    from appliance.monitor.headless import HeadlessPrinter, follow_run
+
+    printer = HeadlessPrinter(stream=sys.stdout, log_format=log_format)
+    done = threading.Event()
+    followers: list[threading.Thread] = []
+
+    def start_following(run_dir: object) -> None:
+        t = threading.Thread(
+            target=follow_run,
+            args=(run_dir.root, printer),
+            kwargs={"stop": done.is_set},  # type: ignore[attr-defined]
+            daemon=True,
+        )
+        t.start()
+        followers.append(t)
+
+    try:
+        return run(req, on_event_writer=start_following)
+    finally:
+        done.set()
+        for t in followers:
+            t.join(timeout=5)
+
+
+def _run_with_dashboard(run_dir: Path) -> int:
+    from appliance.tui.app import run_tui
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    argv = [a for a in sys.argv[1:] if a != "run"]
+    child_args = ["run", "--headless", "--run-dir", str(run_dir), *_strip_run_dir(argv)]
+    log = open(run_dir / "head.log", "ab")  # noqa: SIM115 - handed to the detached child
+    child = subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve().parents[1] / "bloom_appliance.py"), *child_args],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    code = run_tui(run_dir)
+    if child.poll() is None:
+        print(
+            f"The run goes on in the background (pid {child.pid}); log: {run_dir / 'head.log'}.\n"
+            f"Attach again with: ./bloom_appliance.py tui --run-dir {run_dir}"
+        )
+        return code
+    return child.returncode
+
+
+def _strip_run_dir(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--run-dir":
+            skip = True
+        elif not a.startswith("--run-dir="):
+            out.append(a)
+    return out
+
+
+def cmd_detect(args: argparse.Namespace) -> int:
+    from appliance.hardware import detect, format_hardware
+
+    hw = detect()
+    print(json.dumps(hw.to_dict(), indent=1) if args.json else format_hardware(hw))
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from appliance.hardware import detect, load_hardware
+    from appliance.planner import format_plan, load_model_shape, make_plan, parse_layout
+
+    hw = load_hardware(args.hardware) if args.hardware else detect()
+    shape = load_model_shape(args.model) if args.model else None
+    layout = parse_layout(args.layout) if args.layout else None
+    plan = make_plan(hw, shape, global_batch_size=args.global_batch_size, seq_len=args.seq_len, layout=layout)
+    print(json.dumps(plan.to_json(), indent=1) if args.json else format_plan(plan))
+    return 0
+
+
+def cmd_prep(args: argparse.Namespace) -> int:
+    from appliance.data.prep import prepare_corpus
+    from appliance.pipeline import check_inputs
+
+    check_inputs(args.input)
+    report = prepare_corpus(args.input, args.out, workers=args.workers, strict=args.strict)
+    print(json.dumps(report.get("totals", report), indent=1, ensure_ascii=False))
+    return 0
+
+
+def cmd_tokenizer(args: argparse.Namespace) -> int:
+    from appliance.tokenizer.bpe import train_tokenizer
+
+    if not args.corpus.is_dir():
+        raise BadInput(f"--corpus {args.corpus}: not a prepared corpus directory")
+    print(train_tokenizer(args.corpus, args.out, vocab_size=args.vocab_size, tp_size=args.tp))
+    return 0
+
+
+def _launch(run_dir_path: Path, worker_args: tuple[str, ...] = ()) -> int:
+    from appliance.rundir import RunDir
+    from appliance.train.launch import last_rank_errors, run_agent
+
+    run_dir = RunDir(_need_run_dir(run_dir_path))
+    plan = json.loads(run_dir.plan.read_text())
+    layout = plan["layout"]
+    code = run_agent(
+        run_dir,
+        nproc_per_node=layout["tp"] * layout["pp"] * layout["dp"],
+        max_restarts=int(plan.get("run", {}).get("max_restarts", 3)),
+        worker_args=worker_args,
+    )
+    if code != 0:
+        print(last_rank_errors(run_dir), file=sys.stderr)
+        return EXIT_FAILED
+    if run_dir.preempted_marker.exists():
+        return EXIT_PREEMPTED
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    return _launch(args.run_dir)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    code = _launch(args.run_dir, ("--eval-only",))
+    if code == 0:
+        print((args.run_dir / "eval.json").read_text())
+    return code
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from appliance.eval.export import export_run
+    from appliance.rundir import RunDir
+
+    print(export_run(RunDir(_need_run_dir(args.run_dir)), args.out))
+    return 0
+
+
+def cmd_tui(args: argparse.Namespace) -> int:
+    from appliance.tui.app import run_tui
+
+    if not args.run_dir.is_dir():
+        raise BadInput(f"--run-dir {args.run_dir}: no such directory")
+    return run_tui(args.run_dir)
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "run": cmd_run,
+    "detect": cmd_detect,
+    "plan": cmd_plan,
+    "prep": cmd_prep,
+    "tokenizer": cmd_tokenizer,
+    "train": cmd_train,
+    "eval": cmd_eval,
+    "export": cmd_export,
+    "tui": cmd_tui,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command is None:
+        args = parser.parse_args(["run", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return COMMANDS[args.command](args)
+    except BadInput as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Exception as e:  # an unrecoverable failure: the message, metrics.jsonl and logs/ say why
+        print(f"failed: {e}", file=sys.stderr)
+        return EXIT_FAILED

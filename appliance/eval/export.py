@@ -1,0 +1,33 @@
+"""`export`: a run's newest checkpoint as a Hugging Face transformers Bloom directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from appliance.errors import BadInput
+from appliance.rundir import RunDir
+from appliance.train import checkpoint as ckpt
+
+
+def export_run(run_dir: RunDir, out_dir: Path) -> Path:
+    from appliance.eval.hf_export import export_hf
+    from appliance.model.config import BloomConfig
+
+    if not run_dir.plan.exists():
+        raise BadInput(f"--run-dir {run_dir.root}: no plan.json, not a run directory")
+    step_dir = ckpt.find_latest(run_dir.checkpoints)
+    if step_dir is None:
+        raise BadInput(f"--run-dir {run_dir.root}: no complete checkpoint under {run_dir.checkpoints}")
+    plan = json.loads(run_dir.plan.read_text())
+    state = load_file(str(step_dir / "model.safetensors"))
+    shape = plan["model"]
+    config = BloomConfig(
+        vocab_size=state["transformer.word_embeddings.weight"].shape[0],
+        hidden_size=shape["hidden"],
+        n_layer=shape["layers"],
+        n_head=shape["heads"],
+    )
+    return export_hf(state, config, run_dir.tokenizer_json, out_dir)

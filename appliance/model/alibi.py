@@ -1,0 +1,76 @@
+"""ALiBi (Press et al. 2021) as BLOOM uses it: a per-head linear penalty on key distance, no position embeddings.
+
+BLOOM adds `slope[h] * position(key)` to every attention score. Because softmax is shift-invariant along the key
+axis, this equals the paper's `-slope * (query - key)` on the causal part, and it needs no [query, key] tensor:
+the bias has shape [batch, heads, 1, keys] and broadcasts over queries.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+
+
+@lru_cache(maxsize=64)
+def _slopes(n_head: int) -> tuple[float, ...]:
+    # For a power of two n, the slopes are the geometric sequence r, r^2, ..., r^n with r = 2^(-8/n)
+    # (n=8: 1/2, 1/4, ..., 1/256). Written as BLOOM writes it: base = 2^(-(2^-(log2(n) - 3))) = 2^(-8/n).
+    # The powers are taken in float32 from a float32 base, as BLOOM does, so the slopes agree to the bit.
+    closest = 2 ** math.floor(math.log2(n_head))
+    base = torch.tensor(2.0 ** (-(2.0 ** -(math.log2(closest) - 3))), dtype=torch.float32)
+    slopes = torch.pow(base, torch.arange(1, closest + 1, dtype=torch.int32))
+    if closest != n_head:
+        # The remaining heads take every other slope of the sequence for 2*closest heads (odd powers of its
+        # ratio), so they fall between the ones already used: 12 heads = the 8-head slopes + 4 of the 16-head ones.
+        extra_base = torch.tensor(2.0 ** (-(2.0 ** -(math.log2(2 * closest) - 3))), dtype=torch.float32)
+        n_extra = min(closest, n_head - closest)
+        extra = torch.pow(extra_base, torch.arange(1, 1 + 2 * n_extra, 2, dtype=torch.int32))
+        slopes = torch.cat([slopes, extra])
+    return tuple(slopes.tolist())
+
+
+def alibi_slopes(n_head: int) -> torch.Tensor:
+    """Per-head ALiBi slopes, float32 [n_head], on CPU, for any head count (BLOOM's rule)."""
+    if isinstance(n_head, bool) or not isinstance(n_head, int) or n_head <= 0:
+        raise ValueError(f"n_head must be a positive integer (got {n_head!r})")
+    return torch.tensor(_slopes(n_head), dtype=torch.float32)
+
+
+def alibi_slopes_for_rank(n_head: int, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """The slopes of the heads a tensor-parallel rank owns: heads are split into tp_size contiguous blocks."""
+    if tp_size <= 0 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank({tp_rank}) must be in [0, tp_size({tp_size}))")
+    if n_head % tp_size != 0:
+        raise ValueError(f"n_head({n_head}) % tp_size({tp_size}) = {n_head % tp_size}, must be 0")
+    per_rank = n_head // tp_size
+    return alibi_slopes(n_head)[tp_rank * per_rank : (tp_rank + 1) * per_rank]
+
+
+def key_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position of each key counting only real tokens: [batch, keys] int64, 0 at the first real token, 0 on padding.
+
+    attention_mask: [batch, keys], 1 for a real token and 0 for padding. With left padding the first real token is
+    position 0, as if the padding were not there.
+    """
+    mask = attention_mask.to(torch.int64)
+    return (mask.cumsum(dim=-1) - 1) * mask
+
+
+def alibi_bias(
+    slopes: torch.Tensor, attention_mask: torch.Tensor | None, key_length: int | None = None
+) -> torch.Tensor:
+    """The ALiBi bias, float32 [batch, heads, 1, keys] (batch is 1 without a mask), on the slopes' device.
+
+    slopes: [heads] (all heads, or one tensor-parallel rank's). attention_mask: [batch, keys] of 0/1, or None for
+    an unpadded batch, in which case key_length gives the number of keys and positions are 0..keys-1.
+    """
+    slopes = slopes.to(torch.float32)
+    if attention_mask is None:
+        if key_length is None:
+            raise ValueError("alibi_bias needs attention_mask or key_length")
+        positions = torch.arange(key_length, device=slopes.device, dtype=torch.float32)[None, :]
+    else:
+        positions = key_positions(attention_mask.to(slopes.device)).to(torch.float32)
+    return slopes[None, :, None, None] * positions[:, None, None, :]

@@ -1,0 +1,308 @@
+"""BLOOM as published (BigScience 2022), as a plain nn.Module.
+
+word embeddings -> embedding LayerNorm -> n_layer pre-LN blocks (ALiBi attention, GeLU MLP) -> final LayerNorm
+-> logits through the word-embedding matrix (tied head). Parameter names are those of transformers'
+BloomForCausalLM, so a state_dict moves between the two unchanged.
+
+The model is built from three kinds of pieces, BloomEmbedding, BloomBlock and BloomFinal, that also stand alone:
+the parallel layer turns them into pipeline stages. Linear layers come from a factory, so tensor-parallel linears
+can be put in place of nn.Linear without changing this file. A factory module may set `skip_bias_add = True` (the
+Megatron convention): its forward then returns x @ W^T only, and the model adds `module.bias` inside the next
+fused op (bias+GeLU, bias+dropout+residual).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from appliance.model import ops
+from appliance.model.alibi import alibi_bias, alibi_slopes_for_rank
+from appliance.model.config import BloomConfig
+
+# (in_features, out_features, bias, role) -> module with .weight [out, in] and .bias [out] (or None).
+LinearFactory = Callable[[int, int, bool, str], nn.Module]
+LINEAR_ROLES = ("qkv", "attn_out", "mlp_in", "mlp_out")
+
+
+class SkipBiasLinear(nn.Linear):
+    """nn.Linear that leaves its bias to the caller, which folds it into the following fused op."""
+
+    skip_bias_add = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+def default_linear_factory(in_features: int, out_features: int, bias: bool, role: str) -> nn.Module:
+    """Single-device linears. The three whose bias Megatron fuses into the next op defer their bias."""
+    if role not in LINEAR_ROLES:
+        raise ValueError(f"unknown linear role {role!r}; expected one of {LINEAR_ROLES}")
+    if role == "qkv":
+        return nn.Linear(in_features, out_features, bias=bias)
+    return SkipBiasLinear(in_features, out_features, bias=bias)
+
+
+def _project(linear: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run a factory linear; return its output and the bias still to be added (None when already added)."""
+    out = linear(x)
+    bias = getattr(linear, "bias", None)
+    if getattr(linear, "skip_bias_add", False) and isinstance(bias, torch.Tensor):
+        return out, bias
+    return out, None
+
+
+def _init_linear(linear: nn.Module, std: float, generator: torch.Generator | None) -> None:
+    weight, bias = linear.weight, getattr(linear, "bias", None)
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"linear factory returned {type(linear).__name__} without a weight tensor")
+    nn.init.normal_(weight, mean=0.0, std=std, generator=generator)
+    if bias is not None:
+        nn.init.zeros_(bias)
+
+
+def _init_layer_norm(norm: nn.LayerNorm) -> None:
+    nn.init.ones_(norm.weight)
+    nn.init.zeros_(norm.bias)
+
+
+def _norm(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+    return ops.layer_norm(x, norm.weight, norm.bias, norm.eps)
+
+
+class BloomAttention(nn.Module):
+    """Self-attention with a fused QKV projection laid out per head as [q, k, v] (so a split of the output rows
+    at head boundaries gives each tensor-parallel rank whole heads)."""
+
+    def __init__(self, config: BloomConfig, linear_factory: LinearFactory, tp_size: int = 1) -> None:
+        super().__init__()
+        if config.n_head % tp_size != 0:
+            raise ValueError(f"n_head({config.n_head}) % tp_size({tp_size}) = {config.n_head % tp_size}, must be 0")
+        self.local_heads = config.n_head // tp_size
+        self.head_dim = config.head_dim
+        self.inv_norm_factor = 1.0 / math.sqrt(self.head_dim)
+        self.attention_dropout = config.attention_dropout
+        # Selective recompute (Korthikanti et al. 2022): keep only the core's inputs and recompute the scores
+        # and softmax, the largest activations, in the backward pass. The parallel layer switches it on.
+        self.recompute_core = False
+        h = config.hidden_size
+        self.query_key_value = linear_factory(h, 3 * h, True, "qkv")
+        self.dense = linear_factory(h, h, True, "attn_out")
+
+    def forward(
+        self, x: torch.Tensor, alibi: torch.Tensor, mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        fused, qkv_bias = _project(self.query_key_value, x)
+        if qkv_bias is not None:
+            fused = fused + qkv_bias
+        # Sizes from the projection, not from x: with sequence parallelism x is this rank's chunk of the
+        # sequence and the column-parallel projection has gathered the whole sequence.
+        batch, seq = fused.shape[:2]
+        # [B, S, H*3*D] -> [B, S, H, 3, D]: per head, the rows are q then k then v.
+        fused = fused.view(batch, seq, self.local_heads, 3, self.head_dim)
+        q, k, v = (fused[..., i, :].transpose(1, 2) for i in range(3))  # each [B, H, S, D]
+        core_args = (q, k, v, alibi, mask, self.inv_norm_factor, self.attention_dropout, self.training)
+        if self.recompute_core and torch.is_grad_enabled():
+            context = checkpoint(ops.attention_core, *core_args, use_reentrant=False)
+        else:
+            context = ops.attention_core(*core_args)
+        context = context.transpose(1, 2).reshape(batch, seq, self.local_heads * self.head_dim)
+        return _project(self.dense, context)
+
+
+class BloomMLP(nn.Module):
+    def __init__(self, config: BloomConfig, linear_factory: LinearFactory) -> None:
+        super().__init__()
+        self.dense_h_to_4h = linear_factory(config.hidden_size, config.ffn_hidden_size, True, "mlp_in")
+        self.dense_4h_to_h = linear_factory(config.ffn_hidden_size, config.hidden_size, True, "mlp_out")
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        hidden, bias = _project(self.dense_h_to_4h, x)
+        return _project(self.dense_4h_to_h, ops.bias_gelu(hidden, bias))
+
+
+class BloomEmbedding(nn.Module):
+    """Token ids [B, S] -> hidden states [B, S, hidden]: word embeddings then BLOOM's embedding LayerNorm."""
+
+    def __init__(self, config: BloomConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.word_embeddings_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return _norm(self.word_embeddings_layernorm, self.word_embeddings(input_ids))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The tied output head: [B, S, hidden] -> [B, S, vocab] through the word-embedding matrix."""
+        return F.linear(hidden, self.word_embeddings.weight)
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        nn.init.normal_(self.word_embeddings.weight, mean=0.0, std=self.config.initializer_range, generator=generator)
+        _init_layer_norm(self.word_embeddings_layernorm)
+
+
+class BloomBlock(nn.Module):
+    """One pre-LN transformer layer: x + attn(LN(x)), then x + mlp(LN(x)); [B, S, hidden] -> [B, S, hidden].
+
+    tp_rank/tp_size choose which heads' ALiBi slopes this block applies when its linears are tensor-parallel.
+    """
+
+    def __init__(
+        self,
+        config: BloomConfig,
+        layer_number: int = 0,
+        linear_factory: LinearFactory | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__()
+        factory = linear_factory or default_linear_factory
+        self.config = config
+        self.layer_number = layer_number
+        self.hidden_dropout = config.hidden_dropout
+        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.self_attention = BloomAttention(config, factory, tp_size)
+        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.mlp = BloomMLP(config, factory)
+        # Slopes stay out of the state_dict and out of .to(dtype): bf16 slopes would shift every ALiBi bias.
+        self._slopes = alibi_slopes_for_rank(config.n_head, tp_rank, tp_size)
+
+    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: [B, S, hidden]; attention_mask: [B, S] with 1 for tokens and 0 for padding, or None."""
+        alibi, mask = self.attention_inputs(attention_mask, hidden.shape[1], hidden.device)
+        attn_out, attn_bias = self.self_attention(_norm(self.input_layernorm, hidden), alibi, mask)
+        hidden = ops.bias_dropout_add(attn_out, attn_bias, hidden, self.hidden_dropout, self.training)
+        mlp_out, mlp_bias = self.mlp(_norm(self.post_attention_layernorm, hidden))
+        return ops.bias_dropout_add(mlp_out, mlp_bias, hidden, self.hidden_dropout, self.training)
+
+    def attention_inputs(
+        self, attention_mask: torch.Tensor | None, seq_len: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """ALiBi bias [B or 1, H, 1, S] (float32) and the causal-and-padding mask [B or 1, 1, S, S] (bool)."""
+        if self._slopes.device != device:
+            self._slopes = self._slopes.to(device)
+        mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()[None, None]
+        if attention_mask is not None:
+            if attention_mask.shape[-1] != seq_len:
+                raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} positions, the input {seq_len}")
+            attention_mask = attention_mask.to(device)
+            mask = mask & attention_mask.bool()[:, None, None, :]
+        return alibi_bias(self._slopes, attention_mask, seq_len), mask
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        std = self.config.initializer_range
+        _init_layer_norm(self.input_layernorm)
+        _init_layer_norm(self.post_attention_layernorm)
+        for linear in (
+            self.self_attention.query_key_value,
+            self.self_attention.dense,
+            self.mlp.dense_h_to_4h,
+            self.mlp.dense_4h_to_h,
+        ):
+            _init_linear(linear, std, generator)
+
+
+class BloomFinal(nn.Module):
+    """Final LayerNorm, then logits through the (tied) word-embedding matrix: [B, S, hidden] -> [B, S, vocab]."""
+
+    def __init__(self, config: BloomConfig) -> None:
+        super().__init__()
+        self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+
+    def forward(self, hidden: torch.Tensor, embedding_weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(_norm(self.ln_f, hidden), embedding_weight)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        _init_layer_norm(self.ln_f)
+
+
+class BloomTransformer(nn.Module):
+    """Holds the pieces under transformers' names: word_embeddings, word_embeddings_layernorm, h, ln_f."""
+
+    embedding: BloomEmbedding
+    final: BloomFinal
+
+    def __init__(self, embedding: BloomEmbedding, blocks: list[BloomBlock], final: BloomFinal) -> None:
+        super().__init__()
+        self.word_embeddings = embedding.word_embeddings
+        self.word_embeddings_layernorm = embedding.word_embeddings_layernorm
+        self.h = nn.ModuleList(blocks)
+        self.ln_f = final.ln_f
+        # The pieces share the leaf modules registered above. They are kept outside the module tree so every
+        # parameter has exactly one name, the transformers one.
+        object.__setattr__(self, "embedding", embedding)
+        object.__setattr__(self, "final", final)
+
+
+class BloomForCausalLM(nn.Module):
+    """BLOOM with its tied language-model head. forward(input_ids, attention_mask) -> logits [B, S, vocab]."""
+
+    def __init__(
+        self,
+        config: BloomConfig,
+        linear_factory: LinearFactory | None = None,
+        *,
+        checkpoint_blocks: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        # Recompute each block's activations in the backward pass instead of keeping them (full recompute).
+        self.checkpoint_blocks = checkpoint_blocks
+        blocks = [BloomBlock(config, i, linear_factory) for i in range(config.n_layer)]
+        self.transformer = BloomTransformer(BloomEmbedding(config), blocks, BloomFinal(config))
+        # The head owns no storage: its weight is the word-embedding parameter (built on meta so the
+        # [vocab, hidden] matrix is not allocated twice).
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
+        self.lm_head.weight = self.transformer.word_embeddings.weight
+        self.init_weights(generator)
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """transformers' Bloom init: weights ~ N(0, initializer_range), biases 0, LayerNorms 1/0.
+
+        Pass a seeded torch.Generator for a reproducible model; the draw order is embeddings then blocks in order.
+        """
+        self.transformer.embedding.init_weights(generator)
+        for block in self.transformer.h:
+            cast(BloomBlock, block).init_weights(generator)
+        self.transformer.final.init_weights()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids: [B, S] int64; attention_mask: [B, S] of 1 (token) / 0 (padding) or None. -> [B, S, vocab]."""
+        if attention_mask is not None and attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
+            )
+        hidden = self.transformer.embedding(input_ids)
+        recompute = self.checkpoint_blocks and torch.is_grad_enabled()
+        for block in self.transformer.h:
+            if recompute:
+                hidden = checkpoint(block, hidden, attention_mask, use_reentrant=False)
+            else:
+                hidden = block(hidden, attention_mask)
+        return self.transformer.final(hidden, self.lm_head.weight)
+
+    def loss(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Mean next-token cross-entropy; labels as input_ids (shifted inside), -100 where no loss is wanted."""
+        return causal_lm_loss(self(input_ids, attention_mask), labels)
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """transformers' convention: logits [B, S, V] at position t predict labels[:, t + 1]; labels [B, S].
+
+    Float32 mean over the predicted positions whose label is not ignore_index.
+    """
+    return ops.cross_entropy(logits[:, :-1, :], labels[:, 1:], ignore_index=ignore_index)

@@ -1,0 +1,100 @@
+"""The numerically hot operations of the BLOOM model, one thin function each.
+
+The model calls only these for LayerNorm, bias+GeLU, bias+dropout+residual, the attention softmax and the loss,
+so a fused kernel can replace any one of them without touching model code. Each function is tensor-in tensor-out
+with the shapes written in its docstring; the bodies here are the pure-torch definitions the kernels are tested
+against.
+
+Shape letters: B batch, H heads (of this tensor-parallel rank), Q query positions, K key positions, D head width,
+V vocabulary (of this rank), N any number of leading dimensions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# sqrt(2 / pi), written as BLOOM (Megatron-DeepSpeed) writes it; transformers uses the same literal.
+_SQRT_2_OVER_PI = 0.79788456
+_GELU_CUBIC = 0.044715
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm over the last dimension. x: [N..., C]; weight, bias: [C]. Returns x's shape and dtype."""
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """GeLU (tanh approximation, as BLOOM) of x + bias. x: [N..., C]; bias: [C] or None. Returns x's shape."""
+    if bias is not None:
+        x = x + bias
+    return 0.5 * x * (1.0 + torch.tanh(_SQRT_2_OVER_PI * x * (1.0 + _GELU_CUBIC * x * x)))
+
+
+def bias_dropout_add(
+    x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float, training: bool
+) -> torch.Tensor:
+    """residual + dropout(x + bias): the end of each BLOOM sub-layer. x, residual: [N..., C]; bias: [C] or None.
+
+    The sum stays in x's dtype, as BLOOM keeps its residual stream in the compute dtype.
+    """
+    if bias is not None:
+        x = x + bias
+    return residual + F.dropout(x, p=p, training=training)
+
+
+def attention_probs(
+    scores: torch.Tensor, alibi: torch.Tensor, mask: torch.Tensor | None, inv_norm_factor: float
+) -> torch.Tensor:
+    """softmax(scores * inv_norm_factor + alibi, masked) over keys, computed in float32 and cast back.
+
+    scores: [B, H, Q, K], the raw q.k products in the compute dtype.
+    alibi: [B or 1, H, 1, K], float32 (see alibi.alibi_bias).
+    mask: [B or 1, 1 or H, Q, K] bool, True where the query may attend to the key; None attends everywhere.
+    Returns [B, H, Q, K] in scores' dtype. A fully masked row (a padding query) gets a uniform distribution
+    instead of NaN: masked scores are set to float32's lowest finite value, as transformers does.
+    """
+    logits = scores.to(torch.float32) * inv_norm_factor + alibi.to(torch.float32)
+    if mask is not None:
+        logits = logits.masked_fill(~mask, torch.finfo(torch.float32).min)
+    return torch.softmax(logits, dim=-1).to(scores.dtype)
+
+
+def attention_core(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    alibi: torch.Tensor,
+    mask: torch.Tensor | None,
+    inv_norm_factor: float,
+    dropout_p: float = 0.0,
+    training: bool = False,
+) -> torch.Tensor:
+    """Scaled dot-product attention with ALiBi and BLOOM's float32 softmax.
+
+    q: [B, H, Q, D]; k, v: [B, H, K, D]; alibi, mask as in attention_probs. Returns the context [B, H, Q, D] in
+    q's dtype. The two matmuls run in the compute dtype; only the softmax path is float32.
+    """
+    scores = torch.matmul(q, k.transpose(-1, -2))
+    probs = attention_probs(scores, alibi, mask, inv_norm_factor)
+    probs = F.dropout(probs, p=dropout_p, training=training)
+    return torch.matmul(probs, v)
+
+
+def cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100, reduction: str = "mean"
+) -> torch.Tensor:
+    """Token cross-entropy in float32. logits: [N..., V]; labels: [N...] (already aligned with logits, no shift).
+
+    reduction "mean" averages over the labels that are not ignore_index (NaN when all are ignored), "sum" adds
+    them, "none" returns [N...] with 0 at ignored positions. The result is float32 whatever the logits' dtype.
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none' (got {reduction!r})")
+    flat = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).to(torch.float32),
+        labels.reshape(-1),
+        ignore_index=ignore_index,
+        reduction=reduction,
+    )
+    return flat.reshape(labels.shape) if reduction == "none" else flat

@@ -1,0 +1,120 @@
+"""Typed events, one JSON object per line in metrics.jsonl.
+
+Ranks and the head process write; the dashboard and the headless printer read. Kinds and keys are public
+(design.md): extend, never rename. Every event carries "t" (unix time) and "kind".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# The keys each kind must carry. Extra keys are allowed (extend, never rename).
+REQUIRED_KEYS: dict[str, tuple[str, ...]] = {
+    "stage": ("name", "state", "progress"),
+    "step": ("step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_gpu", "mfu", "consumed_samples"),
+    "checkpoint": ("step", "path", "seconds", "bytes"),
+    "eval": (),
+    "gpu": ("devices",),
+    "energy": ("kwh", "co2_kg"),
+    "failure": ("rank", "reason"),
+    "recovery": ("restart", "resumed_step", "lost_seconds"),
+    "warning": ("message",),
+    "plan": (),
+    "run": ("state",),
+}
+
+STAGE_STATES = ("started", "running", "done", "skipped", "failed")
+
+
+def make_event(kind: str, **fields: Any) -> dict[str, Any]:
+    """Build an event dict, checking the kind and its required keys so a typo fails where it is made."""
+    if kind not in REQUIRED_KEYS:
+        raise ValueError(f"unknown event kind {kind!r}; known: {sorted(REQUIRED_KEYS)}")
+    missing = [k for k in REQUIRED_KEYS[kind] if k not in fields]
+    if missing:
+        raise ValueError(f"event {kind!r} lacks {missing}")
+    if kind == "stage" and fields["state"] not in STAGE_STATES:
+        raise ValueError(f"stage state {fields['state']!r} is not one of {STAGE_STATES}")
+    return {"t": fields.pop("t", time.time()), "kind": kind, **fields}
+
+
+class EventWriter:
+    """Appends events to metrics.jsonl. Each event is one write() of a whole line, so concurrent writers
+    (head process and rank 0) never interleave inside a line on a local or NFS-with-O_APPEND file."""
+
+    def __init__(self, path: Path, echo: bool = False) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+        self.echo = echo
+
+    def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
+        event = make_event(kind, **fields)
+        line = json.dumps(event, separators=(",", ":"), allow_nan=True) + "\n"
+        os.write(self._fd, line.encode("utf-8"))
+        return event
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> EventWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class EventTail:
+    """Reads new complete lines from metrics.jsonl, incrementally.
+
+    Copes with what a live run does to the file: it may not exist yet, its last line may be half-written
+    (kept in a buffer until its newline arrives), and it may be replaced (a new inode or a shorter file
+    restarts from the beginning).
+    """
+
+    path: Path
+    _offset: int = 0
+    _inode: int | None = None
+    _partial: bytes = b""
+    bad_lines: int = field(default=0)
+
+    def read_new(self) -> list[dict[str, Any]]:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return []
+        if self._inode is not None and (st.st_ino != self._inode or st.st_size < self._offset):
+            self._offset, self._partial = 0, b""
+        self._inode = st.st_ino
+        if st.st_size == self._offset:
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self._offset)
+            chunk = f.read(st.st_size - self._offset)
+        self._offset += len(chunk)
+        data = self._partial + chunk
+        lines = data.split(b"\n")
+        self._partial = lines.pop()  # b"" when the chunk ended on a newline
+        events = []
+        for raw in lines:
+            if not raw.strip():
+                continue
+            try:
+                events.append(json.loads(raw))
+            except json.JSONDecodeError:
+                self.bad_lines += 1
+        return events
+
+
+def read_events(path: Path) -> Iterator[dict[str, Any]]:
+    """All complete events of a finished (or live) run, in order."""
+    yield from EventTail(Path(path)).read_new()

@@ -1,0 +1,215 @@
+"""Headless progress for batch schedulers: readable lines (`--log-format text`) or the events as JSON lines
+(`--log-format json`). No terminal assumptions and no Textual: this is what a SLURM log file shows.
+
+The number formats here are shared with the dashboard, so a figure reads the same in both.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TextIO
+
+from appliance.errors import BadInput
+from appliance.monitor.events import EventTail
+from appliance.monitor.state import RunState, reduce
+from appliance.rundir import RunDir
+
+LOG_FORMATS = ("text", "json")
+MISSING = "-"
+
+
+# ---- number formats -----------------------------------------------------------------------------------------
+def fmt_duration(seconds: float | None) -> str:
+    """0.325s, 45s, 12m03s, 3h02m, 2d04h."""
+    if seconds is None or not math.isfinite(seconds):
+        return MISSING
+    if seconds < 9.995:  # a CPU smoke run's steps take fractions of a second
+        return f"{max(0.0, seconds):.3g}s"
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def fmt_si(value: float | None, digits: int = 3) -> str:
+    """12.3k, 1.20M, 950: `digits` significant figures with an SI prefix."""
+    if value is None or not math.isfinite(value):
+        return MISSING
+    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.{digits}g}{prefix}"
+    return f"{value:.{digits}g}"
+
+
+def fmt_bytes(count: float | None) -> str:
+    if count is None:
+        return MISSING
+    for factor, unit in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+        if count >= factor:
+            return f"{count / factor:.1f} {unit}"
+    return f"{int(count)} B"
+
+
+def fmt_pct(fraction: float | None) -> str:
+    """MFU and progress are fractions; a value above 1.5 was already sent as a percentage."""
+    if fraction is None or not math.isfinite(fraction):
+        return MISSING
+    return f"{fraction if fraction > 1.5 else fraction * 100:.1f}%"
+
+
+def fmt_float(value: float | None, spec: str = ".4g") -> str:
+    return MISSING if value is None or not math.isfinite(value) else format(value, spec)
+
+
+def fmt_clock(t: float | None) -> str:
+    return MISSING if t is None else time.strftime("%m-%d %H:%M:%S", time.localtime(t))
+
+
+def step_line(state: RunState) -> str:
+    """step 120/1000 (12.0%) loss 3.214 lr 2.00e-04 tok/s 12.3k TFLOPs/GPU 150 MFU 48.1% ETA 1h02m"""
+    total = f"/{state.total_steps}" if state.total_steps else ""
+    share = f" ({fmt_pct(state.step / state.total_steps)})" if state.total_steps and state.step is not None else ""
+    return (
+        f"step {state.step}{total}{share} loss {fmt_float(state.loss)} lr {fmt_float(state.lr, '.2e')} "
+        f"tok/s {fmt_si(state.tokens_per_s)} TFLOPs/GPU {fmt_float(state.tflops_per_gpu, '.4g')} "
+        f"MFU {fmt_pct(state.mfu)} ETA {fmt_duration(state.training_eta_s)}"
+    )
+
+
+# ---- the printer --------------------------------------------------------------------------------------------
+class HeadlessPrinter:
+    """Turns events into log lines. Text: a line per stage change, every `every_steps` steps, and per
+    checkpoint, failure, recovery, eval, warning and run state. JSON: every event, one object per line."""
+
+    def __init__(self, stream: TextIO = sys.stdout, log_format: str = "text", every_steps: int = 10) -> None:
+        if log_format not in LOG_FORMATS:
+            raise BadInput(f"--log-format must be one of {', '.join(LOG_FORMATS)}, got {log_format!r}")
+        if every_steps < 1:
+            raise BadInput(f"the step print interval must be >= 1, got {every_steps}")
+        self.stream, self.log_format, self.every_steps = stream, log_format, every_steps
+        self.state = RunState()
+        self._printed_step: int | None = None
+        self._stage_states: dict[str, str] = {}
+
+    def absorb(self, event: dict[str, Any]) -> None:
+        """Fold an event into the printer's state without printing it (history before a resume)."""
+        reduce(self.state, event)
+        if event.get("kind") == "step" and isinstance(event.get("step"), int):
+            self._printed_step = event["step"]
+        if event.get("kind") == "stage":
+            self._stage_states[str(event.get("name"))] = str(event.get("state"))
+
+    def handle(self, event: dict[str, Any]) -> None:
+        reduce(self.state, event)
+        if not isinstance(event, dict):
+            return  # not an event (RunState counted it as bad)
+        if self.log_format == "json":
+            self._write(json.dumps(event, separators=(",", ":")))
+            return
+        text = self._text(event)
+        if text:
+            self._write(f"[{fmt_clock(event.get('t'))}] {text}")
+
+    def _write(self, line: str) -> None:
+        self.stream.write(line + "\n")
+        self.stream.flush()  # a batch log is read while the job runs
+
+    def _text(self, e: dict[str, Any]) -> str | None:
+        kind = e.get("kind")
+        if kind == "stage":
+            return self._stage_text(e)
+        if kind == "step":
+            step = self.state.step
+            if step is None or (self._printed_step is not None and 0 <= step - self._printed_step < self.every_steps):
+                return None
+            self._printed_step = step
+            return step_line(self.state)
+        if kind == "checkpoint":
+            return (
+                f"checkpoint step {e.get('step')} saved in {fmt_duration(e.get('seconds'))} "
+                f"({fmt_bytes(e.get('bytes'))}) -> {e.get('path')}"
+            )
+        if kind == "failure":
+            return f"FAILURE rank {e.get('rank')}: {e.get('reason')}"
+        if kind == "recovery":
+            return (
+                f"recovery: restart {e.get('restart')}, resumed at step {e.get('resumed_step')}, "
+                f"lost {fmt_duration(e.get('lost_seconds'))}"
+            )
+        if kind == "eval":
+            return eval_line(e)
+        if kind == "warning":
+            return f"warning: {e.get('message')}"
+        if kind == "run":
+            return f"run {e.get('state')}"
+        return None  # gpu, energy and plan events are dashboard material; json mode carries them
+
+    def _stage_text(self, e: dict[str, Any]) -> str | None:
+        name, state = str(e.get("name")), str(e.get("state"))
+        if self._stage_states.get(name) == state:
+            return None  # progress within a state is not a change
+        self._stage_states[name] = state
+        info = self.state.stages[name]
+        if state in ("done", "failed", "skipped") and info.finished_t is not None:
+            return f"stage {name} {state} after {fmt_duration(info.finished_t - info.started_t)}"
+        return f"stage {name} {state}"
+
+
+def eval_line(e: dict[str, Any]) -> str:
+    """eval valid_loss 7.343 valid_ppl 1545 (+12 per_source) sample "The capital of France is Paris..."
+
+    The top-level figures in full; nested groups (per source, per task) only counted, to keep one line readable.
+    """
+    parts, nested = ["eval"], []
+    for key, value in e.items():
+        if key in ("t", "kind", "final", "consumed_samples", "prompt", "sample", "samples"):
+            continue
+        if isinstance(value, dict):
+            nested.append(f"+{len(value)} {key}")
+        elif isinstance(value, float):
+            parts.append(f"{key} {fmt_float(value)}")
+        elif isinstance(value, int | str) and not isinstance(value, bool):
+            parts.append(f"{key} {value}")
+    if nested:
+        parts.append(f"({', '.join(nested)})")
+    sample = e.get("sample")
+    text = sample.get("text") if isinstance(sample, dict) else sample
+    if isinstance(text, str):
+        prompt = sample.get("prompt", "") if isinstance(sample, dict) else e.get("prompt", "")
+        full = f"{prompt or ''}{text}".replace("\n", " ")
+        parts.append(f'sample "{full[:80]}{"..." if len(full) > 80 else ""}"')
+    return " ".join(parts)
+
+
+def follow_run(
+    run_dir: Path,
+    printer: HeadlessPrinter,
+    *,
+    stop: Callable[[], bool],
+    poll_interval: float = 0.5,
+    skip_existing: bool = False,
+) -> int:
+    """Print the run's events as they arrive until stop() is true, then drain what is left. Returns the number
+    of events handled. With skip_existing, events already in metrics.jsonl are absorbed silently (a resume)."""
+    tail = EventTail(RunDir(Path(run_dir)).metrics)
+    if skip_existing:
+        for event in tail.read_new():
+            printer.absorb(event)
+    handled = 0
+    while True:
+        done = stop()  # checked before reading, so the last read sees everything written before stop
+        for event in tail.read_new():
+            printer.handle(event)
+            handled += 1
+        if done:
+            return handled
+        time.sleep(poll_interval)

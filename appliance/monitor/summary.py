@@ -1,0 +1,72 @@
+"""summary.json: what a run did, computed from its events and eval.json."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from appliance.monitor.events import read_events
+from appliance.rundir import RunDir
+
+
+def summarize(run_dir: RunDir, *, state: str, wall_seconds: float, stage_seconds: dict[str, float]) -> dict[str, Any]:
+    steps, evals, failures, recoveries, checkpoints = [], [], [], [], []
+    energy: dict[str, Any] = {}
+    stage_states: dict[str, str] = {}
+    for e in read_events(run_dir.metrics):
+        kind = e["kind"]
+        if kind == "step":
+            steps.append(e)
+        elif kind == "eval":
+            evals.append(e)
+        elif kind == "failure":
+            failures.append(e)
+        elif kind == "recovery":
+            recoveries.append(e)
+        elif kind == "checkpoint":
+            checkpoints.append(e)
+        elif kind == "energy":
+            energy = e
+        elif kind == "stage":
+            stage_states[e["name"]] = e["state"]
+    plan = json.loads(run_dir.plan.read_text()) if run_dir.plan.exists() else {}
+    seq_len = plan.get("train", {}).get("seq_len", 0)
+    # Skip the first steps in throughput figures: they include warm-up (allocations, first collectives).
+    steady = steps[len(steps) // 5 :] if len(steps) >= 5 else steps
+
+    def median(key: str) -> float | None:
+        values = [s[key] for s in steady if s.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    last_consumed = steps[-1]["consumed_samples"] if steps else 0
+    eval_result = json.loads(run_dir.eval.read_text()) if run_dir.eval.exists() else None
+    valid_curve = [(e["step"], e["valid_loss"]) for e in evals if "valid_loss" in e]
+    return {
+        "state": state,
+        "run_dir": str(run_dir.root),
+        "wall_seconds": wall_seconds,
+        "stages": {name: {"state": stage_states.get(name), "seconds": s} for name, s in stage_seconds.items()},
+        "steps": steps[-1]["step"] if steps else 0,
+        "consumed_samples": last_consumed,
+        "tokens": last_consumed * seq_len,
+        "first_loss": steps[0]["loss"] if steps else None,
+        "last_loss": steps[-1]["loss"] if steps else None,
+        "first_valid_loss": valid_curve[0][1] if valid_curve else None,
+        "last_valid_loss": valid_curve[-1][1] if valid_curve else None,
+        "throughput": {
+            "tokens_per_s": median("tokens_per_s"),
+            "tflops_per_gpu": median("tflops_per_gpu"),
+            "mfu": median("mfu"),
+            "step_time_s": median("step_time_s"),
+        },
+        "energy_kwh": energy.get("kwh"),
+        "co2_kg": energy.get("co2_kg"),
+        "energy_source": energy.get("source"),
+        "checkpoints": len(checkpoints),
+        "eval": eval_result,
+        "failures": failures,
+        "recoveries": recoveries,
+        "export": str(run_dir.export) if Path(run_dir.export).exists() else None,
+    }

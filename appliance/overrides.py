@@ -1,0 +1,41 @@
+"""`--set key=value` overrides of the plan's training settings, checked against the known keys and types."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+from appliance.errors import BadInput
+from appliance.train.settings import TrainSettings
+
+# Keys outside the plan's "train" section that a user may still set.
+RUN_KEYS: dict[str, type] = {"max_restarts": int, "workers": int, "vocab_size": int}
+
+
+def known_keys() -> dict[str, type]:
+    types: dict[str, type] = {"int": int, "float": float, "str": str}  # dataclass annotations are strings here
+    keys = {}
+    for f in fields(TrainSettings):
+        name = str(f.type).split("|")[0].strip()
+        if name in types:
+            keys[f.name] = types[name]
+    return {**keys, **RUN_KEYS}
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    known = known_keys()
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise BadInput(f"--set {item!r}: expected key=value")
+        if key not in known:
+            raise BadInput(f"--set {key}: unknown key; known keys: {', '.join(sorted(known))}")
+        try:
+            out[key] = known[key](raw)
+        except ValueError:
+            raise BadInput(f"--set {key}={raw}: expected {known[key].__name__}") from None
+        if known[key] in (int, float) and out[key] < 0:
+            raise BadInput(f"--set {key}={raw}: must not be negative")
+    return out

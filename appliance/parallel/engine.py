@@ -1,0 +1,305 @@
+"""One training engine for every (tp, pp, dp) layout: the trainer's only view of the model and the optimizer.
+
+    engine = build_engine(config, topology, micro_batch_size=2, global_batch_size=8, zero_stage=1, dtype="bf16",
+                          grad_clip=1.0, recompute="full", sequence_parallel=False, lr=1e-3, weight_decay=0.1,
+                          betas=(0.9, 0.95), eps=1e-8, seed=42)
+    result = engine.train_batch([(inputs, labels), ...])   # this DP rank's micro-batches of one step
+
+How the layout maps onto DeepSpeed, in the order it is applied:
+1. Tensor parallel lives inside the layers (pipeline.py: column/row-parallel linears, vocab-parallel embedding,
+   logits and cross-entropy, ALiBi slopes per rank), identical in both engines below.
+2. pp > 1: a PipelineModule under DeepSpeed's PipelineEngine, 1F1B (TrainSchedule), ZeRO 0/1.
+   pp = 1: the same layers in a BloomStack under DeepSpeed's plain engine, ZeRO 0/1/2.
+3. Data parallel and the optimizer: DeepSpeed's (bf16: BF16_Optimizer with fp32 accumulation and master weights;
+   fp32: ZeRO stage as planned), with our topology as its model-parallel unit so the clipping norm is global.
+Every layout starts from the weights a single process draws from the same seed (shards.dense_initial_weights).
+
+The batch size may change from step to step (ramp-up): the number of micro-batches handed to ``train_batch``
+is the step's batch, and the engine tells DeepSpeed before the step (``set_train_batch_size``), which rescales
+the loss by the new number of micro-batches and, in the pipeline engine, sets the schedule's length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from appliance.model.bloom import BloomForCausalLM
+from appliance.model.config import BloomConfig
+from appliance.parallel.deepspeed_config import deepspeed_config
+from appliance.parallel.drift import check_replicated_parameters, replicated_across_tp
+from appliance.parallel.grads import TopologyMPU, install_global_norm_clipping, register_sequence_parallel_grad_hooks
+from appliance.parallel.optimizer_state import load_optimizer_state, optimizer_state
+from appliance.parallel.pipeline import (
+    BloomStack,
+    VocabParallelLoss,
+    bloom_layer_specs,
+    build_pipeline_module,
+    hf_parameter_name,
+)
+from appliance.parallel.shards import (
+    FULL_MODEL_FILE,
+    dense_initial_weights,
+    gather_full_state_dict,
+    load_from_full,
+    shard_file_name,
+    shard_files,
+)
+from appliance.parallel.topology import ParallelTopology
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (input ids, labels), each [micro_batch, seq]
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float  # mean over the step's tokens, on every rank
+    grad_norm: float  # global gradient norm before clipping, on every rank
+
+
+def param_groups(named_params: Sequence[tuple[str, torch.nn.Parameter]], weight_decay: float) -> list[dict[str, Any]]:
+    """Megatron's split: no weight decay on biases and LayerNorm weights (1-D tensors)."""
+    decay = [p for _, p in named_params if p.ndim >= 2]
+    no_decay = [p for _, p in named_params if p.ndim < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_engine(
+    config: BloomConfig,
+    topology: ParallelTopology,
+    *,
+    micro_batch_size: int,
+    global_batch_size: int,
+    zero_stage: int,
+    dtype: str,
+    grad_clip: float,
+    recompute: str,
+    sequence_parallel: bool,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    eps: float,
+    seed: int,
+) -> ParallelEngine:
+    """Build this rank's part of the model and its DeepSpeed engine. Collective: every rank calls it."""
+    import deepspeed
+
+    from appliance.planner.layout import pipeline_partition
+
+    topology.validate_heads(config.n_head)
+    topology.init_process_groups()
+    # DeepSpeed's own communication layer wraps the process group already running (the PipelineModule needs it
+    # before deepspeed.initialize would set it up).
+    deepspeed.init_distributed(dist_backend=dist.get_backend())
+    loss_fn = VocabParallelLoss(topology.tp_group)
+    module: torch.nn.Module
+    if topology.pp > 1:
+        partition = pipeline_partition(config.n_layer, topology.pp)
+        module = build_pipeline_module(
+            config,
+            topology,
+            partition_method=partition.method,
+            blocks_per_stage=partition.layers_per_stage,
+            loss_fn=loss_fn,
+            recompute=recompute,
+            sequence_parallel=sequence_parallel,
+        )
+    else:
+        specs = bloom_layer_specs(
+            config, topology, sequence_parallel=sequence_parallel, recompute_core=recompute == "selective"
+        )
+        module = BloomStack(specs, loss_fn, recompute_blocks=recompute == "full")
+    named = [(hf_parameter_name(n, config.n_layer), p) for n, p in module.named_parameters()]
+    tp_rank = topology.tp_rank(dist.get_rank())
+    initial = dense_initial_weights(config, seed, [n for n, _ in named])
+    load_from_full(named, initial, tp_rank, topology.tp, source=f"initial weights (seed {seed})")
+    del initial
+    if sequence_parallel:
+        register_sequence_parallel_grad_hooks(module, topology.tp_group)
+    optimizer = torch.optim.AdamW(param_groups(named, weight_decay), lr=lr, betas=betas, eps=eps)
+    ds_config = deepspeed_config(
+        global_batch_size=global_batch_size,
+        micro_batch_size=micro_batch_size,
+        dp=topology.dp,
+        zero_stage=zero_stage,
+        dtype=dtype,
+        grad_clip=grad_clip,
+        pipeline=topology.pp > 1,
+    )
+    # The pipeline engine takes its model-parallel unit from the PipelineModule (the same layout, built from
+    # topology.to_deepspeed()); the plain engine gets ours.
+    mpu = None if topology.pp > 1 else TopologyMPU(topology)
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config, mpu=mpu)
+    if not (engine.bfloat16_enabled() or engine.zero_optimization()):
+        install_global_norm_clipping(engine, topology)
+    return ParallelEngine(engine, topology, config, micro_batch_size=micro_batch_size, loss_fn=loss_fn)
+
+
+class ParallelEngine:
+    """This rank's shard of the model and optimizer, whatever the layout. See the module docstring."""
+
+    def __init__(
+        self,
+        engine: Any,
+        topology: ParallelTopology,
+        config: BloomConfig,
+        *,
+        micro_batch_size: int,
+        loss_fn: VocabParallelLoss,
+    ) -> None:
+        self.engine = engine
+        self.topology = topology
+        self.config = config
+        self.micro_batch_size = micro_batch_size
+        self.loss_fn = loss_fn
+        self.rank = dist.get_rank()
+        self.pp_rank, self.dp_rank, self.tp_rank = topology.coords(self.rank)
+        self.pipelined = topology.pp > 1
+        self.is_last_stage = self.pp_rank == topology.pp - 1
+        self.sharded = topology.tp > 1 or topology.pp > 1
+        self.last_checkpoint: Path | None = None  # where the weights were last saved to or loaded from
+        self._dense: tuple[Path | None, BloomForCausalLM] | None = None
+
+    # ---- parameters ---------------------------------------------------------------------------------------
+    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """This rank's parameters under their Hugging Face names (TP slices where split)."""
+        return [(hf_parameter_name(n, self.config.n_layer), p) for n, p in self.engine.module.named_parameters()]
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
+
+    def check_drift(self) -> list[str]:
+        """Raise ReplicaDriftError unless every TP-replicated parameter is bit-identical across the TP group."""
+        return check_replicated_parameters(replicated_across_tp(self.named_parameters()), self.topology.tp_group)
+
+    # ---- one step -----------------------------------------------------------------------------------------
+    def train_batch(self, micro_batches: Sequence[Batch]) -> StepResult:
+        """Forward and backward over this DP rank's micro-batches, then one optimizer step (collective)."""
+        count = len(micro_batches)
+        if count < 1:
+            raise ValueError("a step needs at least one micro-batch")
+        if count != self.engine.gradient_accumulation_steps():
+            self.engine.set_train_batch_size(count * self.micro_batch_size * self.topology.dp)
+        if self.pipelined:
+            loss = float(self.engine.train_batch(iter(micro_batches)))
+        else:
+            loss = self._train_batch_plain(micro_batches)
+        norm = self.engine.get_global_grad_norm()
+        return StepResult(loss=loss, grad_norm=float(norm) if norm is not None else float("nan"))
+
+    def _train_batch_plain(self, micro_batches: Sequence[Batch]) -> float:
+        self.engine.train()
+        losses = []
+        for i, (inputs, labels) in enumerate(micro_batches):
+            # The caller owns the step boundary, so a change in the number of micro-batches is always honoured.
+            self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
+            loss = self.engine(inputs.to(self.engine.device), labels.to(self.engine.device))
+            self.engine.backward(loss)  # scaled by 1 / micro-batches
+            self.engine.step()  # updates only at the boundary
+            losses.append(loss.detach().float())
+        mean = torch.stack(losses).mean()
+        if self.topology.dp > 1:
+            dist.all_reduce(mean, group=self.topology.dp_group)
+            mean /= self.topology.dp
+        return float(mean)
+
+    @torch.no_grad()
+    def eval_sums(self, micro_batches: Sequence[Batch]) -> tuple[float, float]:
+        """(summed token loss, tokens) of these micro-batches, counted on one rank per replica (the last stage's
+        TP rank 0; zeros elsewhere), so a sum over all ranks is the sum over every DP rank's samples. Every rank
+        of the world must call it with the same number of micro-batches of micro_batch_size samples each."""
+        if not micro_batches:
+            return 0.0, 0.0
+        self.loss_fn.reduction = "sum"
+        try:
+            if self.pipelined:
+                outputs = self.engine.eval_batch(
+                    iter(micro_batches), num_micro_batches=len(micro_batches), reduce_output=None, bcast_loss=False
+                )
+                losses = list(outputs) if self.is_last_stage else []
+            else:
+                self.engine.eval()
+                device = self.engine.device
+                losses = [self.engine(x.to(device), y.to(device)) for x, y in micro_batches]
+                self.engine.train()
+        finally:
+            self.loss_fn.reduction = "mean"
+        if not (self.is_last_stage and self.tp_rank == 0):
+            return 0.0, 0.0
+        tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in micro_batches)
+        return float(sum(float(loss) for loss in losses)), float(tokens)
+
+    # ---- checkpoints --------------------------------------------------------------------------------------
+    def model_shard(self) -> dict[str, torch.Tensor]:
+        """This rank's weights, Hugging Face names, fp32 on CPU (bf16 values convert exactly)."""
+        return {name: p.detach().float().contiguous().cpu() for name, p in self.named_parameters()}
+
+    def model_file_name(self) -> str | None:
+        """The model file this rank writes into a checkpoint, or None: DP rank 0 of each (tp, pp) position
+        writes its shard; with tp = pp = 1 rank 0 writes the whole model as model.safetensors."""
+        if self.dp_rank != 0:
+            return None
+        return shard_file_name(self.tp_rank, self.pp_rank) if self.sharded else FULL_MODEL_FILE
+
+    def save_model(self, step_dir: Path, metadata: Mapping[str, str]) -> Path | None:
+        """Write this rank's model file (if it writes one); returns its path."""
+        self.last_checkpoint = Path(step_dir)
+        name = self.model_file_name()
+        if name is None:
+            return None
+        meta = {**metadata, "tp": str(self.topology.tp), "pp": str(self.topology.pp)}
+        save_file(self.model_shard(), str(step_dir / name), metadata=meta)
+        return step_dir / name
+
+    @torch.no_grad()
+    def load_model(self, step_dir: Path) -> None:
+        """Load this rank's weights from a checkpoint written at any layout (the own shard when the layout is
+        the same, otherwise the whole model reassembled and re-cut), then refresh the optimizer's fp32 copies."""
+        step_dir = Path(step_dir)
+        named = self.named_parameters()
+        files = shard_files(step_dir)
+        own = (self.tp_rank, self.pp_rank)
+        grid = {(t, p) for t in range(self.topology.tp) for p in range(self.topology.pp)}
+        if self.sharded and set(files) == grid:
+            load_from_full(named, load_file(str(files[own])), 0, 1, source=str(files[own]))
+        else:
+            full = gather_full_state_dict(step_dir)
+            load_from_full(named, full, self.tp_rank, self.topology.tp, source=str(step_dir))
+        refresh = getattr(self.engine.optimizer, "refresh_fp32_params", None)
+        if refresh is not None:
+            refresh()  # bf16/ZeRO master weights follow the loaded weights until the optimizer state is loaded
+        self.last_checkpoint = step_dir
+
+    def optimizer_state(self) -> dict[str, Any]:
+        return optimizer_state(self.engine.optimizer)
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        load_optimizer_state(self.engine.optimizer, state, dp_size=self.topology.dp)
+
+    # ---- the whole model, for evaluation samples ---------------------------------------------------------
+    @property
+    def module(self) -> BloomForCausalLM:
+        """The whole model as one single-process BloomForCausalLM (no collective). Split layouts assemble it from
+        the checkpoint last saved or loaded, so call it after a save."""
+        source = None if not self.sharded else self.last_checkpoint
+        if self._dense is not None and self._dense[0] == source:
+            return self._dense[1]
+        if not self.sharded:
+            full = self.model_shard()
+        elif source is None:
+            raise RuntimeError("the whole model of a split layout is assembled from a checkpoint: save one first")
+        else:
+            full = gather_full_state_dict(source)
+        model = BloomForCausalLM(self.config)
+        missing, unexpected = model.load_state_dict(full, strict=False)
+        if unexpected or [k for k in missing if k != "lm_head.weight"]:
+            raise RuntimeError(f"whole model: missing {missing}, unexpected {unexpected}")
+        self._dense = (source, model)
+        return model

@@ -1,0 +1,156 @@
+"""Gradients across the 3D layout: the model-parallel unit DeepSpeed asks for, the global gradient norm, and the
+gradient all-reduce sequence parallelism needs.
+
+The global norm is the 2-norm of the one gradient vector a single process would hold. After the DP reduction every
+replica (one TP x PP slice of the ranks) holds that whole vector, spread over its ranks:
+
+    norm^2 = sum over the ranks of one replica of  sum over their parameters of ||grad||^2
+
+counting each parameter once: a TP-split parameter on every TP rank (each holds a different slice), a TP-replicated
+one (LayerNorms, row-parallel biases) on TP rank 0 only, and the tied embedding on the first stage only (the last
+stage's copy is marked ``ds_pipe_replicated`` by DeepSpeed's PipelineModule). One all-reduce over the replica's
+group (``topology.mp_group``) gives every rank the same number; no collective over the whole world is needed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from appliance.parallel.mappings import Group, group_size
+from appliance.parallel.tensor_parallel import is_tensor_parallel
+from appliance.parallel.topology import ParallelTopology
+
+# DeepSpeed's clipping formula (runtime/utils.py clip_grad_norm_, bf16 and ZeRO optimizers alike).
+_CLIP_EPS = 1e-6
+
+
+class TopologyMPU:
+    """The "mpu" (model-parallel unit) DeepSpeed's engine and optimizers query, answered from our topology.
+
+    DeepSpeed's names mean: *model parallel* = every rank of one replica (TP x PP, as its PipelineParallelGrid
+    has it), *tensor/slice parallel* = TP, *data parallel* = DP. The bf16 and ZeRO optimizers sum the squared
+    gradient norm over the model-parallel group and count replicated parameters on tensor rank 0 only, which is
+    the arithmetic in this module's docstring.
+    """
+
+    def __init__(self, topology: ParallelTopology) -> None:
+        self.topology = topology
+        self._rank = dist.get_rank()
+
+    def get_model_parallel_rank(self) -> int:
+        return dist.get_rank(self.topology.mp_group)
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.topology.tp * self.topology.pp
+
+    def get_model_parallel_group(self) -> dist.ProcessGroup:
+        return self.topology.mp_group
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return self.topology.tp_rank(self._rank)
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return self.topology.tp
+
+    def get_tensor_model_parallel_group(self) -> dist.ProcessGroup:
+        return self.topology.tp_group
+
+    get_slice_parallel_rank = get_tensor_model_parallel_rank
+    get_slice_parallel_world_size = get_tensor_model_parallel_world_size
+    get_slice_parallel_group = get_tensor_model_parallel_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.topology.dp_rank(self._rank)
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.topology.dp
+
+    def get_data_parallel_group(self) -> dist.ProcessGroup:
+        return self.topology.dp_group
+
+    def get_pipe_parallel_rank(self) -> int:
+        return self.topology.pp_rank(self._rank)
+
+    def get_pipe_parallel_world_size(self) -> int:
+        return self.topology.pp
+
+    def get_pipe_parallel_group(self) -> dist.ProcessGroup:
+        return self.topology.pp_group
+
+
+def _counted_here(param: torch.Tensor, tp_rank: int) -> bool:
+    if getattr(param, "ds_pipe_replicated", False):
+        return False  # the last stage's copy of the tied embedding: the first stage counts it
+    return is_tensor_parallel(param) or tp_rank == 0
+
+
+def global_grad_norm(params: Iterable[torch.Tensor], topology: ParallelTopology) -> float:
+    """The 2-norm of the whole model's gradient, the same on every rank (collective over ``topology.mp_group``).
+
+    Call it once the gradients are reduced over DP (every replica then holds the same vector).
+    """
+    tp_rank = topology.tp_rank(dist.get_rank())
+    grads = [p.grad.detach() for p in params if p.grad is not None and _counted_here(p, tp_rank)]
+    device = grads[0].device if grads else torch.device("cpu")
+    # Summed on the gradients' device in fp32, one number per parameter, then one collective.
+    squares = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=device)
+    if group_size(topology.mp_group) > 1:
+        dist.all_reduce(squares, group=topology.mp_group)
+    return math.sqrt(float(squares))
+
+
+def clip_by_global_norm(params: Iterable[torch.Tensor], max_norm: float, topology: ParallelTopology) -> float:
+    """Scale every gradient by min(1, max_norm / (norm + 1e-6)); returns the norm before clipping."""
+    params = list(params)
+    norm = global_grad_norm(params, topology)
+    coefficient = max_norm / (norm + _CLIP_EPS)
+    if max_norm > 0 and coefficient < 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.detach().mul_(coefficient)
+    return norm
+
+
+def install_global_norm_clipping(engine: Any, topology: ParallelTopology) -> None:
+    """Make a DeepSpeed engine's fp32 (no ZeRO, no bf16) path clip by the global norm, and report it.
+
+    On that path DeepSpeed calls ``engine.clip_fp32_gradients()``, whose norm counts replicated parameters by
+    model-parallel rank 0 of the TP x PP group (so a LayerNorm on a later pipeline stage is never counted), counts
+    the tied embedding twice, and is then thrown away. The bf16 and ZeRO optimizers compute it correctly and keep
+    it; this gives the plain path the same behaviour, and the norm ``get_global_grad_norm()`` returns.
+    """
+
+    def clip_fp32_gradients() -> None:
+        engine._global_grad_norm = clip_by_global_norm(engine.module.parameters(), engine.gradient_clipping(), topology)
+
+    engine.clip_fp32_gradients = clip_fp32_gradients
+
+
+def register_sequence_parallel_grad_hooks(module: nn.Module, group: Group) -> int:
+    """With sequence parallelism, sum over TP the gradient of every TP-replicated parameter; returns how many.
+
+    Those parameters (LayerNorms, row-parallel biases) act on this rank's sequence chunk only, so each rank's
+    gradient is a partial sum over the sequence. A hook on the parameter completes it as soon as autograd
+    produces it, before any optimizer (plain, bf16 or ZeRO) accumulates or reduces it, so the same code serves
+    every engine. It costs one small all-reduce per replicated parameter and micro-batch.
+    """
+    if group_size(group) == 1:
+        return 0
+
+    def complete(grad: torch.Tensor) -> torch.Tensor:
+        total = grad.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    count = 0
+    for param in module.parameters():
+        if param.requires_grad and not is_tensor_parallel(param):
+            param.register_hook(complete)
+            count += 1
+    return count

@@ -1,0 +1,272 @@
+"""BLOOM as DeepSpeed pipeline layer specs, with tensor-parallel layers inside (Megatron-DeepSpeed's GPTModelPipe).
+
+The sequence every pipeline runs, as BLOOM-176B ran it:
+
+    0      TiedLayerSpec("embed", WordEmbeddingPipe)             ids -> hidden     (vocab-parallel embedding)
+    1      LayerSpec(EmbedLayerNormPipe)                         BLOOM's embedding LayerNorm
+    2..L+1 LayerSpec(TransformerLayerPipe) x L                   the blocks (ALiBi slopes of this TP rank's heads)
+    L+2    LayerSpec(FinalLayerNormPipe)                         ln_f
+    L+3    TiedLayerSpec("embed", WordEmbeddingPipe, lm_head)    hidden -> this rank's vocabulary slice of logits
+    loss   VocabParallelLoss                                     cross-entropy without gathering the logits
+
+The first and last entries share one module under the key "embed": with pp > 1 the first and the last stage
+each build a copy, DeepSpeed broadcasts the first stage's weight at start and all-reduces the two gradients
+after every backward (``ReduceTiedGrads``), so the copies stay equal. Stages are cut by
+``partition_method="type:transformer|embedding"``: each class whose name matches counts one unit, the others
+(the two LayerNorms, weight 0) ride along, so 70 blocks + 2 embeddings over 12 stages gives 6 units per stage,
+BLOOM-176B's split; the planner's ``pipeline_partition`` predicts it and ``build_pipeline_module`` checks it.
+
+Activations between layers are [batch, seq, hidden] (the transformers layout); with sequence parallelism each
+TP rank holds [batch, seq / tp, hidden] between the tensor-parallel regions (sequence dimension 1).
+Parameter names map to the Hugging Face ones with ``hf_parameter_name``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from appliance.model import ops
+from appliance.model.bloom import BloomBlock, LinearFactory
+from appliance.model.config import BloomConfig
+from appliance.parallel.mappings import Group
+from appliance.parallel.tensor_parallel import (
+    VocabParallelEmbedding,
+    parallel_lm_logits,
+    tp_linear_factory,
+    vocab_parallel_cross_entropy,
+)
+from appliance.parallel.topology import ParallelTopology
+
+EMBED_KEY = "embed"
+SEQUENCE_DIM = 1  # activations are [batch, seq, hidden]
+BLOCK_OFFSET = 2  # pipeline index of block 0: the word embedding and its LayerNorm come first
+CHECKPOINTED_LAYERS = ["TransformerLayerPipe"]
+
+
+class WordEmbeddingPipe(nn.Module):
+    """The tied word embedding: token ids -> hidden states on the first stage, the LM head on the last."""
+
+    def __init__(self, config: BloomConfig, tp_group: Group, *, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.word_embeddings = VocabParallelEmbedding(
+            config.vocab_size,
+            config.hidden_size,
+            group=tp_group,
+            sequence_parallel=sequence_parallel,
+            sequence_dim=SEQUENCE_DIM,
+        )
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.word_embeddings(input_ids)
+
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[batch, seq(/tp), hidden] -> this rank's logits [batch, seq, vocab / tp]."""
+        return parallel_lm_logits(
+            hidden,
+            self.word_embeddings.weight,
+            self.tp_group,
+            sequence_parallel=self.sequence_parallel,
+            sequence_dim=SEQUENCE_DIM,
+        )
+
+
+def lm_head(embedding: WordEmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
+    """``forward_fn`` of the last stage's tied spec: the embedding matrix used as the output layer."""
+    return embedding.lm_logits(hidden)
+
+
+class EmbedLayerNormPipe(nn.Module):
+    # Named "Embed", not "Embedding": the partition counts only the embedding itself as a unit.
+    def __init__(self, config: BloomConfig) -> None:
+        super().__init__()
+        self.word_embeddings_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        norm = self.word_embeddings_layernorm
+        return ops.layer_norm(hidden, norm.weight, norm.bias, norm.eps)
+
+
+class FinalLayerNormPipe(nn.Module):
+    def __init__(self, config: BloomConfig) -> None:
+        super().__init__()
+        self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return ops.layer_norm(hidden, self.ln_f.weight, self.ln_f.bias, self.ln_f.eps)
+
+
+class TransformerLayerPipe(BloomBlock):
+    """A BloomBlock that takes hidden states only (the pipeline passes one tensor between layers).
+
+    With sequence parallelism the input is this rank's sequence chunk while attention runs over the whole
+    sequence (the QKV projection gathers it), so the ALiBi bias and causal mask are built for seq * tp positions.
+    ``recompute_core`` turns on selective recompute (the attention core only).
+    """
+
+    def __init__(
+        self,
+        config: BloomConfig,
+        layer_number: int,
+        linear_factory: LinearFactory,
+        tp_rank: int,
+        tp_size: int,
+        *,
+        sequence_parallel: bool = False,
+        recompute_core: bool = False,
+    ) -> None:
+        super().__init__(config, layer_number, linear_factory, tp_rank, tp_size)
+        self.sequence_parallel = sequence_parallel
+        self.tp_size = tp_size
+        self.self_attention.recompute_core = recompute_core
+
+    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if attention_mask is not None:
+            raise ValueError("pipeline blocks train on unpadded samples: attention_mask must be None")
+        seq_len = hidden.shape[SEQUENCE_DIM] * (self.tp_size if self.sequence_parallel else 1)
+        alibi, mask = self.attention_inputs(None, seq_len, hidden.device)
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        attn_out, attn_bias = self.self_attention(ops.layer_norm(hidden, ln1.weight, ln1.bias, ln1.eps), alibi, mask)
+        hidden = ops.bias_dropout_add(attn_out, attn_bias, hidden, self.hidden_dropout, self.training)
+        mlp_out, mlp_bias = self.mlp(ops.layer_norm(hidden, ln2.weight, ln2.bias, ln2.eps))
+        return ops.bias_dropout_add(mlp_out, mlp_bias, hidden, self.hidden_dropout, self.training)
+
+
+class VocabParallelLoss:
+    """loss_fn(logits shard, labels): mean token cross-entropy for training; ``reduction = "sum"`` for evaluation
+    (a padded evaluation micro-batch may hold no token at all, whose mean would be 0 / 0)."""
+
+    def __init__(self, tp_group: Group) -> None:
+        self.tp_group = tp_group
+        self.reduction = "mean"
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, labels, self.tp_group, reduction=self.reduction)
+
+
+def bloom_layer_specs(
+    config: BloomConfig, topology: ParallelTopology, *, sequence_parallel: bool = False, recompute_core: bool = False
+) -> list[LayerSpec]:
+    """The pipeline's layer specs (see the module docstring); every rank builds the same list."""
+    tp_group = topology.tp_group
+    tp_rank = dist.get_rank(tp_group)
+    factory = tp_linear_factory(topology, sequence_parallel=sequence_parallel, sequence_dim=SEQUENCE_DIM)
+    embed = partial(
+        TiedLayerSpec,
+        EMBED_KEY,
+        WordEmbeddingPipe,
+        config,
+        tp_group,
+        sequence_parallel=sequence_parallel,
+        tied_weight_attr=["word_embeddings.weight"],
+    )
+    blocks = [
+        LayerSpec(
+            TransformerLayerPipe,
+            config,
+            i,
+            factory,
+            tp_rank,
+            topology.tp,
+            sequence_parallel=sequence_parallel,
+            recompute_core=recompute_core,
+        )
+        for i in range(config.n_layer)
+    ]
+    return [embed(), LayerSpec(EmbedLayerNormPipe, config), *blocks, LayerSpec(FinalLayerNormPipe, config),
+            embed(forward_fn=lm_head)]  # fmt: skip
+
+
+def hf_parameter_name(pipe_name: str, n_layer: int) -> str:
+    """The Hugging Face name of a parameter of a PipelineModule or BloomStack built from ``bloom_layer_specs``:
+    ``tied_modules.embed.word_embeddings.weight`` -> ``transformer.word_embeddings.weight``,
+    ``3.self_attention.dense.bias`` -> ``transformer.h.1.self_attention.dense.bias``."""
+    head, _, rest = pipe_name.partition(".")
+    if head == "tied_modules":
+        return "transformer." + rest.partition(".")[2]
+    block = int(head) - BLOCK_OFFSET
+    return f"transformer.h.{block}.{rest}" if 0 <= block < n_layer else "transformer." + rest
+
+
+def _recompute(function: Callable[..., Any], *inputs: torch.Tensor) -> Any:
+    """Full activation recompute of a range of layers (torch's non-reentrant checkpoint: it keeps the RNG state,
+    and the layers' tensor-parallel collectives simply run again in the backward pass)."""
+    return checkpoint(function, *inputs, use_reentrant=False)
+
+
+def build_pipeline_module(
+    config: BloomConfig,
+    topology: ParallelTopology,
+    *,
+    partition_method: str,
+    blocks_per_stage: Sequence[int],
+    loss_fn: VocabParallelLoss,
+    recompute: str = "none",
+    sequence_parallel: bool = False,
+) -> PipelineModule:
+    """This rank's stage of the BLOOM pipeline; ``recompute`` is "full" (every block), "selective" or "none"."""
+    specs = bloom_layer_specs(
+        config, topology, sequence_parallel=sequence_parallel, recompute_core=recompute == "selective"
+    )
+    # No autograd while building: the constructor broadcasts the tied embedding in place from the first stage,
+    # which autograd would otherwise record on the parameter.
+    with torch.no_grad():
+        module = PipelineModule(
+            layers=specs,
+            topology=topology.to_deepspeed(),
+            loss_fn=loss_fn,
+            partition_method=partition_method,
+            # One block per checkpoint, as BLOOM (--checkpoint-activations, interval 1).
+            activation_checkpoint_interval=1 if recompute == "full" else 0,
+            activation_checkpoint_func=_recompute,
+            checkpointable_layers=CHECKPOINTED_LAYERS,
+        )
+    parts = module.parts
+    counted = [
+        sum(isinstance(s, LayerSpec) and s.typename is TransformerLayerPipe for s in specs[parts[i] : parts[i + 1]])
+        for i in range(topology.pp)
+    ]
+    if counted != list(blocks_per_stage):
+        raise RuntimeError(
+            f"DeepSpeed split the {config.n_layer} blocks as {counted} with {partition_method!r}, "
+            f"the plan expects {list(blocks_per_stage)}"
+        )
+    return module
+
+
+class BloomStack(nn.Module):
+    """The same layers in one process, for pp = 1 under DeepSpeed's plain engine (which, unlike the pipeline
+    engine, supports ZeRO-2). Modules are registered under the PipelineModule's names, so ``hf_parameter_name``
+    serves both. forward(ids) -> logits shard; forward(ids, labels) -> loss."""
+
+    def __init__(self, specs: Sequence[LayerSpec], loss_fn: VocabParallelLoss, *, recompute_blocks: bool) -> None:
+        super().__init__()
+        self.loss_fn = loss_fn
+        self.recompute_blocks = recompute_blocks
+        self.tied_modules = nn.ModuleDict()
+        self._layers: list[Callable[[torch.Tensor], torch.Tensor]] = []
+        for index, spec in enumerate(specs):
+            if isinstance(spec, TiedLayerSpec):
+                if spec.key not in self.tied_modules:
+                    self.tied_modules[spec.key] = spec.build()
+                tied = self.tied_modules[spec.key]
+                self._layers.append(partial(spec.forward_fn, tied) if spec.forward_fn else tied)
+            else:
+                layer = spec.build()
+                self.add_module(str(index), layer)
+                self._layers.append(layer)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        x = input_ids
+        recompute = self.recompute_blocks and torch.is_grad_enabled()
+        for layer in self._layers:
+            x = _recompute(layer, x) if recompute and isinstance(layer, TransformerLayerPipe) else layer(x)
+        return x if labels is None else self.loss_fn(x, labels)

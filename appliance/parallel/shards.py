@@ -1,0 +1,126 @@
+"""Model weights between the single-process form (Hugging Face names, whole tensors) and this rank's shards.
+
+A checkpoint holds the model either whole, ``model.safetensors`` (tp = pp = 1), or as one file per model-parallel
+position, ``model-tp{t}-pp{p}.safetensors``, written by DP rank 0 of that position: Hugging Face names as keys,
+each tensor this rank's slice (``role_of_parameter`` says along which dimension), the tied word embedding in
+both the first and the last stage's files. ``gather_full_state_dict`` turns either form back into the whole
+model on CPU, without any process group, for export, evaluation samples, and loading at another layout.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from appliance.model.bloom import BloomBlock, BloomEmbedding, BloomFinal
+from appliance.model.config import BloomConfig
+from appliance.parallel.tensor_parallel import gather_to_full, role_of_parameter, shard_from_full
+
+FULL_MODEL_FILE = "model.safetensors"
+_SHARD_FILE = re.compile(r"^model-tp(\d+)-pp(\d+)\.safetensors$")
+
+
+def shard_file_name(tp_rank: int, pp_rank: int) -> str:
+    return f"model-tp{tp_rank:02d}-pp{pp_rank:02d}.safetensors"
+
+
+def dense_initial_weights(config: BloomConfig, seed: int, names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """The named tensors of ``BloomForCausalLM(config).init_weights(torch.Generator().manual_seed(seed))``.
+
+    Every rank draws the whole model in the single-process order (embedding, blocks, final LayerNorm) and keeps
+    what it holds, so every layout starts from the numbers a single process starts from. One piece exists at a
+    time; the draws cost O(model) time per rank, seconds up to a few billion parameters.
+    """
+    wanted = set(names)
+    generator = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+
+    def keep(prefix: str, piece: torch.nn.Module) -> None:
+        out.update({prefix + k: v for k, v in piece.state_dict().items() if prefix + k in wanted})
+
+    embedding = BloomEmbedding(config)
+    embedding.init_weights(generator)
+    keep("transformer.", embedding)
+    for i in range(config.n_layer):
+        block = BloomBlock(config, i)
+        block.init_weights(generator)
+        keep(f"transformer.h.{i}.", block)
+    final = BloomFinal(config)
+    final.init_weights()
+    keep("transformer.", final)
+    missing = wanted - out.keys()
+    if missing:
+        raise KeyError(f"no BLOOM parameter is named {sorted(missing)}")
+    return out
+
+
+@torch.no_grad()
+def load_from_full(
+    named_params: Iterable[tuple[str, torch.Tensor]],
+    full: Mapping[str, torch.Tensor],
+    tp_rank: int,
+    tp_size: int,
+    *,
+    source: str = "state dict",
+) -> None:
+    """Copy this rank's slice of each whole (Hugging Face-named) tensor into its parameter."""
+    for name, param in named_params:
+        if name not in full:
+            raise KeyError(f"{source}: no tensor {name}")
+        role, is_bias = role_of_parameter(name)
+        shard = shard_from_full(full[name], role, tp_rank, tp_size, is_bias=is_bias)
+        if shard.shape != param.shape:
+            raise ValueError(f"{source}: {name}: slice {tuple(shard.shape)}, parameter {tuple(param.shape)}")
+        param.copy_(shard)
+
+
+def shard_files(step_dir: Path) -> dict[tuple[int, int], Path]:
+    """(tp_rank, pp_rank) -> file, for the sharded form."""
+    found = {}
+    for path in Path(step_dir).iterdir():
+        match = _SHARD_FILE.match(path.name)
+        if match:
+            found[(int(match[1]), int(match[2]))] = path
+    return found
+
+
+def assemble_full(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The whole model from every (tp_rank, pp_rank) position's shard (Hugging Face names).
+
+    TP-replicated tensors must agree across TP ranks and the tied embedding across its two stages: a difference
+    is drift, reported, never averaged away.
+    """
+    tp = 1 + max(t for t, _ in shards)
+    pp = 1 + max(p for _, p in shards)
+    missing = [shard_file_name(t, p) for t in range(tp) for p in range(pp) if (t, p) not in shards]
+    if missing:
+        raise FileNotFoundError(f"shards missing: {', '.join(missing)}")
+    full: dict[str, torch.Tensor] = {}
+    for p in range(pp):
+        stage = [shards[(t, p)] for t in range(tp)]
+        for name in stage[0]:
+            role, is_bias = role_of_parameter(name)
+            tensor = gather_to_full([s[name] for s in stage], role, is_bias=is_bias)
+            if name not in full:
+                full[name] = tensor
+            elif not torch.equal(full[name], tensor):
+                raise ValueError(f"{name} differs between pipeline stage 0 and stage {p}")
+    return full
+
+
+def gather_full_state_dict(step_dir: Path) -> dict[str, torch.Tensor]:
+    """The whole model, Hugging Face names to CPU tensors, from a checkpoint directory in either form."""
+    step_dir = Path(step_dir)
+    if (step_dir / FULL_MODEL_FILE).is_file():
+        return load_file(str(step_dir / FULL_MODEL_FILE))
+    files = shard_files(step_dir)
+    if not files:
+        raise FileNotFoundError(f"{step_dir}: neither {FULL_MODEL_FILE} nor model-tp*-pp*.safetensors")
+    try:
+        return assemble_full({position: load_file(str(path)) for position, path in files.items()})
+    except (FileNotFoundError, ValueError) as e:
+        raise type(e)(f"{step_dir}: {e}") from e

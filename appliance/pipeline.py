@@ -1,0 +1,184 @@
+"""The head process's run: plan, then each stage in order, each skipped when already complete.
+
+hardware -> plan -> prep -> tokenizer -> data -> train (+ final eval) -> export -> summary.
+Every input is validated before anything is written, so bad input costs nothing and leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from appliance.errors import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, BadInput
+from appliance.monitor.events import EventWriter
+from appliance.rundir import RunDir, point_latest
+from appliance.stages import Stages, fingerprint, settings_key
+from appliance.train.atomic import write_atomic
+
+
+@dataclass
+class RunRequest:
+    corpus: list[Path]
+    run_dir: Path | None = None
+    model: str | None = None
+    hardware: str | None = None  # a profile name/file instead of detection (planning what-ifs, tests)
+    max_steps: int | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+def default_run_dir(model_name: str) -> Path:
+    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{model_name}"
+
+
+def check_inputs(paths: list[Path]) -> None:
+    if not paths:
+        raise BadInput("--corpus: no input given")
+    for p in paths:
+        if not p.exists():
+            raise BadInput(f"--corpus {p}: no such file or directory")
+
+
+def make_run_plan(req: RunRequest) -> dict[str, Any]:
+    """The plan for this run, with --max-steps and --set applied. Validates the model and hardware names."""
+    from appliance.hardware import detect, load_hardware
+    from appliance.planner import load_model_shape, make_plan
+
+    hardware = load_hardware(req.hardware) if req.hardware else detect()
+    shape = load_model_shape(req.model) if req.model else None
+    plan = make_plan(hardware, shape).to_json()
+    if not plan.get("feasible", True):
+        raise BadInput(f"--model {req.model}: does not fit this hardware: {plan.get('reason', 'see `plan`')}")
+    train = plan["train"]
+    for key, value in req.overrides.items():
+        if key in train or key not in ("max_restarts", "workers", "vocab_size"):
+            train[key] = value
+        elif key == "vocab_size":
+            plan["model"]["vocab_size"] = value
+        else:
+            plan.setdefault("run", {})[key] = value
+    if req.max_steps is not None:
+        if req.max_steps <= 0:
+            raise BadInput(f"--max-steps {req.max_steps}: must be positive")
+        train["train_samples"] = req.max_steps * train["global_batch_size"]
+    # A shortened run keeps its schedule's shape: warmup and decay fit inside the samples it will see.
+    train["decay_samples"] = min(train["decay_samples"], train["train_samples"])
+    train["warmup_samples"] = min(train["warmup_samples"], train["decay_samples"] // 2)
+    train["eval_interval"] = max(1, min(train["eval_interval"], train["train_samples"] // train["global_batch_size"]))
+    return plan
+
+
+def run(req: RunRequest, *, on_event_writer: Any = None) -> int:
+    check_inputs(req.corpus)
+    plan = make_run_plan(req)
+    model_name = plan["model"].get("name", "model")
+    run_dir = RunDir(req.run_dir or default_run_dir(model_name)).make()
+    events = EventWriter(run_dir.metrics)
+    if on_event_writer is not None:
+        on_event_writer(run_dir)
+    started = time.time()
+    events.emit("run", state="started", run_dir=str(run_dir.root), pid=os.getpid())
+    stages = Stages(run_dir.manifest, events)
+    workers = int(plan.get("run", {}).get("workers", min(os.cpu_count() or 1, 8)))
+    try:
+        outcome = _run_stages(req, plan, run_dir, stages, events, workers)
+    except BadInput:
+        events.emit("run", state="failed", reason="bad input")
+        raise
+    except Exception as e:
+        events.emit("run", state="failed", reason=str(e)[:500])
+        write_summary(run_dir, stages, started, state="failed")
+        raise
+    write_summary(run_dir, stages, started, state=outcome)
+    events.emit("run", state=outcome, seconds=time.time() - started)
+    return {"done": EXIT_OK, "preempted": EXIT_PREEMPTED}.get(outcome, EXIT_FAILED)
+
+
+def _run_stages(
+    req: RunRequest, plan: dict[str, Any], run_dir: RunDir, stages: Stages, events: EventWriter, workers: int
+) -> str:
+    from appliance.data.prep import prepare_corpus
+    from appliance.data.tokenize_corpus import build_indexed_datasets
+    from appliance.tokenizer.bpe import train_tokenizer
+    from appliance.train.launch import last_rank_errors, run_agent
+
+    def write_plan(progress: Any) -> None:
+        write_atomic(run_dir.plan, json.dumps(plan, indent=1).encode())
+        events.emit("plan", **{k: plan[k] for k in ("hardware", "model", "layout", "estimate") if k in plan})
+
+    # The plan is fixed once written: a rerun of the same run directory keeps its plan and resumes.
+    if run_dir.plan.exists():
+        plan.clear()
+        plan.update(json.loads(run_dir.plan.read_text()))
+    stages.run("plan", key=settings_key(plan=plan), outputs=[run_dir.plan], work=write_plan)
+    layout, train = plan["layout"], plan["train"]
+
+    stages.run(
+        "prep",
+        key=settings_key(inputs=fingerprint(req.corpus), names=sorted(str(p) for p in req.corpus)),
+        outputs=[run_dir.corpus],
+        work=lambda progress: prepare_corpus(req.corpus, run_dir.corpus, workers=workers, on_progress=progress),
+    )
+    point_latest(run_dir.root.parent, run_dir.root)
+    stages.run(
+        "tokenizer",
+        key=settings_key(corpus=fingerprint([run_dir.corpus]), vocab=plan["model"]["vocab_size"], tp=layout["tp"]),
+        outputs=[run_dir.tokenizer],
+        work=lambda progress: train_tokenizer(
+            run_dir.corpus,
+            run_dir.tokenizer,
+            vocab_size=plan["model"]["vocab_size"],
+            tp_size=layout["tp"],
+            seed=train["seed"],
+            on_progress=progress,
+        ),
+    )
+    data_files = [run_dir.data / "datasets.json"]
+    stages.run(
+        "data",
+        key=settings_key(corpus=fingerprint([run_dir.corpus]), tokenizer=fingerprint([run_dir.tokenizer_json])),
+        outputs=data_files,
+        work=lambda progress: build_indexed_datasets(
+            run_dir.corpus, run_dir.tokenizer_json, run_dir.data, workers=workers, on_progress=progress
+        ),
+    )
+
+    def train_work(progress: Any) -> None:
+        run_dir.preempted_marker.unlink(missing_ok=True)
+        code = run_agent(
+            run_dir,
+            nproc_per_node=layout["tp"] * layout["pp"] * layout["dp"],
+            max_restarts=int(plan.get("run", {}).get("max_restarts", 3)),
+        )
+        if run_dir.preempted_marker.exists():
+            raise _Preempted()
+        if code != 0 or not run_dir.eval.exists():
+            raise RuntimeError(f"training failed (agent exit code {code})\n{last_rank_errors(run_dir)}")
+
+    try:
+        stages.run("train", key=settings_key(plan=plan), outputs=[run_dir.eval], work=train_work)
+    except _Preempted:
+        return "preempted"
+
+    def export_work(progress: Any) -> None:
+        from appliance.eval.export import export_run
+
+        export_run(run_dir, run_dir.export)
+
+    stages.run("export", key=settings_key(eval=fingerprint([run_dir.eval])), outputs=[run_dir.export], work=export_work)
+    return "done"
+
+
+class _Preempted(Exception):
+    pass
+
+
+def write_summary(run_dir: RunDir, stages: Stages, started: float, *, state: str) -> dict[str, Any]:
+    from appliance.monitor.summary import summarize
+
+    summary = summarize(run_dir, state=state, wall_seconds=time.time() - started, stage_seconds=stages.seconds())
+    write_atomic(run_dir.summary, json.dumps(summary, indent=1, ensure_ascii=False).encode())
+    return summary

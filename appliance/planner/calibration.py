@@ -1,0 +1,84 @@
+"""The cost model's tunable constants, each with where it comes from. Facts about hardware live in
+appliance/hardware/specs.py; this file holds what we assume or fitted on top of them.
+
+The A100 numbers are fitted once against BLOOM-176B's published run (presets/reference/bloom-176b-jean-zay.toml:
+TP4 PP12 DP8, micro-batch 2, global batch 2048, full recompute on 384 A100-80GB: 104.7 s per step, 149.8
+TFLOPs per GPU, about 60 GB per GPU). Other GPU families scale from them as stated below, and the CPU rate was
+measured with a tiny BLOOM block on one core of a 2-core AMD EPYC laptop-class VM (37 GFLOP/s at hidden 128,
+54 GFLOP/s at hidden 256).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    gemm: float  # fraction of the dense peak a large, well-shaped GEMM reaches in training
+    gemm_half_width: float  # GEMM width (smallest dimension) at which the rate halves: eff = gemm * n / (n + this)
+    attention: float  # the batched QK^T / AV products relative to `gemm` at head_dim 128 (smaller K, ALiBi bias)
+    memory: float  # fraction of the memory bandwidth elementwise kernels reach
+
+
+# A100: fitted to BLOOM-176B (see the module docstring). H100/H200: training reaches a smaller fraction of their
+# peak than A100 does (cuBLAS bf16 GEMMs run at ~70-75% of 989 TFLOPs against ~85% of 312 on A100; Megatron-LM's
+# published H100 runs sit near 45-50% MFU against 50-55% on A100), so their GEMM efficiency is the A100 figure
+# times 0.85, and they need wider GEMMs to get there. Other GPUs: the A100 figure times 0.9, an assumption.
+A100_EFFICIENCY = Efficiency(gemm=0.76, gemm_half_width=256.0, attention=0.60, memory=0.80)
+EFFICIENCY: dict[str, Efficiency] = {
+    "A100": A100_EFFICIENCY,
+    "H100": Efficiency(gemm=0.65, gemm_half_width=384.0, attention=0.60, memory=0.80),
+    "H200": Efficiency(gemm=0.65, gemm_half_width=384.0, attention=0.60, memory=0.80),
+}
+DEFAULT_GPU_EFFICIENCY = Efficiency(gemm=0.68, gemm_half_width=256.0, attention=0.60, memory=0.75)
+# CPU ranks (fp32, MKL/oneDNN GEMMs): eff = 0.77 * n / (n + 128) reproduces the measured 37 and 54 GFLOP/s per
+# 96 GFLOP/s core at widths 128 and 256; memory streams at the spec's per-core bandwidth.
+CPU_EFFICIENCY = Efficiency(gemm=0.77, gemm_half_width=128.0, attention=0.60, memory=0.80)
+
+# Tensor-core GEMMs lose rate when a per-rank width is not a multiple of 128 (tile quantization): the planner
+# prefers hidden/tp % 128 == 0 and charges this factor otherwise.
+MISALIGNED_GEMM_FACTOR = 0.85
+
+# Elementwise traffic per block and micro-batch in the forward pass, in units of s*b*h elements, read or written
+# (LayerNorms, bias+GeLU, dropouts, residual adds: Korthikanti et al.'s 34 s b h bytes of saved activations
+# counts most of these once): 16 x s b h elements over the full width, plus 8 x s b f / t for the MLP's
+# bias+GeLU on the TP-split width. Backward moves about twice as much.
+ELEMENTWISE_FULL_WIDTH = 16.0
+ELEMENTWISE_SPLIT_FFN = 2.0  # per element of s*b*f/t
+SOFTMAX_BYTES_PER_SCORE = 6.0  # forward: read bf16 scores, write bf16 probabilities, 1-byte dropout mask, and more
+CROSS_ENTROPY_BYTES_PER_LOGIT = 16.0  # fp32 upcast, max, exp, sum, and the gradient written back
+
+# Collectives and point-to-point: NCCL reaches ~80% of the link rate on large messages; each ring step costs a
+# latency. gloo on loopback for CPU ranks: a larger latency.
+LINK_EFFICIENCY = 0.80
+RING_STEP_LATENCY_S = {"nvlink": 8e-6, "pcie": 15e-6, "fabric": 20e-6, "loopback": 60e-6}
+
+# With pp == 1 and ZeRO >= 1, DeepSpeed overlaps the gradient reduce-scatter with the last micro-batch's backward
+# (overlap_comm); this fraction of that backward can hide communication. The pipeline engine reduces after the
+# last backward, so nothing overlaps when pp > 1.
+DP_OVERLAP_FRACTION = 0.8
+
+# Memory beyond the tensors the model counts: CUDA context, cuBLAS workspaces and NCCL communicator buffers
+# (a fixed amount per GPU), and the caching allocator's fragmentation (a fraction of everything allocated).
+# nvidia-smi shows reserved memory, which is what the ~60 GB BLOOM figure is.
+GPU_FIXED_OVERHEAD_GB = 2.5
+CPU_FIXED_OVERHEAD_GB = 0.6  # a Python + torch + DeepSpeed rank process before any tensor
+ALLOCATOR_MARGIN = 0.15
+CPU_RAM_USABLE_FRACTION = 0.8  # leave the rest of RAM to the OS, data loaders and the head process
+
+# Energy: GPUs average this fraction of their board power in steady training; the host (CPUs, RAM, NICs) adds
+# a share per GPU. 0.75 x 400 W + 100 W = 400 W per A100 matches BLOOM's ~0.4 kWh per GPU-hour (Luccioni et
+# al. 2022: 433 MWh over 1.08M GPU-hours).
+GPU_POWER_FRACTION = 0.75
+HOST_WATTS_PER_GPU = 100.0
+DEFAULT_KG_CO2_PER_KWH = 0.4  # a world-average grid (IEA, ~2022); profiles set their own
+
+# Indicative on-demand cloud prices in USD per GPU-hour (mid-2020s list prices, an assumption: set
+# usd_per_gpu_hour in a hardware profile for your own). CPU runs on your own machine cost nothing here.
+USD_PER_GPU_HOUR = {"A100": 2.0, "H100": 3.0, "H200": 3.8, "L40S": 1.0, "A10": 0.75, "L4": 0.7, "V100": 1.0}
+DEFAULT_USD_PER_GPU_HOUR = 1.0
+
+
+def gpu_efficiency(family: str) -> Efficiency:
+    return EFFICIENCY.get(family, DEFAULT_GPU_EFFICIENCY)

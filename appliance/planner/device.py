@@ -1,0 +1,123 @@
+"""What one rank runs on, and the links between ranks, as rates the cost model can divide by.
+
+A rank is a GPU, or on a machine without GPUs a CPU process with its share of the cores (gloo ranks). Ranks are
+laid out TP innermost, then DP, then PP, so a TP group is consecutive ranks and sits inside a node whenever
+tp <= ranks per node.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from appliance.errors import BadInput
+from appliance.hardware.profile import Hardware
+from appliance.hardware.specs import CPU_SPEC, FABRIC_GBPS, GENERIC_GPU, LOOPBACK_GBPS, gpu_spec
+from appliance.planner import calibration as cal
+from appliance.planner.calibration import Efficiency
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Device:
+    kind: str  # "gpu" or "cpu"
+    name: str
+    peak_flops: float  # per rank, FLOP/s (dense bf16/fp16 tensor peak on GPUs, fp32 FMA peak on CPU ranks)
+    memory_bw: float  # per rank, bytes/s
+    capacity_gb: float  # memory a rank may fill, GiB
+    dtype: str  # "bf16", "fp16" or "fp32"
+    efficiency: Efficiency
+    fixed_overhead_gb: float
+    watts: float  # average power per rank while training, host share included
+    ranks_per_node: int
+
+    @property
+    def mixed_precision(self) -> bool:
+        return self.dtype != "fp32"
+
+    @property
+    def act_bytes(self) -> int:
+        return 4 if self.dtype == "fp32" else 2
+
+
+def make_device(hw: Hardware, world_size: int) -> Device:
+    """The per-rank device for `world_size` ranks on this hardware."""
+    if hw.has_gpus:
+        spec = gpu_spec(hw.gpu) or GENERIC_GPU  # detection can meet GPUs the table lacks; make_plan notes it
+        if hw.gpu_memory_gb <= 0:
+            raise BadInput(f"hardware {hw.name or 'profile'}: gpu {hw.gpu!r} has no memory size (gpu_memory_gb)")
+        return Device(
+            kind="gpu",
+            name=spec.name,
+            peak_flops=spec.peak_tflops * 1e12,
+            memory_bw=spec.memory_bw_gbs * 1e9,
+            capacity_gb=hw.gpu_memory_gb,
+            dtype="bf16" if spec.bf16 else "fp16",
+            efficiency=cal.gpu_efficiency(spec.family),
+            fixed_overhead_gb=cal.GPU_FIXED_OVERHEAD_GB,
+            watts=spec.tdp_w * cal.GPU_POWER_FRACTION + cal.HOST_WATTS_PER_GPU,
+            ranks_per_node=hw.gpus_per_node,
+        )
+    ranks_per_node = max(1, math.ceil(world_size / hw.nodes))
+    cores = hw.cpu_cores / ranks_per_node  # fractional when ranks outnumber cores: they time-share
+    return Device(
+        kind="cpu",
+        name=f"CPU rank ({cores:g} cores)",
+        peak_flops=cores * CPU_SPEC.peak_gflops_per_core * 1e9,
+        memory_bw=cores * CPU_SPEC.memory_bw_gbs_per_core * 1e9,
+        capacity_gb=hw.ram_gb * cal.CPU_RAM_USABLE_FRACTION / ranks_per_node,
+        dtype="fp32",
+        efficiency=cal.CPU_EFFICIENCY,
+        fixed_overhead_gb=cal.CPU_FIXED_OVERHEAD_GB,
+        watts=cores * CPU_SPEC.watts_per_core + CPU_SPEC.base_watts / ranks_per_node,
+        ranks_per_node=ranks_per_node,
+    )
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth: float  # bytes/s one rank sees for this traffic
+    latency: float  # seconds per ring step or message
+    kind: str  # "nvlink", "pcie", "loopback", "omnipath", ...
+
+
+def _intra(hw: Hardware) -> Link:
+    kind = hw.intra_node if hw.intra_node in ("nvlink", "pcie") else "loopback"
+    gbps = hw.intra_node_gbps if hw.intra_node_gbps > 0 else LOOPBACK_GBPS
+    return Link(gbps / 8 * 1e9 * cal.LINK_EFFICIENCY, cal.RING_STEP_LATENCY_S[kind], kind)
+
+
+def _inter(hw: Hardware, sharing: float) -> Link:
+    """The fabric as one rank sees it when `sharing` ranks of its node drive the node's ports at once."""
+    gbps = hw.inter_node_gbps if hw.inter_node_gbps > 0 else FABRIC_GBPS["ethernet"]
+    bandwidth = gbps / 8 * 1e9 * cal.LINK_EFFICIENCY / max(1.0, sharing)
+    return Link(min(bandwidth, _intra(hw).bandwidth), cal.RING_STEP_LATENCY_S["fabric"], hw.inter_node)
+
+
+def tp_link(hw: Hardware, device: Device, tp: int) -> Link:
+    if tp <= device.ranks_per_node:
+        return _intra(hw)
+    return _inter(hw, sharing=1.0)  # every rank of the node is in the same TP group: one ring uses the ports
+
+
+def dp_link(hw: Hardware, device: Device, tp: int, dp: int) -> Link:
+    """DP groups are strided by tp. Inside a node when tp*dp ranks fit in one; otherwise each node's ports carry
+    one ring per DP group that has members there (ranks_per_node / members-per-node of them)."""
+    if tp * dp <= device.ranks_per_node:
+        return _intra(hw)
+    members_per_node = max(1, min(dp, device.ranks_per_node // tp))
+    return _inter(hw, sharing=device.ranks_per_node / members_per_node)
+
+
+def pp_link(hw: Hardware, device: Device, tp: int, dp: int, pp: int) -> Link:
+    """Stage boundaries cross nodes unless the whole model replica set fits in one node; then every rank of a
+    boundary node sends at once."""
+    if tp * dp * pp <= device.ranks_per_node:
+        return _intra(hw)
+    return _inter(hw, sharing=min(tp * dp, device.ranks_per_node))
+
+
+def tied_link(hw: Hardware, device: Device, tp: int, dp: int, pp: int) -> Link:
+    """First and last stage sit far apart: across nodes unless everything fits in one."""
+    return pp_link(hw, device, tp, dp, pp)

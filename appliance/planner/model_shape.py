@@ -1,0 +1,226 @@
+"""Model shapes (presets/models/*.toml) with their parameter and FLOP counts.
+
+FLOP conventions (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM", appendix; the formula Megatron-DeepSpeed's throughput log uses):
+- model FLOPs per token = 6 N + 12 L s h, where N = L (4h^2 + 2 h f) + V h are the weights that take part in
+  matrix multiplies (the tied LM head counted once) and 12 L s h is the attention score and context product
+  (QK^T and AV), forward and backward, counted over the full s x s square as Megatron does. MFU uses these.
+- hardware FLOPs add what recomputation runs again: full recompute repeats every block's forward
+  (+2 L (4h^2 + 2hf) + 4 L s h per token), selective recompute repeats the attention core (+4 L s h).
+  With f = 4h and full recompute this is Megatron-DeepSpeed's 96 B s L h^2 (1 + s/(6h) + V/(16 L h)).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+from appliance.errors import BadInput
+from appliance.presets import load_preset
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+VOCAB_PAD_MULTIPLE = 128  # Megatron pads the vocabulary to a multiple of 128 x TP (make-vocab-size-divisible-by)
+
+
+@dataclass(frozen=True)
+class Rampup:
+    """Batch-size ramp-up in samples (Megatron --rampup-batch-size start increment samples)."""
+
+    start: int
+    increment: int
+    samples: int
+
+
+@dataclass(frozen=True)
+class TrainRecipe:
+    """Published training hyperparameters that go with a shape (the [train] table); every field is optional."""
+
+    global_batch_size: int | None = None
+    lr: float | None = None
+    min_lr: float | None = None
+    train_tokens: int | None = None
+    train_samples: int | None = None
+    warmup_samples: int | None = None
+    decay_samples: int | None = None
+    rampup: Rampup | None = None
+    eval_interval: int | None = None
+    eval_samples: int | None = None
+    save_interval: int | None = None
+    seed: int | None = None
+    weight_decay: float | None = None
+    grad_clip: float | None = None
+    adam_beta1: float | None = None
+    adam_beta2: float | None = None
+    adam_eps: float | None = None
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    heads: int
+    vocab_size: int  # as the tokenizer has it; padded_vocab() gives the embedding's row count
+    seq_len: int
+    ffn_hidden: int = 0  # 0 means 4 x hidden
+    name: str = "custom"
+    description: str = ""
+    init_std: float | None = None
+    layer_norm_epsilon: float = 1e-5
+    recipe: TrainRecipe = field(default_factory=TrainRecipe)
+
+    def __post_init__(self) -> None:
+        if self.ffn_hidden == 0:
+            object.__setattr__(self, "ffn_hidden", 4 * self.hidden)
+        for key in ("layers", "hidden", "heads", "vocab_size", "seq_len", "ffn_hidden"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise BadInput(f"model {self.name}: {key} must be a positive integer, got {value!r}")
+        if self.hidden % self.heads:
+            raise BadInput(f"model {self.name}: hidden({self.hidden}) is not divisible by heads({self.heads})")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def padded_vocab(self, tp: int = 1) -> int:
+        """Embedding rows: the vocabulary rounded up to a multiple of 128 x TP so every TP shard is GEMM-friendly."""
+        multiple = VOCAB_PAD_MULTIPLE * tp
+        return math.ceil(self.vocab_size / multiple) * multiple
+
+    def layer_parameters(self) -> int:
+        """One block: QKV (3h^2 + 3h), attention output (h^2 + h), MLP (2hf + f + h), two LayerNorms (4h)."""
+        h, f = self.hidden, self.ffn_hidden
+        return 4 * h * h + 2 * h * f + 9 * h + f
+
+    def embedding_parameters(self, tp: int = 1) -> int:
+        """The tied word embedding / LM head, with the embedding LayerNorm (BLOOM has no position embeddings)."""
+        return self.padded_vocab(tp) * self.hidden + 2 * self.hidden
+
+    def parameters(self, tp: int = 1) -> int:
+        """All parameters: blocks, tied embedding with its LayerNorm, final LayerNorm (BLOOM-176B: 176,247,271,424)."""
+        return self.layers * self.layer_parameters() + self.embedding_parameters(tp) + 2 * self.hidden
+
+    def matmul_parameters(self, tp: int = 1) -> int:
+        """N in '6N': weights used in matrix multiplies (blocks' linear weights and the LM head)."""
+        h, f = self.hidden, self.ffn_hidden
+        return self.layers * (4 * h * h + 2 * h * f) + self.padded_vocab(tp) * h
+
+    def flops_per_token(self, seq_len: int | None = None, *, recompute: str = "none", tp: int = 1) -> float:
+        """Training FLOPs per token. recompute="none" gives model FLOPs (6N + 12 L s h, the MFU convention);
+        "selective" or "full" give hardware FLOPs, which include the recomputed forward work."""
+        if recompute not in RECOMPUTE_MODES:
+            raise BadInput(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}")
+        s = self.seq_len if seq_len is None else seq_len
+        h, f, L = self.hidden, self.ffn_hidden, self.layers
+        flops = 6.0 * self.matmul_parameters(tp) + 12.0 * L * s * h
+        if recompute == "full":
+            flops += 2.0 * L * (4 * h * h + 2 * h * f) + 4.0 * L * s * h
+        elif recompute == "selective":
+            flops += 4.0 * L * s * h
+        return flops
+
+    def with_seq_len(self, seq_len: int | None) -> ModelShape:
+        return self if seq_len is None or seq_len == self.seq_len else replace(self, seq_len=seq_len)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelShape:
+        """The shape of a plan.json "model" object (derived keys such as parameters are ignored)."""
+        values = {f.name: data[f.name] for f in fields(cls) if f.name in data and f.name != "recipe"}
+        recipe = dict(data.get("recipe") or {})
+        if isinstance(recipe.get("rampup"), dict):
+            recipe["rampup"] = Rampup(**recipe["rampup"])
+        return cls(**values, recipe=TrainRecipe(**recipe))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["parameters"] = self.parameters()
+        d["padded_vocab"] = self.padded_vocab()
+        d["recipe"] = {k: v for k, v in d["recipe"].items() if v is not None}
+        return d
+
+
+SHAPE_KEYS = {"layers", "hidden", "heads", "vocab_size", "seq_len"}
+OPTIONAL_KEYS = {"ffn_hidden": int, "name": str, "description": str, "init_std": float, "layer_norm_epsilon": float}
+RECIPE_INT_KEYS = {
+    "global_batch_size",
+    "train_tokens",
+    "train_samples",
+    "warmup_samples",
+    "decay_samples",
+    "eval_interval",
+    "eval_samples",
+    "save_interval",
+    "seed",
+}
+RECIPE_FLOAT_KEYS = {"lr", "min_lr", "weight_decay", "grad_clip", "adam_beta1", "adam_beta2", "adam_eps"}
+
+
+def model_from_table(table: dict[str, Any], source: str) -> ModelShape:
+    """Build a ModelShape from a TOML table; BadInput naming `source` and the key on any problem."""
+    allowed = SHAPE_KEYS | set(OPTIONAL_KEYS) | {"train"}
+    for key in table:
+        if key not in allowed:
+            raise BadInput(f"{source}: unknown key {key!r} (allowed: {', '.join(sorted(allowed))})")
+    for key in sorted(SHAPE_KEYS):
+        if key not in table:
+            raise BadInput(f"{source}: missing key {key!r}")
+        if not _is_int(table[key]) or table[key] < 1:
+            raise BadInput(f"{source}: key {key!r} must be a positive integer, got {table[key]!r}")
+    values: dict[str, Any] = {k: table[k] for k in SHAPE_KEYS}
+    for key, kind in OPTIONAL_KEYS.items():
+        if key not in table:
+            continue
+        value = table[key]
+        ok = _is_int(value) and value > 0 if kind is int else isinstance(value, str) if kind is str else _is_num(value)
+        if not ok:
+            raise BadInput(f"{source}: key {key!r} has a bad value {value!r}")
+        values[key] = float(value) if kind is float else value
+    values["recipe"] = _recipe(table.get("train", {}), source)
+    try:
+        return ModelShape(**values)
+    except BadInput as e:
+        raise BadInput(f"{source}: {e}") from e
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_num(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _recipe(table: Any, source: str) -> TrainRecipe:
+    if not isinstance(table, dict):
+        raise BadInput(f"{source}: [train] must be a table")
+    values: dict[str, Any] = {}
+    for key, value in table.items():
+        where = f"{source}: [train] {key}"
+        if key in RECIPE_INT_KEYS:
+            if not _is_int(value) or value < 0:
+                raise BadInput(f"{where} must be a non-negative integer, got {value!r}")
+            values[key] = value
+        elif key in RECIPE_FLOAT_KEYS:
+            if not _is_num(value) or value < 0:
+                raise BadInput(f"{where} must be a non-negative number, got {value!r}")
+            values[key] = float(value)
+        elif key == "rampup":
+            if not isinstance(value, dict) or set(value) != {"start", "increment", "samples"}:
+                raise BadInput(f"{where} must be {{start, increment, samples}}, got {value!r}")
+            if not all(_is_int(v) and v > 0 for v in value.values()):
+                raise BadInput(f"{where}: start, increment and samples must be positive integers")
+            values[key] = Rampup(**value)
+        else:
+            known = ", ".join(sorted(RECIPE_INT_KEYS | RECIPE_FLOAT_KEYS | {"rampup"}))
+            raise BadInput(f"{source}: unknown key {key!r} in [train] (allowed: {known})")
+    if "train_tokens" in values and "train_samples" in values:
+        raise BadInput(f"{source}: [train] sets both train_tokens and train_samples; keep one")
+    return TrainRecipe(**values)
+
+
+def load_model_shape(name_or_path: str) -> ModelShape:
+    """A model shape from a preset name (presets/models/NAME.toml, e.g. "bloom-1b7") or a TOML file path."""
+    path, table = load_preset("models", name_or_path)
+    table.setdefault("name", path.stem)
+    return model_from_table(table, str(path))

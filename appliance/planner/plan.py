@@ -1,0 +1,285 @@
+"""make_plan: hardware (+ model, batch, layout) -> Plan, the object plan.json serializes."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from appliance.errors import BadInput
+from appliance.hardware.profile import Hardware
+from appliance.hardware.specs import GENERIC_GPU, gpu_spec
+from appliance.planner.device import Device, make_device
+from appliance.planner.ladder import DEFAULT_TIME_BUDGET_DAYS, choose_model
+from appliance.planner.layout import Layout, pipeline_partition
+from appliance.planner.memory import MemoryEstimate
+from appliance.planner.model_shape import ModelShape
+from appliance.planner.recipe import default_global_batch_size, run_estimate, train_section
+from appliance.planner.search import Evaluated, SearchResult, evaluate, search_layouts
+from appliance.planner.timing import StepTime
+
+MAX_REJECTED_PER_KIND = 6
+
+CONVENTIONS = {
+    "model_flops": "6N + 12*L*s*h per token (Narayanan et al. 2021): N = weights in matrix multiplies, the tied LM"
+    " head once; attention scores over the full s x s square. mfu and model_tflops_per_gpu use these.",
+    "hardware_flops": "model FLOPs plus recomputed work (full: every block's forward again; selective: the"
+    " attention core again), as Megatron-DeepSpeed's throughput log counts them. tflops_per_gpu uses these.",
+    "peak": "dense (no sparsity) bf16 tensor-core peak from the GPU specs table; fp32 FMA peak for CPU ranks",
+    "memory_gb": "GiB (2^30 bytes, as nvidia-smi's MiB / 1024) on the fullest pipeline stage, allocator margin and"
+    " fixed per-process overhead included",
+    "train_units": "train/warmup/decay/rampup counted in samples; eval_interval and save_interval in steps",
+    "communication": "bytes sent per rank and step, as ring all-reduce / reduce-scatter / all-gather send them",
+}
+
+
+@dataclass
+class Plan:
+    hardware: Hardware
+    model: ModelShape
+    layout: Layout
+    feasible: bool
+    memory: MemoryEstimate
+    time: StepTime
+    device: Device
+    mode: str  # "searched" or "given"
+    reasons: list[str] = field(default_factory=list)  # why it cannot run (empty when feasible)
+    rejected: list[dict[str, Any]] = field(default_factory=list)
+    rejected_counts: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    model_choice: list[str] = field(default_factory=list)  # the ladder's reasoning when no model was named
+    train: dict[str, Any] = field(default_factory=dict)
+    run: dict[str, Any] = field(default_factory=dict)
+    candidates: int = 0
+    search_seconds: float = 0.0
+
+    @property
+    def estimate(self) -> dict[str, float]:
+        lay, model = self.layout, self.model
+        tokens = lay.global_batch_size * model.seq_len
+        step, world = self.time.total_s, lay.world_size
+        model_flops = model.flops_per_token() * tokens
+        hardware_flops = model.flops_per_token(recompute=lay.recompute, tp=lay.tp) * tokens
+        return {
+            "memory_gb_per_gpu": self.memory.total_gb,
+            "memory_capacity_gb": self.memory.capacity_gb,
+            "step_time_s": step,
+            "tflops_per_gpu": hardware_flops / (step * world) / 1e12,
+            "model_tflops_per_gpu": model_flops / (step * world) / 1e12,
+            "mfu": model_flops / (step * world * self.device.peak_flops),
+            "hfu": hardware_flops / (step * world * self.device.peak_flops),
+            "tokens_per_s": tokens / step,
+            "samples_per_s": lay.global_batch_size / step,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        layout: dict[str, Any] = dict(self.layout.to_dict())
+        partition = pipeline_partition(self.model.layers, self.layout.pp)
+        layout.update(
+            world_size=self.layout.world_size,
+            micro_batches=self.layout.micro_batches,
+            partition_method=partition.method,
+            layers_per_stage=list(partition.layers_per_stage),
+            padded_vocab=self.model.padded_vocab(self.layout.tp),
+        )
+        return {
+            "hardware": self.hardware.to_dict(),
+            "model": self.model.to_dict(),
+            "layout": layout,
+            "estimate": self.estimate,
+            "feasible": self.feasible,
+            "reasons": list(self.reasons),
+            "rejected": list(self.rejected),
+            "rejected_counts": dict(self.rejected_counts),
+            "memory_breakdown_gb": dict(self.memory.breakdown_gb),
+            "memory_stage": self.memory.stage,
+            "in_flight_micro_batches": self.memory.in_flight,
+            "time_breakdown_s": dict(self.time.breakdown_s),
+            "bottleneck_stage": self.time.bottleneck_stage,
+            "device": {
+                "kind": self.device.kind,
+                "name": self.device.name,
+                "dtype": self.device.dtype,
+                "peak_tflops": self.device.peak_flops / 1e12,
+            },
+            "conventions": dict(CONVENTIONS),
+            "mode": self.mode,
+            "candidates": self.candidates,
+            "search_seconds": self.search_seconds,
+            "notes": list(self.notes),
+            "model_choice": list(self.model_choice),
+            "train": dict(self.train),
+            "run": dict(self.run),
+        }
+
+
+def _world_for(hardware: Hardware, layout: Layout) -> int:
+    """GPUs in the allocation; on CPU the layout's own rank count (ranks are processes there)."""
+    return hardware.world_gpus if hardware.has_gpus else layout.world_size
+
+
+def _resolve_batch(layout: Layout | None, requested: int | None, default: int) -> int:
+    if layout is not None and layout.global_batch_size:
+        if requested and requested != layout.global_batch_size:
+            raise BadInput(f"--global-batch-size {requested} contradicts gbs={layout.global_batch_size} in --layout")
+        return layout.global_batch_size
+    gbs = requested or default
+    if gbs < 1:
+        raise BadInput(f"--global-batch-size must be a positive integer, got {gbs}")
+    return gbs
+
+
+def _rejections(result: SearchResult, best: Evaluated | None) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """The alternatives worth showing: hard-constraint failures, faster layouts that do not fit, and the best of
+    the layouts that fit but run slower (one per tp/pp/dp/mbs/recompute combination)."""
+    out: list[dict[str, Any]] = [{"layout": w, "reason": r} for w, r in result.constraint_rejections]
+    out = out[:MAX_REJECTED_PER_KIND]
+    infeasible = sorted((e for e in result.evaluated if not e.feasible), key=Evaluated.rank_key)
+    feasible = sorted((e for e in result.evaluated if e.feasible and e is not best), key=Evaluated.rank_key)
+    best_time = best.time.total_s if best else float("inf")
+    seen: set[tuple[Any, ...]] = set()
+    shown = 0
+    for e in infeasible:
+        if e.time.total_s >= best_time or shown >= MAX_REJECTED_PER_KIND:
+            break
+        key = (e.layout.tp, e.layout.pp, e.layout.dp, e.layout.micro_batch_size, e.layout.recompute)
+        if key not in seen:
+            seen.add(key)
+            shown += 1
+            out.append({"layout": e.layout.to_dict(), "reason": "; ".join(e.problems)})
+    shown = 0
+    for e in feasible:
+        key = (e.layout.tp, e.layout.pp, e.layout.dp, e.layout.micro_batch_size, e.layout.recompute)
+        if key in seen or shown >= MAX_REJECTED_PER_KIND:
+            continue
+        seen.add(key)
+        shown += 1
+        slower = (e.time.total_s / best_time - 1) * 100
+        out.append(
+            {
+                "layout": e.layout.to_dict(),
+                "reason": f"fits, but predicted {slower:.1f}% slower"
+                f" ({e.time.total_s:.3g} s vs {best_time:.3g} s per step)",
+            }
+        )
+    memory = sum(1 for e in infeasible if any(p.startswith("needs ") for p in e.problems))
+    counts = {
+        "constraint": len(result.constraint_rejections) + len(infeasible) - memory,
+        "memory": memory,
+        "slower": len(feasible),
+    }
+    return out, counts
+
+
+def make_plan(
+    hardware: Hardware,
+    model: ModelShape | None = None,
+    *,
+    global_batch_size: int | None = None,
+    seq_len: int | None = None,
+    layout: Layout | None = None,
+    train_tokens: int | None = None,
+    time_budget_days: float = DEFAULT_TIME_BUDGET_DAYS,
+) -> Plan:
+    """Plan a run: with `layout`, evaluate it (BadInput if it does not match the hardware or model; feasible=False
+    with reasons if it cannot run); without, search for the fastest feasible layout. With model=None, the ladder
+    picks the largest BLOOM shape that trains within the token and time budget."""
+    started = time.perf_counter()
+    if seq_len is not None and seq_len < 1:
+        raise BadInput(f"--seq-len must be a positive integer, got {seq_len}")
+    choice_lines: list[str] = []
+    search: SearchResult | None = None
+    if model is None:
+        choice = choose_model(
+            hardware,
+            global_batch_size=global_batch_size,
+            seq_len=seq_len,
+            train_tokens=train_tokens,
+            time_budget_days=time_budget_days,
+        )
+        model, choice_lines = choice.model, choice.lines
+        search = choice.search if layout is None else None  # same model, batch and sequence: reuse it
+    model = model.with_seq_len(seq_len)
+    gbs = _resolve_batch(layout, global_batch_size, default_global_batch_size(model, hardware))
+    notes: list[str] = []
+    if hardware.has_gpus and gpu_spec(hardware.gpu) is None:
+        notes.append(
+            f"GPU {hardware.gpu!r} is not in the specs table: planned as a generic {GENERIC_GPU.peak_tflops:g}-TFLOPs,"
+            f" {GENERIC_GPU.memory_bw_gbs:g} GB/s GPU with {hardware.gpu_memory_gb:g} GB"
+        )
+    if hardware.has_gpus and model.hidden % 128:
+        notes.append(f"hidden({model.hidden}) is not a multiple of 128: tensor-core GEMMs lose some rate")
+
+    if layout is not None:
+        chosen, device, rejected, counts = _evaluate_given(hardware, model, layout, gbs, notes)
+        mode, candidates = "given", 1
+    else:
+        search = search or search_layouts(hardware, model, gbs)
+        chosen, device, rejected, counts = _pick_searched(hardware, model, gbs, search, notes)
+        mode, candidates = "searched", search.candidates
+    layout = chosen.layout
+
+    train = train_section(model, layout, device, chosen.time.total_s, train_tokens=train_tokens, notes=notes)
+    run = run_estimate(hardware, device, layout, chosen.time.total_s, train["steps"])
+    return Plan(
+        hardware=hardware,
+        model=model,
+        layout=layout,
+        feasible=chosen.feasible,
+        memory=chosen.memory,
+        time=chosen.time,
+        device=device,
+        mode=mode,
+        reasons=list(chosen.problems),
+        rejected=rejected,
+        rejected_counts=counts,
+        notes=notes,
+        model_choice=choice_lines,
+        train=train,
+        run=run,
+        candidates=candidates,
+        search_seconds=time.perf_counter() - started,
+    )
+
+
+Outcome = tuple[Evaluated, Device, list[dict[str, Any]], dict[str, int]]
+
+
+def _evaluate_given(hardware: Hardware, model: ModelShape, layout: Layout, gbs: int, notes: list[str]) -> Outcome:
+    """`plan --layout`: shape errors are bad input; a layout that cannot run is a plan with feasible=False."""
+    world = _world_for(hardware, layout)
+    layout.validate(world, model.heads, model.layers)
+    if not layout.global_batch_size:
+        layout = replace(layout, global_batch_size=gbs)
+    device = make_device(hardware, world)
+    chosen = evaluate(layout, model, hardware, device)
+    rejected = [] if chosen.feasible else [{"layout": layout.to_dict(), "reason": "; ".join(chosen.problems)}]
+    if hardware.has_gpus and layout.tp > hardware.gpus_per_node:
+        notes.append(f"tp({layout.tp}) spans nodes: its all-reduces run over {hardware.inter_node}")
+    cores = hardware.cpu_cores * hardware.nodes
+    if not hardware.has_gpus and layout.world_size > cores:
+        notes.append(f"{layout.world_size} ranks share {cores} cores: they time-share")
+    return chosen, device, rejected, {"constraint": 0, "memory": 0, "slower": 0}
+
+
+def _pick_searched(hardware: Hardware, model: ModelShape, gbs: int, search: SearchResult, notes: list[str]) -> Outcome:
+    """The search's best; when nothing fits, the leanest candidate, so the plan shows why."""
+    if search.best is not None:
+        chosen = search.best
+        notes.insert(0, _why(chosen, search))
+    elif search.evaluated:
+        chosen = min(search.evaluated, key=lambda e: e.memory.total_gb)
+        notes.insert(0, f"none of {search.candidates} layouts fits; showing the leanest")
+    else:
+        reasons = "; ".join(r for _, r in search.constraint_rejections) or "no candidate layouts"
+        raise BadInput(f"no layout can run {model.name} at global batch {gbs} on {hardware.name}: {reasons}")
+    rejected, counts = _rejections(search, search.best)
+    return chosen, make_device(hardware, chosen.layout.world_size), rejected, counts
+
+
+def _why(best: Evaluated, search: SearchResult) -> str:
+    fits = sum(1 for e in search.evaluated if e.feasible)
+    return (
+        f"fastest predicted of {fits} layouts that fit ({search.candidates} evaluated): {best.layout.describe()}"
+        f" at {best.time.total_s:.3g} s per step, {best.memory.total_gb:.1f} of {best.memory.capacity_gb:g} GB"
+    )

@@ -1,0 +1,138 @@
+"""Search over TP (inside a node), PP, DP, micro-batch, ZeRO stage, recompute and sequence parallelism for the
+feasible layout with the best predicted step time; keep why each alternative lost.
+
+A candidate is rejected for a hard constraint (heads % tp, pipeline balance, batch divisibility, fused-softmax
+shape limits), for memory (it does not fit), or for speed (it fits but is slower). Ties go to the simpler layout:
+lower ZeRO stage, less recompute, no sequence parallelism, smaller TP and PP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from appliance.hardware.profile import Hardware
+from appliance.planner.device import Device, make_device
+from appliance.planner.layout import Layout, fused_softmax_error, partition_error
+from appliance.planner.memory import MemoryEstimate, memory_for_device
+from appliance.planner.model_shape import RECOMPUTE_MODES, ModelShape
+from appliance.planner.timing import StepTime, step_time_for_device
+
+MAX_MICRO_BATCH = 64
+CPU_RANKS_PER_NODE = 2  # the CPU smoke run: data parallel over 2 gloo ranks whenever there are 2+ cores
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    layout: Layout
+    memory: MemoryEstimate
+    time: StepTime
+    problems: tuple[str, ...] = ()  # hard-constraint or memory reasons; empty when feasible
+
+    @property
+    def feasible(self) -> bool:
+        return not self.problems
+
+    def rank_key(self) -> tuple[float, ...]:
+        lay = self.layout
+        return (
+            round(self.time.total_s, 9),
+            lay.zero_stage,
+            RECOMPUTE_MODES.index(lay.recompute),
+            int(lay.sequence_parallel),
+            lay.tp,
+            lay.pp,
+            self.memory.total_gb,
+        )
+
+
+@dataclass
+class SearchResult:
+    best: Evaluated | None
+    evaluated: list[Evaluated] = field(default_factory=list)
+    constraint_rejections: list[tuple[dict[str, int], str]] = field(default_factory=list)
+    candidates: int = 0
+
+
+def evaluate(layout: Layout, model: ModelShape, hardware: Hardware, device: Device | None = None) -> Evaluated:
+    """Memory, time and any reason the layout cannot run (the shape checks of Layout.validate are the caller's)."""
+    device = device or make_device(hardware, layout.world_size)
+    memory = memory_for_device(layout, model, device)
+    time = step_time_for_device(layout, model, device, hardware)
+    problems = []
+    if device.kind == "gpu":
+        softmax = fused_softmax_error(model.seq_len, model.heads, layout.tp, layout.micro_batch_size)
+        if softmax:
+            problems.append(softmax)
+    if not memory.fits:
+        unit = "GPU" if device.kind == "gpu" else "rank"
+        problems.append(
+            f"needs {memory.total_gb:.1f} GB per {unit} (stage {memory.stage}) > {memory.capacity_gb:.1f} GB available"
+        )
+    return Evaluated(layout, memory, time, tuple(problems))
+
+
+def world_size_for(hardware: Hardware) -> int:
+    """GPUs in the allocation, or CPU ranks: min(2, cores) per node."""
+    if hardware.has_gpus:
+        return hardware.world_gpus
+    return hardware.nodes * min(CPU_RANKS_PER_NODE, hardware.cpu_cores)
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    out, v = [], 1
+    while v <= limit:
+        out.append(v)
+        v *= 2
+    return out
+
+
+def search_layouts(hardware: Hardware, model: ModelShape, global_batch_size: int) -> SearchResult:
+    """Every candidate layout for `model` at `global_batch_size` on `hardware`, the best feasible one first."""
+    world = world_size_for(hardware)
+    device = make_device(hardware, world)
+    result = SearchResult(best=None)
+    gbs = global_batch_size
+    if hardware.has_gpus:
+        tps = _powers_of_two(hardware.gpus_per_node)
+        recomputes: tuple[str, ...] = RECOMPUTE_MODES
+        zeros: tuple[int, ...] = (0, 1, 2)
+    else:
+        # CPU ranks: data parallel only (the smoke run's layout), plain gradient all-reduce: gloo has no
+        # reduce-scatter and ZeRO's overlap needs CUDA streams. Recompute stays available for big shapes.
+        tps = [1]
+        recomputes, zeros = RECOMPUTE_MODES, (0,)
+    seen_reasons: set[str] = set()
+
+    def reject(where: dict[str, int], reason: str) -> None:
+        if reason not in seen_reasons:
+            seen_reasons.add(reason)
+            result.constraint_rejections.append((where, reason))
+
+    for tp in tps:
+        if model.heads % tp:
+            reject({"tp": tp}, f"heads({model.heads}) is not divisible by tp({tp})")
+            continue
+        pps = [p for p in range(1, world // tp + 1) if (world // tp) % p == 0] if hardware.has_gpus else [1]
+        for pp in pps:
+            if world % (tp * pp):
+                continue
+            problem = partition_error(model.layers, pp)
+            if problem:
+                reject({"tp": tp, "pp": pp}, problem)
+                continue
+            dp = world // (tp * pp)
+            if gbs % dp:
+                reject({"tp": tp, "pp": pp, "dp": dp}, f"global batch({gbs}) is not divisible by dp({dp})")
+                continue
+            for mbs in _powers_of_two(min(MAX_MICRO_BATCH, gbs // dp)):
+                if gbs % (mbs * dp):
+                    continue
+                for recompute in recomputes:
+                    for sp in (False, True) if tp > 1 else (False,):
+                        for zero in zeros if dp > 1 else (0,):
+                            layout = Layout(tp, pp, dp, mbs, gbs, zero, recompute, sp)
+                            result.candidates += 1
+                            result.evaluated.append(evaluate(layout, model, hardware, device))
+    feasible = [e for e in result.evaluated if e.feasible]
+    result.best = min(feasible, key=Evaluated.rank_key) if feasible else None
+    return result

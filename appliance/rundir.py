@@ -1,0 +1,97 @@
+"""The run directory's layout (design.md, "Run directory"). Every stage reads its paths from here."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RunDir:
+    root: Path
+
+    @property
+    def plan(self) -> Path:
+        return self.root / "plan.json"
+
+    @property
+    def corpus(self) -> Path:
+        return self.root / "corpus"
+
+    @property
+    def tokenizer(self) -> Path:
+        return self.root / "tokenizer"
+
+    @property
+    def tokenizer_json(self) -> Path:
+        return self.tokenizer / "tokenizer.json"
+
+    @property
+    def data(self) -> Path:
+        return self.root / "data"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def eval(self) -> Path:
+        return self.root / "eval.json"
+
+    @property
+    def summary(self) -> Path:
+        return self.root / "summary.json"
+
+    @property
+    def export(self) -> Path:
+        return self.root / "export"
+
+    @property
+    def manifest(self) -> Path:
+        """Completed stages with the content hashes of their outputs (rerunning skips them)."""
+        return self.root / "stages.json"
+
+    # Control files: the dashboard (or an operator with `touch`) creates them, the trainer polls and removes them.
+    @property
+    def control(self) -> Path:
+        return self.root / "control"
+
+    @property
+    def request_checkpoint(self) -> Path:
+        return self.control / "checkpoint"
+
+    @property
+    def request_stop(self) -> Path:
+        """Save a checkpoint, then exit with the "preempted" code (BigScience's kill switch)."""
+        return self.control / "save-and-exit"
+
+    @property
+    def preempted_marker(self) -> Path:
+        """Written by rank 0 after a stop request and a complete checkpoint. Ranks then exit 0 so the elastic
+        agent does not restart them; the head process turns the marker into the "preempted" exit code."""
+        return self.control / "preempted"
+
+    @property
+    def logs(self) -> Path:
+        """Per-rank stdout/stderr, as the elastic agent redirects them."""
+        return self.root / "logs"
+
+    def make(self) -> RunDir:
+        for d in (self.root, self.control):
+            d.mkdir(parents=True, exist_ok=True, mode=0o750)
+        return self
+
+
+def point_latest(runs_root: Path, run: Path) -> None:
+    """Atomically repoint runs/latest at `run` (a relative symlink, replaced by rename)."""
+    link = runs_root / "latest"
+    tmp = runs_root / f".latest.{os.getpid()}"
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    os.symlink(os.path.relpath(run, runs_root), tmp)
+    os.replace(tmp, link)

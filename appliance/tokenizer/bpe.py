@@ -1,0 +1,210 @@
+"""BLOOM's tokenizer recipe with Hugging Face `tokenizers`: byte-level BPE on a language-balanced sample.
+
+The pipeline is BLOOM's tokenizer.json: no normalizer (text is never changed, so decoding restores it exactly);
+pre-tokenizer Sequence[Split(BLOOM's regex, isolated), ByteLevel(add_prefix_space=False, use_regex=False)];
+BPE over the 256 byte symbols (every UTF-8 string is encodable, no <unk> ever comes out); ByteLevel decoder.
+Ids 0-3 are <unk> <s> </s> <pad>, then the placeholders, then the learned merges, then padding placeholders up
+to a multiple of 128 x TP (vocab.py explains why the tokenizer, not only the model, is padded).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from appliance.data.tokenize_corpus import iter_corpus
+from appliance.errors import BadInput
+from appliance.tokenizer.fertility import fertility_report
+from appliance.tokenizer.vocab import (
+    BLOOM_SPLIT_REGEX,
+    SPECIAL_TOKENS,
+    default_placeholder_count,
+    pad_with_placeholders,
+    placeholder,
+)
+
+ProgressFn = Callable[[float, str], None]
+# One document in 10 (a seeded draw) is held out to measure fertility, up to 256 KiB per language:
+# enough words for a stable tokens-per-word figure, small enough to encode in a blink.
+HELD_OUT_SHARE = 0.1
+HELD_OUT_CAP_BYTES = 256 * 1024
+# Ceiling of the default per-language cap, so a large corpus's sample stays in memory (BPE training holds its
+# word counts anyway): 64 MiB x 46 languages (ROOTS) is ~3 GB of text. Pass sample_bytes_per_lang to go beyond.
+DEFAULT_CAP_CEILING_BYTES = 64 * 1024 * 1024
+BYTE_ALPHABET = 256
+
+
+def bloom_tokenizer() -> Tokenizer:
+    """An untrained tokenizer with BLOOM's pipeline."""
+    tokenizer = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(BLOOM_SPLIT_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, placeholders: int) -> Tokenizer:
+    """Train BLOOM's pipeline to vocab_size entries, counting the 4 special tokens and the placeholders."""
+    tokenizer = bloom_tokenizer()
+    specials = [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
+    specials += [AddedToken(placeholder(i), special=True, normalized=False) for i in range(placeholders)]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return tokenizer
+
+
+@dataclass
+class LanguageSample:
+    """One language's share of the tokenizer corpus."""
+
+    corpus_bytes: int = 0
+    train: list[str] = field(default_factory=list)
+    held_out: list[str] = field(default_factory=list)
+    train_bytes: int = 0
+    held_out_bytes: int = 0
+
+
+def language_sample(corpus_dir: Path, cap_bytes_per_lang: int | None, seed: int) -> dict[str, LanguageSample]:
+    """A language-balanced, deterministic sample: at most ~cap UTF-8 bytes of training text per language.
+
+    Two streaming passes: the first counts each language's bytes, the second keeps each document with
+    probability cap / language bytes (a seeded draw per document, in corpus order), so large languages are
+    thinned evenly across all shards instead of cut after their first shard. cap=None caps every language at
+    the median language's size (at most 64 MiB): small languages keep everything, large ones come down to the
+    middle.
+    """
+    samples: dict[str, LanguageSample] = {}
+    for lang, text, _ in iter_corpus(corpus_dir):
+        samples.setdefault(lang, LanguageSample()).corpus_bytes += len(text.encode("utf-8"))
+    if not samples:
+        raise BadInput(f"{corpus_dir}: the corpus holds no documents to train a tokenizer on")
+    cap = cap_bytes_per_lang
+    if cap is None:
+        median = statistics.median_high(s.corpus_bytes for s in samples.values())
+        cap = min(int(median), DEFAULT_CAP_CEILING_BYTES)
+    if cap <= 0:
+        raise BadInput(f"sample_bytes_per_lang must be positive, got {cap}")
+    keep = {lang: min(1.0, cap / max(1, s.corpus_bytes)) for lang, s in samples.items()}
+
+    rng = random.Random(seed)
+    for lang, text, _ in iter_corpus(corpus_dir):
+        sample, nbytes = samples[lang], len(text.encode("utf-8"))
+        held_draw, keep_draw = rng.random(), rng.random()  # two draws per document, always, for determinism
+        if held_draw < HELD_OUT_SHARE and sample.held_out_bytes < HELD_OUT_CAP_BYTES:
+            sample.held_out.append(text)
+            sample.held_out_bytes += nbytes
+        elif keep_draw < keep[lang]:
+            sample.train.append(text)
+            sample.train_bytes += nbytes
+    for sample in samples.values():
+        if not sample.train:  # a language of a handful of documents: train on all of it
+            sample.train, sample.held_out = sample.held_out, []
+            sample.train_bytes, sample.held_out_bytes = sample.held_out_bytes, 0
+    return dict(sorted(samples.items()))
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _transformers_config() -> dict[str, object]:
+    """tokenizer_config.json, so AutoTokenizer.from_pretrained(out_dir) knows BLOOM's special tokens too."""
+    unk, bos, eos, pad = SPECIAL_TOKENS
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": unk,
+        "bos_token": bos,
+        "eos_token": eos,
+        "pad_token": pad,
+        "clean_up_tokenization_spaces": False,  # would turn " ." into "." and break the exact round trip
+    }
+
+
+def train_tokenizer(
+    corpus_dir: Path,
+    out_dir: Path,
+    *,
+    vocab_size: int,
+    tp_size: int = 1,
+    placeholder_tokens: int | None = None,
+    sample_bytes_per_lang: int | None = None,
+    seed: int = 0,
+    on_progress: ProgressFn | None = None,
+) -> Path:
+    """Train BLOOM's tokenizer on corpus_dir; write out_dir/tokenizer.json and fertility.json.
+
+    vocab_size counts what is trained: the 4 special tokens, the placeholders and the learned entries (BLOOM:
+    250,680). The saved tokenizer is then padded with placeholders to padded_vocab_size(vocab_size, tp_size),
+    the embedding's row count (also when the corpus is too small to learn vocab_size entries, so the model
+    shape follows from the arguments alone). placeholder_tokens=None takes BLOOM's share (200 of 250,680, at least 8).
+    on_progress(fraction, message) reports the stages. Returns the tokenizer.json path.
+    """
+    corpus_dir, out_dir = Path(corpus_dir), Path(out_dir)
+    placeholders = default_placeholder_count(vocab_size) if placeholder_tokens is None else placeholder_tokens
+    if placeholders < 0:
+        raise BadInput(f"placeholder_tokens must be at least 0, got {placeholders}")
+    if tp_size < 1:
+        raise BadInput(f"tp_size must be at least 1, got {tp_size}")
+    floor = len(SPECIAL_TOKENS) + placeholders + BYTE_ALPHABET
+    if vocab_size <= floor:
+        raise BadInput(
+            f"--vocab-size {vocab_size} is too small: {len(SPECIAL_TOKENS)} special + {placeholders} placeholder "
+            f"+ {BYTE_ALPHABET} byte tokens leave no room for merges"
+        )
+
+    def progress(fraction: float, message: str) -> None:
+        if on_progress is not None:
+            on_progress(fraction, message)
+
+    progress(0.0, "sampling the corpus per language")
+    samples = language_sample(corpus_dir, sample_bytes_per_lang, seed)
+    progress(0.1, f"training a {vocab_size}-entry BPE on {len(samples)} languages")
+    tokenizer = train_bpe((t for s in samples.values() for t in s.train), vocab_size, placeholders)
+    trained = tokenizer.get_vocab_size(with_added_tokens=True)
+    padded = pad_with_placeholders(tokenizer, tp_size, at_least=vocab_size)
+
+    # Fertility: the same recipe and vocabulary size, trained on one language alone, for every language.
+    monolingual: dict[str, Tokenizer] = {}
+    for i, (lang, sample) in enumerate(samples.items()):
+        progress(0.4 + 0.55 * i / len(samples), f"training the {lang}-only reference tokenizer")
+        monolingual[lang] = train_bpe(sample.train, vocab_size, placeholders)
+    held_out = {lang: s.held_out or s.train for lang, s in samples.items()}
+    in_sample = {lang for lang, s in samples.items() if not s.held_out}
+    report = fertility_report(tokenizer, monolingual, held_out, in_sample=in_sample)
+    report["tokenizer"] = {
+        "vocab_size_requested": vocab_size,
+        "vocab_size_trained": trained,
+        "vocab_size_padded": padded,
+        "tp_size": tp_size,
+        "placeholder_tokens": placeholders,
+        "seed": seed,
+        "sample_bytes_per_lang": {lang: s.train_bytes for lang, s in samples.items()},
+        "corpus_bytes_per_lang": {lang: s.corpus_bytes for lang, s in samples.items()},
+    }
+    # tokenizer.json last: its presence means the stage finished.
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_atomic(out_dir / "fertility.json", json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    _write_atomic(out_dir / "tokenizer_config.json", json.dumps(_transformers_config(), indent=2) + "\n")
+    tokenizer_json = out_dir / "tokenizer.json"
+    _write_atomic(tokenizer_json, tokenizer.to_str(pretty=True))
+    progress(1.0, f"tokenizer: {padded} entries, fertility checked on {len(samples)} languages")
+    return tokenizer_json

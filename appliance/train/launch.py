@@ -1,0 +1,79 @@
+"""Starts the training ranks through PyTorch's elastic agent (torch.distributed.run).
+
+The agent restarts the whole worker group when a rank dies (--max-restarts), and the workers resume from the
+newest valid checkpoint. On one node it runs with a standalone rendezvous on loopback; under SLURM each node runs
+the same agent with a shared c10d rendezvous on the first node (see appliance/train/slurm.py).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from appliance.rundir import RunDir
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+WORKER_MODULE = "appliance.train.worker"
+
+
+def agent_command(
+    run_dir: Path,
+    *,
+    nproc_per_node: int,
+    max_restarts: int,
+    nnodes: int = 1,
+    rdzv_endpoint: str | None = None,
+    rdzv_id: str = "bloom-appliance",
+    python: str = sys.executable,
+    worker_args: tuple[str, ...] = (),
+) -> list[str]:
+    cmd = [
+        python,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc_per_node}",
+        f"--max-restarts={max_restarts}",
+    ]
+    if nnodes == 1 and rdzv_endpoint is None:
+        cmd.append("--standalone")  # c10d rendezvous on a free loopback port
+    else:
+        cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}"]
+    # Each rank's stdout/stderr goes to run_dir/logs/<run id>/attempt_<n>/<rank>/; the console shows events.
+    cmd += [f"--log-dir={Path(run_dir) / 'logs'}", "--redirects=3", "--monitor-interval=1"]
+    cmd += ["-m", WORKER_MODULE, "--run-dir", str(run_dir), *worker_args]
+    return cmd
+
+
+def worker_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    # One compute thread per rank on CPU: ranks x threads must not exceed the cores (the agent sets this to 1 too
+    # when it starts more than one process per node, with a warning we make unnecessary).
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def run_agent(run_dir: RunDir, *, nproc_per_node: int, max_restarts: int, worker_args: tuple[str, ...] = ()) -> int:
+    """Runs the agent to completion; returns its exit code. Its own chatter goes to logs/agent.log."""
+    run_dir.logs.mkdir(parents=True, exist_ok=True)
+    cmd = agent_command(run_dir.root, nproc_per_node=nproc_per_node, max_restarts=max_restarts, worker_args=worker_args)
+    with open(run_dir.logs / "agent.log", "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=worker_env())
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:
+            proc.terminate()  # the agent forwards SIGTERM to the ranks, which save and stop together
+            return proc.wait()
+
+
+def last_rank_errors(run_dir: RunDir, max_lines: int = 30) -> str:
+    """The tail of the most recent non-empty rank stderr, to show when training failed."""
+    logs = sorted(run_dir.logs.glob("**/stderr.log"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for path in logs:
+        text = path.read_text(errors="replace").strip()
+        if text:
+            return f"{path}:\n" + "\n".join(text.splitlines()[-max_lines:])
+    return ""

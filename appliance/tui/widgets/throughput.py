@@ -1,0 +1,55 @@
+"""Throughput: tokens/s, samples/s, TFLOPs per GPU, MFU and step time, each beside the plan's estimate."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+from textual.app import RenderResult
+
+from appliance.monitor.headless import fmt_duration, fmt_float, fmt_pct, fmt_si
+from appliance.monitor.state import RunState, Series
+from appliance.tui.widgets.panel import Panel, kv_grid, waiting
+from appliance.tui.widgets.plot import sparkline
+
+
+def _plan(value: str) -> str:
+    return f"plan {value}" if value != "-" else ""
+
+
+class ThroughputPanel(Panel):
+    SECTIONS: ClassVar[frozenset[str]] = frozenset({"throughput", "plan"})
+    TITLE = "throughput"
+    _tokens: Series | None = None
+    _grid: Table | None = None
+
+    def show(self, state: RunState) -> None:
+        if state.step is None:
+            self._grid = None
+            self.update(waiting("step events"))
+            return
+        est = state.plan_estimate
+        total = f"/ {state.total_steps}" if state.total_steps else ""
+        grid = kv_grid(
+            [
+                ("tokens/s", fmt_si(state.tokens_per_s), _plan(fmt_si(est.get("tokens_per_s")))),
+                ("samples/s", fmt_float(state.samples_per_s, ".3g"), ""),
+                ("TFLOPs/GPU", fmt_float(state.tflops_per_gpu, ".4g"), _plan(fmt_float(est.get("tflops_per_gpu")))),
+                ("MFU", fmt_pct(state.mfu), _plan(fmt_pct(est.get("mfu")))),
+                ("step time", fmt_duration(state.step_time_s), _plan(fmt_duration(est.get("step_time_s")))),
+                ("step", str(state.step), total),
+                ("samples", fmt_si(state.consumed_samples), "consumed"),
+            ]
+        )
+        self._tokens = state.tokens_series.copy()
+        self._grid = grid
+        self.update(grid)  # the content without the sparkline; render() adds it
+
+    def render(self) -> RenderResult:
+        """The figures, and under them a tokens/s sparkline as wide as the panel is at drawing time."""
+        if self._grid is None or self._tokens is None or not self._tokens.count:
+            return super().render()
+        spark = Text(sparkline(self._tokens, max(8, self.content_size.width)), style="green", no_wrap=True)
+        return Group(self._grid, Text("tokens/s over the run", style="dim"), spark)

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Creates .venv and installs the pinned dependencies. Safe to run again: when nothing changed since the
+# last successful run (same pins, same Python), it checks the imports and exits in a second or two.
+#
+# Order matters: torch first (on a CPU box pip finds the CPU build; on a GPU node the index gives the CUDA
+# build of the same release), then deepspeed with --no-build-isolation so that its setup sees that torch
+# instead of pulling another one into a throwaway build environment. DeepSpeed's ops compile just in time.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+PYTHON=${PYTHON:-python3}
+VENV=.venv
+
+TORCH="torch==2.13.0"
+DEEPSPEED="deepspeed==0.19.8"
+# Runtime dependencies, pinned. Why each one is here:
+RUNTIME=(
+  "tokenizers==0.23.3"             # byte-level BPE (BLOOM's tokenizer recipe)
+  "datasets==5.2.0"                # reading corpora saved with save_to_disk
+  "textual==8.2.8"                 # the dashboard
+  "psutil==7.2.2"                  # CPU cores, RAM, process memory
+  "nvidia-ml-py==13.615.71"        # NVML (imported as pynvml): GPUs, power, energy counter
+  "safetensors==0.8.0"             # checkpoints and the Hugging Face export
+  "numpy<3"                        # indexed datasets
+  "ftfy==6.3.1"                    # Unicode repair (mojibake) in corpus preparation
+  "lingua-language-detector==2.1.1"  # offline language identification; its models ship inside the wheel
+  "datasketch==2.0.0"              # MinHash LSH for near-duplicate removal
+  "zstandard==0.25.0"              # reading .jsonl.zst corpora
+)
+# triton ships with CUDA builds of torch; on CPU we install it for the kernel interpreter (TRITON_INTERPRET=1).
+TRITON="triton==3.7.1"
+# Test and lint tools. transformers is the reference implementation our model and export are checked against.
+DEV=(
+  "transformers==5.23.0"
+  "pytest==8.4.2"
+  "pytest-timeout==2.4.0"
+  "pytest-textual-snapshot==1.1.0"  # dashboard snapshots at a fixed terminal size
+  "ruff==0.17.5"
+  "mypy==2.4.1"
+)
+
+stamp_of() { { cat "$0"; "$PYTHON" --version 2>&1; } | sha256sum | cut -d' ' -f1; }
+STAMP="$VENV/.install-stamp"
+
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$(stamp_of)" ]] \
+   && "$VENV/bin/python" -c "import torch, deepspeed, tokenizers, textual, psutil, pynvml, safetensors" 2>/dev/null; then
+  echo "install.sh: .venv is up to date"
+  exit 0
+fi
+
+[[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off)
+
+echo "install.sh: torch"
+"${PIP[@]}" "$TORCH"
+echo "install.sh: triton"
+if ! "$VENV/bin/python" -c "import triton" 2>/dev/null; then "${PIP[@]}" "$TRITON"; fi
+echo "install.sh: runtime dependencies"
+"${PIP[@]}" "${RUNTIME[@]}" setuptools wheel
+echo "install.sh: deepspeed (no build isolation, ops built just in time)"
+DS_BUILD_OPS=0 "${PIP[@]}" --no-build-isolation "$DEEPSPEED"
+if ! "$VENV/bin/python" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  # On CPU, DeepSpeed compiles a shared-memory communication op the first time a process group starts (about a
+  # minute on 2 cores). Build it now, once, into torch's extension cache, instead of inside the first run.
+  echo "install.sh: building DeepSpeed's CPU communication op (once)"
+  "$VENV/bin/python" -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" 2>&1 | grep -v WARNING || true
+fi
+echo "install.sh: test tools"
+"${PIP[@]}" "${DEV[@]}"
+
+"$VENV/bin/python" -c "import torch, deepspeed, tokenizers, textual, psutil, pynvml, safetensors, transformers; \
+print('install.sh: torch', torch.__version__, '| deepspeed', deepspeed.__version__, '| cuda', torch.cuda.is_available())"
+stamp_of > "$STAMP"

@@ -1,0 +1,405 @@
+"""Causal flash attention with ALiBi slopes (FlashAttention-2 schedule), forward and backward.
+
+Layers: `_flash_fwd_kernel`, `_flash_bwd_preprocess_kernel`, `_flash_bwd_dkdv_kernel`, `_flash_bwd_dq_kernel` ->
+`flash_fwd` / `flash_bwd` launchers -> `FlashAlibiAttentionFunction` (autograd). The torch twin is
+`kernels.reference.flash_alibi_attention`.
+
+Scores never exist as an [s, s] matrix: each program streams key/value blocks past a block of queries with an
+online softmax (running max m, running sum l, rescaled accumulator). The ALiBi bias of query i (sitting at key
+position i + k_len - q_len) and key j is slope * (j - i_abs): the same softmax as BLOOM's slope * j, but small
+in magnitude. Exponentials are base 2: every logit is pre-multiplied by log2(e), and the stored logsumexp
+(one fp32 per query row) is in that base as well; the backward recomputes probabilities from it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+# BLOOM's heads are 64 (560m) or 128 wide (1b7 and up); the tile sizes below are tuned up to 128.
+MAX_HEAD_DIM = 128
+
+
+@triton.jit
+def _fwd_blocks(
+    acc, m_i, l_i, q, K_base, V_base, stride_kn, stride_vn, offs_d, q_pos, k_len, head_dim, scale2, slope2, lo, hi,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kv_mask = (offs_n < k_len)[:, None] & (offs_d < head_dim)[None, :]
+        k = tl.load(K_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        # base-2 logits: (q . k) * scale * log2(e) + slope * log2(e) * (j - i_abs)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale2
+        s += slope2 * (offs_n[None, :] - q_pos[:, None]).to(tl.float32)
+        if MASKED:  # only the diagonal and tail blocks pay for the mask
+            visible = (offs_n < k_len)[None, :]
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= q_pos[:, None])
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)  # rescales what was accumulated under the old max
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p_in = p.to(V_base.dtype.element_ty)  # the P @ V product runs in the input dtype, as on tensor cores
+        if DOT_FP32:
+            p_in = p_in.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p_in, v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _flash_fwd_kernel(
+    Q, K, V, Slopes, Out, LSE,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    n_heads, q_len, k_len, head_dim, scale2,
+    CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = (bh // n_heads).to(tl.int64)
+    h = (bh % n_heads).to(tl.int64)
+    slope2 = tl.load(Slopes + h).to(tl.float32) * 1.4426950408889634  # * log2(e)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    shift = k_len - q_len  # queries are right-aligned with the keys
+    q_pos = offs_m + shift
+    q_mask = (offs_m < q_len)[:, None] & (offs_d < head_dim)[None, :]
+    q = tl.load(
+        Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :], mask=q_mask, other=0.0
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    K_base = K + b * stride_kb + h * stride_kh
+    V_base = V + b * stride_vb + h * stride_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # Key blocks below `full_end` are visible to every row of this block: no mask. The rest (the diagonal band
+    # under the causal mask, the ragged tail of the keys) is masked.
+    if CAUSAL:
+        full_end = tl.minimum((tl.maximum(start_m + shift + 1, 0) // BLOCK_N) * BLOCK_N, (k_len // BLOCK_N) * BLOCK_N)
+        hi = tl.maximum(tl.minimum(k_len, start_m + BLOCK_M + shift), 0)
+    else:
+        full_end = (k_len // BLOCK_N) * BLOCK_N
+        hi = k_len
+    acc, m_i, l_i = _fwd_blocks(
+        acc, m_i, l_i, q, K_base, V_base, stride_ks, stride_vs, offs_d, q_pos, k_len, head_dim, scale2, slope2,
+        0, full_end, False, CAUSAL, DOT_FP32, PRECISION, BLOCK_N,
+    )  # fmt: skip
+    acc, m_i, l_i = _fwd_blocks(
+        acc, m_i, l_i, q, K_base, V_base, stride_ks, stride_vs, offs_d, q_pos, k_len, head_dim, scale2, slope2,
+        full_end, hi, True, CAUSAL, DOT_FP32, PRECISION, BLOCK_N,
+    )  # fmt: skip
+    seen = l_i > 0.0  # false only for a query that sees no key (q_len > k_len under the causal mask)
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    o_ptrs = Out + bh.to(tl.int64) * q_len * head_dim + offs_m[:, None] * head_dim + offs_d[None, :]
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=q_mask)
+    # base-2 logsumexp; +inf for an empty row makes the backward's exp2(s - lse) exactly 0 there
+    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("inf"))
+    tl.store(LSE + bh.to(tl.int64) * q_len + offs_m, lse, mask=offs_m < q_len)
+
+
+@triton.jit
+def _flash_bwd_preprocess_kernel(Out, DO, Delta, q_len, head_dim, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    # delta_i = sum_d O[i, d] * dO[i, d] = sum_j P[i, j] * dP[i, j], the softmax-backward row term
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    bh = tl.program_id(1).to(tl.int64)
+    mask = (offs_m < q_len)[:, None] & (offs_d < head_dim)[None, :]
+    offs = bh * q_len * head_dim + offs_m[:, None] * head_dim + offs_d[None, :]
+    o = tl.load(Out + offs, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Delta + bh * q_len + offs_m, tl.sum(o * do, axis=1), mask=offs_m < q_len)
+
+
+@triton.jit
+def _flash_bwd_dkdv_kernel(
+    Q, K, V, Slopes, DO, LSE, Delta, DK, DV,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    n_heads, q_len, k_len, head_dim, scale, scale2,
+    CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    # One program owns a key/value block and streams the query blocks that can see it, working with transposed
+    # tiles (keys on rows) so dv += P^T dO and dk += dS^T Q need no transposes of P or dS.
+    start_n = tl.program_id(0) * BLOCK_N
+    bh = tl.program_id(1)
+    b = (bh // n_heads).to(tl.int64)
+    h = (bh % n_heads).to(tl.int64)
+    slope2 = tl.load(Slopes + h).to(tl.float32) * 1.4426950408889634
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_mask = (offs_n < k_len)[:, None] & (offs_d < head_dim)[None, :]
+    k = tl.load(
+        K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0
+    )
+    v = tl.load(
+        V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0
+    )
+    if DOT_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    shift = k_len - q_len
+    Q_base = Q + b * stride_qb + h * stride_qh
+    row_base = bh.to(tl.int64) * q_len
+    lo = 0
+    if CAUSAL:  # query i sees key j when i + shift >= j: the first useful row is start_n - shift
+        lo = (tl.maximum(start_n - shift, 0) // BLOCK_M) * BLOCK_M
+    for start_m in range(lo, q_len, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q_mask = (offs_m < q_len)[None, :] & (offs_d < head_dim)[:, None]
+        q_t = tl.load(Q_base + offs_m[None, :] * stride_qs + offs_d[:, None], mask=q_mask, other=0.0)  # [D, M]
+        do_t = tl.load(DO + (row_base + offs_m[None, :]) * head_dim + offs_d[:, None], mask=q_mask, other=0.0)
+        lse = tl.load(LSE + row_base + offs_m, mask=offs_m < q_len, other=float("inf"))
+        delta = tl.load(Delta + row_base + offs_m, mask=offs_m < q_len, other=0.0)
+        if DOT_FP32:
+            q_t = q_t.to(tl.float32)
+            do_t = do_t.to(tl.float32)
+        s_t = tl.dot(k, q_t, input_precision=PRECISION) * scale2
+        s_t += slope2 * (offs_n[:, None] - (offs_m + shift)[None, :]).to(tl.float32)
+        visible = (offs_n < k_len)[:, None] & (offs_m < q_len)[None, :]
+        if CAUSAL:
+            visible = visible & (offs_n[:, None] <= (offs_m + shift)[None, :])
+        p_t = tl.where(visible, tl.exp2(s_t - lse[None, :]), 0.0)  # P^T, exact probabilities
+        p_in = p_t.to(DO.dtype.element_ty)
+        if DOT_FP32:
+            p_in = p_in.to(tl.float32)
+        dv += tl.dot(p_in, tl.trans(do_t), input_precision=PRECISION)
+        dp_t = tl.dot(v, do_t, input_precision=PRECISION)  # dP^T = V dO^T
+        ds_t = p_t * (dp_t - delta[None, :])  # gradient w.r.t. the natural-log logits
+        ds_in = ds_t.to(Q.dtype.element_ty)
+        if DOT_FP32:
+            ds_in = ds_in.to(tl.float32)
+        dk += tl.dot(ds_in, tl.trans(q_t), input_precision=PRECISION)
+    out = bh.to(tl.int64) * k_len * head_dim + offs_n[:, None] * head_dim + offs_d[None, :]
+    tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)  # logits = scale * q.k + bias
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _flash_bwd_dq_kernel(
+    Q, K, V, Slopes, DO, LSE, Delta, DQ,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    n_heads, q_len, k_len, head_dim, scale, scale2,
+    CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    # One program owns a query block and streams the key blocks it sees: dq = scale * sum_j dS[i, j] k_j.
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = (bh // n_heads).to(tl.int64)
+    h = (bh % n_heads).to(tl.int64)
+    slope2 = tl.load(Slopes + h).to(tl.float32) * 1.4426950408889634
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    shift = k_len - q_len
+    q_pos = offs_m + shift
+    q_mask = (offs_m < q_len)[:, None] & (offs_d < head_dim)[None, :]
+    row_base = bh.to(tl.int64) * q_len
+    q = tl.load(
+        Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :], mask=q_mask, other=0.0
+    )
+    do = tl.load(DO + (row_base + offs_m[:, None]) * head_dim + offs_d[None, :], mask=q_mask, other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    lse = tl.load(LSE + row_base + offs_m, mask=offs_m < q_len, other=float("inf"))
+    delta = tl.load(Delta + row_base + offs_m, mask=offs_m < q_len, other=0.0)
+    K_base = K + b * stride_kb + h * stride_kh
+    V_base = V + b * stride_vb + h * stride_vh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    hi = k_len
+    if CAUSAL:
+        hi = tl.maximum(tl.minimum(k_len, start_m + BLOCK_M + shift), 0)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kv_mask = (offs_n < k_len)[:, None] & (offs_d < head_dim)[None, :]
+        k = tl.load(K_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale2
+        s += slope2 * (offs_n[None, :] - q_pos[:, None]).to(tl.float32)
+        visible = (offs_n < k_len)[None, :] & (offs_m < q_len)[:, None]
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= q_pos[:, None])
+        p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        ds_in = ds.to(K.dtype.element_ty)
+        if DOT_FP32:
+            ds_in = ds_in.to(tl.float32)
+        dq += tl.dot(ds_in, k, input_precision=PRECISION)
+    dq_ptrs = DQ + (row_base + offs_m[:, None]) * head_dim + offs_d[None, :]
+    tl.store(dq_ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=q_mask)
+
+
+def _blocks(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict[str, int]:
+    """Tile sizes per kernel: (fwd_m, fwd_n) queries x keys forward, (dkdv_m, dkdv_n) and (dq_m, dq_n) backward.
+
+    GPU, bf16/fp16: FA2-style 128 x 64 forward, 64 x 64 backward. Head dim 128 fills the register file, so a
+    block shrinks to 32 where ptxas otherwise spills (forward and dk/dv before sm_90, dq everywhere; checked by
+    tests/kernels/test_kernel_compile.py). fp32 tiles hold twice the bytes: half-size tiles, two stages.
+    Interpreter: 16 queries x 8 keys, so tiny test shapes still cross block borders and ragged tails.
+    """
+    if device.type != "cuda":
+        return {"fwd_m": 16, "fwd_n": 8, "dkdv_m": 16, "dkdv_n": 8, "dq_m": 16, "dq_n": 8,
+                "block_d": triton.next_power_of_2(head_dim), "warps": 1, "stages": 1}  # fmt: skip
+    block_d = max(16, triton.next_power_of_2(head_dim))  # tensor-core dots need K >= 16
+    warps = 4 if block_d <= 64 else 8
+    if dtype == torch.float32:
+        return {"fwd_m": 64, "fwd_n": 32, "dkdv_m": 32, "dkdv_n": 32, "dq_m": 32, "dq_n": 32,
+                "block_d": block_d, "warps": warps, "stages": 2}  # fmt: skip
+    wide = block_d > 64
+    hopper = torch.cuda.get_device_capability(device)[0] >= 9
+    tight = wide and not hopper
+    return {"fwd_m": 128, "fwd_n": 32 if tight else 64, "dkdv_m": 32 if tight else 64, "dkdv_n": 64,
+            "dq_m": 64, "dq_n": 32 if wide else 64, "block_d": block_d, "warps": warps, "stages": 3}  # fmt: skip
+
+
+def _dot_settings(t: torch.Tensor) -> tuple[bool, str | None]:
+    # The interpreter's dot mishandles bf16 (numpy has no bf16), so on CPU tiles go through fp32, which is
+    # exact for bf16 inputs and matches the GPU's fp32 accumulation. fp32 inputs use exact ieee dots, not tf32;
+    # other dtypes keep Triton's default.
+    return (not t.is_cuda, "ieee" if t.dtype == torch.float32 else None)
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def flash_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output [b, h, q_len, d] (contiguous, q's dtype) and base-2 logsumexp [b, h, q_len] (fp32)."""
+    b, h, q_len, d = q.shape
+    k_len = k.shape[2]
+    cfg = _blocks(d, q.dtype, q.device)
+    dot_fp32, precision = _dot_settings(q)
+    o = torch.empty((b, h, q_len, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, h, q_len), dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(q_len, cfg["fwd_m"]), b * h)
+    _flash_fwd_kernel[grid](
+        q, k, v, slopes, o, lse, *_strides(q), *_strides(k), *_strides(v),
+        h, q_len, k_len, d, scale * LOG2E,
+        CAUSAL=causal, DOT_FP32=dot_fp32, PRECISION=precision,
+        BLOCK_M=cfg["fwd_m"], BLOCK_N=cfg["fwd_n"], BLOCK_D=cfg["block_d"],
+        num_warps=cfg["warps"], num_stages=cfg["stages"],
+    )  # fmt: skip
+    return o, lse
+
+
+def flash_bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    slopes: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv, each contiguous in its input's dtype."""
+    b, h, q_len, d = q.shape
+    k_len = k.shape[2]
+    cfg = _blocks(d, q.dtype, q.device)
+    dot_fp32, precision = _dot_settings(q)
+    do = do.contiguous()  # the kernels index dO like O: dense [b, h, q_len, d]
+    delta = torch.empty_like(lse)
+    _flash_bwd_preprocess_kernel[(triton.cdiv(q_len, cfg["dq_m"]), b * h)](
+        o, do, delta, q_len, d, BLOCK_M=cfg["dq_m"], BLOCK_D=cfg["block_d"], num_warps=cfg["warps"]
+    )
+    dq = torch.empty((b, h, q_len, d), dtype=q.dtype, device=q.device)
+    dk = torch.empty((b, h, k_len, d), dtype=k.dtype, device=k.device)
+    dv = torch.empty((b, h, k_len, d), dtype=v.dtype, device=v.device)
+    common = dict(
+        CAUSAL=causal, DOT_FP32=dot_fp32, PRECISION=precision, BLOCK_D=cfg["block_d"],
+        num_warps=cfg["warps"], num_stages=min(cfg["stages"], 2),
+    )  # fmt: skip
+    args = (*_strides(q), *_strides(k), *_strides(v), h, q_len, k_len, d, scale, scale * LOG2E)
+    _flash_bwd_dkdv_kernel[(triton.cdiv(k_len, cfg["dkdv_n"]), b * h)](
+        q, k, v, slopes, do, lse, delta, dk, dv, *args, BLOCK_M=cfg["dkdv_m"], BLOCK_N=cfg["dkdv_n"], **common
+    )
+    _flash_bwd_dq_kernel[(triton.cdiv(q_len, cfg["dq_m"]), b * h)](
+        q, k, v, slopes, do, lse, delta, dq, *args, BLOCK_M=cfg["dq_m"], BLOCK_N=cfg["dq_n"], **common
+    )
+    return dq, dk, dv
+
+
+class FlashAlibiAttentionFunction(torch.autograd.Function):
+    """O = softmax(scale * Q K^T + B) V, B[i, j] = slope_h * (j - i_abs), -inf above the causal diagonal.
+
+    Saved: Q, K, V, O and the per-row logsumexp L (no probabilities). Backward, recomputing
+    P = exp(scale * Q K^T + B - L) block by block:
+      dV = P^T dO
+      dP = dO V^T
+      dS = P * (dP - delta),  delta_i = sum_j P_ij dP_ij = sum_d O_id dO_id
+      dQ = scale * dS K,   dK = scale * dS^T Q
+    Slopes are constants: no gradient.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slopes: torch.Tensor,
+        causal: bool,
+        scale: float,
+    ) -> torch.Tensor:
+        q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+        slopes = slopes.to(torch.float32).contiguous()
+        o, lse = flash_fwd(q, k, v, slopes, causal, scale)
+        ctx.save_for_backward(q, k, v, o, lse, slopes)
+        ctx.causal, ctx.scale = causal, scale
+        return o
+
+    @staticmethod
+    def backward(ctx: Any, do: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, o, lse, slopes = ctx.saved_tensors
+        dq, dk, dv = flash_bwd(do, q, k, v, o, lse, slopes, ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+def flash_alibi_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slopes: torch.Tensor,
+    causal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention with ALiBi without materializing scores. q: [b, h, q_len, d]; k, v: [b, h, k_len, d]."""
+    if q.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"flash_alibi_attention: bad shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if q.shape[3] > MAX_HEAD_DIM:
+        raise ValueError(f"flash_alibi_attention: head dim {q.shape[3]} exceeds {MAX_HEAD_DIM}")
+    if slopes.shape != (q.shape[1],):
+        raise ValueError(f"flash_alibi_attention: slopes shape {tuple(slopes.shape)} does not match {q.shape[1]} heads")
+    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
+    return FlashAlibiAttentionFunction.apply(q, k, v, slopes, causal, scale)

@@ -1,0 +1,264 @@
+"""Pure-torch twins of the fused kernels.
+
+Each function here computes in fp32 and returns the input dtype, so it is both the CPU path of the registry and
+the ground truth the Triton kernels are tested against. Nothing in this module imports Triton: a machine without
+it (a laptop) still runs the model.
+
+ALiBi follows BLOOM (and transformers' `build_alibi_tensor`): the bias added to the score of query i and key j is
+`slope_h * pos_j`, where `pos_j` is the key index, or with a padding mask the running count of real tokens before
+j. Softmax is invariant to a per-row constant, so this equals `-slope_h * (i - j)` on every causal row; the flash
+kernel uses that relative form because its magnitudes stay small.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def alibi_slopes(num_heads: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """BLOOM's per-head ALiBi slopes (fp32, shape [num_heads]).
+
+    For a power of two n the slopes are the geometric series 2^(-8/n), 2^(-16/n), ...; otherwise the series of the
+    nearest lower power of two is followed by every other term of the series for twice that power.
+    """
+    if num_heads < 1:
+        raise ValueError(f"alibi_slopes: num_heads must be >= 1, got {num_heads}")
+    closest = 2 ** math.floor(math.log2(num_heads))
+    base = 2.0 ** (-(2.0 ** -(math.log2(closest) - 3)))
+    slopes = [base ** (i + 1) for i in range(closest)]
+    if closest != num_heads:
+        extra_base = 2.0 ** (-(2.0 ** -(math.log2(2 * closest) - 3)))
+        remaining = min(closest, num_heads - closest)
+        slopes += [extra_base ** (2 * i + 1) for i in range(remaining)]
+    return torch.tensor(slopes, dtype=torch.float32, device=device)
+
+
+def alibi_key_positions(
+    padding_mask: torch.Tensor | None, batch: int, k_len: int, device: torch.device
+) -> torch.Tensor:
+    """ALiBi position of every key as fp32 [batch, k_len]; padded keys get -1 (real positions are >= 0).
+
+    `padding_mask` follows transformers' attention_mask: [batch, k_len], nonzero/True for a real token.
+    """
+    if padding_mask is None:
+        return torch.arange(k_len, device=device, dtype=torch.float32).expand(batch, k_len)
+    if padding_mask.shape != (batch, k_len):
+        raise ValueError(f"padding_mask must have shape {(batch, k_len)}, got {tuple(padding_mask.shape)}")
+    keep = padding_mask.to(device=device) != 0
+    # transformers: ((attention_mask.cumsum(-1) - 1) * attention_mask); we mark padding with -1 instead of 0.
+    pos = keep.to(torch.float32).cumsum(-1) - 1
+    return torch.where(keep, pos, torch.full_like(pos, -1.0))
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """LayerNorm over the last dim with fp32 statistics; output in x's dtype."""
+    out = F.layer_norm(x.float(), (x.shape[-1],), weight.float(), bias.float(), eps)
+    return out.to(x.dtype)
+
+
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(x + bias) in fp32; output in x's dtype."""
+    return F.gelu(x.float() + bias.float(), approximate="tanh").to(x.dtype)
+
+
+def alibi_softmax(
+    scores: torch.Tensor,
+    slopes: torch.Tensor,
+    padding_mask: torch.Tensor | None = None,
+    scale: float = 1.0,
+    causal: bool = True,
+) -> torch.Tensor:
+    """softmax(scores * scale + slope_h * pos_j) over keys, with causal and padding masks, in fp32.
+
+    scores: [batch, heads, q_len, k_len]. Queries are right-aligned with keys (query i sits at key position
+    i + k_len - q_len), so a cached prefix works. Masked entries are exactly 0; a row with no visible key
+    (a padded query under left padding) is all zeros instead of NaN.
+    """
+    b, h, q_len, k_len = scores.shape
+    pos = alibi_key_positions(padding_mask, b, k_len, scores.device)  # [b, k]
+    logits = scores.float() * scale + slopes.float().view(1, h, 1, 1) * pos.view(b, 1, 1, k_len)
+    keep = (pos >= 0).view(b, 1, 1, k_len)
+    if causal:
+        qpos = torch.arange(q_len, device=scores.device).view(q_len, 1) + (k_len - q_len)
+        keep = keep & (torch.arange(k_len, device=scores.device).view(1, k_len) <= qpos)
+    # finfo.min (not -inf) keeps a fully masked row finite; multiplying by keep then zeroes it.
+    probs = torch.softmax(logits.masked_fill(~keep, torch.finfo(torch.float32).min), dim=-1) * keep
+    return probs.to(scores.dtype)
+
+
+def flash_alibi_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slopes: torch.Tensor,
+    causal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention with ALiBi computed the plain way (materialized scores), fp32 math, output in q's dtype.
+
+    q: [batch, heads, q_len, head_dim]; k, v: [batch, heads, k_len, head_dim].
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = q.float() @ k.float().transpose(-1, -2)
+    probs = alibi_softmax(scores, slopes, None, scale, causal)
+    return (probs @ v.float()).to(q.dtype)
+
+
+# ----- chunked vocabulary cross-entropy ---------------------------------------------------------------------------
+# The driver below is shared by the torch twin and the Triton path: only the two per-row steps differ.
+RowStats = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+RowGrad = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor, float, int], None]
+
+
+def ce_row_stats(
+    logits: torch.Tensor, labels: torch.Tensor, vocab_start: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of a [rows, V_local] logits chunk: max, sum(exp(x - max)) and the target logit (0 off-shard), fp32."""
+    x = logits.float()
+    row_max = x.max(dim=-1).values
+    sum_exp = torch.exp(x - row_max[:, None]).sum(-1)
+    local = labels - vocab_start
+    on_shard = (local >= 0) & (local < x.shape[-1])
+    target = x.gather(1, local.clamp(0, x.shape[-1] - 1)[:, None]).squeeze(1)
+    return row_max, sum_exp, torch.where(on_shard, target, torch.zeros_like(target))
+
+
+def ce_row_grad_(
+    logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, lse: torch.Tensor, inv_count: float, ignore_index: int
+) -> None:
+    """Overwrite logits with d(mean loss)/d(logits) = (softmax - onehot) / count; ignored rows get 0."""
+    x = logits.float()
+    local = labels - vocab_start
+    cols = torch.arange(x.shape[-1], device=x.device)
+    grad = (torch.exp(x - lse[:, None]) - (cols[None, :] == local[:, None]).float()) * inv_count
+    logits.copy_(grad * (labels != ignore_index)[:, None])
+
+
+def auto_chunk_size(tokens: int, hidden: int, vocab_local: int) -> int:
+    """Tokens per chunk so a chunk's logits hold about as many elements as the hidden states (Liger's rule)."""
+    growth = max(1, math.ceil(vocab_local / max(hidden, 1)))
+    chunk = 1 << max(0, math.ceil(math.log2(max(1, math.ceil(tokens / growth)))))
+    return max(1, min(chunk, tokens))
+
+
+def chunked_vocab_ce(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    chunk_size: int | None,
+    ignore_index: int,
+    tp_group: dist.ProcessGroup | None,
+    want_grad: tuple[bool, bool],
+    row_stats: RowStats = ce_row_stats,
+    row_grad: RowGrad = ce_row_grad_,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Mean CE of (hidden @ weight.T, labels) without the full logits; returns (loss, d loss/d hidden, d loss/d weight).
+
+    want_grad says which of the two gradients to compute (both come out of the same pass over the chunks).
+
+    hidden: [tokens, H], replicated over tp_group; weight: [V_local, H], this rank's contiguous vocab shard
+    (rank r holds rows r*V_local .. (r+1)*V_local - 1 of the full vocab, as Megatron's VocabParallelEmbedding).
+    Vocab-parallel math (Megatron): global max = all-reduce(MAX) of the shard maxima; the shard sums exp(x - max)
+    are rescaled to the global max and summed; the target logit comes from the one rank that owns it (SUM).
+    The hidden gradient is a sum over shards, so it is all-reduced here: callers must not all-reduce it again.
+    """
+    tokens = hidden.shape[0]
+    rank = dist.get_rank(tp_group) if tp_group is not None else 0
+    vocab_start = rank * weight.shape[0]
+    chunk = chunk_size or auto_chunk_size(tokens, hidden.shape[1], weight.shape[0])
+    valid = labels != ignore_index
+    count = int(valid.sum())
+    inv_count = 1.0 / max(count, 1)  # all tokens ignored -> loss 0 and zero gradients, never NaN
+    want_hidden, want_weight = want_grad
+    # every row of grad_hidden is written by its chunk; grad_weight accumulates over chunks
+    grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if want_hidden else None
+    grad_weight = torch.zeros_like(weight) if want_weight else None
+    loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, tokens, chunk):
+        h, lab, ok = hidden[start : start + chunk], labels[start : start + chunk], valid[start : start + chunk]
+        logits = h @ weight.t()  # [chunk, V_local] in the input dtype: the only logits ever alive
+        row_max, sum_exp, target = row_stats(logits, lab, vocab_start)
+        if tp_group is not None:
+            global_max = row_max.clone()
+            dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
+            packed = torch.stack([sum_exp * torch.exp(row_max - global_max), target])
+            dist.all_reduce(packed, group=tp_group)
+            row_max, sum_exp, target = global_max, packed[0], packed[1]
+        lse = row_max + torch.log(sum_exp)
+        loss_sum += torch.where(ok, lse - target, torch.zeros_like(lse)).sum()
+        if want_hidden or want_weight:
+            row_grad(logits, lab, vocab_start, lse, inv_count, ignore_index)
+        if grad_hidden is not None:
+            torch.mm(logits, weight, out=grad_hidden[start : start + chunk])
+        if grad_weight is not None:
+            # accumulated in the GEMM epilogue (fp32 inside, one rounding per chunk): no [V, H] temporary
+            grad_weight.addmm_(logits.t(), h)
+    if tp_group is not None and grad_hidden is not None:
+        dist.all_reduce(grad_hidden, group=tp_group)
+    return loss_sum * inv_count, grad_hidden, grad_weight
+
+
+class VocabCrossEntropyFunction(torch.autograd.Function):
+    """Chunked vocab-parallel CE whose gradients are computed during the forward pass (no logits kept).
+
+    Backward math: with p = softmax(logits) and y the one-hot target, d mean_loss / d logits = (p - y) / count
+    for every non-ignored row. Then d/d hidden = (p - y) @ W and d/d W = (p - y)^T @ hidden, both scaled by the
+    incoming scalar gradient in backward. Memory: the two gradient buffers (hidden- and weight-sized, which
+    backward would allocate anyway) live from forward to backward instead of any logits.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        chunk_size: int | None,
+        ignore_index: int,
+        tp_group: dist.ProcessGroup | None,
+        row_stats: RowStats,
+        row_grad: RowGrad,
+    ) -> torch.Tensor:
+        loss, grad_hidden, grad_weight = chunked_vocab_ce(
+            hidden,
+            weight,
+            labels,
+            chunk_size=chunk_size,
+            ignore_index=ignore_index,
+            tp_group=tp_group,
+            want_grad=(ctx.needs_input_grad[0], ctx.needs_input_grad[1]),
+            row_stats=row_stats,
+            row_grad=row_grad,
+        )
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad_hidden, grad_weight = ctx.saved_tensors
+        dh = grad_hidden * grad_loss.to(grad_hidden.dtype) if grad_hidden is not None else None
+        dw = grad_weight * grad_loss.to(grad_weight.dtype) if grad_weight is not None else None
+        return dh, dw, None, None, None, None, None, None
+
+
+def vocab_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    chunk_size: int | None = None,
+    ignore_index: int = -100,
+    tp_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Mean cross-entropy of hidden @ weight.T against labels (torch twin of kernels.cross_entropy)."""
+    h = hidden.reshape(-1, hidden.shape[-1])
+    return VocabCrossEntropyFunction.apply(
+        h, weight, labels.reshape(-1), chunk_size, ignore_index, tp_group, ce_row_stats, ce_row_grad_
+    )

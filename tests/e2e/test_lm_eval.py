@@ -1,0 +1,100 @@
+"""The real lm-evaluation-harness on an export, against a shipped task file: its numbers equal ours.
+
+Runs only where lm-eval is importable (it is not an install dependency): `pip install lm-eval` to run it.
+Each task runs as docs/EVALUATION.md shows: from the task's folder, with `--include_path .`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from appliance.eval.harness import TextCodec, score_task
+from appliance.eval.hf_export import export_hf
+from appliance.eval.scoring import ModelScorer
+from appliance.eval.tasks import SHIPPED_TASKS_DIR, load_task
+from appliance.model.bloom import BloomForCausalLM
+from appliance.model.config import BloomConfig
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("lm_eval") is None, reason="lm-eval is not installed (pip install lm-eval)"
+    ),
+]
+LIMIT = 8
+# lm-eval's hf model reads up to 2048 tokens when the export names no model_max_length: nothing is truncated.
+WINDOW = 2048
+CONFIG = BloomConfig(vocab_size=512, hidden_size=32, n_layer=2, n_head=4)
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, BloomForCausalLM]:
+    root = tmp_path_factory.mktemp("lm_eval")
+    texts = [json.loads(line)["context"] for line in (SHIPPED_TASKS_DIR / "cloze_sample/test.jsonl").open()]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=500,
+        special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.save(str(root / "tokenizer.json"))
+    model = BloomForCausalLM(CONFIG, generator=torch.Generator().manual_seed(0)).eval()
+    with torch.no_grad():  # away from init, so choices and generations differ
+        for param in model.parameters():
+            param.add_(0.2 * torch.randn(param.shape, generator=torch.Generator().manual_seed(param.numel())))
+    return export_hf(model.state_dict(), CONFIG, root / "tokenizer.json", root / "export"), model
+
+
+def run_lm_eval(task: str, export_dir: Path, out_dir: Path) -> tuple[dict, list[dict]]:
+    command = [
+        sys.executable, "-m", "lm_eval", "--model", "hf",
+        "--model_args", f"pretrained={export_dir},dtype=float32", "--device", "cpu", "--batch_size", "4",
+        "--tasks", task, "--include_path", ".", "--limit", str(LIMIT),
+        "--output_path", str(out_dir), "--log_samples",
+    ]  # fmt: skip
+    done = subprocess.run(
+        command, cwd=SHIPPED_TASKS_DIR / task, capture_output=True, text=True, timeout=600, env=_offline_env()
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    results = json.loads(next(out_dir.rglob("results_*.json")).read_text())["results"][task]
+    samples = [json.loads(line) for line in next(out_dir.rglob(f"samples_{task}_*.jsonl")).open()]
+    return results, sorted(samples, key=lambda s: s["doc_id"])
+
+
+def _offline_env() -> dict[str, str]:
+    import os
+
+    return os.environ | {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def test_multiple_choice_task_matches_ours(export, tmp_path):
+    export_dir, model = export
+    results, samples = run_lm_eval("cloze_sample", export_dir, tmp_path / "out")
+    task = load_task(SHIPPED_TASKS_DIR / "cloze_sample/cloze_sample.yaml")
+    ours = score_task(task, ModelScorer(model), TextCodec(export_dir / "tokenizer.json"), max_length=WINDOW, limit=LIMIT)
+    assert len(samples) == LIMIT
+    for mine, theirs in zip(ours, samples, strict=True):
+        their_lls = [float(resp[0][0]) for resp in theirs["resps"]]
+        assert mine["lls"] == pytest.approx(their_lls, abs=2e-3)
+    assert results["acc,none"] == pytest.approx(sum(d["acc"] for d in ours) / LIMIT)
+    assert results["acc_norm,none"] == pytest.approx(sum(d["acc_norm"] for d in ours) / LIMIT)
+
+
+def test_generation_task_matches_ours(export, tmp_path):
+    export_dir, model = export
+    results, samples = run_lm_eval("lambada_sample", export_dir, tmp_path / "out")
+    task = load_task(SHIPPED_TASKS_DIR / "lambada_sample/lambada_sample.yaml")
+    ours = score_task(task, ModelScorer(model), TextCodec(export_dir / "tokenizer.json"), max_length=WINDOW, limit=LIMIT)
+    assert [d["answer"] for d in ours] == [s["filtered_resps"][0] for s in samples]
+    assert results["exact_match,first_word"] == pytest.approx(sum(d["acc"] for d in ours) / LIMIT)

@@ -1,0 +1,96 @@
+"""Chunked vocabulary cross-entropy (both backends) vs plain full-logits cross-entropy, on one rank and on two
+vocab-parallel gloo ranks."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from kernels import cross_entropy, reference, registry
+
+BACKENDS = {"triton": cross_entropy.vocab_cross_entropy, "reference": reference.vocab_cross_entropy}
+
+
+def _problem(tokens: int, hidden: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(tokens, hidden, generator=gen)
+    w = 0.5 * torch.randn(vocab, hidden, generator=gen)
+    labels = torch.randint(0, vocab, (tokens,), generator=gen)
+    labels[2] = -100
+    labels[-1] = -100
+    return h, w, labels
+
+
+def _full_logits_ce(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    h32, w32 = h.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    loss = F.cross_entropy(h32 @ w32.t(), labels, ignore_index=-100)
+    loss.backward()
+    return loss, h32.grad, w32.grad
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize(("dtype", "chunk_size"), [(torch.float32, 5), (torch.bfloat16, None), (torch.float32, 64)])
+def test_matches_full_logits(backend, dtype, chunk_size, device, assert_matches) -> None:
+    # 13 tokens in chunks of 5 (ragged last chunk); vocab 50 = two interpreter blocks of 32, ragged
+    h, w, labels = _problem(13, 16, 50, seed=11)
+    expected, dh32, dw32 = _full_logits_ce(h, w, labels)
+    h = h.to(device, dtype).requires_grad_()
+    w = w.to(device, dtype).requires_grad_()
+    loss = BACKENDS[backend](h, w, labels.to(device), chunk_size=chunk_size)
+    loss.backward()
+    assert loss.dtype == torch.float32
+    assert_matches(loss, expected, dtype)
+    assert_matches(h.grad, dh32, dtype)
+    assert_matches(w.grad, dw32, dtype)
+
+
+def test_batched_input_all_ignored_and_no_grad(device, triton_backend) -> None:
+    h, w, labels = _problem(12, 8, 20, seed=12)
+    h3, lab3 = h.view(3, 4, 8).to(device), labels.view(3, 4).to(device)
+    expected, _, _ = _full_logits_ce(h, w, labels)
+    with torch.no_grad():
+        torch.testing.assert_close(registry.vocab_cross_entropy(h3, w.to(device), lab3), expected.to(device))
+    w_dev = w.to(device).requires_grad_()
+    nothing = registry.vocab_cross_entropy(h3, w_dev, torch.full_like(lab3, -100))
+    nothing.backward()
+    assert nothing.item() == 0.0 and w_dev.grad.abs().sum() == 0
+
+
+def test_auto_chunk_size_bounds_logits() -> None:
+    # BLOOM-176B head, tp=4: 4096 tokens, hidden 14336, 62720 vocab rows per rank -> the logits chunk of 1024
+    # tokens holds about as many elements as the hidden states
+    assert reference.auto_chunk_size(4096, 14336, 62720) == 1024
+    assert reference.auto_chunk_size(3, 16, 50) == 1
+
+
+def _tp_worker(rank: int, world: int, init_file: str, device: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        h, w, labels = _problem(11, 16, 50, seed=13)  # 25 vocab rows per rank
+        expected, dh32, dw32 = (t.to(device) for t in _full_logits_ce(h, w, labels))
+        h, w, labels = h.to(device), w.to(device), labels.to(device)
+        shard = slice(rank * 25, (rank + 1) * 25)
+        for backend in ("triton", "reference"):
+            os.environ["BLOOM_KERNELS"] = backend
+            h_rank = h.clone().requires_grad_()
+            w_rank = w[shard].clone().requires_grad_()
+            loss = registry.vocab_cross_entropy(h_rank, w_rank, labels, chunk_size=4, tp_group=dist.group.WORLD)
+            loss.backward()
+            torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(h_rank.grad, dh32, atol=1e-5, rtol=1e-5)  # already summed over ranks
+            torch.testing.assert_close(w_rank.grad, dw32[shard], atol=1e-5, rtol=1e-5)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_vocab_parallel_two_ranks(tmp_path: Path, device: torch.device) -> None:
+    # Both ranks share one device when there is a GPU (gloo all-reduces CUDA tensors too).
+    mp.spawn(_tp_worker, args=(2, str(tmp_path / "rendezvous"), device.type), nprocs=2, join=True)

@@ -1,0 +1,156 @@
+"""Evaluation over 2 gloo ranks with uneven shares cannot hang, and gives the single-process numbers.
+
+Every forward pass below makes a collective call, as a ZeRO-3 or tensor-parallel forward does: a rank that ran
+one forward fewer than the other would leave its peer waiting (run_distributed reports that as a timeout).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from appliance.eval.scoring import ModelScorer, even_shard, generate_greedy, score_log_likelihoods
+from appliance.model.bloom import BloomForCausalLM
+from appliance.model.config import BloomConfig
+from appliance.parallel.testing import run_distributed
+from appliance.parallel.topology import ParallelTopology
+
+pytestmark = pytest.mark.distributed
+
+CONFIG = BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4)
+REQUESTS = [([5 + i, 6 + i, 7], [8 + i] * (1 + i % 3)) for i in range(7)]  # 7 requests over 2 ranks
+PROMPTS = [[10 + i, 11, 12 + i][: 1 + i % 3] for i in range(5)]
+
+
+def model() -> BloomForCausalLM:
+    return BloomForCausalLM(CONFIG, generator=torch.Generator().manual_seed(0)).eval()
+
+
+class CollectiveScorer(ModelScorer):
+    """A scorer whose every forward joins a collective, and which counts its forwards."""
+
+    def __init__(self) -> None:
+        super().__init__(model())
+        self.forwards = 0
+
+    def _collective(self) -> None:
+        self.forwards += 1
+        if dist.is_initialized():
+            dist.all_reduce(torch.ones(1))
+
+    def target_logprobs(self, input_ids: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self._collective()
+        return super().target_logprobs(input_ids, targets)
+
+    def next_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        self._collective()
+        return super().next_tokens(input_ids, attention_mask)
+
+
+def stop_rule(tokens: list[int]) -> bool:
+    return len(tokens) >= 1 + tokens[0] % 4  # rows stop after different numbers of steps
+
+
+def score_on_rank(topology: ParallelTopology, requests: list, prompts: list) -> tuple[list, list, int]:
+    scorer = CollectiveScorer()
+    group = topology.dp_group
+    scores = score_log_likelihoods(scorer.target_logprobs, requests, max_length=16, batch_size=2, group=group)
+    generated = generate_greedy(
+        scorer.next_tokens, prompts, max_new_tokens=5, max_length=16, is_done=stop_rule, batch_size=2, group=group
+    )
+    return scores, generated, scorer.forwards
+
+
+def test_even_shard_pads_every_rank_to_the_same_length():
+    assert even_shard(7, 0, 2) == ([0, 2, 4, 6], 4) and even_shard(7, 1, 2) == ([1, 3, 5, 0], 3)
+    assert even_shard(1, 1, 4) == ([0], 0) and even_shard(0, 0, 2) == ([], 0)
+
+
+@pytest.mark.parametrize(("requests", "prompts"), [(REQUESTS, PROMPTS), (REQUESTS[:1], PROMPTS[:1])])
+def test_uneven_shards_score_as_one_process_and_never_hang(requests, prompts):
+    single = CollectiveScorer()
+    expected_scores = score_log_likelihoods(single.target_logprobs, requests, max_length=16, batch_size=2)
+    expected_tokens = generate_greedy(
+        single.next_tokens, prompts, max_new_tokens=5, max_length=16, is_done=stop_rule, batch_size=2
+    )
+    results = run_distributed(score_on_rank, 2, requests, prompts, dp=2, timeout_s=90)
+    (scores0, tokens0, forwards0), (scores1, tokens1, forwards1) = results
+    assert forwards0 == forwards1  # the same number of collective forwards on both ranks
+    assert scores0 == scores1 and tokens0 == tokens1  # every rank ends with every result
+    assert [g for _, g in scores0] == [g for _, g in expected_scores]
+    assert np.allclose([s for s, _ in scores0], [s for s, _ in expected_scores], atol=1e-5)
+    assert tokens0 == expected_tokens
+    assert all(1 <= len(t) <= 5 for t in tokens0)
+
+
+# ---- validation perplexity in the trainer -------------------------------------------------------------------
+class CollectiveEngine:
+    """The slice of a DeepSpeed engine Trainer.evaluate uses, with a collective in every forward."""
+
+    def __init__(self) -> None:
+        self.module = model()
+        self.forwards = 0
+
+    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+        self.forwards += 1
+        dist.all_reduce(torch.ones(1))
+        with torch.no_grad():
+            return self.module(inputs)
+
+    def eval(self) -> None:
+        self.module.eval()
+
+    def train(self) -> None:
+        self.module.train()
+
+
+SEQ_LEN = 8
+SAMPLES = {"en": 5, "fr": 3}  # 5 samples over 2 ranks: 3 and 2
+
+
+def validation_data() -> dict[str, list[np.ndarray]]:
+    rng = np.random.default_rng(0)
+    return {lang: [rng.integers(4, 64, SEQ_LEN + 1) for _ in range(n)] for lang, n in SAMPLES.items()}
+
+
+def evaluate_on_rank(topology: ParallelTopology, root: str) -> tuple[dict[str, float], int]:
+    from pathlib import Path
+
+    from appliance.rundir import RunDir
+    from appliance.train.metrics import StepFlops
+    from appliance.train.settings import TrainSettings
+    from appliance.train.trainer import Trainer
+
+    settings = TrainSettings(
+        seq_len=SEQ_LEN, global_batch_size=2, micro_batch_size=1, train_samples=2, lr=1e-3, min_lr=1e-4,
+        warmup_samples=0, decay_samples=2, weight_decay=0.0, grad_clip=1.0, adam_beta1=0.9, adam_beta2=0.95,
+        adam_eps=1e-8, eval_interval=1, eval_samples=10, save_interval=1, dtype="fp32", seed=0,
+    )  # fmt: skip
+    engine = CollectiveEngine()
+    rank = dist.get_rank()
+    trainer = Trainer(
+        engine=engine, settings=settings, train_data=[], valid_data=validation_data(),
+        micro_batches=lambda consumed: iter([]), run_dir=RunDir(Path(root) / f"rank{rank}").make(), rank=rank,
+        dp_rank=rank, dp_size=2, world_size=2, events=None, flops=StepFlops(model=1.0, hardware=1.0),
+        peak_flops_per_device=None, layout={}, versions={}, device=torch.device("cpu"),
+    )  # fmt: skip
+    return trainer.evaluate(), engine.forwards
+
+
+def test_validation_loss_with_uneven_shards(tmp_path):
+    (losses0, forwards0), (losses1, forwards1) = run_distributed(evaluate_on_rank, 2, str(tmp_path), dp=2, timeout_s=90)
+    assert forwards0 == forwards1 == 3 + 2  # ceil(5 / 2) + ceil(3 / 2) micro-batches of one sample
+    assert losses0 == losses1
+    net = model()
+    expected = {}
+    with torch.no_grad():
+        for lang, samples in validation_data().items():
+            batch = torch.tensor(np.stack(samples))
+            logits = net(batch[:, :-1])
+            expected[lang] = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), batch[:, 1:].reshape(-1)).item()
+    for lang in SAMPLES:
+        assert losses0[lang] == pytest.approx(expected[lang], rel=1e-5)
+    total = sum(expected[lang] * n for lang, n in SAMPLES.items()) / sum(SAMPLES.values())
+    assert losses0["all"] == pytest.approx(total, rel=1e-5)

@@ -1,0 +1,97 @@
+"""eval.json: validation loss per source, the shipped tasks within the CPU budget, and a generated sample."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from appliance.eval.final import CPU_TASK_LIMIT, SAMPLE_PROMPT, write_final_eval
+from appliance.model.bloom import BloomForCausalLM
+from appliance.model.config import BloomConfig
+from appliance.rundir import RunDir
+from appliance.train.trainer import Position
+
+SEQ_LEN = 64
+
+
+@dataclass
+class FakeEngine:
+    module: torch.nn.Module
+
+
+@dataclass
+class FakeSettings:
+    seq_len: int = SEQ_LEN
+    eval_task_limit: int | None = None
+
+
+@dataclass
+class FakeTrainer:
+    """What write_final_eval reads from a Trainer (one process: no data parallelism)."""
+
+    engine: FakeEngine
+    s: FakeSettings = field(default_factory=FakeSettings)
+    pos: Position = field(default_factory=lambda: Position(step=7, consumed_samples=112))
+    first_valid_loss: float = 9.0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+
+    def evaluate(self) -> dict[str, float]:
+        return {"en": 2.0, "fr": 3.0, "all": 2.5}
+
+    def _emit(self, kind: str, **fields: Any) -> None:
+        self.events.append((kind, fields))
+
+
+def make_run_dir(tmp_path: Path) -> RunDir:
+    run_dir = RunDir(tmp_path / "run").make()
+    run_dir.tokenizer.mkdir()
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(["The command prints the manual page. Le chat dort."] * 8, trainer)
+    tokenizer.save(str(run_dir.tokenizer_json))
+    return run_dir
+
+
+def test_eval_json_has_losses_tasks_and_sample(tmp_path):
+    run_dir = make_run_dir(tmp_path)
+    model = BloomForCausalLM(BloomConfig(vocab_size=512, hidden_size=32, n_layer=2, n_head=4))
+    trainer = FakeTrainer(FakeEngine(model))
+    started = time.time()
+    result = write_final_eval(trainer, run_dir, vocab_size=512, is_writer=True)
+    seconds = time.time() - started
+    on_disk = json.loads(run_dir.eval.read_text())
+    assert on_disk == json.loads(json.dumps(result))
+    assert on_disk["valid_loss"] == 2.5 and on_disk["per_source"]["fr"]["loss"] == 3.0
+    assert set(on_disk["tasks"]) == {"lambada_sample", "cloze_sample", "xlang_choice"}
+    for name, metrics in on_disk["tasks"].items():
+        assert metrics["n"] == CPU_TASK_LIMIT, name
+        assert 0.0 <= metrics["acc"] <= 1.0 and metrics["acc_stderr"] >= 0.0
+        assert {"acc_norm", "acc_norm_stderr"} <= set(metrics)
+    assert on_disk["tasks"]["cloze_sample"]["acc_norm"] is not None
+    assert on_disk["tasks"]["lambada_sample"]["metric"] == "exact_match"
+    assert on_disk["sample"]["prompt"] == SAMPLE_PROMPT and isinstance(on_disk["sample"]["completion"], str)
+    kind, fields = trainer.events[-1]
+    assert kind == "eval" and fields["final"] and fields["tasks"] == result["tasks"] and fields["step"] == 7
+    assert seconds < 30, f"the final evaluation took {seconds:.1f} s on the CPU"
+
+
+def test_task_limit_setting_and_non_writer(tmp_path):
+    run_dir = make_run_dir(tmp_path)
+    model = BloomForCausalLM(BloomConfig(vocab_size=512, hidden_size=32, n_layer=1, n_head=4))
+    trainer = FakeTrainer(FakeEngine(model), s=FakeSettings(eval_task_limit=3))
+    result = write_final_eval(trainer, run_dir, vocab_size=512, is_writer=False)
+    assert {m["n"] for m in result["tasks"].values()} == {3} and result["task_limit"] == 3
+    assert not run_dir.eval.exists() and not trainer.events  # only the writer writes and emits

@@ -1,0 +1,205 @@
+"""Energy and carbon (NVML counters, integrated power, RAPL with wraparound, the stated CPU estimate) and the
+GPU sampler, against a fake NVML and a fake /sys/class/powercap."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+import appliance.monitor.gpu as gpu_module
+from appliance.errors import BadInput
+from appliance.monitor.energy import (
+    BLOOM_JEAN_ZAY,
+    CPU_WATTS_PER_CORE,
+    DEFAULT_PROFILE,
+    EnergyMeter,
+    carbon_kg,
+    energy_summary,
+    resolve_profile,
+)
+from appliance.monitor.events import EventWriter, read_events
+from appliance.monitor.gpu import GpuSampler, read_devices
+from appliance.monitor.state import RunState, reduce
+
+
+class FakeNvmlError(Exception):
+    pass
+
+
+class FakeNvml:
+    """The part of pynvml the monitor uses. Energy counters in mJ, power in mW, memory in bytes."""
+
+    NVML_TEMPERATURE_GPU = 0
+
+    def __init__(self, devices: int = 2, counter: bool = True) -> None:
+        self.energy_mj = [1_000_000.0] * devices
+        self.power_mw = [300_000.0] * devices
+        self.counter = counter
+        self.devices = devices
+
+    def nvmlDeviceGetCount(self) -> int:
+        return self.devices
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
+        return index
+
+    def nvmlDeviceGetName(self, handle: int) -> bytes:
+        return b"NVIDIA A100-SXM4-80GB"
+
+    def nvmlDeviceGetUtilizationRates(self, handle: int) -> Any:
+        return SimpleNamespace(gpu=97, memory=40)
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int) -> Any:
+        return SimpleNamespace(used=70 * 2**30, total=80 * 2**30)
+
+    def nvmlDeviceGetTemperature(self, handle: int, sensor: int) -> int:
+        return 65
+
+    def nvmlDeviceGetPowerUsage(self, handle: int) -> float:
+        return self.power_mw[handle]
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: int) -> float:
+        if not self.counter:
+            raise FakeNvmlError("Not Supported")
+        return self.energy_mj[handle]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def powercap(root: Path, zones: dict[str, tuple[int, int, str]]) -> Path:
+    """zones: directory name -> (energy_uj, max_energy_range_uj, name)."""
+    for zone, (energy, top, name) in zones.items():
+        d = root / zone
+        d.mkdir(parents=True)
+        (d / "energy_uj").write_text(f"{energy}\n")
+        (d / "max_energy_range_uj").write_text(f"{top}\n")
+        (d / "name").write_text(f"{name}\n")
+    return root
+
+
+def test_carbon_and_profiles() -> None:
+    # BLOOM's cluster: 1000 kWh of IT energy x PUE 1.2 x 57 g/kWh = 68.4 kg
+    assert carbon_kg(1000.0, BLOOM_JEAN_ZAY.grid_g_per_kwh, BLOOM_JEAN_ZAY.pue) == pytest.approx(68.4)
+    assert resolve_profile() is DEFAULT_PROFILE and resolve_profile("bloom-jean-zay") is BLOOM_JEAN_ZAY
+    custom = resolve_profile("bloom-jean-zay", pue=1.1)
+    assert (custom.grid_g_per_kwh, custom.pue) == (57.0, 1.1)
+    with pytest.raises(BadInput, match="unknown"):
+        resolve_profile("mars")
+    with pytest.raises(BadInput, match="PUE"):
+        resolve_profile(pue=0.9)
+
+
+def test_gpu_energy_from_the_nvml_counter_and_cpu_from_rapl_with_wraparound(tmp_path: Path) -> None:
+    root = powercap(
+        tmp_path / "powercap",
+        {
+            "intel-rapl:0": (900_000_000, 1_000_000_000, "package-0"),
+            "intel-rapl:0:0": (5, 1_000_000_000, "core"),  # inside package 0: not counted again
+            "intel-rapl:1": (10, 1_000_000_000, "psys"),  # the whole platform: would double count
+        },
+    )
+    nvml, clock = FakeNvml(devices=2), Clock()
+    meter = EnergyMeter(nvml=nvml, sysfs_root=root, profile=BLOOM_JEAN_ZAY, clock=clock)
+    # 10 s later: each GPU used 3.6 MJ (1 kWh... / 1000) -> 3_600_000 J = 1 kWh each
+    nvml.energy_mj = [e + 3.6e9 for e in nvml.energy_mj]
+    # package 0 wrapped: 900 M -> 1000 M (max) -> 260 M uJ = 360 J; 3.6 MJ is 1 kWh
+    (root / "intel-rapl:0" / "energy_uj").write_text("260000000\n")
+    clock.now = 10.0
+    fields = meter.sample()
+    assert fields["gpu_kwh"] == pytest.approx(2.0)
+    assert fields["cpu_kwh"] == pytest.approx(360 / 3.6e6)
+    assert fields["kwh"] == pytest.approx(2.0 + 1e-4)
+    assert fields["co2_kg"] == pytest.approx(fields["kwh"] * 1.2 * 57 / 1000)
+    assert (fields["source"], fields["gpu_source"], fields["cpu_source"]) == ("nvml_energy_counter",) * 2 + ("rapl",)
+    assert (fields["pue"], fields["grid_g_per_kwh"]) == (1.2, 57.0) and "cpu_estimate" not in fields
+    # a driver reload restarts the counter: the new reading is all new energy
+    nvml.energy_mj = [3.6e6, 3.6e6]
+    assert meter.sample()["gpu_kwh"] == pytest.approx(2.0 + 2 * 3.6e3 / 3.6e6)
+
+
+def test_integrated_power_and_the_stated_cpu_estimate(tmp_path: Path) -> None:
+    unreadable = tmp_path / "powercap"
+    (unreadable / "intel-rapl:0").mkdir(parents=True)  # no energy_uj readable (root-only on real machines)
+    nvml, clock = FakeNvml(devices=1, counter=False), Clock()
+    meter = EnergyMeter(nvml=nvml, sysfs_root=unreadable, cpu_cores=4, cpu_utilization=lambda: 50.0, clock=clock)
+    nvml.power_mw = [500_000.0]  # 300 W -> 500 W over 3600 s: trapezoid 400 W x 1 h = 0.4 kWh
+    clock.now = 3600.0
+    fields = meter.sample()
+    assert fields["gpu_kwh"] == pytest.approx(0.4) and fields["gpu_source"] == "nvml_power_integrated"
+    # 4 cores x 7.5 W x 50% for one hour
+    assert fields["cpu_kwh"] == pytest.approx(4 * CPU_WATTS_PER_CORE * 0.5 / 1000)
+    assert fields["cpu_source"] == "estimate" and "4 cores x 7.5 W/core" in fields["cpu_estimate"]
+
+
+def test_no_nvml_means_no_devices_and_cpu_only_energy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu_module, "load_nvml", lambda: None)
+    assert read_devices(None) == []
+    meter = EnergyMeter(sysfs_root=tmp_path, cpu_cores=2, cpu_utilization=lambda: 0.0)
+    fields = meter.sample()
+    assert fields["gpu_kwh"] == 0.0 and fields["source"] == "estimate" and fields["gpu_source"] is None
+
+
+def test_gpu_sampler_writes_gpu_and_energy_events(tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    nvml = FakeNvml(devices=8)
+    with EventWriter(metrics) as writer:
+        meter = EnergyMeter(nvml=nvml, sysfs_root=tmp_path / "none", cpu_cores=2, cpu_utilization=lambda: 10.0)
+        sampler = GpuSampler(writer, node="node07", interval_s=0.02, energy=meter, nvml=nvml)
+        sampler.start()
+        deadline = time.monotonic() + 5
+        while len(list(read_events(metrics))) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        sampler.stop()
+    events = list(read_events(metrics))
+    gpu = [e for e in events if e["kind"] == "gpu"]
+    energy = [e for e in events if e["kind"] == "energy"]
+    assert len(gpu) >= 3 and len(gpu) == len(energy)  # every tick, plus the final one at stop()
+    device = gpu[0]["devices"][3]
+    assert gpu[0]["node"] == "node07" and len(gpu[0]["devices"]) == 8
+    assert device == {
+        "index": 3,
+        "name": "NVIDIA A100-SXM4-80GB",
+        "util": 97.0,
+        "memory_used_gb": 70.0,
+        "memory_total_gb": 80.0,
+        "temperature_c": 65.0,
+        "power_w": 300.0,
+    }
+    assert {"kwh", "co2_kg", "gpu_kwh", "cpu_kwh", "source", "pue", "grid_g_per_kwh"} <= set(energy[-1])
+    state = RunState()
+    for event in events:
+        reduce(state, event)
+    summary = energy_summary(state)
+    assert summary["energy_kwh"] == energy[-1]["kwh"] and summary["energy_source"] == "nvml_energy_counter"
+    json.dumps(summary)
+
+
+def test_a_failing_tick_becomes_one_warning_and_the_thread_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    with EventWriter(metrics) as writer:
+        emit = writer.emit
+
+        def emit_failing_gpu(kind: str, **fields: Any) -> dict[str, Any]:
+            if kind == "gpu":
+                raise OSError("disk full")
+            return emit(kind, **fields)
+
+        monkeypatch.setattr(writer, "emit", emit_failing_gpu)
+        sampler = GpuSampler(writer, node="n", interval_s=10.0, nvml=FakeNvml())
+        sampler.tick_safely()
+        sampler.tick_safely()
+    warnings = [e for e in read_events(metrics) if e["kind"] == "warning"]
+    assert len(warnings) == 1 and "disk full" in warnings[0]["message"]
