@@ -10,6 +10,12 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from appliance.rundir import RunDir
+
+if TYPE_CHECKING:
+    from appliance.pipeline import RunRequest
 
 from appliance.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_PREEMPTED, BadInput
 
@@ -25,6 +31,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--headless", action="store_true", help="no dashboard: progress lines and events on stdout")
     p.add_argument("--log-format", choices=["text", "json"], default=DEFAULT_LOG_FORMAT)
     p.add_argument("--max-steps", type=int, help="stop after N optimizer steps")
+    p.add_argument("--prepare-only", action="store_true", help="stop after plan, prep, tokenizer and data")
     p.add_argument(
         "--set",
         dest="overrides",
@@ -79,6 +86,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tui", help="attach the dashboard to a run directory (live or finished)")
     p.add_argument("--run-dir", type=Path, required=True)
+
+    p = sub.add_parser("sbatch", help="write a SLURM batch script that trains the plan on an allocation")
+    p.add_argument("--run-dir", type=Path, required=True, help="the run directory the job will use")
+    p.add_argument("--hardware", help="hardware profile name or TOML file (default: detect)")
+    p.add_argument("--model", help="model preset name or TOML file (default: the model ladder picks)")
+    p.add_argument("--corpus", type=Path, nargs="+", help="input corpus (default: the embedded sample corpus)")
+    p.add_argument("--nodes", type=int, help="default: the plan's GPUs / GPUs per node")
+    p.add_argument("--gpus-per-node", type=int, help="default: the hardware's")
+    p.add_argument("--time", default="20:00:00", help="job time limit, [D-]HH:MM:SS; the job requeues itself")
+    p.add_argument("--partition")
+    p.add_argument("--account")
+    p.add_argument("--out", type=Path, help="default: <run-dir>/train.sbatch")
     return parser
 
 
@@ -101,6 +120,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         hardware=args.hardware,
         max_steps=args.max_steps,
         overrides=parse_overrides(args.overrides),
+        prepare_only=args.prepare_only,
     )
     headless = args.headless or not sys.stdout.isatty()
     if not headless:
@@ -115,18 +135,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     return _run_headless(req, args.log_format, run)
 
 
-def _run_headless(req: object, log_format: str, run: Callable[..., int]) -> int:
+def _run_headless(req: RunRequest, log_format: str, run: Callable[..., int]) -> int:
     from appliance.monitor.headless import HeadlessPrinter, follow_run
 
     printer = HeadlessPrinter(stream=sys.stdout, log_format=log_format)
     done = threading.Event()
     followers: list[threading.Thread] = []
 
-    def start_following(run_dir: object) -> None:
+    def start_following(run_dir: RunDir) -> None:
         t = threading.Thread(
             target=follow_run,
             args=(run_dir.root, printer),
-            kwargs={"stop": done.is_set},  # type: ignore[attr-defined]
+            kwargs={"stop": done.is_set},
             daemon=True,
         )
         t.start()
@@ -262,6 +282,48 @@ def cmd_tui(args: argparse.Namespace) -> int:
     return run_tui(args.run_dir)
 
 
+def cmd_sbatch(args: argparse.Namespace) -> int:
+    from appliance.data.sample_corpus import SAMPLE_CORPUS_DIR
+    from appliance.pipeline import RunRequest, check_inputs, make_run_plan
+    from appliance.train.atomic import write_atomic
+    from appliance.train.slurm import SlurmJob, sbatch_script
+
+    corpus = args.corpus or [SAMPLE_CORPUS_DIR]
+    check_inputs(corpus)
+    plan_path = args.run_dir / "plan.json"
+    if plan_path.exists():
+        plan = json.loads(plan_path.read_text())
+    else:
+        plan = make_run_plan(RunRequest(corpus=corpus, hardware=args.hardware, model=args.model))
+    hardware, layout = plan["hardware"], plan["layout"]
+    gpus_per_node = args.gpus_per_node or hardware.get("gpus_per_node") or 0
+    if gpus_per_node < 1:
+        raise BadInput("sbatch: the plan is for a machine without GPUs; give --hardware (e.g. jean-zay-a100-48n)")
+    world = layout["tp"] * layout["pp"] * layout["dp"]
+    nodes = args.nodes or -(-world // gpus_per_node)
+    if nodes * gpus_per_node != world:
+        raise BadInput(f"sbatch: tp*pp*dp = {world} ranks do not fill {nodes} nodes x {gpus_per_node} GPUs")
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(plan_path, json.dumps(plan, indent=1).encode())
+    job = SlurmJob(
+        run_dir=args.run_dir,
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        cpus_per_task=int(hardware.get("cpu_cores") or 8),
+        time_limit=args.time,
+        partition=args.partition,
+        account=args.account,
+        job_name=str(plan["model"].get("name", "bloom")),
+    )
+    script = sbatch_script(job, corpus=[p.resolve() for p in corpus])
+    out = args.out or args.run_dir / "train.sbatch"
+    out.write_text(script)
+    out.chmod(0o750)
+    print(f"wrote {out}: {nodes} nodes x {gpus_per_node} GPUs, tp{layout['tp']} pp{layout['pp']} dp{layout['dp']}")
+    print(f"submit with: sbatch {out}")
+    return 0
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "run": cmd_run,
     "detect": cmd_detect,
@@ -272,14 +334,17 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "eval": cmd_eval,
     "export": cmd_export,
     "tui": cmd_tui,
+    "sbatch": cmd_sbatch,
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    if args.command is None:
-        args = parser.parse_args(["run", *(sys.argv[1:] if argv is None else argv)])
+    argv = sys.argv[1:] if argv is None else argv
+    # No command, or only options (`./bloom_appliance.py --max-steps 40`): the default command is `run`.
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        argv = ["run", *argv]
+    args = parser.parse_args(argv)
     try:
         return COMMANDS[args.command](args)
     except BadInput as e:

@@ -9,7 +9,15 @@ from appliance.errors import BadInput
 from appliance.train.settings import TrainSettings
 
 # Keys outside the plan's "train" section that a user may still set.
-RUN_KEYS: dict[str, type] = {"max_restarts": int, "workers": int, "vocab_size": int}
+RUN_KEYS: dict[str, type] = {
+    "max_restarts": int,
+    "workers": int,
+    "vocab_size": int,
+    "carbon_profile": str,  # world-average (default) or bloom-jean-zay: see appliance/hardware/carbon.py
+    "grid_g_per_kwh": float,
+    "pue": float,
+}
+CARBON_KEYS = ("carbon_profile", "grid_g_per_kwh", "pue")
 
 
 def known_keys() -> dict[str, type]:

@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from appliance.errors import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, BadInput
+from appliance.errors import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, BadInput, Preempted
+from appliance.hardware.carbon import CarbonProfile, carbon_kg, resolve_profile
 from appliance.monitor.events import EventWriter
+from appliance.overrides import CARBON_KEYS, RUN_KEYS
 from appliance.rundir import RunDir, point_latest
 from appliance.stages import Stages, fingerprint, settings_key
 from appliance.train.atomic import write_atomic
@@ -28,6 +30,7 @@ class RunRequest:
     hardware: str | None = None  # a profile name/file instead of detection (planning what-ifs, tests)
     max_steps: int | None = None
     overrides: dict[str, Any] = field(default_factory=dict)
+    prepare_only: bool = False  # stop after the data stages (a SLURM job then trains; see train/slurm.py)
 
 
 def default_run_dir(model_name: str) -> Path:
@@ -54,12 +57,13 @@ def make_run_plan(req: RunRequest) -> dict[str, Any]:
         raise BadInput(f"--model {req.model}: does not fit this hardware: {plan.get('reason', 'see `plan`')}")
     train = plan["train"]
     for key, value in req.overrides.items():
-        if key in train or key not in ("max_restarts", "workers", "vocab_size"):
-            train[key] = value
-        elif key == "vocab_size":
+        if key == "vocab_size":
             plan["model"]["vocab_size"] = value
-        else:
+        elif key in RUN_KEYS:
             plan.setdefault("run", {})[key] = value
+        else:
+            train[key] = value
+    _apply_carbon_overrides(plan, req.overrides)
     if req.max_steps is not None:
         if req.max_steps <= 0:
             raise BadInput(f"--max-steps {req.max_steps}: must be positive")
@@ -69,6 +73,26 @@ def make_run_plan(req: RunRequest) -> dict[str, Any]:
     train["warmup_samples"] = min(train["warmup_samples"], train["decay_samples"] // 2)
     train["eval_interval"] = max(1, min(train["eval_interval"], train["train_samples"] // train["global_batch_size"]))
     return plan
+
+
+def _apply_carbon_overrides(plan: dict[str, Any], overrides: dict[str, Any]) -> None:
+    """--set carbon_profile/grid_g_per_kwh/pue: the plan's carbon estimate and the meters use the same profile."""
+    if not any(k in overrides for k in CARBON_KEYS):
+        return
+    run = plan.setdefault("run", {})
+    site = CarbonProfile(**run["carbon"]) if "carbon" in run else None
+    carbon = resolve_profile(
+        overrides.get("carbon_profile"),
+        grid_g_per_kwh=overrides.get("grid_g_per_kwh"),
+        pue=overrides.get("pue"),
+        site=site,
+    )
+    run.update(
+        carbon=carbon.to_dict(),
+        pue=carbon.pue,
+        kg_co2_per_kwh=carbon.grid_g_per_kwh / 1000.0,
+        co2_kg=carbon_kg(run.get("energy_kwh", 0.0), carbon.grid_g_per_kwh, carbon.pue),
+    )
 
 
 def run(req: RunRequest, *, on_event_writer: Any = None) -> int:
@@ -94,7 +118,7 @@ def run(req: RunRequest, *, on_event_writer: Any = None) -> int:
         raise
     write_summary(run_dir, stages, started, state=outcome)
     events.emit("run", state=outcome, seconds=time.time() - started)
-    return {"done": EXIT_OK, "preempted": EXIT_PREEMPTED}.get(outcome, EXIT_FAILED)
+    return {"done": EXIT_OK, "prepared": EXIT_OK, "preempted": EXIT_PREEMPTED}.get(outcome, EXIT_FAILED)
 
 
 def _run_stages(
@@ -107,7 +131,7 @@ def _run_stages(
 
     def write_plan(progress: Any) -> None:
         write_atomic(run_dir.plan, json.dumps(plan, indent=1).encode())
-        events.emit("plan", **{k: plan[k] for k in ("hardware", "model", "layout", "estimate") if k in plan})
+        events.emit("plan", **{k: plan[k] for k in ("hardware", "model", "layout", "estimate", "run") if k in plan})
 
     # The plan is fixed once written: a rerun of the same run directory keeps its plan and resumes.
     if run_dir.plan.exists():
@@ -146,6 +170,9 @@ def _run_stages(
         ),
     )
 
+    if req.prepare_only:
+        return "prepared"
+
     def train_work(progress: Any) -> None:
         run_dir.preempted_marker.unlink(missing_ok=True)
         code = run_agent(
@@ -154,13 +181,13 @@ def _run_stages(
             max_restarts=int(plan.get("run", {}).get("max_restarts", 3)),
         )
         if run_dir.preempted_marker.exists():
-            raise _Preempted()
+            raise Preempted(f"stopped on request after a checkpoint: {run_dir.checkpoints}")
         if code != 0 or not run_dir.eval.exists():
             raise RuntimeError(f"training failed (agent exit code {code})\n{last_rank_errors(run_dir)}")
 
     try:
         stages.run("train", key=settings_key(plan=plan), outputs=[run_dir.eval], work=train_work)
-    except _Preempted:
+    except Preempted:
         return "preempted"
 
     def export_work(progress: Any) -> None:
@@ -170,10 +197,6 @@ def _run_stages(
 
     stages.run("export", key=settings_key(eval=fingerprint([run_dir.eval])), outputs=[run_dir.export], work=export_work)
     return "done"
-
-
-class _Preempted(Exception):
-    pass
 
 
 def write_summary(run_dir: RunDir, stages: Stages, started: float, *, state: str) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
+from appliance.errors import Preempted
 from appliance.monitor.events import EventWriter
 from appliance.train.atomic import write_atomic
 
@@ -57,12 +58,9 @@ class Stages:
 
     def is_complete(self, name: str, key: str, outputs: list[Path]) -> bool:
         rec = self.records.get(name)
-        return (
-            bool(rec)
-            and rec["key"] == key
-            and all(p.exists() for p in outputs)
-            and rec["outputs"] == fingerprint(outputs)
-        )
+        if not rec or rec["key"] != key or not all(p.exists() for p in outputs):
+            return False
+        return bool(rec["outputs"] == fingerprint(outputs))
 
     def run(self, name: str, *, key: str, outputs: list[Path], work: Callable[[Progress], Any]) -> bool:
         """Runs `work(progress)` unless the stage is complete. Returns True when it ran."""
@@ -83,6 +81,9 @@ class Stages:
 
         try:
             work(progress)
+        except Preempted:
+            self.events.emit("stage", name=name, state="stopped", progress=last_fraction[0])
+            raise
         except BaseException as e:
             self.events.emit("stage", name=name, state="failed", progress=last_fraction[0], error=str(e)[:500])
             raise

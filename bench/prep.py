@@ -30,6 +30,7 @@ sys.path.insert(0, str(_HERE.parent))
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import gzip  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import random  # noqa: E402
@@ -194,13 +195,14 @@ def generate_big(out: Path, gigabytes: float, files: int = 32, seed: int = 0) ->
     function = function_text.split()
     content = sorted({"".join(rng.choices("etaoinshrdlucmfwypvbgk", k=rng.randint(3, 9))) for _ in range(50_000)})
     vocabulary = function + content
-    weights = [0.45 / len(function)] * len(function) + [0.55 / len(content)] * len(content)
+    weights = itertools.accumulate([0.45 / len(function)] * len(function) + [0.55 / len(content)] * len(content))
+    cumulative = list(weights)  # given once: rng.choices would otherwise re-add 50,000 weights per document
     target, written = int(gigabytes * (1 << 30)), 0
     out.mkdir(parents=True)
     for f in range(files):
         with open(out / f"part-{f:03d}.jsonl", "w", encoding="utf-8") as fh:
             while written < target * (f + 1) / files:
-                words = rng.choices(vocabulary, weights, k=rng.randint(300, 3000))
+                words = rng.choices(vocabulary, cum_weights=cumulative, k=rng.randint(300, 3000))
                 lines = [" ".join(words[i : i + 13]) for i in range(0, len(words), 13)]
                 line = json.dumps({"text": "\n".join(lines) + ".", "lang": "en"}) + "\n"
                 fh.write(line)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from kernels.reference import VocabCrossEntropyFunction
+from kernels.reference import apply_vocab_cross_entropy
 
 
 @triton.jit
@@ -117,7 +117,6 @@ def vocab_cross_entropy(
 ) -> torch.Tensor:
     """Mean CE of hidden @ weight.T against labels, chunked over tokens; see `kernels.reference.chunked_vocab_ce`
     for the tensor-parallel contract (weight = this rank's vocab shard, hidden replicated)."""
-    h = hidden.reshape(-1, hidden.shape[-1])
-    return VocabCrossEntropyFunction.apply(
-        h, weight, labels.reshape(-1).contiguous(), chunk_size, ignore_index, tp_group, ce_row_stats, ce_row_grad_
+    return apply_vocab_cross_entropy(
+        hidden, weight, labels, chunk_size, ignore_index, tp_group, ce_row_stats, ce_row_grad_
     )

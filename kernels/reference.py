@@ -223,6 +223,7 @@ class VocabCrossEntropyFunction(torch.autograd.Function):
         chunk_size: int | None,
         ignore_index: int,
         tp_group: dist.ProcessGroup | None,
+        want_grad: tuple[bool, bool],
         row_stats: RowStats,
         row_grad: RowGrad,
     ) -> torch.Tensor:
@@ -233,7 +234,7 @@ class VocabCrossEntropyFunction(torch.autograd.Function):
             chunk_size=chunk_size,
             ignore_index=ignore_index,
             tp_group=tp_group,
-            want_grad=(ctx.needs_input_grad[0], ctx.needs_input_grad[1]),
+            want_grad=want_grad,
             row_stats=row_stats,
             row_grad=row_grad,
         )
@@ -245,7 +246,27 @@ class VocabCrossEntropyFunction(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         dh = grad_hidden * grad_loss.to(grad_hidden.dtype) if grad_hidden is not None else None
         dw = grad_weight * grad_loss.to(grad_weight.dtype) if grad_weight is not None else None
-        return dh, dw, None, None, None, None, None, None
+        return dh, dw, None, None, None, None, None, None, None
+
+
+def apply_vocab_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int | None,
+    ignore_index: int,
+    tp_group: dist.ProcessGroup | None,
+    row_stats: RowStats,
+    row_grad: RowGrad,
+) -> torch.Tensor:
+    """Flatten tokens and run VocabCrossEntropyFunction, computing only the gradients autograd will ask for."""
+    grad_on = torch.is_grad_enabled()  # forward runs with grad off, so decide here (no_grad eval skips grads)
+    want_grad = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad)
+    h = hidden.reshape(-1, hidden.shape[-1])
+    flat_labels = labels.reshape(-1).contiguous()
+    return VocabCrossEntropyFunction.apply(
+        h, weight, flat_labels, chunk_size, ignore_index, tp_group, want_grad, row_stats, row_grad
+    )
 
 
 def vocab_cross_entropy(
@@ -258,7 +279,6 @@ def vocab_cross_entropy(
     tp_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Mean cross-entropy of hidden @ weight.T against labels (torch twin of kernels.cross_entropy)."""
-    h = hidden.reshape(-1, hidden.shape[-1])
-    return VocabCrossEntropyFunction.apply(
-        h, weight, labels.reshape(-1), chunk_size, ignore_index, tp_group, ce_row_stats, ce_row_grad_
+    return apply_vocab_cross_entropy(
+        hidden, weight, labels, chunk_size, ignore_index, tp_group, ce_row_stats, ce_row_grad_
     )

@@ -7,9 +7,10 @@ perplexity. A document is dropped by the first filter it fails; the report count
 
 Where we differ from ROOTS, and why:
 - ROOTS rewrote OSCAR documents before filtering (uniform whitespace, dropping URL-like and over-long words).
-  We keep the text as written and measure it on a view with runs of spaces and tabs folded to one space: the
-  sample corpus is formatted man pages and docs, whose alignment spaces are layout, not noise, and would
-  otherwise fail the special-character and character-repetition cutoffs that were tuned on web text.
+  We keep the text as written and measure it on a view with runs of spaces and tabs folded to one space and
+  rule lines ("-----", "_____", box drawing) folded to one character: the sample corpus is formatted man pages
+  and docs, whose alignment and rules are layout, not noise, and would otherwise fail the special-character and
+  character-repetition cutoffs that were tuned on web text.
 - ROOTS split Chinese with a SentencePiece model. We ship no such model, so Chinese and Japanese are split into
   single characters (stopword and flagged lists then match characters and character bigrams).
 - Perplexity needs a KenLM-style model: pass any `(text, lang) -> perplexity` callable; without one the filter
@@ -132,6 +133,7 @@ SPECIAL_CHARACTERS = frozenset(string.punctuation + string.digits + string.white
 _IS_SPECIAL = np.zeros(0x110000, dtype=np.bool_)
 _IS_SPECIAL[[ord(c) for c in SPECIAL_CHARACTERS]] = True
 _LAYOUT_SPACE = re.compile(r"[ \t\u00a0\u3000]{2,}")
+_LAYOUT_RULE = re.compile(r"([-_=~*#.+\u2500-\u257f])\1{3,}")  # "-----", "_____", "═════": drawn lines
 _CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff00-\uffef\u3000-\u303f]")
 _TOKEN = re.compile(r"\S+")
 _CJK_TOKEN = re.compile(_CJK.pattern + r"|(?:(?!" + _CJK.pattern + r")\S)+")
@@ -139,8 +141,9 @@ _BIG_TEXT = 1 << 20  # past this many characters, count words without building t
 
 
 def measured_view(text: str) -> str:
-    """The text the filters measure: runs of layout spaces folded to one (see the module docstring)."""
-    return _LAYOUT_SPACE.sub(" ", text)
+    """The text the filters measure: runs of layout spaces folded to one space, and rule lines drawn with one
+    repeated character folded to that character (see the module docstring)."""
+    return _LAYOUT_RULE.sub(r"\1", _LAYOUT_SPACE.sub(" ", text))
 
 
 def words_of(text: str, lang: str) -> list[str]:

@@ -125,15 +125,15 @@ def _run(
     sizes = [_unit_size(u) for u in units]
     # Progress: stage A covers 0-45 %, stage B 45-90 %, dedup and writing the rest; both stages weigh units by size.
     with _mapper(workers, len(units)) as run_map:
-        results_a = _collect(run_map(_stage_a, [(i, u, strict, str(work)) for i, u in enumerate(units)]),
-                             sizes, progress, 0.0, 0.45)  # fmt: skip
+        tasks_a = [(i, unit, strict, str(work)) for i, unit in enumerate(units)]
+        results_a = _collect(run_map(_stage_a, tasks_a), sizes, progress, 0.0, 0.45)
         _check_encodings(units, results_a)
         for r in results_a:
             stats.merge(r.stats)
-        templates = dedup.find_templates([np.load(work / f"a-{i}-lines.npy", mmap_mode="r") for i in range(len(units))])
-        np.save(work / "templates.npy", np.sort(templates))
-        tasks = [(i, str(work), perplexity) for i in range(len(units))]
-        results_b = _collect(run_map(_stage_b, tasks), sizes, progress, 0.45, 0.9)
+        line_hashes = [np.load(work / f"a-{i}-lines.npy", mmap_mode="r") for i in range(len(units))]
+        np.save(work / "templates.npy", np.sort(dedup.find_templates(line_hashes)))
+        tasks_b = [(i, str(work), perplexity) for i in range(len(units))]
+        results_b = _collect(run_map(_stage_b, tasks_b), sizes, progress, 0.45, 0.9)
     for r in results_b:
         stats.merge(r.stats)
     dups = _deduplicate(work, len(units))
@@ -141,10 +141,9 @@ def _run(
     shards = _write_shards(work, len(units), dups, stats)
     if not shards:
         raise BadInput(f"prep: no document left from {', '.join(map(str, inputs))} ({_why_empty(stats)})")
-    report = build_report(
-        stats, inputs=[str(p) for p in inputs], files=len({u.path for u in units}), shards=shards,
-        perplexity=perplexity is not None,
-    )  # fmt: skip
+    files = len({u.path for u in units})
+    names = [str(p) for p in inputs]
+    report = build_report(stats, inputs=names, files=files, shards=shards, perplexity=perplexity is not None)
     (work / "corpus" / REPORT_JSON).write_text(to_json(report), encoding="utf-8")
     (work / "corpus" / REPORT_MD).write_text(to_markdown(report), encoding="utf-8")
     return report

@@ -126,7 +126,7 @@ def plan_units(inputs: list[Path], *, strict: bool) -> tuple[list[Unit], list[Sk
         for path, kind, codec in _walk(given, explicit=True, seen=set()):
             skip = _file_problem(path, kind)
             if skip is not None:
-                if strict:
+                if strict and skip.reason != UNSUPPORTED_FILE:  # a stray .pdf is no bad record
                     raise BadInput(f"prep: {skip.message()}")
                 skips.append(skip)
                 continue
@@ -387,15 +387,19 @@ def _gzip_blocks(fh: BinaryIO) -> Iterator[bytes]:
 
 
 def _zstd_blocks(fh: BinaryIO) -> Iterator[bytes]:
-    decomp = zstandard.ZstdDecompressor().decompressobj(write_size=BLOCK_BYTES, read_across_frames=True)
     data = fh.read(_COMPRESSED_READ)
-    while data:
-        piece = decomp.decompress(data)
-        if piece:
-            yield piece
-        data = fh.read(_COMPRESSED_READ)
-    if not decomp.eof:
-        raise Truncated()
+    while data:  # one zstd frame per pass (concatenated .zst files have several)
+        decomp = zstandard.ZstdDecompressor().decompressobj(write_size=BLOCK_BYTES)
+        while True:
+            piece = decomp.decompress(data)
+            if piece:
+                yield piece
+            if decomp.eof:
+                data = decomp.unused_data or fh.read(_COMPRESSED_READ)
+                break
+            data = fh.read(_COMPRESSED_READ)
+            if not data:
+                raise Truncated()
 
 
 # ------------------------------------------------------------------------------------------- tabular formats
@@ -441,4 +445,4 @@ def _batches(unit: Unit) -> Iterator:
         table = split.with_format("arrow")
         keep = [c for c in wanted if c in split.column_names]
         for start in range(0, len(split), PARQUET_BATCH_ROWS):
-            yield table[start : start + PARQUET_BATCH_ROWS].select(keep) if keep else table[start : start + 1]
+            yield table[start : start + PARQUET_BATCH_ROWS].select(keep)

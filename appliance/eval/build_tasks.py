@@ -4,9 +4,11 @@
 
 Held out means exactly the documents the default run keeps for validation: the sample corpus goes through
 `prep` as the default run sends it, and each language's documents are split by the same seeded draw as
-training's (data/gpt_dataset.train_valid_split with the default fraction and BLOOM's seed). So the default run
-never trains on a task's text. From those documents' prose paragraphs (sentence-final, mostly letters, in the
-document's own language by language ID):
+training's (data/gpt_dataset.train_valid_split with the default fraction and BLOOM's seed); paragraphs that
+training documents also contain are dropped. So the default run never trains on a task's text. A change to
+`prep` changes the split: rebuild then (a test fails when a shipped task's text reaches the training side).
+From the held-out documents' prose paragraphs (sentence-final, mostly letters, in the document's own language
+by language ID):
 
 - lambada_sample (generate_until): a passage whose last word already appears earlier in it, as LAMBADA's
   target words mostly do; the model must produce that word. Languages written with spaces.
@@ -29,7 +31,7 @@ import random
 import re
 import sys
 import tempfile
-from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -52,8 +54,18 @@ _SENTENCE_END = ".!?。！？"
 
 
 # ---- held-out documents ------------------------------------------------------------------------------------
-def held_out_documents(corpus_dir: Path, seed: int = BLOOM_SEED) -> dict[str, list[dict[str, Any]]]:
-    """lang -> the documents training holds out for validation, in corpus order."""
+@dataclass(frozen=True)
+class CorpusSplit:
+    held: dict[str, list[dict[str, Any]]]  # lang -> the documents training holds out for validation, in order
+    training_text: str  # every other document, whitespace collapsed to single spaces
+
+
+def collapse_spaces(text: str) -> str:
+    return re.sub(r"\s+", " ", text)
+
+
+def split_corpus(corpus_dir: Path, seed: int = BLOOM_SEED) -> CorpusSplit:
+    """The prepared corpus split as training splits it (per language, documents indexed in corpus order)."""
     by_lang: dict[str, list[dict[str, Any]]] = {}
     for shard in sorted(corpus_dir.glob("shard-*.jsonl")):
         with open(shard, encoding="utf-8") as f:
@@ -61,42 +73,49 @@ def held_out_documents(corpus_dir: Path, seed: int = BLOOM_SEED) -> dict[str, li
                 if line.strip():
                     record = json.loads(line)
                     by_lang.setdefault(record["lang"], []).append(record)
-    held = {}
+    held, training = {}, []
     for lang, docs in sorted(by_lang.items()):
-        # train_valid_split reads only len() of the dataset it splits; documents are indexed in corpus order.
-        _, valid = train_valid_split(cast(Any, docs), VALID_FRACTION, seed)
+        # train_valid_split reads only len() of the dataset it splits.
+        train, valid = train_valid_split(cast(Any, docs), VALID_FRACTION, seed)
         held[lang] = [docs[i] for i in valid.tolist()]
-    return held
+        training += [collapse_spaces(docs[i]["text"]) for i in train.tolist()]
+    return CorpusSplit(held, "\n".join(training))
 
 
-def prose_paragraphs(text: str, lang: str) -> Iterator[str]:
-    """Paragraphs that read as running text in `lang`: wrapped lines joined, sentence-final, mostly letters."""
-    for block in re.split(r"\n\s*\n", text):
-        lines = [line.strip() for line in block.splitlines() if line.strip()]
-        if not lines or any(line.startswith(("-", "*", "•", "#", "$", "/", "<")) for line in lines):
-            continue  # option lists, bullets, commands and markup are not prose
-        paragraph = re.sub(r"\s+", " ", " ".join(lines))
-        if not 40 <= len(paragraph) <= MAX_PASSAGE_CHARS or paragraph[-1] not in _SENTENCE_END:
-            continue
-        visible = [c for c in paragraph if not c.isspace()]
-        if sum(c.isalpha() for c in visible) < 0.8 * len(visible):
-            continue
-        if detect_language(paragraph) == lang:
-            yield paragraph
+def prose_paragraph(block: str, lang: str) -> str | None:
+    """The block as one line if it reads as running text in `lang` (sentence-final, mostly letters), else None."""
+    lines = [line.strip() for line in block.splitlines() if line.strip()]
+    if not lines or any(line.startswith(("-", "*", "•", "#", "$", "/", "<")) for line in lines):
+        return None  # option lists, bullets, commands and markup are not prose
+    paragraph = collapse_spaces(" ".join(lines))
+    if not 40 <= len(paragraph) <= MAX_PASSAGE_CHARS or paragraph[-1] not in _SENTENCE_END:
+        return None
+    visible = [c for c in paragraph if not c.isspace()]
+    if sum(c.isalpha() for c in visible) < 0.8 * len(visible):
+        return None
+    return paragraph if detect_language(paragraph) == lang else None
 
 
-Paragraph = tuple[str, str, dict[str, str]]  # (paragraph, the prose paragraph before it or "", {source, license})
+Paragraph = tuple[str, str, dict[str, str]]  # (paragraph, the paragraph right before it or "", {source, license})
 
 
-def _paragraphs(held: dict[str, list[dict[str, Any]]]) -> dict[str, list[Paragraph]]:
-    """lang -> every prose paragraph of the held-out documents (first occurrence), with the one before it."""
+def _paragraphs(split: CorpusSplit) -> dict[str, list[Paragraph]]:
+    """lang -> every prose paragraph of the held-out documents (first occurrence), with the paragraph right
+    before it when that one is prose too.
+
+    A paragraph that training documents also contain (boilerplate shared by several pages) is left out: held out
+    means the text, not only the document."""
     out: dict[str, list[Paragraph]] = {}
-    for lang, docs in held.items():
+    for lang, docs in split.held.items():
         seen: set[str] = set()
         for doc in docs:
             origin = {"source": str(doc.get("source", "")), "license": str(doc.get("license", ""))}
             previous = ""
-            for paragraph in prose_paragraphs(doc["text"], lang):
+            for block in re.split(r"\n\s*\n", doc["text"]):
+                paragraph = prose_paragraph(block, lang)
+                if paragraph is None or paragraph in split.training_text:
+                    previous = ""
+                    continue
                 if paragraph not in seen:
                     seen.add(paragraph)
                     out.setdefault(lang, []).append((paragraph, previous, origin))
@@ -147,6 +166,8 @@ def _split_opening(paragraph: str, lang: str) -> tuple[str, str] | None:
     """(opening, continuation) at about 60% of the paragraph: at a space, or at any character without spaces."""
     if lang in UNSPACED_LANGS:
         cut = int(len(paragraph) * 0.6)
+        while cut < len(paragraph) and (paragraph[cut].isspace() or paragraph[cut - 1].isspace()):
+            cut += 1  # not next to a space (embedded Latin words): both halves read the same once stripped
         return (paragraph[:cut], paragraph[cut:]) if len(paragraph) - cut >= 8 else None
     words = paragraph.split(" ")
     if len(words) < 8:
@@ -199,9 +220,9 @@ def _interleave(per_lang: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any
     return out
 
 
-def build_items(held: dict[str, list[dict[str, Any]]]) -> dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]]]]:
-    """task name -> (test documents, few-shot documents), deterministic for given held-out documents."""
-    paragraphs = _paragraphs(held)
+def build_items(split: CorpusSplit) -> dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]]]]:
+    """task name -> (test documents, few-shot documents), deterministic for a given corpus split."""
+    paragraphs = _paragraphs(split)
     rng = random.Random(BUILD_SEED)
     tasks: dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]]]] = {}
     vocabulary = {
@@ -315,14 +336,14 @@ def write_tasks(tasks: dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]
 def build(out_dir: Path = SHIPPED_TASKS_DIR, corpus_dir: Path | None = None) -> list[Path]:
     """Prepare the sample corpus (unless corpus_dir holds it prepared already) and write the tasks to out_dir."""
     if corpus_dir is not None:
-        return write_tasks(build_items(held_out_documents(corpus_dir)), out_dir)
+        return write_tasks(build_items(split_corpus(corpus_dir)), out_dir)
     from appliance.data.prep import prepare_corpus
     from appliance.data.sample_corpus import SAMPLE_CORPUS_DIR
 
     with tempfile.TemporaryDirectory(prefix="build-tasks-") as tmp:
         prepared = Path(tmp) / "corpus"
         prepare_corpus([SAMPLE_CORPUS_DIR], prepared, workers=1)
-        return write_tasks(build_items(held_out_documents(prepared)), out_dir)
+        return write_tasks(build_items(split_corpus(prepared)), out_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

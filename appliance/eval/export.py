@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from safetensors.torch import load_file
-
 from appliance.errors import BadInput
 from appliance.rundir import RunDir
 from appliance.train import checkpoint as ckpt
@@ -15,6 +13,7 @@ from appliance.train import checkpoint as ckpt
 def export_run(run_dir: RunDir, out_dir: Path) -> Path:
     from appliance.eval.hf_export import export_hf
     from appliance.model.config import BloomConfig
+    from appliance.parallel.shards import gather_full_state_dict
 
     if not run_dir.plan.exists():
         raise BadInput(f"--run-dir {run_dir.root}: no plan.json, not a run directory")
@@ -22,7 +21,8 @@ def export_run(run_dir: RunDir, out_dir: Path) -> Path:
     if step_dir is None:
         raise BadInput(f"--run-dir {run_dir.root}: no complete checkpoint under {run_dir.checkpoints}")
     plan = json.loads(run_dir.plan.read_text())
-    state = load_file(str(step_dir / "model.safetensors"))
+    # The whole model, from model.safetensors or reassembled from tensor/pipeline-parallel shards.
+    state = gather_full_state_dict(step_dir)
     shape = plan["model"]
     config = BloomConfig(
         vocab_size=state["transformer.word_embeddings.weight"].shape[0],

@@ -80,7 +80,7 @@ class FilterStep:
     def apply(self, text: str) -> str:
         if self.function == "regex":
             found = re.findall(self.regex_pattern, text)
-            if not found:
+            if not -len(found) <= self.group_select < len(found):
                 return self.fallback
             match = found[self.group_select]
             if isinstance(match, tuple):  # several groups: the first non-empty one, as lm-eval
@@ -120,7 +120,9 @@ class Task:
     # ---- one document -----------------------------------------------------------------------------------
     def _field(self, spec: Any, doc: Mapping[str, Any], what: str, index: int) -> Any:
         """lm-eval's rule: a field name gives the field's value, anything else is a template rendered with doc."""
-        if isinstance(spec, str) and spec in doc:
+        if not isinstance(spec, str):
+            return spec
+        if spec in doc:
             return doc[spec]
         try:
             return _template(spec).render(**doc)

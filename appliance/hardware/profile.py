@@ -75,7 +75,7 @@ class Hardware:
     name: str = ""
     description: str = ""
     usd_per_gpu_hour: float | None = None  # price for cost estimates; a default applies when unset
-    pue: float = 1.0  # data-centre power usage effectiveness, multiplies IT energy
+    pue: float | None = None  # the site's power usage effectiveness; None: see hardware/carbon.py
     kg_co2_per_kwh: float | None = None  # grid carbon intensity
     gpus: tuple[GpuDevice, ...] = ()
     infiniband: tuple[FabricPort, ...] = ()
@@ -164,7 +164,7 @@ def _check_values(hw: Hardware, source: str) -> None:
         raise BadInput(f"{source}: intra_node_gbps and inter_node_gbps must be >= 0")
     if hw.nodes > 1 and (hw.inter_node == "none" or hw.inter_node_gbps <= 0):
         raise BadInput(f"{source}: {hw.nodes} nodes need an inter_node link with inter_node_gbps > 0")
-    if hw.pue < 1.0:
+    if hw.pue is not None and hw.pue < 1.0:
         raise BadInput(f"{source}: pue must be >= 1.0, got {hw.pue}")
     if hw.gpus_per_node == 0:
         if hw.gpu != NO_GPU:

@@ -14,18 +14,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import registry as fused  # Triton kernels on GPU tensors, their torch twins on CPU (BLOOM_KERNELS)
+
 # sqrt(2 / pi), written as BLOOM (Megatron-DeepSpeed) writes it; transformers uses the same literal.
 _SQRT_2_OVER_PI = 0.79788456
 _GELU_CUBIC = 0.044715
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-    """LayerNorm over the last dimension. x: [N..., C]; weight, bias: [C]. Returns x's shape and dtype."""
-    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+    """LayerNorm over the last dimension, fp32 statistics. x: [N..., C]; weight, bias: [C]. Returns x's shape and
+    dtype."""
+    return fused.layer_norm(x, weight, bias, eps)
 
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """GeLU (tanh approximation, as BLOOM) of x + bias. x: [N..., C]; bias: [C] or None. Returns x's shape."""
+    if bias is not None and fused.get_backend(x) == "triton":
+        return fused.bias_gelu(x, bias)  # one pass over memory instead of five
     if bias is not None:
         x = x + bias
     return 0.5 * x * (1.0 + torch.tanh(_SQRT_2_OVER_PI * x * (1.0 + _GELU_CUBIC * x * x)))

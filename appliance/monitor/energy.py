@@ -14,42 +14,18 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from appliance.errors import BadInput
+from appliance.hardware.carbon import DEFAULT_PROFILE, CarbonProfile, carbon_kg
 
 if TYPE_CHECKING:
     from appliance.monitor.state import RunState
 
 
-@dataclass(frozen=True)
-class CarbonProfile:
-    name: str
-    grid_g_per_kwh: float
-    pue: float
-    source: str
-
-
-# The defaults, in one place. Without a profile we assume an average grid and an average data centre.
-WORLD_AVERAGE = CarbonProfile(
-    name="world-average",
-    grid_g_per_kwh=475.0,  # IEA, Global Energy & CO2 Status Report 2019: world electricity, 475 gCO2/kWh
-    pue=1.58,  # Uptime Institute, Global Data Center Survey 2023: average annual PUE 1.58
-    source="IEA Global Energy & CO2 Status Report 2019 (475 g/kWh); Uptime Institute survey 2023 (PUE 1.58)",
-)
-# BLOOM-176B on Jean Zay: French grid (mostly nuclear) and the cluster's PUE, as the BLOOM carbon study used them.
-BLOOM_JEAN_ZAY = CarbonProfile(
-    name="bloom-jean-zay",
-    grid_g_per_kwh=57.0,
-    pue=1.2,
-    source="Luccioni, Viguier & Ligozat 2022, Estimating the Carbon Footprint of BLOOM (arXiv:2211.02001)",
-)
-PROFILES = {p.name: p for p in (WORLD_AVERAGE, BLOOM_JEAN_ZAY)}
-DEFAULT_PROFILE = WORLD_AVERAGE
+# Carbon facts (profiles, defaults, carbon_kg) are site facts: they live with the hardware facts.
 
 # CPU power when RAPL cannot be read: Intel Xeon Gold 6248 (Jean Zay's CPUs), 150 W TDP / 20 cores = 7.5 W per
 # core at full load (Intel ARK), scaled by utilization. Idle power is left out, so this is a floor, not a bound.
@@ -58,32 +34,6 @@ CPU_ESTIMATE_BASIS = "cores x 7.5 W/core (Xeon Gold 6248: 150 W TDP / 20 cores) 
 
 JOULES_PER_KWH = 3.6e6
 _RAPL_PACKAGE = re.compile(r"intel-rapl:\d+$")  # packages only; intel-rapl:0:0 (core, dram) are inside them
-
-
-def carbon_kg(kwh: float, grid_g_per_kwh: float, pue: float) -> float:
-    """kg CO2eq of `kwh` IT energy: the facility draws kwh x PUE, each kWh emitting grid_g_per_kwh grams."""
-    return kwh * pue * grid_g_per_kwh / 1000.0
-
-
-def resolve_profile(
-    name: str | None = None, *, grid_g_per_kwh: float | None = None, pue: float | None = None
-) -> CarbonProfile:
-    """A named profile (default: world-average), with the grid intensity and/or PUE overridden if given."""
-    base = DEFAULT_PROFILE if name is None else PROFILES.get(name)
-    if base is None:
-        raise BadInput(f"carbon profile {name!r} is unknown; known profiles: {', '.join(sorted(PROFILES))}")
-    if grid_g_per_kwh is not None and not grid_g_per_kwh >= 0:
-        raise BadInput(f"grid intensity must be >= 0 gCO2/kWh, got {grid_g_per_kwh}")
-    if pue is not None and not pue >= 1.0:
-        raise BadInput(f"PUE must be >= 1.0 (facility energy / IT energy), got {pue}")
-    if grid_g_per_kwh is None and pue is None:
-        return base
-    return CarbonProfile(
-        name=f"{base.name} (overridden)",
-        grid_g_per_kwh=base.grid_g_per_kwh if grid_g_per_kwh is None else grid_g_per_kwh,
-        pue=base.pue if pue is None else pue,
-        source=f"{base.source}; overridden by the user",
-    )
 
 
 class _GpuEnergy:

@@ -29,7 +29,7 @@ REQUIRED_KEYS: dict[str, tuple[str, ...]] = {
     "run": ("state",),
 }
 
-STAGE_STATES = ("started", "running", "done", "skipped", "failed")
+STAGE_STATES = ("started", "running", "done", "skipped", "failed", "stopped")  # stopped: preempted, resumable
 
 
 def make_event(kind: str, **fields: Any) -> dict[str, Any]:

@@ -151,7 +151,9 @@ class HeadlessPrinter:
             return f"warning: {e.get('message')}"
         if kind == "run":
             return f"run {e.get('state')}"
-        return None  # gpu, energy and plan events are dashboard material; json mode carries them
+        if kind == "plan":
+            return plan_line(e)
+        return None  # gpu and energy events are dashboard material; json mode carries them
 
     def _stage_text(self, e: dict[str, Any]) -> str | None:
         name, state = str(e.get("name")), str(e.get("state"))
@@ -159,9 +161,29 @@ class HeadlessPrinter:
             return None  # progress within a state is not a change
         self._stage_states[name] = state
         info = self.state.stages[name]
-        if state in ("done", "failed", "skipped") and info.finished_t is not None:
+        if state in ("done", "failed", "skipped", "stopped") and info.finished_t is not None:
             return f"stage {name} {state} after {fmt_duration(info.finished_t - info.started_t)}"
         return f"stage {name} {state}"
+
+
+def plan_line(e: dict[str, Any]) -> str:
+    """plan bloom-tiny-cpu (1.4M parameters), tp1 pp1 dp2 mbs8 gbs16 zero0 recompute none; estimated 200 steps in
+    1m05s, 0.00045 kWh, 0.00018 kg CO2eq, $0.00 — the figures a user weighs before the run starts."""
+    model, layout, run = e.get("model") or {}, e.get("layout") or {}, e.get("run") or {}
+    params = model.get("parameters")
+    size = f" ({fmt_si(params)} parameters)" if isinstance(params, int | float) else ""
+    shape = (
+        f"tp{layout.get('tp')} pp{layout.get('pp')} dp{layout.get('dp')} mbs{layout.get('micro_batch_size')} "
+        f"gbs{layout.get('global_batch_size')} zero{layout.get('zero_stage')} recompute {layout.get('recompute')}"
+    )
+    line = f"plan {model.get('name', 'model')}{size}, {shape}"
+    if run:
+        line += (
+            f"; estimated {run.get('steps')} steps in {fmt_duration(run.get('time_s'))}, "
+            f"{fmt_float(run.get('energy_kwh'))} kWh, {fmt_float(run.get('co2_kg'))} kg CO2eq, "
+            f"${run.get('cost_usd', 0.0):,.2f}"
+        )
+    return line
 
 
 def eval_line(e: dict[str, Any]) -> str:
@@ -182,7 +204,7 @@ def eval_line(e: dict[str, Any]) -> str:
     if nested:
         parts.append(f"({', '.join(nested)})")
     sample = e.get("sample")
-    text = sample.get("text") if isinstance(sample, dict) else sample
+    text = (sample.get("completion") or sample.get("text")) if isinstance(sample, dict) else sample
     if isinstance(text, str):
         prompt = sample.get("prompt", "") if isinstance(sample, dict) else e.get("prompt", "")
         full = f"{prompt or ''}{text}".replace("\n", " ")

@@ -251,12 +251,12 @@ class RunState:
         name, state = str(e.get("name")), str(e.get("state"))
         progress = min(1.0, max(0.0, finite(e.get("progress")) or 0.0))
         info = self.stages.get(name)
-        if info is None or (state == "started" and info.state in ("done", "failed", "skipped")):
+        if info is None or (state == "started" and info.state in ("done", "failed", "skipped", "stopped")):
             info = self.stages[name] = StageInfo(name, state, progress, t, t)
         info.state, info.progress, info.updated_t = state, progress, t
         if state in ("done", "skipped"):
             info.progress = 1.0
-        info.finished_t = t if state in ("done", "skipped", "failed") else None
+        info.finished_t = t if state in ("done", "skipped", "failed", "stopped") else None
         if state == "failed":
             self._fail(t, f"stage {name}", str(e.get("error") or e.get("reason") or ""))
         self.changed.add("stages")

@@ -7,15 +7,18 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from appliance.monitor.energy import energy_summary
 from appliance.monitor.events import read_events
+from appliance.monitor.state import RunState
 from appliance.rundir import RunDir
 
 
 def summarize(run_dir: RunDir, *, state: str, wall_seconds: float, stage_seconds: dict[str, float]) -> dict[str, Any]:
     steps, evals, failures, recoveries, checkpoints = [], [], [], [], []
-    energy: dict[str, Any] = {}
     stage_states: dict[str, str] = {}
+    state_of_run = RunState()  # the dashboard's reducer: energy summed over every node's latest reading
     for e in read_events(run_dir.metrics):
+        state_of_run.apply(e)
         kind = e["kind"]
         if kind == "step":
             steps.append(e)
@@ -27,8 +30,6 @@ def summarize(run_dir: RunDir, *, state: str, wall_seconds: float, stage_seconds
             recoveries.append(e)
         elif kind == "checkpoint":
             checkpoints.append(e)
-        elif kind == "energy":
-            energy = e
         elif kind == "stage":
             stage_states[e["name"]] = e["state"]
     plan = json.loads(run_dir.plan.read_text()) if run_dir.plan.exists() else {}
@@ -61,9 +62,7 @@ def summarize(run_dir: RunDir, *, state: str, wall_seconds: float, stage_seconds
             "mfu": median("mfu"),
             "step_time_s": median("step_time_s"),
         },
-        "energy_kwh": energy.get("kwh"),
-        "co2_kg": energy.get("co2_kg"),
-        "energy_source": energy.get("source"),
+        **energy_summary(state_of_run),
         "checkpoints": len(checkpoints),
         "eval": eval_result,
         "failures": failures,

@@ -43,6 +43,7 @@ from appliance.parallel.pipeline import (
     build_pipeline_module,
     hf_parameter_name,
 )
+from appliance.parallel.scoring import ParallelScorer
 from appliance.parallel.shards import (
     FULL_MODEL_FILE,
     dense_initial_weights,
@@ -283,7 +284,12 @@ class ParallelEngine:
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         load_optimizer_state(self.engine.optimizer, state, dp_size=self.topology.dp)
 
-    # ---- the whole model, for evaluation samples ---------------------------------------------------------
+    # ---- the whole model, for evaluation -----------------------------------------------------------------
+    def task_model(self) -> ParallelScorer:
+        """The evaluation harness's TaskModel: scoring and greedy decoding through this layout (collective over
+        the TP x PP ranks of this replica, which must all pass the same batches)."""
+        return ParallelScorer(self.engine.module, self.topology, self.engine.device)
+
     @property
     def module(self) -> BloomForCausalLM:
         """The whole model as one single-process BloomForCausalLM (no collective). Split layouts assemble it from

@@ -72,7 +72,6 @@ CPU_RAM_USABLE_FRACTION = 0.8  # leave the rest of RAM to the OS, data loaders a
 # al. 2022: 433 MWh over 1.08M GPU-hours).
 GPU_POWER_FRACTION = 0.75
 HOST_WATTS_PER_GPU = 100.0
-DEFAULT_KG_CO2_PER_KWH = 0.4  # a world-average grid (IEA, ~2022); profiles set their own
 
 # Indicative on-demand cloud prices in USD per GPU-hour (mid-2020s list prices, an assumption: set
 # usd_per_gpu_hour in a hardware profile for your own). CPU runs on your own machine cost nothing here.

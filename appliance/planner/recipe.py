@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from appliance.hardware.carbon import carbon_kg, resolve_profile, site_profile
 from appliance.hardware.profile import Hardware
 from appliance.hardware.specs import gpu_spec
 from appliance.planner import calibration as cal
@@ -122,8 +123,8 @@ def run_estimate(hardware: Hardware, device: Device, layout: Layout, step_time_s
     ranks = layout.world_size
     seconds = steps * step_time_s
     hours = seconds / 3600
-    energy_kwh = hours * ranks * device.watts / 1000 * hardware.pue
-    intensity = hardware.kg_co2_per_kwh if hardware.kg_co2_per_kwh is not None else cal.DEFAULT_KG_CO2_PER_KWH
+    energy_kwh = hours * ranks * device.watts / 1000  # IT energy, as the meters measure it
+    carbon = resolve_profile(site=site_profile(hardware.name, hardware.pue, hardware.kg_co2_per_kwh))
     if hardware.usd_per_gpu_hour is not None:
         price = hardware.usd_per_gpu_hour
     elif hardware.has_gpus:
@@ -137,10 +138,11 @@ def run_estimate(hardware: Hardware, device: Device, layout: Layout, step_time_s
         "time_days": seconds / 86400,
         "gpu_hours": hours * ranks if hardware.has_gpus else 0.0,
         "energy_kwh": energy_kwh,
-        "co2_kg": energy_kwh * intensity,
+        "co2_kg": carbon_kg(energy_kwh, carbon.grid_g_per_kwh, carbon.pue),
         "cost_usd": hours * ranks * price if hardware.has_gpus else 0.0,
         "watts_per_rank": device.watts,
-        "pue": hardware.pue,
-        "kg_co2_per_kwh": intensity,
+        "pue": carbon.pue,
+        "kg_co2_per_kwh": carbon.grid_g_per_kwh / 1000.0,
+        "carbon": carbon.to_dict(),
         "usd_per_gpu_hour": price if hardware.has_gpus else 0.0,
     }

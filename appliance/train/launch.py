@@ -8,9 +8,13 @@ the same agent with a shared c10d rendezvous on the first node (see appliance/tr
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 from appliance.rundir import RunDir
 
@@ -56,24 +60,55 @@ def worker_env(base: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def _request_stop_on_signals(run_dir: RunDir) -> dict[int, Any]:
+    """SIGTERM (a scheduler's preemption) and SIGUSR1 (SLURM's --signal=USR1@300 warning) to the head process
+    become the save-and-exit control file: the ranks see it at their next step, agree on the step with one
+    all-reduce, save, and exit cleanly. Signalling the agent instead would race its own worker shutdown."""
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        run_dir.control.mkdir(parents=True, exist_ok=True)
+        run_dir.request_stop.touch()
+
+    return {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+
+
 def run_agent(run_dir: RunDir, *, nproc_per_node: int, max_restarts: int, worker_args: tuple[str, ...] = ()) -> int:
     """Runs the agent to completion; returns its exit code. Its own chatter goes to logs/agent.log."""
     run_dir.logs.mkdir(parents=True, exist_ok=True)
     cmd = agent_command(run_dir.root, nproc_per_node=nproc_per_node, max_restarts=max_restarts, worker_args=worker_args)
-    with open(run_dir.logs / "agent.log", "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=worker_env())
-        try:
-            return proc.wait()
-        except KeyboardInterrupt:
-            proc.terminate()  # the agent forwards SIGTERM to the ranks, which save and stop together
-            return proc.wait()
+    previous = _request_stop_on_signals(run_dir) if threading.current_thread() is threading.main_thread() else {}
+    try:
+        with open(run_dir.logs / "agent.log", "ab") as log:
+            # A new session: a Ctrl-C in the terminal reaches the head process only, which turns it into a
+            # save-and-exit request instead of killing ranks mid-step.
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=worker_env(), start_new_session=True)
+            while True:
+                try:
+                    return proc.wait()
+                except KeyboardInterrupt:
+                    run_dir.control.mkdir(parents=True, exist_ok=True)
+                    run_dir.request_stop.touch()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def last_rank_errors(run_dir: RunDir, max_lines: int = 30) -> str:
-    """The tail of the most recent non-empty rank stderr, to show when training failed."""
-    logs = sorted(run_dir.logs.glob("**/stderr.log"), key=lambda p: p.stat().st_mtime, reverse=True)
+    """The root cause of a failed training: the first rank traceback of the first attempt that has one.
+
+    Later attempts (the agent's restarts) often fail only as a consequence (peers that cannot connect), so the
+    first traceback is the one worth showing; the others stay in logs/.
+    """
+
+    def attempt_order(path: Path) -> tuple[int, str]:
+        attempt = next((p for p in path.parts if p.startswith("attempt_")), "attempt_0")
+        return int(attempt.removeprefix("attempt_") or 0), str(path)
+
+    logs = sorted(run_dir.logs.glob("**/stderr.log"), key=attempt_order)
+    fallback = ""
     for path in logs:
         text = path.read_text(errors="replace").strip()
-        if text:
+        if "Traceback" in text:
             return f"{path}:\n" + "\n".join(text.splitlines()[-max_lines:])
-    return ""
+        fallback = fallback or (f"{path}:\n" + "\n".join(text.splitlines()[-max_lines:]) if text else "")
+    return fallback

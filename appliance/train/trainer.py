@@ -2,7 +2,8 @@
 
 Everything that differs between ranks (which samples, which files) is decided here from (dp_rank, dp_size);
 everything that must agree (loss, grad norm, when to save or stop) goes through a collective, so all ranks take
-the same branch at the same step.
+the same branch at the same step. The model, optimizer and layout sit behind one ParallelEngine
+(appliance/parallel/engine.py), the same object for every (tp, pp, dp).
 """
 
 from __future__ import annotations
@@ -18,18 +19,19 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
 
-from appliance.model.ops import cross_entropy
 from appliance.monitor.events import EventWriter
+from appliance.parallel.drift import ReplicaDriftError
+from appliance.parallel.engine import ParallelEngine
 from appliance.rundir import RunDir
 from appliance.train import checkpoint as ckpt
 from appliance.train.control import ControlChannel
 from appliance.train.metrics import StepFlops
+from appliance.train.schedule import global_batch_at
 from appliance.train.settings import TrainSettings
 from appliance.train.state import rng_state, set_rng_state
 
-MODEL_FILE = "model.safetensors"
+DRIFT_CHECK_INTERVAL = 50  # steps; plan train "drift_check_interval" overrides it
 
 
 class SampleSource(Protocol):
@@ -57,7 +59,7 @@ class Trainer:
     def __init__(
         self,
         *,
-        engine: Any,
+        engine: ParallelEngine,
         settings: TrainSettings,
         train_data: SampleSource,
         valid_data: Mapping[str, SampleSource],
@@ -73,6 +75,7 @@ class Trainer:
         layout: dict[str, Any],
         versions: dict[str, str],
         device: torch.device,
+        drift_check_interval: int = DRIFT_CHECK_INTERVAL,
     ) -> None:
         self.engine = engine
         self.s = settings
@@ -89,7 +92,9 @@ class Trainer:
         self.device = device
         self.pos = Position()
         self.control = ControlChannel(run_dir, poll_files=rank == 0)
-        self.accumulation = settings.global_batch_size // (settings.micro_batch_size * dp_size)
+        self.drift_check_interval = drift_check_interval
+        # The group the final evaluation spreads its requests over: one rank per model replica position.
+        self.dp_group = engine.topology.dp_group
         self.first_valid_loss: float | None = None
         self.last_eval: tuple[int, dict[str, float]] | None = None  # (step, losses) of the newest evaluation
 
@@ -109,85 +114,78 @@ class Trainer:
             self.events.emit(kind, **fields)
 
     # ---- one step ----------------------------------------------------------------------------------------
+    def batch_size_at(self, consumed_samples: int) -> int:
+        """The global batch of the step that starts at consumed_samples (the ramp-up, counted in samples)."""
+        return global_batch_at(consumed_samples, self.s.global_batch_size, self.s.batch_rampup)
+
+    def planned_steps(self) -> int:
+        """Steps to consume train_samples (whole batches; more than train_samples / batch during a ramp-up)."""
+        steps, consumed = 0, 0
+        while consumed + self.batch_size_at(consumed) <= self.s.train_samples:
+            consumed += self.batch_size_at(consumed)
+            steps += 1
+        return steps
+
     def train_step(self, batches: Iterator[list[int]]) -> dict[str, float]:
+        batch = self.batch_size_at(self.pos.consumed_samples)
         # The lr for the samples this step consumes: at the end of them, so the first warmup step is not lr = 0.
-        lr = self.s.lr_schedule.at(self.pos.consumed_samples + self.s.global_batch_size)
-        for group in self.engine.optimizer.param_groups:
-            group["lr"] = lr
-        self.engine.train()
-        loss_sum = 0.0
-        own_norm: float | None = None
-        for micro in range(self.accumulation):
-            inputs, labels = to_batch(self.train_data, next(batches))
-            logits = self.engine(inputs.to(self.device))
-            loss = cross_entropy(logits, labels.to(self.device))
-            self.engine.backward(loss)  # DeepSpeed divides by the accumulation steps
-            if micro == self.accumulation - 1:
-                own_norm = self._grad_norm_before_clipping()
-            self.engine.step()  # steps the optimizer only at the accumulation boundary
-            loss_sum += loss.item()
-        # Mean over micro-batches here, then over DP ranks: every rank reports the same global loss.
-        (global_loss,) = self._all_reduce([loss_sum / self.accumulation / self.dp_size])
-        grad_norm = self.engine.get_global_grad_norm()
-        if grad_norm is None:
-            grad_norm = own_norm
+        lr = self.s.lr_schedule.at(self.pos.consumed_samples + batch)
+        self.engine.set_lr(lr)
+        # During a ramp-up the step has fewer micro-batches; micro-batch size and DP size never change.
+        count = batch // (self.s.micro_batch_size * self.dp_size)
+        result = self.engine.train_batch([to_batch(self.train_data, next(batches)) for _ in range(count)])
         self.pos.step += 1
-        self.pos.consumed_samples += self.s.global_batch_size
-        return {"loss": global_loss, "lr": lr, "grad_norm": float(grad_norm) if grad_norm is not None else math.nan}
+        self.pos.consumed_samples += batch
+        return {"loss": result.loss, "lr": lr, "grad_norm": result.grad_norm, "batch": float(batch)}
 
-    def _grad_norm_before_clipping(self) -> float | None:
-        """The global gradient norm before clipping, where DeepSpeed does not report it.
-
-        DeepSpeed's ZeRO and bf16 optimizers record the norm they clip with; its plain fp32 path clips and
-        discards it. On that path the gradients are already averaged over DP when the boundary backward returns,
-        so every DP rank holds the full gradient and the local norm is the global one.
-        """
-        if self.engine.zero_optimization() or self.engine.bfloat16_enabled() or self.engine.fp16_enabled():
-            return None
-        squares = [p.grad.detach().float().pow(2).sum() for p in self.engine.module.parameters() if p.grad is not None]
-        return float(torch.stack(squares).sum().sqrt()) if squares else 0.0
+    def check_drift(self) -> None:
+        """Stop the run, loudly, when TP-replicated parameters no longer agree (collective)."""
+        try:
+            self.engine.check_drift()
+        except ReplicaDriftError as e:
+            self._emit("failure", rank=self.rank, reason=f"step {self.pos.step}: {e}")
+            raise
 
     # ---- evaluation --------------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Mean next-token loss per validation set. Each DP rank takes every dp_size-th sample; sums are
         all-reduced, so the figure is the same as one process evaluating everything."""
-        self.engine.eval()
         names = sorted(self.valid_data)
+        mbs = self.s.micro_batch_size
         sums = []
         for name in names:
             data = self.valid_data[name]
             count = min(len(data), self.s.eval_samples)
             mine = list(range(self.dp_rank, count, self.dp_size))
-            # Every rank runs ceil(count / dp_size) samples: the short ones repeat sample 0 with its labels
-            # ignored. The same number of forward passes everywhere, so collectives inside a forward (ZeRO-3
-            # gathers, tensor/pipeline traffic) always pair up and an uneven split cannot hang the evaluation.
-            padded = mine + [0] * (-(-count // self.dp_size) - len(mine))
-            total = 0.0
-            for i in range(0, len(padded), self.s.micro_batch_size):
-                inputs, labels = to_batch(data, padded[i : i + self.s.micro_batch_size])
+            # Every rank runs the same number of full micro-batches (ceil(count / dp_size) samples, rounded up to
+            # micro-batches): the extra rows repeat sample 0 with their labels ignored. Collectives inside a
+            # forward (tensor-parallel all-reduces, pipeline sends, ZeRO-3 gathers) then always pair up.
+            per_rank = math.ceil(count / self.dp_size)
+            rows = math.ceil(per_rank / mbs) * mbs
+            padded = mine + [0] * (rows - len(mine))
+            micro_batches = []
+            for i in range(0, rows, mbs):
+                inputs, labels = to_batch(data, padded[i : i + mbs])
                 labels = labels.clone()  # a one-sample batch's labels are a view of its inputs
                 labels[max(0, len(mine) - i) :] = -100
-                logits = self.engine(inputs.to(self.device))
-                total += cross_entropy(logits, labels.to(self.device), reduction="sum").item()
-            sums += [total, float(len(mine) * self.s.seq_len)]
+                micro_batches.append((inputs, labels))
+            sums += list(self.engine.eval_sums(micro_batches))
         reduced = self._all_reduce(sums)
         losses = {n: reduced[2 * i] / max(reduced[2 * i + 1], 1.0) for i, n in enumerate(names)}
         total_tokens = sum(reduced[1::2])
         losses["all"] = sum(reduced[0::2]) / max(total_tokens, 1.0)
-        self.engine.train()
         return losses
 
     # ---- checkpoints -------------------------------------------------------------------------------------
     def save(self) -> Path:
         started = time.time()
         root = self.run_dir.checkpoints
-        model_state = {k: v.detach().float().contiguous().cpu() for k, v in self.engine.module.state_dict().items()}
         ok = 1.0
         error = ""
+        needed = int(self._model_bytes() * 4)  # fp32 weights + ~3x that in optimizer and rank files
         if self.rank == 0:
             try:
-                needed = sum(t.numel() * 4 for t in model_state.values()) * 4  # weights + ~3x optimizer/rank files
                 ckpt.check_free_space(root.parent, needed)
                 ckpt.prepare_step_dir(root, self.pos.step)
             except (OSError, ckpt.CheckpointError) as e:
@@ -197,12 +195,11 @@ class Trainer:
         records: list[ckpt.FileRecord] = []
         if ok:
             try:
-                if self.rank == 0:
-                    # Tied weights share storage; safetensors refuses aliases, and the tie is restored on load.
-                    model_state.pop("lm_head.weight", None)
-                    save_file(model_state, str(step_dir / MODEL_FILE), metadata={"step": str(self.pos.step)})
-                    records.append(ckpt.FileRecord.of(step_dir / MODEL_FILE))
-                payload = {"optimizer": self.engine.optimizer.state_dict(), "rng": rng_state()}
+                # DP rank 0 of each (tp, pp) position writes its model shard (tp = pp = 1: the whole model).
+                model_file = self.engine.save_model(step_dir, {"step": str(self.pos.step)})
+                if model_file is not None:
+                    records.append(ckpt.FileRecord.of(model_file))
+                payload = {"optimizer": self.engine.optimizer_state(), "rng": rng_state()}
                 torch.save(payload, step_dir / rank_file(self.rank))
                 records.append(ckpt.FileRecord.of(step_dir / rank_file(self.rank)))
             except OSError as e:  # ENOSPC, EIO...: every rank learns it below and nobody commits
@@ -230,27 +227,30 @@ class Trainer:
         return step_dir
 
     def load(self, step_dir: Path) -> None:
+        """Weights from a checkpoint of any layout; optimizer and RNG states too when the layout is the same."""
         manifest = json.loads((step_dir / ckpt.MANIFEST).read_text())
-        state = load_file(str(step_dir / MODEL_FILE))
-        missing, unexpected = self.engine.module.load_state_dict(state, strict=False)
-        if unexpected or [k for k in missing if k != "lm_head.weight"]:
-            raise ckpt.CheckpointError(f"{step_dir}: missing {missing}, unexpected {unexpected}")
+        self.engine.load_model(step_dir)
         same_layout = manifest.get("world_size") == self.world_size and manifest.get("layout") == self.layout
         if same_layout:
             payload = torch.load(step_dir / rank_file(self.rank), map_location="cpu", weights_only=True)
-            self.engine.optimizer.load_state_dict(payload["optimizer"])
+            self.engine.load_optimizer_state(payload["optimizer"])
             set_rng_state(payload["rng"])
         else:
             self._emit("warning", message=f"layout changed since {step_dir.name}: weights loaded, optimizer reset")
         self.pos = Position(step=manifest["step"], consumed_samples=manifest["consumed_samples"])
 
+    def _model_bytes(self) -> float:
+        """fp32 bytes of the whole model (each rank's share summed over one replica)."""
+        own = sum(p.numel() for _, p in self.engine.named_parameters()) * 4.0
+        replica = [own if self.dp_rank == 0 else 0.0]
+        return self._all_reduce(replica)[0]
+
     # ---- the loop ----------------------------------------------------------------------------------------
     def fit(self) -> str:
         """Train until train_samples; returns "done", or "preempted" after a stop request and a checkpoint."""
-        total_steps = self.s.train_steps
+        total_steps = self.planned_steps()
         batches = self.micro_batches(self.pos.consumed_samples)
         last_save_time = time.time()
-        tokens_per_step = self.s.global_batch_size * self.s.seq_len
         if self.pos.step == 0:
             self._record_eval(self.evaluate())
         while self.pos.step < total_steps:
@@ -258,23 +258,28 @@ class Trainer:
             out = self.train_step(batches)
             seconds = time.time() - started
             per_device = seconds * self.world_size
+            # FLOPs scale with the step's batch, which is smaller during a ramp-up.
+            share = out["batch"] / self.s.global_batch_size
             self._emit(
                 "step",
                 step=self.pos.step,
                 loss=out["loss"],
                 lr=out["lr"],
                 grad_norm=out["grad_norm"],
-                tokens_per_s=tokens_per_step / seconds,
-                samples_per_s=self.s.global_batch_size / seconds,
+                tokens_per_s=out["batch"] * self.s.seq_len / seconds,
+                samples_per_s=out["batch"] / seconds,
                 step_time_s=seconds,
-                tflops_per_gpu=self.flops.hardware / per_device / 1e12,
-                model_tflops_per_gpu=self.flops.model / per_device / 1e12,
-                mfu=self.flops.model / per_device / self.peak if self.peak else None,
+                tflops_per_gpu=share * self.flops.hardware / per_device / 1e12,
+                model_tflops_per_gpu=share * self.flops.model / per_device / 1e12,
+                mfu=share * self.flops.model / per_device / self.peak if self.peak else None,
                 consumed_samples=self.pos.consumed_samples,
                 total_steps=total_steps,
+                global_batch_size=int(out["batch"]),
             )
             if not math.isfinite(out["loss"]):
                 raise FloatingPointError(f"loss is {out['loss']} at step {self.pos.step}")
+            if self.drift_check_interval > 0 and self.pos.step % self.drift_check_interval == 0:
+                self.check_drift()
             if self.pos.step % self.s.eval_interval == 0 or self.pos.step == total_steps:
                 self._record_eval(self.evaluate())
             requests = self.control.poll()

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from appliance.model.config import BloomConfig
 from appliance.monitor.events import EventWriter
 from appliance.rundir import RunDir
 from appliance.train import checkpoint as ckpt
@@ -43,41 +44,35 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def _start_sampler(run_dir: RunDir, events: EventWriter | None) -> Any:
+def _start_sampler(run_dir: RunDir, events: EventWriter | None, plan: dict[str, Any]) -> Any:
     """GPU and energy sampling, by one process per node (local rank 0): utilization, memory, temperature,
     power, and energy from NVML's counter or RAPL (or a stated estimate on machines that expose neither)."""
     if os.environ.get("LOCAL_RANK", "0") != "0":
         return None
     import socket
 
+    from appliance.hardware.carbon import CarbonProfile, resolve_profile
     from appliance.monitor.energy import EnergyMeter
     from appliance.monitor.gpu import GpuSampler
 
+    carbon = plan.get("run", {}).get("carbon")
+    profile = CarbonProfile(**carbon) if carbon else resolve_profile()  # the profile the plan estimated with
     writer = events or EventWriter(run_dir.metrics)
-    return GpuSampler(writer, node=socket.gethostname(), energy=EnergyMeter()).start()
+    return GpuSampler(writer, node=socket.gethostname(), energy=EnergyMeter(profile=profile)).start()
 
 
-def build_model(plan: dict[str, Any], vocab_size: int, seed: int) -> torch.nn.Module:
-    from appliance.model.bloom import BloomForCausalLM
-    from appliance.model.config import BloomConfig
+def model_config(plan: dict[str, Any], tokenizer_size: int, tp: int) -> BloomConfig:
+    """The BLOOM shape of the plan; the embedding has the tokenizer's rows padded to a multiple of 128 x tp
+    (already the tokenizer's own size when it was built for this tp)."""
+    from appliance.tokenizer.vocab import padded_vocab_size
 
     shape = plan["model"]
-    config = BloomConfig(
-        vocab_size=vocab_size, hidden_size=shape["hidden"], n_layer=shape["layers"], n_head=shape["heads"]
+    return BloomConfig(
+        vocab_size=padded_vocab_size(tokenizer_size, tp),
+        hidden_size=shape["hidden"],
+        n_layer=shape["layers"],
+        n_head=shape["heads"],
     )
-    generator = torch.Generator().manual_seed(seed)
-    model = BloomForCausalLM(config, checkpoint_blocks=plan["layout"].get("recompute") == "full")
-    model.init_weights(generator=generator)
-    return model
-
-
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Megatron's split: no weight decay on biases and LayerNorm weights (1-D tensors)."""
-    decay: list[torch.nn.Parameter] = []
-    no_decay: list[torch.nn.Parameter] = []
-    for _, p in model.named_parameters():
-        (no_decay if p.ndim < 2 else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def tokenizer_vocab_size(tokenizer_json: Path) -> int:
@@ -100,37 +95,49 @@ def main(argv: list[str] | None = None) -> int:
 
     from appliance.data.blend import build_datasets
     from appliance.data.sampler import PretrainingSampler
-    from appliance.parallel.deepspeed_config import deepspeed_config
+    from appliance.errors import BadInput
+    from appliance.parallel.engine import build_engine
+    from appliance.parallel.topology import ParallelTopology
+    from appliance.planner.layout import Layout
     from appliance.train.metrics import peak_flops_per_device, step_flops
-    from appliance.train.trainer import Trainer
+    from appliance.train.trainer import DRIFT_CHECK_INTERVAL, Trainer
 
     device = _device()
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    if layout["tp"] * layout["pp"] * layout["dp"] != world_size:
-        raise SystemExit(f"tp({layout['tp']}) * pp({layout['pp']}) * dp({layout['dp']}) != world size({world_size})")
-    dp_rank, dp_size = rank, world_size  # data parallel only in this engine; TP/PP add their own groups
-
     events = EventWriter(run_dir.metrics) if rank == 0 else None
-    sampler = _start_sampler(run_dir, events)
-    seed_everything(settings.seed)
     vocab_size = tokenizer_vocab_size(run_dir.tokenizer_json)
-    model = build_model(plan, vocab_size, settings.seed)
-    optimizer = torch.optim.AdamW(
-        param_groups(model, settings.weight_decay),
-        lr=settings.lr,
-        betas=(settings.adam_beta1, settings.adam_beta2),
-        eps=settings.adam_eps,
-    )
-    config = deepspeed_config(
-        global_batch_size=settings.global_batch_size,
+    config = model_config(plan, vocab_size, layout["tp"])
+    try:
+        # Every broken rule at once, each factor named: tp * pp * dp against the world, heads % tp, the blocks
+        # over pp. The process groups are built once, here, TP innermost, then DP, then PP.
+        Layout.from_dict(layout).validate(world_size, config.n_head, config.n_layer)
+        topology = ParallelTopology(tp=layout["tp"], pp=layout["pp"], dp=layout["dp"], world_size=world_size)
+    except BadInput as e:
+        if events is not None:
+            events.emit("failure", rank=rank, reason=f"{run_dir.plan}: {e}")
+        raise SystemExit(f"{run_dir.plan}: {e}") from None
+    topology.init_process_groups()
+    dp_rank, dp_size = topology.dp_rank(rank), topology.dp
+
+    sampler = _start_sampler(run_dir, events, plan)
+    seed_everything(settings.seed)
+    engine = build_engine(
+        config,
+        topology,
         micro_batch_size=settings.micro_batch_size,
-        dp=dp_size,
+        global_batch_size=settings.global_batch_size,
         zero_stage=layout.get("zero_stage", 0),
         dtype=settings.dtype,
         grad_clip=settings.grad_clip,
+        recompute=layout.get("recompute", "none"),
+        sequence_parallel=bool(layout.get("sequence_parallel", False)),
+        lr=settings.lr,
+        weight_decay=settings.weight_decay,
+        betas=(settings.adam_beta1, settings.adam_beta2),
+        eps=settings.adam_eps,
+        seed=settings.seed,
     )
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
 
     train_data, valid_data = build_datasets(
         run_dir.data,
@@ -169,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         layout=layout,
         versions=_versions(),
         device=device,
+        drift_check_interval=int(plan["train"].get("drift_check_interval", DRIFT_CHECK_INTERVAL)),
     )
 
     def warn(message: str) -> None:

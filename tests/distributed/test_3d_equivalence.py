@@ -162,6 +162,36 @@ def _inject_drift(engine: Any) -> str | None:
     return None
 
 
+def _probe_batches() -> dict[str, torch.Tensor]:
+    """Inputs for the evaluation paths: an odd length (sequence parallelism pads it) and left-padded prompts."""
+    tokens = token_stream()
+    mask = torch.ones(3, 6, dtype=torch.int64)
+    mask[1, :2] = 0  # one prompt two tokens shorter, padded on the left
+    return {"ids": tokens[:3, :11], "targets": tokens[:3, 1:12], "prompts": tokens[3:6, :6], "mask": mask}
+
+
+def _eval_micro_batches(dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Two micro-batches per DP rank; the last row of the second one is padding (labels ignored)."""
+    tokens = token_stream()
+    first = _batch(tokens, [4 * dp_rank, 4 * dp_rank + 1])
+    inputs, labels = _batch(tokens, [4 * dp_rank + 2, 4 * dp_rank + 3])
+    labels = labels.clone()
+    labels[-1] = -100
+    return [first, (inputs, labels)]
+
+
+def _evaluate(engine: Any) -> dict[str, Any]:
+    probe = _probe_batches()
+    scorer = engine.task_model()
+    logprobs, greedy = scorer.target_logprobs(probe["ids"], probe["targets"])
+    return {
+        "logprobs": logprobs,
+        "greedy": greedy,
+        "next": scorer.next_tokens(probe["prompts"] * probe["mask"], probe["mask"]),
+        "sums": engine.eval_sums(_eval_micro_batches(engine.dp_rank)),
+    }
+
+
 def layout_run(topology: ParallelTopology, options: dict[str, Any], root: Path) -> dict[str, Any]:
     os.environ.setdefault("LOCAL_RANK", "0")  # read by DeepSpeed's PipelineModule
     engine = _engine(topology, options, "fp32")
@@ -171,6 +201,7 @@ def layout_run(topology: ParallelTopology, options: dict[str, Any], root: Path) 
     engine.load_model(root / "step5")
     engine.load_optimizer_state(torch.load(root / "step5" / f"rank{dist.get_rank()}.pt", weights_only=True))
     out["resumed"] = _train(engine, topology, RESUME_AT, None, root)
+    out["eval"] = _evaluate(engine)
     out["drift"] = _inject_drift(engine) if topology.tp > 1 else None
     if options["bf16"]:
         out["bf16"] = _train(_engine(topology, options, "bf16"), topology, 0, None, root)
@@ -217,6 +248,30 @@ def test_resume_at_the_same_layout_repeats_the_steps(launch: dict[str, Any]) -> 
     for result in launch["ranks"]:
         assert result["resumed"]["losses"] == result["first"]["losses"][RESUME_AT:]
         assert result["resumed"]["norms"] == result["first"]["norms"][RESUME_AT:]
+
+
+def test_evaluation_paths_equal_one_process(launch: dict[str, Any], reference: dict[str, Any]) -> None:
+    from appliance.eval.scoring import ModelScorer
+
+    model = BloomForCausalLM(CONFIG)
+    missing, _ = model.load_state_dict(reference["state"], strict=False)
+    assert missing == ["lm_head.weight"]
+    probe = _probe_batches()
+    scorer = ModelScorer(model, torch.device("cpu"))
+    logprobs, greedy = scorer.target_logprobs(probe["ids"], probe["targets"])
+    next_tokens = scorer.next_tokens(probe["prompts"] * probe["mask"], probe["mask"])
+    for result in launch["ranks"]:  # every rank of every replica returns the replica's answer
+        assert float((result["eval"]["logprobs"] - logprobs).abs().max()) < 1e-4
+        assert torch.equal(result["eval"]["greedy"], greedy)
+        assert torch.equal(result["eval"]["next"], next_tokens)
+    dp = launch["layout"][2]
+    batches = [b for rank in range(dp) for b in _eval_micro_batches(rank)]
+    with torch.no_grad():
+        want = sum(float(cross_entropy(model(x), y, reduction="sum")) for x, y in batches)
+    tokens = sum(int((y != -100).sum()) for _, y in batches)
+    loss_sum = sum(r["eval"]["sums"][0] for r in launch["ranks"])
+    assert sum(r["eval"]["sums"][1] for r in launch["ranks"]) == tokens  # counted once per replica
+    assert _relative(loss_sum, want) < FP32_TOL
 
 
 def test_drift_check_names_the_injected_parameter(launch: dict[str, Any]) -> None:

@@ -21,9 +21,22 @@ def default_run(tmp_path_factory):
     started = time.time()
     # -X importtime lists every module the head process imports: the test below proves textual is not one.
     result = subprocess.run(
-        [sys.executable, "-X", "importtime", str(ROOT / "bloom_appliance.py"), "run", "--headless",
-         "--max-steps", str(STEPS), "--run-dir", "runs/e2e"],
-        cwd=cwd, capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-X",
+            "importtime",
+            str(ROOT / "bloom_appliance.py"),
+            "run",
+            "--headless",
+            "--max-steps",
+            str(STEPS),
+            "--run-dir",
+            "runs/e2e",
+        ],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     seconds = time.time() - started
     run_dir = cwd / "runs" / "e2e"
@@ -33,8 +46,17 @@ def default_run(tmp_path_factory):
 def test_run_succeeds_and_writes_the_run_directory(default_run):
     result, run_dir, seconds, _ = default_run
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    for rel in ("plan.json", "tokenizer/tokenizer.json", "tokenizer/fertility.json", "corpus/prep_report.json",
-                "metrics.jsonl", "eval.json", "summary.json", "checkpoints/latest", "export/config.json"):
+    for rel in (
+        "plan.json",
+        "tokenizer/tokenizer.json",
+        "tokenizer/fertility.json",
+        "corpus/prep_report.json",
+        "metrics.jsonl",
+        "eval.json",
+        "summary.json",
+        "checkpoints/latest",
+        "export/config.json",
+    ):
         assert (run_dir / rel).exists(), rel
     assert list((run_dir / "data").glob("*.bin")) and list((run_dir / "data").glob("*.idx"))
     assert seconds < 300, f"default run with {STEPS} steps took {seconds:.0f} s"
@@ -66,6 +88,10 @@ def test_training_ran_data_parallel_through_the_elastic_agent(default_run):
 def test_headless_prints_readable_progress_and_never_imports_textual(default_run):
     result, _, _, _ = default_run
     assert "step" in result.stdout and "loss" in result.stdout
+    # The plan's estimates (time, energy, cost) are shown before training starts.
+    plan_line = next(line for line in result.stdout.splitlines() if "] plan " in line)
+    assert "estimated" in plan_line and "kWh" in plan_line and "$" in plan_line
+    assert result.stdout.index("] plan ") < result.stdout.index("stage train started")
     imported = [line.split("|")[-1].strip() for line in result.stderr.splitlines() if "import time:" in line]
     assert "torch" in imported  # the import log is there...
     assert not [m for m in imported if m.split(".")[0] == "textual"]  # ...and textual is not in it
@@ -99,12 +125,25 @@ def test_eval_json_has_per_language_perplexity_and_a_sample(default_run):
 
 
 def test_rerun_skips_completed_stages(default_run):
-    _, run_dir, _, cwd = default_run
+    _, _, _, cwd = default_run
     started = time.time()
     again = subprocess.run(
-        [sys.executable, str(ROOT / "bloom_appliance.py"), "run", "--headless", "--log-format", "json",
-         "--max-steps", str(STEPS), "--run-dir", "runs/e2e"],
-        cwd=cwd, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(ROOT / "bloom_appliance.py"),
+            "run",
+            "--headless",
+            "--log-format",
+            "json",
+            "--max-steps",
+            str(STEPS),
+            "--run-dir",
+            "runs/e2e",
+        ],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert again.returncode == 0, again.stderr[-3000:]
     events = [json.loads(line) for line in again.stdout.splitlines() if line.startswith("{")]

@@ -1,6 +1,6 @@
 """The real lm-evaluation-harness on an export, against a shipped task file: its numbers equal ours.
 
-Runs only where lm-eval is importable (it is not an install dependency): `pip install lm-eval` to run it.
+Runs only where lm-eval is importable (it is not an install dependency): `pip install 'lm-eval[hf]==0.4.13'`.
 Each task runs as docs/EVALUATION.md shows: from the task's folder, with `--include_path .`.
 """
 
@@ -23,10 +23,12 @@ from appliance.eval.tasks import SHIPPED_TASKS_DIR, load_task
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
 
+INSTALL = "pip install 'lm-eval[hf]==0.4.13'"
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
-        importlib.util.find_spec("lm_eval") is None, reason="lm-eval is not installed (pip install lm-eval)"
+        importlib.util.find_spec("lm_eval") is None,
+        reason="lm-eval is not installed (pip install 'lm-eval[hf]==0.4.13')",
     ),
 ]
 LIMIT = 8
@@ -82,7 +84,9 @@ def test_multiple_choice_task_matches_ours(export, tmp_path):
     export_dir, model = export
     results, samples = run_lm_eval("cloze_sample", export_dir, tmp_path / "out")
     task = load_task(SHIPPED_TASKS_DIR / "cloze_sample/cloze_sample.yaml")
-    ours = score_task(task, ModelScorer(model), TextCodec(export_dir / "tokenizer.json"), max_length=WINDOW, limit=LIMIT)
+    ours = score_task(
+        task, ModelScorer(model), TextCodec(export_dir / "tokenizer.json"), max_length=WINDOW, limit=LIMIT
+    )
     assert len(samples) == LIMIT
     for mine, theirs in zip(ours, samples, strict=True):
         their_lls = [float(resp[0][0]) for resp in theirs["resps"]]
@@ -95,6 +99,8 @@ def test_generation_task_matches_ours(export, tmp_path):
     export_dir, model = export
     results, samples = run_lm_eval("lambada_sample", export_dir, tmp_path / "out")
     task = load_task(SHIPPED_TASKS_DIR / "lambada_sample/lambada_sample.yaml")
-    ours = score_task(task, ModelScorer(model), TextCodec(export_dir / "tokenizer.json"), max_length=WINDOW, limit=LIMIT)
+    ours = score_task(
+        task, ModelScorer(model), TextCodec(export_dir / "tokenizer.json"), max_length=WINDOW, limit=LIMIT
+    )
     assert [d["answer"] for d in ours] == [s["filtered_resps"][0] for s in samples]
     assert results["exact_match,first_word"] == pytest.approx(sum(d["acc"] for d in ours) / LIMIT)

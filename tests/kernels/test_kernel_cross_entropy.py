@@ -50,12 +50,14 @@ def test_matches_full_logits(backend, dtype, chunk_size, device, assert_matches)
     assert_matches(w.grad, dw32, dtype)
 
 
-def test_batched_input_all_ignored_and_no_grad(device, triton_backend) -> None:
+def test_batched_input_all_ignored_and_no_grad(device, triton_backend, monkeypatch: pytest.MonkeyPatch) -> None:
     h, w, labels = _problem(12, 8, 20, seed=12)
     h3, lab3 = h.view(3, 4, 8).to(device), labels.view(3, 4).to(device)
     expected, _, _ = _full_logits_ce(h, w, labels)
-    with torch.no_grad():
-        torch.testing.assert_close(registry.vocab_cross_entropy(h3, w.to(device), lab3), expected.to(device))
+    with torch.no_grad(), monkeypatch.context() as patch:  # evaluation: the loss only, no gradient pass
+        patch.setattr(cross_entropy, "ce_row_grad_", lambda *args: pytest.fail("gradient computed under no_grad"))
+        w_dev = w.to(device).requires_grad_()
+        torch.testing.assert_close(registry.vocab_cross_entropy(h3, w_dev, lab3), expected.to(device))
     w_dev = w.to(device).requires_grad_()
     nothing = registry.vocab_cross_entropy(h3, w_dev, torch.full_like(lab3, -100))
     nothing.backward()

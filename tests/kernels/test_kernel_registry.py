@@ -42,7 +42,9 @@ def _grad_fn_names(monkeypatch: pytest.MonkeyPatch, backend: str, device: torch.
         registry.bias_gelu(x, b),
         registry.alibi_softmax(q @ q.transpose(-1, -2), slopes, None, 0.5),
         registry.flash_alibi_attention(q, q, q, slopes),
-        registry.vocab_cross_entropy(x, torch.randn(5, 8, device=device), torch.tensor([[0, 1, 2], [3, 4, 0]])),
+        registry.vocab_cross_entropy(
+            x, torch.randn(5, 8, device=device), torch.tensor([[0, 1, 2], [3, 4, 0]], device=device)
+        ),
     ]
     return [type(out.grad_fn).__name__ for out in outs]
 

@@ -1,21 +1,58 @@
-"""The shipped tasks are what build_tasks makes from the sample corpus: rebuilding gives the same bytes."""
+"""The shipped tasks: built reproducibly from the sample corpus, and none of their text is trained on."""
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
+import pytest
+
+from appliance.data.prep import prepare_corpus
+from appliance.data.sample_corpus import SAMPLE_CORPUS_DIR
 from appliance.eval import build_tasks
 from appliance.eval.tasks import SHIPPED_TASKS_DIR
 
 
-def test_rebuild_gives_identical_files(tmp_path):
-    written = build_tasks.build(tmp_path / "tasks")
-    assert len(written) == 9
-    for path in written:
-        shipped = SHIPPED_TASKS_DIR / path.relative_to(tmp_path / "tasks")
-        assert path.read_bytes() == shipped.read_bytes(), f"{shipped} differs from a rebuild: rerun build_tasks"
-    assert sorted(p.relative_to(SHIPPED_TASKS_DIR) for p in SHIPPED_TASKS_DIR.rglob("*") if p.is_file()) == sorted(
-        p.relative_to(tmp_path / "tasks") for p in written
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The sample corpus prepared as the default run prepares it."""
+    out = tmp_path_factory.mktemp("prep") / "corpus"
+    prepare_corpus([SAMPLE_CORPUS_DIR], out, workers=1)
+    return out
+
+
+def test_build_is_deterministic(prepared, tmp_path):
+    first = build_tasks.build(tmp_path / "a", corpus_dir=prepared)
+    second = build_tasks.build(tmp_path / "b", corpus_dir=prepared)
+    assert len(first) == 9
+    for a, b in zip(first, second, strict=True):
+        assert a.read_bytes() == b.read_bytes(), a
+    shipped = sorted(str(p.relative_to(SHIPPED_TASKS_DIR)) for p in SHIPPED_TASKS_DIR.rglob("*") if p.is_file())
+    assert shipped == sorted(str(p.relative_to(tmp_path / "a")) for p in first)
+
+
+def answer_in_place(task: str, doc: dict) -> str:
+    """The document's prompt followed by its right answer, as the text that the source paragraph contains."""
+    if task == "lambada_sample":
+        return f"{doc['context']} {doc['word']}"
+    delimiter = "" if task == "xlang_choice" else " "
+    return doc["context"] + delimiter + doc["choices"][doc["label"]]
+
+
+def test_shipped_task_text_is_held_out_from_training(prepared):
+    split = build_tasks.split_corpus(prepared)
+    held_text = "\n".join(build_tasks.collapse_spaces(d["text"]) for docs in split.held.values() for d in docs)
+    leaked = []
+    for folder in sorted(p for p in SHIPPED_TASKS_DIR.iterdir() if p.is_dir()):
+        for file in ("test.jsonl", "fewshot.jsonl"):
+            for line in (folder / file).open(encoding="utf-8"):
+                text = answer_in_place(folder.name, json.loads(line))
+                assert text in held_text, f"{folder / file}: not from a held-out document: {text[:80]!r}"
+                if text in split.training_text:
+                    leaked.append(f"{folder / file}: {text[:60]!r}")
+    assert not leaked, "shipped task text is in training documents: run python -m appliance.eval.build_tasks\n" + (
+        "\n".join(leaked[:5])
     )
 
 

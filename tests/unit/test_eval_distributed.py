@@ -14,6 +14,7 @@ import torch.distributed as dist
 from appliance.eval.scoring import ModelScorer, even_shard, generate_greedy, score_log_likelihoods
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
+from appliance.model.ops import cross_entropy
 from appliance.parallel.testing import run_distributed
 from appliance.parallel.topology import ParallelTopology
 
@@ -63,47 +64,59 @@ def score_on_rank(topology: ParallelTopology, requests: list, prompts: list) -> 
     return scores, generated, scorer.forwards
 
 
+def score_cases_on_rank(topology: ParallelTopology, cases: list) -> list[tuple[list, list, int]]:
+    return [score_on_rank(topology, requests, prompts) for requests, prompts in cases]
+
+
 def test_even_shard_pads_every_rank_to_the_same_length():
     assert even_shard(7, 0, 2) == ([0, 2, 4, 6], 4) and even_shard(7, 1, 2) == ([1, 3, 5, 0], 3)
     assert even_shard(1, 1, 4) == ([0], 0) and even_shard(0, 0, 2) == ([], 0)
 
 
-@pytest.mark.parametrize(("requests", "prompts"), [(REQUESTS, PROMPTS), (REQUESTS[:1], PROMPTS[:1])])
-def test_uneven_shards_score_as_one_process_and_never_hang(requests, prompts):
-    single = CollectiveScorer()
-    expected_scores = score_log_likelihoods(single.target_logprobs, requests, max_length=16, batch_size=2)
-    expected_tokens = generate_greedy(
-        single.next_tokens, prompts, max_new_tokens=5, max_length=16, is_done=stop_rule, batch_size=2
+def single_process(requests: list, prompts: list) -> tuple[list, list]:
+    scorer = CollectiveScorer()
+    scores = score_log_likelihoods(scorer.target_logprobs, requests, max_length=16, batch_size=2)
+    tokens = generate_greedy(
+        scorer.next_tokens, prompts, max_new_tokens=5, max_length=16, is_done=stop_rule, batch_size=2
     )
-    results = run_distributed(score_on_rank, 2, requests, prompts, dp=2, timeout_s=90)
-    (scores0, tokens0, forwards0), (scores1, tokens1, forwards1) = results
-    assert forwards0 == forwards1  # the same number of collective forwards on both ranks
-    assert scores0 == scores1 and tokens0 == tokens1  # every rank ends with every result
-    assert [g for _, g in scores0] == [g for _, g in expected_scores]
-    assert np.allclose([s for s, _ in scores0], [s for s, _ in expected_scores], atol=1e-5)
-    assert tokens0 == expected_tokens
-    assert all(1 <= len(t) <= 5 for t in tokens0)
+    return scores, tokens
+
+
+def test_uneven_shards_score_as_one_process_and_never_hang():
+    # 7 requests and 5 prompts over 2 ranks (4 + 3 and 3 + 2), then 1 of each (rank 1 holds only padding).
+    cases = [(REQUESTS, PROMPTS), (REQUESTS[:1], PROMPTS[:1])]
+    results = run_distributed(score_cases_on_rank, 2, cases, dp=2, timeout_s=90)
+    for case, (requests, prompts) in enumerate(cases):
+        (scores0, tokens0, forwards0), (scores1, tokens1, forwards1) = results[0][case], results[1][case]
+        expected_scores, expected_tokens = single_process(requests, prompts)
+        assert forwards0 == forwards1  # the same number of collective forwards on both ranks
+        assert scores0 == scores1 and tokens0 == tokens1  # every rank ends with every result
+        assert [g for _, g in scores0] == [g for _, g in expected_scores]
+        assert np.allclose([s for s, _ in scores0], [s for s, _ in expected_scores], atol=1e-5)
+        assert tokens0 == expected_tokens
+        assert all(1 <= len(t) <= 5 for t in tokens0)
 
 
 # ---- validation perplexity in the trainer -------------------------------------------------------------------
 class CollectiveEngine:
-    """The slice of a DeepSpeed engine Trainer.evaluate uses, with a collective in every forward."""
+    """The slice of ParallelEngine that Trainer.evaluate uses, with a collective in every forward."""
 
-    def __init__(self) -> None:
+    def __init__(self, topology: ParallelTopology) -> None:
+        self.topology = topology
         self.module = model()
         self.forwards = 0
 
-    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
-        self.forwards += 1
-        dist.all_reduce(torch.ones(1))
-        with torch.no_grad():
-            return self.module(inputs)
-
-    def eval(self) -> None:
-        self.module.eval()
-
-    def train(self) -> None:
-        self.module.train()
+    def eval_sums(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
+        """(summed token loss, counted tokens): every rank is its replica's only rank here (data parallelism)."""
+        total, tokens = 0.0, 0.0
+        for inputs, labels in micro_batches:
+            self.forwards += 1
+            dist.all_reduce(torch.ones(1))
+            with torch.no_grad():
+                logits = self.module(inputs)
+            total += cross_entropy(logits, labels, reduction="sum").item()
+            tokens += float((labels != -100).sum())
+        return total, tokens
 
 
 SEQ_LEN = 8
@@ -128,7 +141,7 @@ def evaluate_on_rank(topology: ParallelTopology, root: str) -> tuple[dict[str, f
         warmup_samples=0, decay_samples=2, weight_decay=0.0, grad_clip=1.0, adam_beta1=0.9, adam_beta2=0.95,
         adam_eps=1e-8, eval_interval=1, eval_samples=10, save_interval=1, dtype="fp32", seed=0,
     )  # fmt: skip
-    engine = CollectiveEngine()
+    engine = CollectiveEngine(topology)
     rank = dist.get_rank()
     trainer = Trainer(
         engine=engine, settings=settings, train_data=[], valid_data=validation_data(),

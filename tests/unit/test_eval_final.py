@@ -12,6 +12,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from appliance.eval.final import CPU_TASK_LIMIT, SAMPLE_PROMPT, write_final_eval
+from appliance.eval.scoring import ModelScorer
+from appliance.eval.tasks import load_tasks
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
 from appliance.rundir import RunDir
@@ -76,8 +78,9 @@ def test_eval_json_has_losses_tasks_and_sample(tmp_path):
     assert on_disk == json.loads(json.dumps(result))
     assert on_disk["valid_loss"] == 2.5 and on_disk["per_source"]["fr"]["loss"] == 3.0
     assert set(on_disk["tasks"]) == {"lambada_sample", "cloze_sample", "xlang_choice"}
+    sizes = {task.name: len(task.docs) for task in load_tasks()}
     for name, metrics in on_disk["tasks"].items():
-        assert metrics["n"] == CPU_TASK_LIMIT, name
+        assert metrics["n"] == min(CPU_TASK_LIMIT, sizes[name]), name
         assert 0.0 <= metrics["acc"] <= 1.0 and metrics["acc_stderr"] >= 0.0
         assert {"acc_norm", "acc_norm_stderr"} <= set(metrics)
     assert on_disk["tasks"]["cloze_sample"]["acc_norm"] is not None
@@ -88,10 +91,27 @@ def test_eval_json_has_losses_tasks_and_sample(tmp_path):
     assert seconds < 30, f"the final evaluation took {seconds:.1f} s on the CPU"
 
 
-def test_task_limit_setting_and_non_writer(tmp_path):
+class CountingScorer(ModelScorer):
+    calls = 0
+
+    def target_logprobs(self, input_ids: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        CountingScorer.calls += 1
+        return super().target_logprobs(input_ids, targets)
+
+
+@dataclass
+class EngineWithScorer(FakeEngine):
+    """A parallel engine serves scoring itself (its task_model()); the whole module is then never used."""
+
+    def task_model(self) -> ModelScorer:
+        return CountingScorer(self.module)
+
+
+def test_engine_scorer_task_limit_setting_and_non_writer(tmp_path):
     run_dir = make_run_dir(tmp_path)
     model = BloomForCausalLM(BloomConfig(vocab_size=512, hidden_size=32, n_layer=1, n_head=4))
-    trainer = FakeTrainer(FakeEngine(model), s=FakeSettings(eval_task_limit=3))
+    trainer = FakeTrainer(EngineWithScorer(model), s=FakeSettings(eval_task_limit=3))
     result = write_final_eval(trainer, run_dir, vocab_size=512, is_writer=False)
     assert {m["n"] for m in result["tasks"].values()} == {3} and result["task_limit"] == 3
+    assert CountingScorer.calls > 0
     assert not run_dir.eval.exists() and not trainer.events  # only the writer writes and emits

@@ -13,15 +13,8 @@ import pytest
 
 import appliance.monitor.gpu as gpu_module
 from appliance.errors import BadInput
-from appliance.monitor.energy import (
-    BLOOM_JEAN_ZAY,
-    CPU_WATTS_PER_CORE,
-    DEFAULT_PROFILE,
-    EnergyMeter,
-    carbon_kg,
-    energy_summary,
-    resolve_profile,
-)
+from appliance.hardware.carbon import BLOOM_JEAN_ZAY, DEFAULT_PROFILE, carbon_kg, resolve_profile
+from appliance.monitor.energy import CPU_WATTS_PER_CORE, EnergyMeter, energy_summary
 from appliance.monitor.events import EventWriter, read_events
 from appliance.monitor.gpu import GpuSampler, read_devices
 from appliance.monitor.state import RunState, reduce

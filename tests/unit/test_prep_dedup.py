@@ -111,4 +111,5 @@ def test_find_templates_counts_the_same_in_partitions(monkeypatch):
     whole = dedup.find_templates(units)
     monkeypatch.setattr(dedup, "TEMPLATE_SORT_CHUNK", 100)
     assert np.array_equal(np.sort(dedup.find_templates(units)), np.sort(whole))
-    assert len(whole) == 4 * 500 + 25  # every hash seen 12 times except common[25:] (seen 3 times)
+    # common[:10] is in all 4 units, each present thrice: 12 >= 10. common[10:15] is seen 9 times; the rest 3-6.
+    assert sorted(whole.tolist()) == sorted(common[:10].tolist())

@@ -120,10 +120,13 @@ def test_cjk_is_split_into_characters() -> None:
                               params_for("zh")) == 1.0  # fmt: skip
 
 
-def test_layout_spaces_are_folded_before_measuring() -> None:
+def test_layout_spaces_and_rules_are_folded_before_measuring() -> None:
     indented = "\n".join("          " + line for line in prose(8, words=120).split(". "))
     assert check(indented, "en").failed is None
     assert filters.special_characters_ratio(filters.code_points(indented)) > 0.2
+    ruled = "\n\n".join(f"{'_' * 70}\n{paragraph}" for paragraph in prose(9, words=150).split(". "))
+    assert check(ruled, "en").failed is None
+    assert filters.measured_view("a    b\n_______\n═════ x --all ... ==") == "a b\n_\n═ x --all ... =="
 
 
 def test_unicode_repair() -> None:

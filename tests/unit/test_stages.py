@@ -1,3 +1,5 @@
+import pytest
+
 from appliance.monitor.events import EventWriter, read_events
 from appliance.stages import Stages, settings_key
 
@@ -30,10 +32,8 @@ def test_failed_stage_is_not_recorded(tmp_path):
         raise RuntimeError("disk on fire")
 
     stages = Stages(tmp_path / "stages.json", events)
-    try:
+    with pytest.raises(RuntimeError, match="disk on fire"):
         stages.run("s", key="k", outputs=[tmp_path / "x"], work=boom)
-    except RuntimeError:
-        pass
     assert "s" not in Stages(tmp_path / "stages.json", events).records
     failed = [e for e in read_events(tmp_path / "metrics.jsonl") if e.get("state") == "failed"]
     assert "disk on fire" in failed[0]["error"]

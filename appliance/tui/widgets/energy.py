@@ -9,7 +9,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from appliance.monitor.energy import carbon_kg
+from appliance.hardware.carbon import carbon_kg
 from appliance.monitor.headless import MISSING, fmt_float
 from appliance.monitor.state import RunState
 from appliance.tui.widgets.panel import Panel, waiting

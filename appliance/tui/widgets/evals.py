@@ -68,6 +68,7 @@ class EvalPanel(Panel):
             cells += [f"+{len(self._results) - len(shown)} more", "in eval.json"]
         for i in range(0, len(cells), 2 * columns):
             row = cells[i : i + 2 * columns]
-            grid.add_row(*row, *[""] * (2 * columns - len(row)))
+            # Text cells: source names and task names come from files, and must not be read as markup.
+            grid.add_row(*(c if isinstance(c, Text) else Text(str(c)) for c in row), *[""] * (2 * columns - len(row)))
         parts.append(grid)
         return Group(*parts)

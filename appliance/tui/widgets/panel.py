@@ -35,7 +35,7 @@ def kv_grid(rows: list[tuple[str, str, str]]) -> Table:
     grid.add_column(style="bold", no_wrap=True, justify="right")
     grid.add_column(style="dim", no_wrap=True, overflow="ellipsis", ratio=1)
     for label, value, note in rows:
-        grid.add_row(label, value, note)
+        grid.add_row(label, value, Text(note))  # notes may quote event text: never markup
     return grid
 
 

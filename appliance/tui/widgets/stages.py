@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from rich.table import Table
+from rich.text import Text
 
 from appliance.monitor.headless import fmt_duration
 from appliance.monitor.state import RunState
@@ -12,7 +13,7 @@ from appliance.tui.widgets.panel import Panel, waiting
 
 BAR_WIDTH = 16
 EIGHTHS = " ▏▎▍▌▋▊▉"
-STYLES = {"done": "green", "skipped": "dim", "failed": "red", "started": "cyan", "running": "cyan"}
+STYLES = {"done": "green", "skipped": "dim", "failed": "red", "stopped": "yellow", "started": "cyan", "running": "cyan"}
 
 
 def bar(fraction: float, width: int = BAR_WIDTH) -> str:
@@ -42,6 +43,6 @@ class StagesPanel(Panel):
                 eta = state.stage_eta_s(name)
                 when = f"ETA {fmt_duration(eta)}" if eta is not None else ""
             table.add_row(
-                name, f"[{style}]{bar(progress)}[/]", f"{progress * 100:5.1f}%", f"[{style}]{info.state}[/]", when
+                Text(name), f"[{style}]{bar(progress)}[/]", f"{progress * 100:5.1f}%", f"[{style}]{info.state}[/]", when
             )
         self.update(table)

@@ -36,7 +36,8 @@ class TimelinePanel(Panel):
             for entry in list(state.timeline)[-SHOWN:][::-1]:
                 when = f"+{fmt_duration(entry.t - start)}"
                 if entry.kind == "failure":
-                    table.add_row(when, "[bold red]failure[/]", f"{entry.where}: {entry.reason}")
+                    # Text, not markup: failure reasons quote logs full of brackets ("[/.../gloo/pair.cc:152]").
+                    table.add_row(when, "[bold red]failure[/]", Text(f"{entry.where}: {entry.reason}"))
                 else:
                     detail = (
                         f"restart {entry.restart}, resumed at step {entry.resumed_step}, "

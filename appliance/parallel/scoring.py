@@ -1,0 +1,111 @@
+"""Scoring through a tensor- and pipeline-parallel model: the TaskModel the evaluation harness calls
+(appliance/eval/harness.py), for any layout.
+
+Every rank of one model replica (its TP x PP ranks) is called with the same batch; the DP replicas score different
+requests (the harness splits them over the DP group). A forward runs stage by stage: the first stage embeds the
+ids, each stage runs its layers and sends the hidden states to the next (a shape message, then the tensor), and
+the last stage holds this TP rank's vocabulary slice of the logits. The log-softmax and the argmax over the whole
+vocabulary come from three small all-reduces over TP (the max, the sum of exponentials with the target's logit,
+the argmax), never from the full logits; the last stage then broadcasts the answer to the other stages.
+
+Batches may have any length: with sequence parallelism the sequence is padded on the right to a multiple of tp,
+which a causal model never sees from earlier positions. Left-padded rows (generation) are run per prompt length,
+since the pipeline blocks take no attention mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from appliance.parallel.topology import ParallelTopology
+
+
+class ParallelScorer:
+    """target_logprobs and next_tokens (appliance/eval/scoring.py's contract) over one replica's ranks."""
+
+    def __init__(self, module: torch.nn.Module, topology: ParallelTopology, device: torch.device) -> None:
+        self.module, self.topology, self.device = module, topology, device
+        self.pp_rank, self.dp_rank, self.tp_rank = topology.coords(dist.get_rank())
+        self.first, self.last = self.pp_rank == 0, self.pp_rank == topology.pp - 1
+        self.dtype = next(module.parameters()).dtype
+
+    def _peer(self, stage: int) -> int:
+        return self.topology.global_rank(pp=stage, dp=self.dp_rank, tp=self.tp_rank)
+
+    def _logit_shard(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """This TP rank's logits [B, S, V / tp] (float32) on the last stage, None on the others."""
+        seq = input_ids.shape[1]
+        padded = -(-seq // self.topology.tp) * self.topology.tp
+        x = torch.nn.functional.pad(input_ids, (0, padded - seq)).to(self.device)
+        if not self.first:
+            shape = torch.empty(3, dtype=torch.int64, device=self.device)
+            dist.recv(shape, self._peer(self.pp_rank - 1))
+            x = torch.empty(*shape.tolist(), dtype=self.dtype, device=self.device)
+            dist.recv(x, self._peer(self.pp_rank - 1))
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            out = self.module(x)
+        finally:
+            self.module.train(was_training)
+        if not self.last:
+            dist.send(torch.tensor(out.shape, dtype=torch.int64, device=self.device), self._peer(self.pp_rank + 1))
+            dist.send(out.contiguous(), self._peer(self.pp_rank + 1))
+            return None
+        return out[:, :seq].float()
+
+    def _from_last_stage(self, result: torch.Tensor) -> torch.Tensor:
+        if self.topology.pp > 1:
+            dist.broadcast(result, src=self._peer(self.topology.pp - 1), group=self.topology.pp_group)
+        return result.cpu()
+
+    def _vocab_stats(
+        self, z: torch.Tensor, targets: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(log-sum-exp [..], global argmax [..], target logit [..] or None) over the whole vocabulary."""
+        group, tp = self.topology.tp_group, self.topology.tp
+        start = self.tp_rank * z.shape[-1]
+        local_max, local_arg = z.max(dim=-1)
+        global_max = local_max.clone()
+        if tp > 1:
+            dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
+        # The argmax: the lowest global index holding the maximum (what torch.argmax picks on one process).
+        candidate = torch.where(local_max == global_max, local_arg + start, torch.iinfo(torch.int64).max)
+        sums = [(z - global_max.unsqueeze(-1)).exp().sum(dim=-1)]
+        if targets is not None:
+            mine = (targets >= start) & (targets < start + z.shape[-1])
+            local = (targets - start).clamp(0, z.shape[-1] - 1)
+            sums.append(z.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0))
+        stacked = torch.stack(sums)
+        if tp > 1:
+            dist.all_reduce(candidate, op=dist.ReduceOp.MIN, group=group)
+            dist.all_reduce(stacked, group=group)
+        logsumexp = stacked[0].log() + global_max
+        return logsumexp, candidate, stacked[1] if targets is not None else None
+
+    @torch.no_grad()
+    def target_logprobs(self, input_ids: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log p(target) [B, S], target == greedy argmax [B, S]) for right-padded rows."""
+        z = self._logit_shard(input_ids)
+        result = torch.empty(2, *input_ids.shape, dtype=torch.float32, device=self.device)
+        if z is not None:
+            targets = targets.to(self.device)
+            logsumexp, argmax, target_logit = self._vocab_stats(z, targets)
+            assert target_logit is not None
+            result[0], result[1] = target_logit - logsumexp, (argmax == targets).float()
+        result = self._from_last_stage(result)
+        return result[0], result[1].bool()
+
+    @torch.no_grad()
+    def next_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The argmax next token [B] of left-padded rows; rows of equal length run together without padding."""
+        lengths = attention_mask.to(torch.int64).sum(dim=1)
+        out = torch.empty(input_ids.shape[0], dtype=torch.int64, device=self.device)
+        for length in sorted(set(lengths.tolist())):
+            rows = (lengths == length).nonzero().squeeze(1)
+            z = self._logit_shard(input_ids[rows, input_ids.shape[1] - length :])
+            if z is not None:
+                _, argmax, _ = self._vocab_stats(z[:, -1], None)
+                out[rows.to(self.device)] = argmax
+        return self._from_last_stage(out)

@@ -1,0 +1,113 @@
+"""A SLURM batch script for a plan: srun starts one elastic agent per node, the agents meet at a c10d rendezvous
+on the first node of the allocation, and the same worker as on one machine runs on every GPU.
+
+Preemption: `--signal=B:USR1@300` warns the batch shell five minutes before the time limit; its trap creates the
+save-and-exit control file, every rank stops at the same step with a checkpoint, and the job requeues itself
+(`--requeue`), resuming from that checkpoint. A SIGTERM from scancel or a preempting job takes the same path.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from appliance.errors import BadInput
+from appliance.train.launch import REPO_ROOT, agent_command
+
+RDZV_PORT = 29500
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    run_dir: Path
+    nodes: int
+    gpus_per_node: int
+    cpus_per_task: int
+    time_limit: str = "20:00:00"  # Jean Zay's maximum for a job; the requeue chain carries a longer run
+    partition: str | None = None
+    account: str | None = None
+    max_restarts: int = 3
+    job_name: str = "bloom"
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.gpus_per_node < 1:
+            raise BadInput(
+                f"sbatch: need --nodes >= 1 and --gpus-per-node >= 1 (got {self.nodes}, {self.gpus_per_node})"
+            )
+        parts = self.time_limit.replace("-", ":").split(":")
+        if not all(p.isdigit() for p in parts) or not 1 <= len(parts) <= 4:
+            raise BadInput(f"sbatch --time {self.time_limit!r}: expected [D-]HH:MM:SS")
+
+
+def _shell(args: list[str]) -> str:
+    """shlex quoting, except that words holding $VARIABLES stay expandable (double quotes)."""
+    return " ".join(f'"{a}"' if "$" in a else shlex.quote(a) for a in args)
+
+
+def sbatch_script(job: SlurmJob, *, corpus: list[Path], python: str = ".venv/bin/python") -> str:
+    run_dir = job.run_dir.resolve()
+    agent = agent_command(
+        run_dir,
+        nproc_per_node=job.gpus_per_node,
+        max_restarts=job.max_restarts,
+        nnodes=job.nodes,
+        rdzv_endpoint=f"$MASTER_ADDR:{RDZV_PORT}",
+        rdzv_id="$SLURM_JOB_ID",
+        python=python,
+    )
+    directives = [
+        f"--job-name={job.job_name}",
+        f"--nodes={job.nodes}",
+        "--ntasks-per-node=1",  # one elastic agent per node; it starts that node's ranks
+        f"--gpus-per-node={job.gpus_per_node}",
+        f"--cpus-per-task={job.cpus_per_task}",
+        f"--time={job.time_limit}",
+        "--requeue",
+        "--signal=B:USR1@300",  # B: to the batch shell, whose trap asks the ranks to save and exit
+        f"--output={run_dir}/logs/slurm-%j.out",
+        "--open-mode=append",  # a requeued job appends to the same log
+    ]
+    if job.partition:
+        directives.append(f"--partition={job.partition}")
+    if job.account:
+        directives.append(f"--account={job.account}")
+    lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in directives), ""]
+    lines += [
+        "set -euo pipefail",
+        f"cd {shlex.quote(str(REPO_ROOT))}",
+        f"RUN_DIR={shlex.quote(str(run_dir))}",
+        'mkdir -p "$RUN_DIR/control" "$RUN_DIR/logs"',
+        'rm -f "$RUN_DIR/control/preempted"',
+        "",
+        "# Plan, corpus, tokenizer and indexed data, once, on this node (complete stages are skipped on requeue).",
+        f'{python} bloom_appliance.py run --headless --prepare-only --run-dir "$RUN_DIR" '
+        f"--corpus {' '.join(shlex.quote(str(p)) for p in corpus)}",
+        "",
+        "# The rendezvous host is the first node of the allocation.",
+        'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        "export MASTER_ADDR",
+        "",
+        "# Time limit near (USR1) or preemption (TERM): ask every rank to save at the same step and stop.",
+        "trap 'touch \"$RUN_DIR/control/save-and-exit\"' USR1 TERM",
+        f"srun --kill-on-bad-exit=1 --ntasks-per-node=1 {_shell(agent)} &",
+        "AGENTS=$!",
+        "# wait returns early (status > 128) when a trapped signal arrives: wait again while srun still runs.",
+        "STATUS=0",
+        "while true; do",
+        '    if wait "$AGENTS"; then STATUS=0; break; else STATUS=$?; fi',
+        '    kill -0 "$AGENTS" 2>/dev/null || break',
+        "done",
+        "",
+        'if [ -e "$RUN_DIR/control/preempted" ]; then',
+        '    echo "saved a checkpoint and stopped; requeueing job $SLURM_JOB_ID to resume"',
+        '    scontrol requeue "$SLURM_JOB_ID"',
+        "    exit 3",
+        "fi",
+        'if [ "$STATUS" -ne 0 ]; then exit "$STATUS"; fi',
+        "",
+        "# Training done: evaluation ran on the ranks; export the model for transformers.",
+        f'{python} bloom_appliance.py export --run-dir "$RUN_DIR" --out "$RUN_DIR/export"',
+        "",
+    ]
+    return "\n".join(lines)

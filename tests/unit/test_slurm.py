@@ -1,0 +1,120 @@
+"""The SLURM script: one elastic agent per node through srun, rendezvous on the first node, and preemption by
+USR1/TERM turned into a save-and-exit request followed by a requeue."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from appliance.train.slurm import SlurmJob, sbatch_script
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_jean_zay_script_has_the_directives_and_one_agent_per_node(tmp_path):
+    job = SlurmJob(run_dir=tmp_path / "run", nodes=48, gpus_per_node=8, cpus_per_task=40, partition="gpu_p5")
+    script = sbatch_script(job, corpus=[tmp_path / "corpus"])
+    for directive in (
+        "--nodes=48",
+        "--ntasks-per-node=1",
+        "--gpus-per-node=8",
+        "--requeue",
+        "--signal=B:USR1@300",
+        "--partition=gpu_p5",
+    ):
+        assert f"#SBATCH {directive}" in script
+    srun = next(line for line in script.splitlines() if line.startswith("srun "))
+    assert "-m torch.distributed.run" in srun and "--nnodes=48" in srun and "--nproc-per-node=8" in srun
+    assert '"--rdzv-endpoint=$MASTER_ADDR:29500"' in srun and "-m appliance.train.worker" in srun
+    assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1' in script
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+
+FAKE_SRUN = """#!/bin/bash
+# Stands in for the ranks: waits for a stop request, then saves and reports "preempted", as the trainer does.
+RUN_DIR="$FAKE_RUN_DIR"
+while [ ! -e "$RUN_DIR/control/save-and-exit" ]; do sleep 0.1; done
+rm "$RUN_DIR/control/save-and-exit"
+echo 7 > "$RUN_DIR/control/preempted"
+"""
+FAKE_SCONTROL = """#!/bin/bash
+if [ "$1" = show ]; then echo node001; echo node002; else echo "$@" >> "$FAKE_RUN_DIR/scontrol.calls"; fi
+"""
+FAKE_PYTHON = """#!/bin/bash
+echo "$@" >> "$FAKE_RUN_DIR/python.calls"
+"""
+
+
+def test_usr1_before_time_limit_saves_stops_and_requeues(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("fakepython", FAKE_PYTHON)):
+        (bin_dir / name).write_text(body)
+        (bin_dir / name).chmod(0o755)
+    run_dir = tmp_path / "run"
+    job = SlurmJob(run_dir=run_dir, nodes=2, gpus_per_node=8, cpus_per_task=8)
+    script = tmp_path / "train.sbatch"
+    script.write_text(sbatch_script(job, corpus=[tmp_path], python="fakepython"))
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "FAKE_RUN_DIR": str(run_dir),
+        "SLURM_JOB_ID": "42",
+        "SLURM_JOB_NODELIST": "node[001-002]",
+    }
+    batch = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, text=True)
+    deadline = time.time() + 30
+    while not (run_dir / "python.calls").exists():  # the data stages ran; the agents are up
+        assert time.time() < deadline and batch.poll() is None
+        time.sleep(0.1)
+    time.sleep(0.5)
+    batch.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@300 sends
+    out, _ = batch.communicate(timeout=30)
+    assert batch.returncode == 3, out
+    assert (run_dir / "scontrol.calls").read_text().split() == ["requeue", "42"]
+    assert "--prepare-only" in (run_dir / "python.calls").read_text()
+    assert "export" not in (run_dir / "python.calls").read_text()  # not after a preemption
+
+
+def test_cli_writes_a_script_for_the_bloom_cluster(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bloom_appliance.py"),
+            "sbatch",
+            "--run-dir",
+            "runs/jz",
+            "--hardware",
+            "jean-zay-a100-48n",
+            "--model",
+            "bloom-176b",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    script = (tmp_path / "runs" / "jz" / "train.sbatch").read_text()
+    assert "#SBATCH --nodes=48" in script and (tmp_path / "runs" / "jz" / "plan.json").exists()
+
+
+def test_cli_refuses_a_cpu_plan(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bloom_appliance.py"),
+            "sbatch",
+            "--run-dir",
+            "r",
+            "--hardware",
+            "cpu-laptop-2core",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and "GPUs" in result.stderr
