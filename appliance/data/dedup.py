@@ -21,6 +21,7 @@ import string
 import zlib
 from collections.abc import Iterable, Sequence
 from functools import cache, lru_cache
+from pathlib import Path
 
 import numpy as np
 from datasketch import MinHash
@@ -45,15 +46,14 @@ def _hash64(data: str) -> int:
     return int.from_bytes(hashlib.blake2b(data.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
 
 
-# A template line's hash carries the line's length in its top 12 bits, so that removal hashes only the lines
-# whose length some template has: most lines are skipped without hashing.
-_LENGTH_SHIFT = 52
-_LENGTH_MASK = (1 << 12) - 1
+# A template line's key carries the line's length in its low 12 bits, so that removal hashes only the lines whose
+# length some template has (most lines are skipped without hashing); the high bits are the hash.
+_LENGTH_BITS = 12
+_LENGTH_MASK = (1 << _LENGTH_BITS) - 1
 
 
 def _line_key(source: str, line: str) -> int:
-    length = min(len(line), _LENGTH_MASK)
-    return length << _LENGTH_SHIFT | _hash64(source + "\0" + line) & ((1 << _LENGTH_SHIFT) - 1)
+    return _hash64(source + "\0" + line) & ~_LENGTH_MASK | min(len(line), _LENGTH_MASK)
 
 
 # ------------------------------------------------------------------------------------------- template lines
@@ -86,23 +86,32 @@ def remove_template_lines(text: str, source: str, templates: frozenset[int]) -> 
 
 @lru_cache(maxsize=1)
 def _template_lengths(templates: frozenset[int]) -> frozenset[int]:
-    return frozenset(key >> _LENGTH_SHIFT for key in templates if key >> _LENGTH_SHIFT >= TEMPLATE_MIN_CHARS)
+    return frozenset(key & _LENGTH_MASK for key in templates)
 
 
-def find_templates(per_unit: Sequence[np.ndarray]) -> np.ndarray:
-    """Line hashes seen in at least TEMPLATE_MIN_DOCS documents, sorted.
+def find_templates(paths: Sequence[Path]) -> np.ndarray:
+    """Line keys seen in at least TEMPLATE_MIN_DOCS documents, sorted. Each path holds one unit's keys, sorted.
 
-    The hashes are counted in 2^k partitions by their low bits so the sort never holds more than ~4M of them:
-    a 2 GB corpus has ~30M lines and one np.unique over all of them would need ~1 GB.
+    Keys are counted in 2^k partitions by their top bits so that no more than ~TEMPLATE_SORT_CHUNK of them are
+    held and sorted at once: a 2 GB corpus has ~25M lines, and one np.unique over all of them would take ~1 GB.
+    A partition is a contiguous slice of every sorted file, copied out of a memory map that is dropped at once,
+    so the files' pages do not stay resident either.
     """
-    total = sum(len(a) for a in per_unit)
+    total = sum(np.load(path, mmap_mode="r").shape[0] for path in paths)
     bits = max(0, int(np.ceil(np.log2(max(total, 1) / TEMPLATE_SORT_CHUNK))))
-    found = []
+    found = [np.zeros(0, np.uint64)]
     for part in range(1 << bits):
-        chunks = [a[(a & np.uint64((1 << bits) - 1)) == part] if bits else a for a in per_unit]
-        values, counts = np.unique(np.concatenate(chunks) if chunks else np.zeros(0, np.uint64), return_counts=True)
+        lo, hi = part << (64 - bits), (part + 1) << (64 - bits)  # [lo, hi) of the keys' value range
+        chunks = [np.zeros(0, np.uint64)]
+        for path in paths:
+            keys = np.load(path, mmap_mode="r")
+            start = int(np.searchsorted(keys, np.uint64(lo))) if bits else 0
+            end = int(np.searchsorted(keys, np.uint64(hi))) if bits and hi < 1 << 64 else len(keys)
+            chunks.append(np.array(keys[start:end]))
+            del keys
+        values, counts = np.unique(np.concatenate(chunks), return_counts=True)
         found.append(values[counts >= TEMPLATE_MIN_DOCS])
-    return np.concatenate(found) if found else np.zeros(0, np.uint64)
+    return np.concatenate(found)
 
 
 # ---------------------------------------------------------------------------------------------------- dedup

@@ -129,7 +129,8 @@ def _emoji() -> set[str]:
 
 
 SPECIAL_CHARACTERS = frozenset(string.punctuation + string.digits + string.whitespace + _OTHER_SPECIAL) | _emoji()
-# Counting special characters through a per-code-point lookup table runs in numpy, 20x faster than a regex class.
+# Special characters are counted through a per-code-point lookup table in numpy: a regex class of ~3,000
+# characters ran at 6 M chars/s here.
 _IS_SPECIAL = np.zeros(0x110000, dtype=np.bool_)
 _IS_SPECIAL[[ord(c) for c in SPECIAL_CHARACTERS]] = True
 _LAYOUT_SPACE = re.compile(r"[ \t\u00a0\u3000]{2,}")

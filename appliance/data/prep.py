@@ -130,8 +130,8 @@ def _run(
         _check_encodings(units, results_a)
         for r in results_a:
             stats.merge(r.stats)
-        line_hashes = [np.load(work / f"a-{i}-lines.npy", mmap_mode="r") for i in range(len(units))]
-        np.save(work / "templates.npy", np.sort(dedup.find_templates(line_hashes)))
+        line_keys = [work / f"a-{i}-lines.npy" for i in range(len(units))]
+        np.save(work / "templates.npy", dedup.find_templates(line_keys))
         tasks_b = [(i, str(work), perplexity) for i in range(len(units))]
         results_b = _collect(run_map(_stage_b, tasks_b), sizes, progress, 0.45, 0.9)
     for r in results_b:
@@ -225,7 +225,7 @@ def _stage_a(task: tuple[int, Unit, bool, str]) -> _UnitResult:
             if lang != filters.CODE:
                 line_hashes += dedup.template_line_hashes(text, item.source)
             result.docs += 1
-    np.save(Path(work) / f"a-{index}-lines.npy", np.array(line_hashes, dtype=np.uint64))
+    np.save(Path(work) / f"a-{index}-lines.npy", np.sort(np.array(line_hashes, dtype=np.uint64)))
     return result
 
 

@@ -96,8 +96,10 @@ class BloomAttention(nn.Module):
         self.dense = linear_factory(h, h, True, "attn_out")
 
     def forward(
-        self, x: torch.Tensor, alibi: torch.Tensor, mask: torch.Tensor | None
+        self, x: torch.Tensor, alibi: torch.Tensor, mask: torch.Tensor | None, slopes: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """slopes: this rank's ALiBi slopes when the batch has no padding (then the causal mask is all there is
+        and the fused flash-attention kernel can take it, without materializing [S, S] scores)."""
         fused, qkv_bias = _project(self.query_key_value, x)
         if qkv_bias is not None:
             fused = fused + qkv_bias
@@ -108,7 +110,11 @@ class BloomAttention(nn.Module):
         fused = fused.view(batch, seq, self.local_heads, 3, self.head_dim)
         q, k, v = (fused[..., i, :].transpose(1, 2) for i in range(3))  # each [B, H, S, D]
         core_args = (q, k, v, alibi, mask, self.inv_norm_factor, self.attention_dropout, self.training)
-        if self.recompute_core and torch.is_grad_enabled():
+        no_dropout = not (self.training and self.attention_dropout > 0)
+        if slopes is not None and no_dropout and ops.flash_attention_available(q):
+            # No [S, S] activations to keep, so selective recompute has nothing to save here.
+            context = ops.flash_attention(q, k, v, slopes, self.inv_norm_factor)
+        elif self.recompute_core and torch.is_grad_enabled():
             context = checkpoint(ops.attention_core, *core_args, use_reentrant=False)
         else:
             context = ops.attention_core(*core_args)
@@ -178,7 +184,8 @@ class BloomBlock(nn.Module):
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """hidden: [B, S, hidden]; attention_mask: [B, S] with 1 for tokens and 0 for padding, or None."""
         alibi, mask = self.attention_inputs(attention_mask, hidden.shape[1], hidden.device)
-        attn_out, attn_bias = self.self_attention(_norm(self.input_layernorm, hidden), alibi, mask)
+        slopes = self._slopes if attention_mask is None else None
+        attn_out, attn_bias = self.self_attention(_norm(self.input_layernorm, hidden), alibi, mask, slopes)
         hidden = ops.bias_dropout_add(attn_out, attn_bias, hidden, self.hidden_dropout, self.training)
         mlp_out, mlp_bias = self.mlp(_norm(self.post_attention_layernorm, hidden))
         return ops.bias_dropout_add(mlp_out, mlp_bias, hidden, self.hidden_dropout, self.training)

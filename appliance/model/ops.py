@@ -86,6 +86,19 @@ def attention_core(
     return torch.matmul(probs, v)
 
 
+def flash_attention_available(q: torch.Tensor) -> bool:
+    """Whether the fused causal ALiBi flash attention runs for q (the Triton backend, head dims up to 128)."""
+    return fused.get_backend(q) == "triton" and q.shape[-1] <= 128
+
+
+def flash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor, inv_norm_factor: float
+) -> torch.Tensor:
+    """Causal attention with ALiBi slopes [H] and no padding, fused: the same result as attention_core with a
+    causal mask and alibi_bias(slopes, None), in O(S) memory. q, k, v: [B, H, S, D]; returns [B, H, S, D]."""
+    return fused.flash_alibi_attention(q, k, v, slopes, causal=True, scale=inv_norm_factor)
+
+
 def cross_entropy(
     logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100, reduction: str = "mean"
 ) -> torch.Tensor:

@@ -42,6 +42,9 @@ def deepspeed_config(
         # bf16 loses too many low bits to sum 128 micro-batch gradients in place).
         config["bf16"] = {"enabled": True}
         config["data_types"] = {"grad_accum_dtype": "fp32"}
+        # ...and are summed over DP in fp32 too: DeepSpeed would otherwise cast the fp32 accumulation buffers to
+        # bf16 for the all-reduce, rounding away what the fp32 accumulation kept.
+        config["communication_data_type"] = "fp32"
         # BLOOM's optimizer: DeepSpeed's BF16_Optimizer (fp32 master weights and Adam states sharded over DP,
         # fp32 gradient accumulation), which DeepSpeed selects for bf16 + fp32 accumulation at ZeRO stage 1. Its
         # stage 0 has no bf16 path with fp32 accumulation, so 0 and 1 both mean that optimizer.

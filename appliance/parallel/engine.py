@@ -21,6 +21,7 @@ the loss by the new number of micro-batches and, in the pipeline engine, sets th
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,7 +131,8 @@ def build_engine(
         dp=topology.dp,
         zero_stage=zero_stage,
         dtype=dtype,
-        grad_clip=grad_clip,
+        # No clipping is an infinite threshold rather than 0, so every optimizer path still computes the norm.
+        grad_clip=grad_clip if grad_clip > 0 else math.inf,
         pipeline=topology.pp > 1,
     )
     # The pipeline engine takes its model-parallel unit from the PipelineModule (the same layout, built from

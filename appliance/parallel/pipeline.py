@@ -108,8 +108,9 @@ class TransformerLayerPipe(BloomBlock):
     """A BloomBlock that takes hidden states only (the pipeline passes one tensor between layers).
 
     With sequence parallelism the input is this rank's sequence chunk while attention runs over the whole
-    sequence (the QKV projection gathers it), so the ALiBi bias and causal mask are built for seq * tp positions.
-    ``recompute_core`` turns on selective recompute (the attention core only).
+    sequence (the QKV projection gathers it), so the ALiBi bias and causal mask are built for seq * tp positions;
+    otherwise this is BloomBlock's own forward. ``recompute_core`` turns on selective recompute (the attention
+    core only).
     """
 
     def __init__(
@@ -131,8 +132,9 @@ class TransformerLayerPipe(BloomBlock):
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         if attention_mask is not None:
             raise ValueError("pipeline blocks train on unpadded samples: attention_mask must be None")
-        seq_len = hidden.shape[SEQUENCE_DIM] * (self.tp_size if self.sequence_parallel else 1)
-        alibi, mask = self.attention_inputs(None, seq_len, hidden.device)
+        if not self.sequence_parallel:
+            return super().forward(hidden)
+        alibi, mask = self.attention_inputs(None, hidden.shape[SEQUENCE_DIM] * self.tp_size, hidden.device)
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         attn_out, attn_bias = self.self_attention(ops.layer_norm(hidden, ln1.weight, ln1.bias, ln1.eps), alibi, mask)
         hidden = ops.bias_dropout_add(attn_out, attn_bias, hidden, self.hidden_dropout, self.training)

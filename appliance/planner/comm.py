@@ -10,8 +10,9 @@ reduce-scatter or all-gather sends (n-1)/n S; a point-to-point transfer sends S.
 - PP (DeepSpeed pipeline engine): every TP rank sends the whole s b h activation forward and its gradient
   backward, once per micro-batch (s b h / t with sequence parallelism).
 - DP: ZeRO-0 all-reduces the fp32 gradients; ZeRO-1 (BLOOM's BF16_Optimizer) all-reduces them too, then
-  all-gathers the updated weights; ZeRO-2 reduce-scatters the gradients and all-gathers the weights.
-- Tied embedding (pp > 1): first and last stage all-reduce the embedding gradient between them.
+  all-gathers the updated weights; ZeRO-2 reduces the gradients of every micro-batch (DeepSpeed all-reduces
+  them bucket by bucket) and all-gathers the weights.
+- Tied embedding (pp > 1): first and last stage all-reduce the (fp32) embedding gradient between them.
 """
 
 from __future__ import annotations
@@ -81,10 +82,13 @@ def _stage_bytes(
     elif layout.zero_stage == 1:
         dp_bytes = allreduce_sent(grad_bytes * params, d) + gather_sent(param_bytes * params, d)
     else:
-        dp_bytes = gather_sent(grad_bytes * params, d) + gather_sent(param_bytes * params, d)
+        # Each rank keeps only its gradient partition, so every micro-batch's gradients are reduced as the backward
+        # produces them; DeepSpeed does it with bucketed all-reduces (measured: bench/parallel_comm.py).
+        dp_bytes = m * allreduce_sent(grad_bytes * params, d) + gather_sent(param_bytes * params, d)
 
     tied = 0.0
     if p > 1 and stage in (0, p - 1):
-        tied = allreduce_sent(param_bytes * model.padded_vocab(t) * model.hidden / t, 2)
+        # The two copies' gradients, in the optimizer's fp32 accumulation buffer (DeepSpeed's ReduceTiedGrads).
+        tied = allreduce_sent(grad_bytes * model.padded_vocab(t) * model.hidden / t, 2)
     total = tp_bytes + pp_bytes + dp_bytes + tied
     return {"tp_allreduce": tp_bytes, "pp_p2p": pp_bytes, "dp_reduce": dp_bytes, "tied_embedding": tied, "total": total}

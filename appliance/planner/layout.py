@@ -60,6 +60,9 @@ class Layout:
             problems.append(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}")
         if problems:
             raise BadInput(f"layout {self.describe()}: " + "; ".join(problems))
+        if self.zero_stage == 2 and self.pp > 1:
+            # DeepSpeed's pipeline engine partitions gradients only up to ZeRO-1 (it asserts zero stage < 2).
+            raise BadInput(f"layout {self.describe()}: ZeRO-2 cannot run with pipeline parallelism (pp > 1)")
         if self.sequence_parallel and self.tp == 1:
             raise BadInput(f"layout {self.describe()}: sequence parallelism needs tp > 1 (it splits TP regions)")
         if self.global_batch_size and self.global_batch_size % (self.micro_batch_size * self.dp):

@@ -129,7 +129,8 @@ def search_layouts(hardware: Hardware, model: ModelShape, global_batch_size: int
                     continue
                 for recompute in recomputes:
                     for sp in (False, True) if tp > 1 else (False,):
-                        for zero in zeros if dp > 1 else (0,):
+                        # DeepSpeed's pipeline engine stops at ZeRO-1: stage 2 only without a pipeline.
+                        for zero in (z for z in zeros if pp == 1 or z < 2) if dp > 1 else (0,):
                             layout = Layout(tp, pp, dp, mbs, gbs, zero, recompute, sp)
                             result.candidates += 1
                             result.evaluated.append(evaluate(layout, model, hardware, device))

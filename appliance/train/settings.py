@@ -30,6 +30,7 @@ class TrainSettings:
     seed: int
     save_interval_minutes: float = 180.0  # BLOOM-176B saved about every 3 hours of wall time
     keep_last: int = 3
+    eval_task_limit: int | None = None  # documents per evaluation task (0: all; None: 32 on CPU, all on GPUs)
     rampup: dict[str, int] | None = None
 
     @classmethod

@@ -112,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         # Every broken rule at once, each factor named: tp * pp * dp against the world, heads % tp, the blocks
         # over pp. The process groups are built once, here, TP innermost, then DP, then PP.
         Layout.from_dict(layout).validate(world_size, config.n_head, config.n_layer)
+        if layout["pp"] > 1 and layout.get("zero_stage", 0) >= 2:
+            raise BadInput(f"zero({layout['zero_stage']}) with pp({layout['pp']}): DeepSpeed's pipeline engine "
+                           "takes ZeRO stage 0 or 1")  # fmt: skip
         topology = ParallelTopology(tp=layout["tp"], pp=layout["pp"], dp=layout["dp"], world_size=world_size)
     except BadInput as e:
         if events is not None:

@@ -197,6 +197,8 @@ def layout_run(topology: ParallelTopology, options: dict[str, Any], root: Path) 
     engine = _engine(topology, options, "fp32")
     out: dict[str, Any] = {"first": _train(engine, topology, 0, RESUME_AT, root / "step5")}
     _save(engine, root / "final")
+    if dist.get_rank() == 0:  # the whole model on one rank, assembled from the checkpoint just written
+        out["whole_model_logits"] = engine.module(_probe_batches()["ids"]).detach()
     # Resume at the same layout from the step-5 checkpoint, into the same engine, and redo steps 6..10.
     engine.load_model(root / "step5")
     engine.load_optimizer_state(torch.load(root / "step5" / f"rank{dist.get_rank()}.pt", weights_only=True))
@@ -260,6 +262,8 @@ def test_evaluation_paths_equal_one_process(launch: dict[str, Any], reference: d
     scorer = ModelScorer(model, torch.device("cpu"))
     logprobs, greedy = scorer.target_logprobs(probe["ids"], probe["targets"])
     next_tokens = scorer.next_tokens(probe["prompts"] * probe["mask"], probe["mask"])
+    with torch.no_grad():
+        assert float((launch["ranks"][0]["whole_model_logits"] - model(probe["ids"])).abs().max()) < 1e-4
     for result in launch["ranks"]:  # every rank of every replica returns the replica's answer
         assert float((result["eval"]["logprobs"] - logprobs).abs().max()) < 1e-4
         assert torch.equal(result["eval"]["greedy"], greedy)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,9 +70,7 @@ def test_eval_json_has_losses_tasks_and_sample(tmp_path):
     run_dir = make_run_dir(tmp_path)
     model = BloomForCausalLM(BloomConfig(vocab_size=512, hidden_size=32, n_layer=2, n_head=4))
     trainer = FakeTrainer(FakeEngine(model))
-    started = time.time()
     result = write_final_eval(trainer, run_dir, vocab_size=512, is_writer=True)
-    seconds = time.time() - started
     on_disk = json.loads(run_dir.eval.read_text())
     assert on_disk == json.loads(json.dumps(result))
     assert on_disk["valid_loss"] == 2.5 and on_disk["per_source"]["fr"]["loss"] == 3.0
@@ -88,7 +85,6 @@ def test_eval_json_has_losses_tasks_and_sample(tmp_path):
     assert on_disk["sample"]["prompt"] == SAMPLE_PROMPT and isinstance(on_disk["sample"]["completion"], str)
     kind, fields = trainer.events[-1]
     assert kind == "eval" and fields["final"] and fields["tasks"] == result["tasks"] and fields["step"] == 7
-    assert seconds < 30, f"the final evaluation took {seconds:.1f} s on the CPU"
 
 
 class CountingScorer(ModelScorer):

@@ -89,9 +89,20 @@ def test_layout_self_checks() -> None:
 def test_parse_layout() -> None:
     bloom = parse_layout("tp=4,pp=12,dp=8,mbs=2")
     assert bloom == Layout(4, 12, 8, 2, 0, 1, "full", False)  # unnamed fields take BLOOM-176B's settings
-    full = parse_layout("tp=2, pp=2, dp=2, mbs=4, gbs=64, zero=2, recompute=selective, sp=1")
-    assert full == Layout(2, 2, 2, 4, 64, 2, "selective", True)
+    full = parse_layout("tp=2, pp=1, dp=2, mbs=4, gbs=64, zero=2, recompute=selective, sp=1")
+    assert full == Layout(2, 1, 2, 4, 64, 2, "selective", True)
     assert parse_layout(full.describe()) == full
+
+
+def test_zero2_with_a_pipeline_is_refused_and_never_searched() -> None:
+    """DeepSpeed's pipeline engine runs ZeRO 0/1 only: the planner must not propose what cannot run."""
+    with pytest.raises(BadInput, match="ZeRO-2 cannot run with pipeline parallelism"):
+        parse_layout("tp=2,pp=2,dp=2,mbs=4,gbs=64,zero=2")
+    from appliance.hardware import load_hardware
+    from appliance.planner import load_model_shape, make_plan
+
+    plan = make_plan(load_hardware("jean-zay-a100-48n"), load_model_shape("bloom-176b"), global_batch_size=2048)
+    assert not (plan.layout.zero_stage == 2 and plan.layout.pp > 1)
 
 
 @pytest.mark.parametrize(

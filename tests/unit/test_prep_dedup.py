@@ -25,7 +25,7 @@ def jaccard(a: str, b: str) -> float:
 
 
 def near_copy(text: str, rng: random.Random, target: float) -> str:
-    """Swap words until the 5-gram Jaccard drops just under `target` + 0.1, staying at or above `target`."""
+    """Swap words until the 5-gram Jaccard drops under `target` + 0.05, staying at or above `target`."""
     words = text.split()
     copy = list(words)
     while True:
@@ -34,7 +34,7 @@ def near_copy(text: str, rng: random.Random, target: float) -> str:
         if jaccard(text, " ".join(trial)) < target:
             return " ".join(copy)
         copy = trial
-        if jaccard(text, " ".join(copy)) < target + 0.1:
+        if jaccard(text, " ".join(copy)) < target + 0.05:
             return " ".join(copy)
 
 
@@ -54,7 +54,7 @@ def test_near_duplicates_recall_and_precision(tmp_path):
     originals = [prose(1000 + i, words=150) for i in range(100)]
     copies = [near_copy(t, rng, target=0.8) for t in originals]
     similarity = [jaccard(a, b) for a, b in zip(originals, copies, strict=True)]
-    assert min(similarity) >= 0.8 and max(similarity) < 0.95  # planted in the 0.8-0.9 band, the hard part
+    assert min(similarity) >= 0.8 and max(similarity) < 0.85  # planted in the 0.80-0.85 band, the hard part
     recs = [{"text": t, "lang": "en"} for t in originals + copies]
     prepare_corpus([write_jsonl(tmp_path / "in.jsonl", recs)], tmp_path / "corpus")
     kept = {d["text"] for d in iter_corpus(tmp_path / "corpus")}
@@ -103,13 +103,16 @@ def test_template_lines_spare_code_and_one_line_documents():
     assert re.fullmatch("keep me", dedup.remove_template_lines("keep me\nanother longer line here", "s", templates))
 
 
-def test_find_templates_counts_the_same_in_partitions(monkeypatch):
+def test_find_templates_counts_the_same_in_partitions(tmp_path, monkeypatch):
     rng = np.random.default_rng(0)
-    units = [rng.integers(0, 2**63, 500, dtype=np.uint64) for _ in range(4)]
-    common = rng.integers(0, 2**63, 30, dtype=np.uint64)
-    units = [np.concatenate([u, common[: 10 + i * 5]]) for i, u in enumerate(units)] * 3  # each unit thrice
-    whole = dedup.find_templates(units)
-    monkeypatch.setattr(dedup, "TEMPLATE_SORT_CHUNK", 100)
-    assert np.array_equal(np.sort(dedup.find_templates(units)), np.sort(whole))
-    # common[:10] is in all 4 units, each present thrice: 12 >= 10. common[10:15] is seen 9 times; the rest 3-6.
-    assert sorted(whole.tolist()) == sorted(common[:10].tolist())
+    common = rng.integers(0, 2**64 - 1, 30, dtype=np.uint64, endpoint=True)
+    paths = []
+    for i in range(12):  # 4 kinds of unit, each thrice
+        keys = np.concatenate([rng.integers(0, 2**63, 500, dtype=np.uint64), common[: 10 + (i % 4) * 5]])
+        paths.append(tmp_path / f"{i}.npy")
+        np.save(paths[-1], np.sort(keys))
+    whole = dedup.find_templates(paths)
+    monkeypatch.setattr(dedup, "TEMPLATE_SORT_CHUNK", 100)  # 64 partitions
+    assert np.array_equal(dedup.find_templates(paths), whole)
+    # common[:10] is in all 12 units; common[10:15] in 9, common[15:20] in 6, ...; random keys once.
+    assert whole.tolist() == sorted(common[:10].tolist())
