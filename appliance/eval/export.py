@@ -13,7 +13,7 @@ from appliance.train import checkpoint as ckpt
 def export_run(run_dir: RunDir, out_dir: Path) -> Path:
     from appliance.eval.hf_export import export_hf
     from appliance.model.config import BloomConfig
-    from appliance.parallel.shards import gather_full_state_dict
+    from appliance.parallel.shards import LazyFullStateDict
 
     if not run_dir.plan.exists():
         raise BadInput(f"--run-dir {run_dir.root}: no plan.json, not a run directory")
@@ -21,8 +21,12 @@ def export_run(run_dir: RunDir, out_dir: Path) -> Path:
     if step_dir is None:
         raise BadInput(f"--run-dir {run_dir.root}: no complete checkpoint under {run_dir.checkpoints}")
     plan = json.loads(run_dir.plan.read_text())
-    # The whole model, from model.safetensors or reassembled from tensor/pipeline-parallel shards.
-    state = gather_full_state_dict(step_dir)
+    # Read parameter by parameter from model.safetensors or the tensor/pipeline-parallel shards: the export never
+    # holds the whole model, only one output shard.
+    try:
+        state = LazyFullStateDict(step_dir)
+    except FileNotFoundError as e:
+        raise BadInput(str(e)) from None
     shape = plan["model"]
     config = BloomConfig(
         vocab_size=state["transformer.word_embeddings.weight"].shape[0],

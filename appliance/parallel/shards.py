@@ -10,10 +10,11 @@ model on CPU, without any process group, for export, evaluation samples, and loa
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from appliance.model.bloom import BloomBlock, BloomEmbedding, BloomFinal
@@ -124,3 +125,46 @@ def gather_full_state_dict(step_dir: Path) -> dict[str, torch.Tensor]:
         return assemble_full({position: load_file(str(path)) for position, path in files.items()})
     except (FileNotFoundError, ValueError) as e:
         raise type(e)(f"{step_dir}: {e}") from e
+
+
+class LazyFullStateDict(Mapping[str, torch.Tensor]):
+    """The whole model's tensors (Hugging Face names), each read from the checkpoint files when asked for.
+
+    Exporting through this mapping holds one parameter (its TP pieces joined) and one output shard at a time,
+    never the model: the export of a 176B checkpoint saved at tp=4, pp=12 fits on a head node. A tensor that
+    several pipeline stages hold (the tied word embedding) is read from the first stage that has it.
+    """
+
+    def __init__(self, step_dir: Path) -> None:
+        step_dir = Path(step_dir)
+        if (step_dir / FULL_MODEL_FILE).is_file():
+            sources = {(0, 0): step_dir / FULL_MODEL_FILE}
+        else:
+            sources = shard_files(step_dir)
+        if not sources:
+            raise FileNotFoundError(f"{step_dir}: neither {FULL_MODEL_FILE} nor model-tp*-pp*.safetensors")
+        tp = 1 + max(t for t, _ in sources)
+        pp = 1 + max(p for _, p in sources)
+        missing = [shard_file_name(t, p) for t in range(tp) for p in range(pp) if (t, p) not in sources]
+        if missing:
+            raise FileNotFoundError(f"{step_dir}: shards missing: {', '.join(missing)}")
+        self._files: dict[str, list[Path]] = {}  # name -> the file of each TP rank, in TP order
+        for p in range(pp):
+            stage = [sources[(t, p)] for t in range(tp)]
+            with safe_open(str(stage[0]), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                    self._files.setdefault(name, stage)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        pieces = []
+        for path in self._files[name]:
+            with safe_open(str(path), framework="pt") as f:
+                pieces.append(f.get_tensor(name))
+        role, is_bias = role_of_parameter(name)
+        return gather_to_full(pieces, role, is_bias=is_bias)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
