@@ -87,6 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("tui", help="attach the dashboard to a run directory (live or finished)")
     p.add_argument("--run-dir", type=Path, required=True)
 
+    p = sub.add_parser("import", help="start a run from a transformers Bloom checkpoint (safetensors)")
+    p.add_argument(
+        "--hf-dir", type=Path, required=True, help="a directory transformers saved (config, weights, tokenizer)"
+    )
+    p.add_argument("--run-dir", type=Path, required=True, help="a new run directory; then `run --run-dir` trains on")
+    p.add_argument("--hardware", help="plan for a hardware profile instead of the detected machine")
+    p.add_argument("--seq-len", type=int, default=2048)
+
     p = sub.add_parser("sbatch", help="write a SLURM batch script that trains the plan on an allocation")
     p.add_argument("--run-dir", type=Path, required=True, help="the run directory the job will use")
     p.add_argument("--hardware", help="hardware profile name or TOML file (default: detect)")
@@ -282,6 +290,16 @@ def cmd_tui(args: argparse.Namespace) -> int:
     return run_tui(args.run_dir)
 
 
+def cmd_import(args: argparse.Namespace) -> int:
+    from appliance.eval.import_run import import_run
+
+    plan = import_run(args.hf_dir, args.run_dir, hardware=args.hardware, seq_len=args.seq_len)
+    layout = plan["layout"]
+    print(f"imported {plan['model']['name']} into {args.run_dir} (tp{layout['tp']} pp{layout['pp']} dp{layout['dp']});")
+    print(f"continue training with: ./bloom_appliance.py run --run-dir {args.run_dir} --corpus PATH...")
+    return 0
+
+
 def cmd_sbatch(args: argparse.Namespace) -> int:
     from appliance.data.sample_corpus import SAMPLE_CORPUS_DIR
     from appliance.pipeline import RunRequest, check_inputs, make_run_plan
@@ -335,6 +353,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "export": cmd_export,
     "tui": cmd_tui,
     "sbatch": cmd_sbatch,
+    "import": cmd_import,
 }
 
 

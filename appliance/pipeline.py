@@ -54,7 +54,14 @@ def make_run_plan(req: RunRequest) -> dict[str, Any]:
     shape = load_model_shape(req.model) if req.model else None
     plan = make_plan(hardware, shape).to_json()
     if not plan.get("feasible", True):
-        raise BadInput(f"--model {req.model}: does not fit this hardware: {plan.get('reason', 'see `plan`')}")
+        reasons = "; ".join(plan.get("reasons", [])) or "see `plan`"
+        raise BadInput(f"--model {req.model}: does not fit this hardware: {reasons}")
+    apply_request(plan, req)
+    return plan
+
+
+def apply_request(plan: dict[str, Any], req: RunRequest) -> None:
+    """--set and --max-steps on a plan (a new one, or one `import` or `sbatch` wrote and no run has used yet)."""
     train = plan["train"]
     for key, value in req.overrides.items():
         if key == "vocab_size":
@@ -72,7 +79,6 @@ def make_run_plan(req: RunRequest) -> dict[str, Any]:
     train["decay_samples"] = min(train["decay_samples"], train["train_samples"])
     train["warmup_samples"] = min(train["warmup_samples"], train["decay_samples"] // 2)
     train["eval_interval"] = max(1, min(train["eval_interval"], train["train_samples"] // train["global_batch_size"]))
-    return plan
 
 
 def _apply_carbon_overrides(plan: dict[str, Any], overrides: dict[str, Any]) -> None:
@@ -137,6 +143,8 @@ def _run_stages(
     if run_dir.plan.exists():
         plan.clear()
         plan.update(json.loads(run_dir.plan.read_text()))
+        if "plan" not in stages.records:  # written by `import` or `sbatch`: this first run's settings apply
+            apply_request(plan, req)
     stages.run("plan", key=settings_key(plan=plan), outputs=[run_dir.plan], work=write_plan)
     layout, train = plan["layout"], plan["train"]
 
@@ -147,19 +155,28 @@ def _run_stages(
         work=lambda progress: prepare_corpus(req.corpus, run_dir.corpus, workers=workers, on_progress=progress),
     )
     point_latest(run_dir.root.parent, run_dir.root)
-    stages.run(
-        "tokenizer",
-        key=settings_key(corpus=fingerprint([run_dir.corpus]), vocab=plan["model"]["vocab_size"], tp=layout["tp"]),
-        outputs=[run_dir.tokenizer],
-        work=lambda progress: train_tokenizer(
-            run_dir.corpus,
-            run_dir.tokenizer,
-            vocab_size=plan["model"]["vocab_size"],
-            tp_size=layout["tp"],
-            seed=train["seed"],
-            on_progress=progress,
-        ),
-    )
+    if "init" in plan:
+        # An imported model keeps its own tokenizer (already in place): its weights only make sense with those ids.
+        stages.run(
+            "tokenizer",
+            key=settings_key(imported=plan["init"]["tokenizer_sha256"]),
+            outputs=[run_dir.tokenizer],
+            work=lambda progress: None,
+        )
+    else:
+        stages.run(
+            "tokenizer",
+            key=settings_key(corpus=fingerprint([run_dir.corpus]), vocab=plan["model"]["vocab_size"], tp=layout["tp"]),
+            outputs=[run_dir.tokenizer],
+            work=lambda progress: train_tokenizer(
+                run_dir.corpus,
+                run_dir.tokenizer,
+                vocab_size=plan["model"]["vocab_size"],
+                tp_size=layout["tp"],
+                seed=train["seed"],
+                on_progress=progress,
+            ),
+        )
     data_files = [run_dir.data / "datasets.json"]
     stages.run(
         "data",
