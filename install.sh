@@ -59,12 +59,6 @@ echo "install.sh: runtime dependencies"
 "${PIP[@]}" "${RUNTIME[@]}" setuptools wheel
 echo "install.sh: deepspeed (no build isolation, ops built just in time)"
 DS_BUILD_OPS=0 "${PIP[@]}" --no-build-isolation "$DEEPSPEED"
-if ! "$VENV/bin/python" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-  # On CPU, DeepSpeed compiles a shared-memory communication op the first time a process group starts (about a
-  # minute on 2 cores). Build it now, once, into torch's extension cache, instead of inside the first run.
-  echo "install.sh: building DeepSpeed's CPU communication op (once)"
-  "$VENV/bin/python" -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" 2>&1 | grep -v WARNING || true
-fi
 echo "install.sh: test tools"
 "${PIP[@]}" "${DEV[@]}"
 

@@ -33,6 +33,7 @@ from safetensors.torch import load_file, save_file
 
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
+from appliance.parallel.deepspeed_comm import init_deepspeed_comm
 from appliance.parallel.deepspeed_config import deepspeed_config
 from appliance.parallel.drift import check_replicated_parameters, replicated_across_tp
 from appliance.parallel.grads import TopologyMPU, install_global_norm_clipping, register_sequence_parallel_grad_hooks
@@ -98,7 +99,7 @@ def build_engine(
     topology.init_process_groups()
     # DeepSpeed's own communication layer wraps the process group already running (the PipelineModule needs it
     # before deepspeed.initialize would set it up).
-    deepspeed.init_distributed(dist_backend=dist.get_backend())
+    init_deepspeed_comm(dist.get_backend())
     loss_fn = VocabParallelLoss(topology.tp_group)
     module: torch.nn.Module
     if topology.pp > 1:

@@ -91,11 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     settings = TrainSettings.from_plan(plan)
     layout = plan["layout"]
 
-    import deepspeed
-
     from appliance.data.blend import build_datasets
     from appliance.data.sampler import PretrainingSampler
     from appliance.errors import BadInput
+    from appliance.parallel.deepspeed_comm import init_deepspeed_comm
     from appliance.parallel.engine import build_engine
     from appliance.parallel.topology import ParallelTopology
     from appliance.planner.layout import Layout
@@ -103,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     from appliance.train.trainer import DRIFT_CHECK_INTERVAL, Trainer
 
     device = _device()
-    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    init_deepspeed_comm("nccl" if device.type == "cuda" else "gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     events = EventWriter(run_dir.metrics) if rank == 0 else None
     vocab_size = tokenizer_vocab_size(run_dir.tokenizer_json)

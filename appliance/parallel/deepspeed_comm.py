@@ -1,0 +1,18 @@
+"""Starting DeepSpeed's communication layer on the process group the ranks already share."""
+
+from __future__ import annotations
+
+# DeepSpeed's CPU accelerator compiles a shared-memory all-reduce (C++, about a minute on 2 cores) the first time its
+# communication layer starts, behind a file lock that a killed build leaves in place: every later start then waits
+# forever. That op only serves DeepSpeed's inference all-reduce; training all-reduces through gloo, so on gloo we
+# mark it unavailable and nothing is compiled.
+SHM_COMM_OP = "deepspeed_shm_comm"
+
+
+def init_deepspeed_comm(backend: str) -> None:
+    import deepspeed
+    import deepspeed.ops
+
+    if backend == "gloo":
+        deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
+    deepspeed.init_distributed(dist_backend=backend)
