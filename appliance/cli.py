@@ -243,18 +243,10 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
 
 
 def _launch(run_dir_path: Path, worker_args: tuple[str, ...] = ()) -> int:
-    from appliance.rundir import RunDir
-    from appliance.train.launch import last_rank_errors, run_agent
+    from appliance.train.launch import last_rank_errors, run_plan
 
     run_dir = RunDir(_need_run_dir(run_dir_path))
-    plan = json.loads(run_dir.plan.read_text())
-    layout = plan["layout"]
-    code = run_agent(
-        run_dir,
-        nproc_per_node=layout["tp"] * layout["pp"] * layout["dp"],
-        max_restarts=int(plan.get("run", {}).get("max_restarts", 3)),
-        worker_args=worker_args,
-    )
+    code = run_plan(run_dir, worker_args=worker_args)
     if code != 0:
         print(last_rank_errors(run_dir), file=sys.stderr)
         return EXIT_FAILED
@@ -276,7 +268,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from appliance.eval.export import export_run
-    from appliance.rundir import RunDir
 
     print(export_run(RunDir(_need_run_dir(args.run_dir)), args.out))
     return 0

@@ -133,7 +133,7 @@ def _run_stages(
     from appliance.data.prep import prepare_corpus
     from appliance.data.tokenize_corpus import build_indexed_datasets
     from appliance.tokenizer.bpe import train_tokenizer
-    from appliance.train.launch import last_rank_errors, run_agent
+    from appliance.train.launch import last_rank_errors, run_plan
 
     def write_plan(progress: Any) -> None:
         write_atomic(run_dir.plan, json.dumps(plan, indent=1).encode())
@@ -191,12 +191,7 @@ def _run_stages(
         return "prepared"
 
     def train_work(progress: Any) -> None:
-        run_dir.preempted_marker.unlink(missing_ok=True)
-        code = run_agent(
-            run_dir,
-            nproc_per_node=layout["tp"] * layout["pp"] * layout["dp"],
-            max_restarts=int(plan.get("run", {}).get("max_restarts", 3)),
-        )
+        code = run_plan(run_dir)
         if run_dir.preempted_marker.exists():
             raise Preempted(f"stopped on request after a checkpoint: {run_dir.checkpoints}")
         if code != 0 or not run_dir.eval.exists():

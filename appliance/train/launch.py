@@ -7,6 +7,7 @@ the same agent with a shared c10d rendezvous on the first node (see appliance/tr
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -91,6 +92,22 @@ def run_agent(run_dir: RunDir, *, nproc_per_node: int, max_restarts: int, worker
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def run_plan(run_dir: RunDir, *, worker_args: tuple[str, ...] = ()) -> int:
+    """The ranks of the run directory's plan on this machine (tp x pp x dp processes, the plan's restart budget).
+
+    A preempted marker left by an earlier stop is cleared first, so it only ever describes this launch.
+    """
+    plan = json.loads(run_dir.plan.read_text())
+    layout = plan["layout"]
+    run_dir.preempted_marker.unlink(missing_ok=True)
+    return run_agent(
+        run_dir,
+        nproc_per_node=layout["tp"] * layout["pp"] * layout["dp"],
+        max_restarts=int(plan.get("run", {}).get("max_restarts", 3)),
+        worker_args=worker_args,
+    )
 
 
 def last_rank_errors(run_dir: RunDir, max_lines: int = 30) -> str:

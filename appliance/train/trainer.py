@@ -14,12 +14,13 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from appliance.data.blend import SampleSource
 from appliance.monitor.events import EventWriter
 from appliance.parallel.drift import ReplicaDriftError
 from appliance.parallel.engine import ParallelEngine
@@ -32,11 +33,6 @@ from appliance.train.settings import TrainSettings
 from appliance.train.state import rng_state, set_rng_state
 
 DRIFT_CHECK_INTERVAL = 50  # steps; plan train "drift_check_interval" overrides it
-
-
-class SampleSource(Protocol):
-    def __len__(self) -> int: ...
-    def __getitem__(self, index: int) -> np.ndarray: ...
 
 
 @dataclass

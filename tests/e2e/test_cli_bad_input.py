@@ -2,18 +2,14 @@
 
 import gzip
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-ENTRY = ROOT / "bloom_appliance.py"
+from appliance_cli import run_appliance
 
 
 def run_cli(args, cwd):
-    return subprocess.run([sys.executable, str(ENTRY), *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+    return run_appliance(*args, cwd=cwd, timeout=300)
 
 
 def files_under(path: Path) -> set[str]:

@@ -1,15 +1,12 @@
 """The default run, end to end on this machine, with fewer steps: one launch, checked from several sides."""
 
 import json
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from appliance_cli import run_appliance
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = 60
 
 pytestmark = pytest.mark.slow
@@ -20,23 +17,16 @@ def default_run(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("e2e")
     started = time.time()
     # -X importtime lists every module the head process imports: the test below proves textual is not one.
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-X",
-            "importtime",
-            str(ROOT / "bloom_appliance.py"),
-            "run",
-            "--headless",
-            "--max-steps",
-            str(STEPS),
-            "--run-dir",
-            "runs/e2e",
-        ],
+    result = run_appliance(
+        "run",
+        "--headless",
+        "--max-steps",
+        str(STEPS),
+        "--run-dir",
+        "runs/e2e",
         cwd=cwd,
-        capture_output=True,
-        text=True,
         timeout=900,
+        python_flags=("-X", "importtime"),
     )
     seconds = time.time() - started
     run_dir = cwd / "runs" / "e2e"
@@ -127,22 +117,16 @@ def test_eval_json_has_per_language_perplexity_and_a_sample(default_run):
 def test_rerun_skips_completed_stages(default_run):
     _, _, _, cwd = default_run
     started = time.time()
-    again = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bloom_appliance.py"),
-            "run",
-            "--headless",
-            "--log-format",
-            "json",
-            "--max-steps",
-            str(STEPS),
-            "--run-dir",
-            "runs/e2e",
-        ],
+    again = run_appliance(
+        "run",
+        "--headless",
+        "--log-format",
+        "json",
+        "--max-steps",
+        str(STEPS),
+        "--run-dir",
+        "runs/e2e",
         cwd=cwd,
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert again.returncode == 0, again.stderr[-3000:]

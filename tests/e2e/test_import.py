@@ -2,23 +2,20 @@
 
 import gzip
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from appliance_cli import run_appliance
 
-ROOT = Path(__file__).resolve().parents[2]
-SAMPLE = ROOT / "appliance" / "data" / "sample_corpus"
+from appliance.data.sample_corpus import SAMPLE_CORPUS_DIR
+
+SAMPLE = SAMPLE_CORPUS_DIR
 
 pytestmark = pytest.mark.slow
 
 
 def cli(*args, cwd):
-    return subprocess.run(
-        [sys.executable, str(ROOT / "bloom_appliance.py"), *args], cwd=cwd, capture_output=True, text=True, timeout=600
-    )
+    return run_appliance(*args, cwd=cwd)
 
 
 def test_import_then_run_continues_from_the_transformers_weights(tmp_path):

@@ -4,13 +4,12 @@ with the documented "preempted" code (3), and rerunning the same command resumes
 import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from appliance_cli import appliance_command
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = 40
 
 pytestmark = pytest.mark.slow
@@ -25,9 +24,7 @@ def events(run_dir: Path) -> list[dict]:
 
 def test_sigterm_saves_at_one_step_exits_3_and_rerun_resumes(tmp_path):
     # No periodic saves inside the window: the only checkpoint before the end is the one the signal asks for.
-    cmd = [
-        sys.executable,
-        str(ROOT / "bloom_appliance.py"),
+    cmd = appliance_command(
         "run",
         "--headless",
         "--max-steps",
@@ -38,7 +35,7 @@ def test_sigterm_saves_at_one_step_exits_3_and_rerun_resumes(tmp_path):
         "save_interval=1000",
         "--set",
         "eval_interval=1000",
-    ]
+    )
     run_dir = tmp_path / "runs" / "p"
     head = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 600
