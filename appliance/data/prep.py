@@ -4,51 +4,66 @@ Pipeline, per document, in this order:
   read (readers.py) -> Unicode repair (ftfy) -> language (the record's own "lang", else lingua)
   -> template-line removal -> ROOTS quality filters -> exact dedup -> MinHash near dedup -> PII redaction.
 
-How it runs. The inputs are cut into work units (files, or 64 MB ranges of big .jsonl files) in a fixed order.
-  A. units in parallel: read, repair, label; spill the documents to disk and hash their template-line candidates.
-  -  here: count those hashes per source and pick the template lines.
-  B. units in parallel: drop template lines, filter, hash for dedup (exact key + LSH band keys), redact PII,
-     spill the survivors.
-  -  here: find exact and near duplicates over the whole corpus in corpus order.
-  C. here: copy the survivors into shard-00000.jsonl, ... and write prep_report.json / prep_report.md.
-Workers are separate processes (multiprocessing "spawn": the head process may hold threads) and results are taken
-in unit order, so the output does not depend on the number of workers: two runs give byte-identical files.
+How it runs. The inputs are cut into work units (files, or 64 MB ranges of big .jsonl files) in a fixed order,
+and four steps run over them (prep_units.py has the per-unit ones):
+  read       per unit: read, repair, label; spill the documents and hash their template-line candidates.
+  templates  once: check every file's encoding, count those hashes per source and pick the template lines.
+  filter     per unit: drop template lines, filter, hash for dedup (exact key + LSH band keys), redact PII.
+  finish     once: find exact and near duplicates over the whole corpus in corpus order, write the survivors
+             into shard-00000.jsonl, ... with prep_report.json / prep_report.md, and move them to `out_dir`.
+Here (`prepare_corpus`) the per-unit steps run on local worker processes (multiprocessing "spawn": the head
+process may hold threads). On a cluster each step is a SLURM job and the per-unit ones are job arrays whose
+tasks each take a slice of the units (`run_step`; prep_slurm.py writes the scripts). Either way every unit
+writes its own files and results are merged in unit order, so the output depends neither on the number of
+workers nor on the number of array tasks: the same inputs give byte-identical files.
+
+Every unit's output is committed with a done marker keyed by a hash of its input and settings (prep_work.py),
+so a killed local run or a failed array task resumes: a rerun skips the units already done and redoes the
+rest. The corpus is assembled in the work directory and renamed into place at the end, so `out_dir` holds
+either the old corpus or the new one, never half of one. Inputs are only ever opened for reading.
 Memory per document kept across the run is a few dozen bytes (its hashes); text only ever streams.
-
-Everything is written under a scratch directory beside `out_dir` and renamed into place at the end, so a crash
-leaves either the old corpus or the new one, never half of one. Inputs are only ever opened for reading.
-
-At cluster scale the same per-unit functions are what a datatrove SLURM executor or a SLURM array would run per
-shard; this module only schedules them across local processes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import numpy as np
 
-from appliance.data import dedup, filters, pii
-from appliance.data.langid import detect_language
+from appliance.data import dedup, filters
 from appliance.data.prep_report import Stats, build_report, to_json, to_markdown
-from appliance.data.readers import ENCODING_REASONS, INVALID_UTF8, ReadCounts, Record, Skip, Unit, plan_units, read_unit
-from appliance.data.unicode_fix import repair
+from appliance.data.prep_units import FilterTask, ReadTask, filter_step, read_step
+from appliance.data.prep_work import (
+    STEPS,
+    UNIT_STEPS,
+    UnitCommit,
+    UnitResult,
+    WorkDir,
+    default_work_dir,
+    filter_key,
+    open_work_dir,
+    perplexity_key,
+    slice_units,
+    templates_key,
+    unit_identity,
+)
+from appliance.data.readers import ReadCounts, Skip, Unit, plan_units
 from appliance.errors import BadInput
 
 SHARD_BYTES = 256 << 20
 REPORT_JSON = "prep_report.json"
 REPORT_MD = "prep_report.md"
 SHARD_GLOB = "shard-*.jsonl"
+
+Progress = Callable[[float], None]
 
 
 def prepare_corpus(
@@ -57,33 +72,83 @@ def prepare_corpus(
     *,
     workers: int = 1,
     strict: bool = False,
-    on_progress: Callable[[float], None] | None = None,
+    on_progress: Progress | None = None,
     perplexity: filters.Perplexity | None = None,
+    work_dir: Path | None = None,
 ) -> dict:
     """Prepare `inputs` into `out_dir` (shards + prep_report.json/.md) and return the report.
 
     `perplexity`, a picklable `(text, lang) -> perplexity` callable (a KenLM model), turns on ROOTS' perplexity
-    filter; without it that filter is off. Raises BadInput for a missing input, a file that is not UTF-8 text,
-    an input that leaves no document, and (with `strict`) the first bad record.
+    filter; without it that filter is off. `work_dir` (default: `.<out_dir name>.prep-work` beside it) keeps
+    each unit's finished steps until the corpus is in place: a run killed or failed halfway resumes from there,
+    and a successful run removes it. Raises BadInput for a missing input, a file that is not UTF-8 text, an
+    input that leaves no document, and (with `strict`) the first bad record; the work directory goes then too,
+    since the input has to change.
     """
-    paths = [Path(p) for p in inputs]
-    if not paths:
-        raise BadInput("prep: no input given")
     out_dir = Path(out_dir)
-    units, plan_skips = plan_units(paths, strict=strict)
-    if not units:
-        found = ", ".join(sorted({f"{s.reason} {s.path}" for s in plan_skips})) or "no files"
-        raise BadInput(f"prep: no readable input file in {', '.join(map(str, paths))} ({found})")
+    paths, units, plan_skips = _plan(inputs, strict)
     progress = on_progress or (lambda fraction: None)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.prep-", dir=out_dir.parent))
+    work = open_work_dir(work_dir or default_work_dir(out_dir), out_dir)
+    everything = list(range(len(units)))
+    sizes = [_unit_size(u) for u in units]
     try:
-        report = _run(paths, units, plan_skips, work, workers, strict, perplexity, progress)
-        _publish(work / "corpus", out_dir)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        # Progress: read covers 0-45 %, filter 45-90 %, both weighing units by size; finishing the rest.
+        with _mapper(workers, len(units)) as run_map:
+            _read_units(units, everything, work, strict, run_map, _span(progress, sizes, 0.0, 0.45))
+            _make_templates(units, work)
+            _filter_units(units, everything, work, perplexity, run_map, _span(progress, sizes, 0.45, 0.9))
+        report = _finish(paths, units, plan_skips, work, out_dir, perplexity, progress)
+    except BadInput:
+        shutil.rmtree(work.root, ignore_errors=True)
+        raise
+    shutil.rmtree(work.root, ignore_errors=True)
     progress(1.0)
     return report
+
+
+def run_step(
+    step: str,
+    inputs: Sequence[Path],
+    out_dir: Path,
+    *,
+    work_dir: Path | None = None,
+    part: tuple[int, int] | None = None,
+    workers: int = 1,
+    strict: bool = False,
+    perplexity: filters.Perplexity | None = None,
+) -> dict[str, Any]:
+    """Run one step over the work units, or over slice `part` = (index, count) of them for read and filter.
+
+    This is what each SLURM job of the prep chain runs (one array task per slice). Returns what it did; for
+    "finish", the report's totals (the corpus is then in `out_dir` and the work directory is gone).
+    """
+    if step not in STEPS:
+        raise BadInput(f"--step {step!r}: expected one of {', '.join(STEPS)}")
+    if part is not None and step not in UNIT_STEPS:
+        raise BadInput(f"--slice applies to --step {' or '.join(UNIT_STEPS)}, not {step}")
+    out_dir = Path(out_dir)
+    paths, units, plan_skips = _plan(inputs, strict)
+    work = open_work_dir(work_dir or default_work_dir(out_dir), out_dir)
+    if step in UNIT_STEPS:
+        indices = slice_units([_unit_size(u) for u in units], *part) if part else list(range(len(units)))
+        with _mapper(workers, len(indices)) as run_map:
+            if step == "read":
+                ran = _read_units(units, indices, work, strict, run_map, lambda index: None)
+            else:
+                ran = _filter_units(units, indices, work, perplexity, run_map, lambda index: None)
+        where = f" slice {part[0]}/{part[1]}" if part else ""
+        return {"step": step + where, "units": indices, "done_now": ran, "already_done": len(indices) - len(ran)}
+    if step == "templates":
+        kept = _make_templates(units, work)
+        return {"step": step, "units": len(units), "template_lines": kept}
+    report = _finish(paths, units, plan_skips, work, out_dir, perplexity, lambda fraction: None)
+    shutil.rmtree(work.root, ignore_errors=True)
+    return {"step": step, **report["totals"]}
+
+
+def count_units(inputs: Sequence[Path], *, strict: bool = False) -> int:
+    """How many work units the inputs make (what sizes a SLURM array); BadInput as prepare_corpus."""
+    return len(_plan(inputs, strict)[1])
 
 
 def iter_corpus(corpus_dir: Path) -> Iterator[dict]:
@@ -97,56 +162,15 @@ def iter_corpus(corpus_dir: Path) -> Iterator[dict]:
                 yield json.loads(line)
 
 
-# ------------------------------------------------------------------------------------------------ driver
-
-
-@dataclass
-class _UnitResult:
-    index: int
-    docs: int = 0
-    counts: ReadCounts = field(default_factory=ReadCounts)
-    first_bad: Skip | None = None  # first undecodable record, for the "not UTF-8" message
-    stats: Stats = field(default_factory=Stats)
-
-
-def _run(
-    inputs: list[Path],
-    units: list[Unit],
-    plan_skips: list[Skip],
-    work: Path,
-    workers: int,
-    strict: bool,
-    perplexity: filters.Perplexity | None,
-    progress: Callable[[float], None],
-) -> dict:
-    stats = Stats()
-    for skip in plan_skips:
-        stats.skip(skip)
-    sizes = [_unit_size(u) for u in units]
-    # Progress: stage A covers 0-45 %, stage B 45-90 %, dedup and writing the rest; both stages weigh units by size.
-    with _mapper(workers, len(units)) as run_map:
-        tasks_a = [(i, unit, strict, str(work)) for i, unit in enumerate(units)]
-        results_a = _collect(run_map(_stage_a, tasks_a), sizes, progress, 0.0, 0.45)
-        _check_encodings(units, results_a)
-        for r in results_a:
-            stats.merge(r.stats)
-        line_keys = [work / f"a-{i}-lines.npy" for i in range(len(units))]
-        np.save(work / "templates.npy", dedup.find_templates(line_keys))
-        tasks_b = [(i, str(work), perplexity) for i in range(len(units))]
-        results_b = _collect(run_map(_stage_b, tasks_b), sizes, progress, 0.45, 0.9)
-    for r in results_b:
-        stats.merge(r.stats)
-    dups = _deduplicate(work, len(units))
-    progress(0.92)
-    shards = _write_shards(work, len(units), dups, stats)
-    if not shards:
-        raise BadInput(f"prep: no document left from {', '.join(map(str, inputs))} ({_why_empty(stats)})")
-    files = len({u.path for u in units})
-    names = [str(p) for p in inputs]
-    report = build_report(stats, inputs=names, files=files, shards=shards, perplexity=perplexity is not None)
-    (work / "corpus" / REPORT_JSON).write_text(to_json(report), encoding="utf-8")
-    (work / "corpus" / REPORT_MD).write_text(to_markdown(report), encoding="utf-8")
-    return report
+def _plan(inputs: Sequence[Path], strict: bool) -> tuple[list[Path], list[Unit], list[Skip]]:
+    paths = [Path(p) for p in inputs]
+    if not paths:
+        raise BadInput("prep: no input given")
+    units, plan_skips = plan_units(paths, strict=strict)
+    if not units:
+        found = ", ".join(sorted({f"{s.reason} {s.path}" for s in plan_skips})) or "no files"
+        raise BadInput(f"prep: no readable input file in {', '.join(map(str, paths))} ({found})")
+    return paths, units, plan_skips
 
 
 def _unit_size(unit: Unit) -> int:
@@ -168,16 +192,100 @@ def _mapper(workers: int, units: int) -> Iterator[Callable]:
         yield pool.imap
 
 
-def _collect(results: Iterator, sizes: list[int], progress: Callable[[float], None], lo: float, hi: float) -> list:
-    done, total, out = 0, max(sum(sizes), 1), []
-    for r in results:
-        out.append(r)
-        done += sizes[r.index]
-        progress(lo + (hi - lo) * done / total)
-    return out
+def _span(progress: Progress, sizes: list[int], lo: float, hi: float) -> Callable[[int], None]:
+    """A per-unit callback that moves `progress` from lo to hi as units finish, weighted by their size."""
+    done, total = [0], max(sum(sizes), 1)
+
+    def unit_done(index: int) -> None:
+        done[0] += sizes[index]
+        progress(lo + (hi - lo) * done[0] / total)
+
+    return unit_done
 
 
-def _check_encodings(units: list[Unit], results: list[_UnitResult]) -> None:
+# -------------------------------------------------------------------------------------------- the steps
+
+
+def _read_units(
+    units: list[Unit], indices: list[int], work: WorkDir, strict: bool, run_map: Callable, unit_done: Callable
+) -> list[int]:
+    """Run the read step on `indices`; returns the units it processed (the others were already done)."""
+    tasks = [ReadTask(i, units[i], strict, work.root) for i in indices]
+    ran = []
+    for index, processed in run_map(read_step, tasks):
+        unit_done(index)
+        if processed:
+            ran.append(index)
+    return ran
+
+
+def _read_markers(units: list[Unit], work: WorkDir, step: str) -> list[dict[str, Any]]:
+    """Every unit's read marker, checked against the unit as it is now (by stat: no input is read again)."""
+    markers = []
+    for i, unit in enumerate(units):
+        marker = work.load(work.marker("read", i))
+        if marker is None or marker["identity"] != unit_identity(unit):
+            raise BadInput(
+                f"prep --step {step}: work unit {i} ({unit.path}) has no current read output in {work.root}; "
+                "run --step read on every slice first"
+            )
+        markers.append(marker)
+    return markers
+
+
+def _current_templates(read: list[dict[str, Any]], work: WorkDir, step: str) -> str:
+    """The digest of the template lines picked from these read outputs (the filter keys build on it)."""
+    done = work.done(work.marker("templates"), templates_key([m["key"] for m in read]))
+    if done is None:
+        raise BadInput(
+            f"prep --step {step}: the template lines in {work.root} are missing or stale; run --step templates first"
+        )
+    return str(done["digest"])
+
+
+def _make_templates(units: list[Unit], work: WorkDir) -> int:
+    """Check every file's encoding, then pick the template lines over all units (unless already done)."""
+    read = _read_markers(units, work, "templates")
+    _check_encodings(units, [UnitResult.from_json(m["result"]) for m in read])
+    key = templates_key([m["key"] for m in read])
+    marker = work.marker("templates")
+    done = work.done(marker, key)
+    if done is not None:
+        return int(done["template_lines"])
+    commit = UnitCommit(marker)
+    found = dedup.find_templates([work.unit("read", i, "-lines.npy") for i in range(len(units))])
+    with open(commit.path(work.templates), "wb") as fh:
+        np.save(fh, found)
+    # The filter keys build on the lines picked, not on the read keys: a changed input that leaves the template
+    # lines as they were redoes only its own units.
+    digest = hashlib.sha256(found.tobytes()).hexdigest()
+    commit.commit({"key": key, "template_lines": len(found), "digest": digest})
+    return len(found)
+
+
+def _filter_units(
+    units: list[Unit],
+    indices: list[int],
+    work: WorkDir,
+    perplexity: filters.Perplexity | None,
+    run_map: Callable,
+    unit_done: Callable,
+) -> list[int]:
+    read = _read_markers(units, work, "filter")
+    templates = _current_templates(read, work, "filter")
+    model = perplexity_key(perplexity)
+    tasks = [
+        FilterTask(i, work.root, filter_key(read[i]["key"], templates, model), templates, perplexity) for i in indices
+    ]
+    ran = []
+    for index, processed in run_map(filter_step, tasks):
+        unit_done(index)
+        if processed:
+            ran.append(index)
+    return ran
+
+
+def _check_encodings(units: list[Unit], results: list[UnitResult]) -> None:
     per_file: dict[Path, tuple[ReadCounts, Skip | None]] = {}
     for unit, r in zip(units, results, strict=True):
         counts, first = per_file.get(unit.path, (ReadCounts(), None))
@@ -192,6 +300,50 @@ def _check_encodings(units: list[Unit], results: list[_UnitResult]) -> None:
             )
 
 
+# ------------------------------------------------------------------------------------------ dedup and output
+
+
+def _finish(
+    inputs: list[Path],
+    units: list[Unit],
+    plan_skips: list[Skip],
+    work: WorkDir,
+    out_dir: Path,
+    perplexity: filters.Perplexity | None,
+    progress: Progress,
+) -> dict:
+    """Dedup over the whole corpus, write the shards and the report, and move them to `out_dir`."""
+    read = _read_markers(units, work, "finish")
+    templates = _current_templates(read, work, "finish")
+    stats = Stats()
+    for skip in plan_skips:
+        stats.skip(skip)
+    filtered, model = [], perplexity_key(perplexity)
+    for i, unit in enumerate(units):
+        marker = work.done(work.marker("filter", i), filter_key(read[i]["key"], templates, model))
+        if marker is None:
+            raise BadInput(
+                f"prep --step finish: work unit {i} ({unit.path}) is not filtered yet; "
+                "run --step filter on every slice first"
+            )
+        filtered.append(marker)
+    for marker in [*read, *filtered]:  # read results first, then filter results, each in unit order
+        stats.merge(UnitResult.from_json(marker["result"]).stats)
+    dups = _deduplicate(work, len(units))
+    progress(0.92)
+    shutil.rmtree(work.corpus, ignore_errors=True)  # a finish killed halfway
+    shards = _write_shards(work, len(units), dups, stats)
+    if not shards:
+        raise BadInput(f"prep: no document left from {', '.join(map(str, inputs))} ({_why_empty(stats)})")
+    files = len({u.path for u in units})
+    names = [str(p) for p in inputs]
+    report = build_report(stats, inputs=names, files=files, shards=shards, perplexity=perplexity is not None)
+    (work.corpus / REPORT_JSON).write_text(to_json(report), encoding="utf-8")
+    (work.corpus / REPORT_MD).write_text(to_markdown(report), encoding="utf-8")
+    _publish(work.corpus, out_dir)
+    return report
+
+
 def _why_empty(stats: Stats) -> str:
     read = sum(c.docs_in for c in stats.stages.get("unicode_repair", {}).values())
     if read == 0:
@@ -200,136 +352,19 @@ def _why_empty(stats: Stats) -> str:
     return f"all {read} documents were filtered out; see the stages in the report"
 
 
-# -------------------------------------------------------------------------------------------- stage A and B
-
-
-def _stage_a(task: tuple[int, Unit, bool, str]) -> _UnitResult:
-    """Read, repair and label one unit; spill its documents and their template-line hashes."""
-    index, unit, strict, work = task
-    result = _UnitResult(index)
-    line_hashes: list[int] = []
-    with open(Path(work) / f"a-{index}.jsonl", "w", encoding="utf-8") as spill:
-        for item in read_unit(unit, strict=strict, counts=result.counts):
-            if isinstance(item, Skip):
-                result.stats.skip(item)
-                if item.reason in ENCODING_REASONS and result.first_bad is None:
-                    result.first_bad = item
-                continue
-            doc = _repaired(item, str(unit.path), strict)
-            if isinstance(doc, Skip):
-                result.stats.skip(doc)
-                continue
-            text, lang = doc
-            result.stats.passed("unicode_repair", lang, _nbytes(item.text), _nbytes(text))
-            spill.write(json.dumps({"t": text, "l": lang, "s": item.source}, ensure_ascii=False) + "\n")
-            if lang != filters.CODE:
-                line_hashes += dedup.template_line_hashes(text, item.source)
-            result.docs += 1
-    np.save(Path(work) / f"a-{index}-lines.npy", np.sort(np.array(line_hashes, dtype=np.uint64)))
-    return result
-
-
-def _repaired(record: Record, path: str, strict: bool) -> tuple[str, str] | Skip:
-    text = repair(record.text)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate ("\ud800" escaped in JSON) that ftfy could not pair up
-        skip = Skip(INVALID_UTF8, path, record.line, record.offset, "unpaired surrogate escape")
-        if strict:
-            raise BadInput(f"prep: {skip.message()} (strict mode stops at the first bad record)") from None
-        return skip
-    lang = record.lang.strip().lower() if record.lang else detect_language(text)
-    return text, lang.replace("_", "-").split("-")[0] or "und"  # "pt_BR", "zh-Hant": the language subtag
-
-
-def _nbytes(text: str) -> int:
-    return len(text.encode("utf-8", "surrogatepass"))
-
-
-@lru_cache(maxsize=1)
-def _templates(path: str) -> frozenset[int]:
-    return frozenset(np.load(path).tolist())
-
-
-def _stage_b(task: tuple[int, str, filters.Perplexity | None]) -> _UnitResult:
-    """Template lines, filters, dedup hashes and PII for one unit's spilled documents."""
-    index, work, perplexity = task
-    result = _UnitResult(index)
-    templates = _templates(str(Path(work) / "templates.npy"))
-    exact, bands, langs, sizes, redacted_sizes = [], [], [], [], []
-    with (
-        open(Path(work) / f"a-{index}.jsonl", encoding="utf-8") as spill_in,
-        open(Path(work) / f"b-{index}.jsonl", "w", encoding="utf-8") as spill_out,
-    ):
-        for line in spill_in:
-            doc = json.loads(line)
-            text, lang, source = doc["t"], doc["l"], doc["s"]
-            filtered = _filtered(text, lang, source, templates, perplexity, result.stats)
-            if filtered is None:
-                continue
-            kept, words = filtered
-            exact.append(dedup.exact_key(kept))
-            bands.append(dedup.band_keys(words))
-            langs.append(lang)
-            sizes.append(_nbytes(kept))
-            redacted, tags = pii.redact(kept, code=lang == filters.CODE)
-            for tag, n in tags.items():
-                result.stats.pii_tags[tag] = result.stats.pii_tags.get(tag, 0) + n
-            redacted_sizes.append(_nbytes(redacted))
-            spill_out.write(json.dumps({"text": redacted, "lang": lang, "source": source}, ensure_ascii=False) + "\n")
-            result.docs += 1
-    np.save(Path(work) / f"b-{index}-exact.npy", np.array(exact, dtype=np.uint64))
-    np.save(Path(work) / f"b-{index}-bands.npy", np.array(bands, dtype=np.uint64).reshape(-1, dedup.BANDS))
-    (Path(work) / f"b-{index}-meta.json").write_text(
-        json.dumps({"langs": langs, "sizes": sizes, "redacted": redacted_sizes})
-    )
-    return result
-
-
-def _filtered(
-    text: str,
-    lang: str,
-    source: str,
-    templates: frozenset[int],
-    perplexity: filters.Perplexity | None,
-    stats: Stats,
-) -> tuple[str, list[str]] | None:
-    """The document after template-line removal and its words, or None when it is emptied or fails a filter."""
-    size = _nbytes(text)
-    if lang != filters.CODE:
-        cleaned = dedup.remove_template_lines(text, source, templates)
-        if not cleaned.strip():
-            stats.dropped("template_lines", lang, size, text, source)
-            return None
-        stats.passed("template_lines", lang, size, _nbytes(cleaned))
-        text, size = cleaned, _nbytes(cleaned)
-    else:
-        stats.passed("template_lines", lang, size)
-    verdict = filters.check(text, lang, perplexity)
-    for name in filters.FILTERS:
-        if name == verdict.failed:
-            stats.dropped(name, lang, size, text, source, value=verdict.value, limit=verdict.limit)
-            return None
-        stats.passed(name, lang, size)
-    return text, verdict.words or []
-
-
-# ------------------------------------------------------------------------------------------ dedup and output
-
-
-def _deduplicate(work: Path, n_units: int) -> tuple[np.ndarray, np.ndarray]:
-    exact = np.concatenate([np.load(work / f"b-{i}-exact.npy") for i in range(n_units)])
-    bands = np.concatenate([np.load(work / f"b-{i}-bands.npy") for i in range(n_units)])
+def _deduplicate(work: WorkDir, n_units: int) -> tuple[np.ndarray, np.ndarray]:
+    exact = np.concatenate([np.load(work.unit("filter", i, "-exact.npy")) for i in range(n_units)])
+    bands = np.concatenate([np.load(work.unit("filter", i, "-bands.npy")) for i in range(n_units)])
     return dedup.find_duplicates(exact, bands)
 
 
-def _write_shards(work: Path, n_units: int, dups: tuple[np.ndarray, np.ndarray], stats: Stats) -> list[str]:
+def _write_shards(work: WorkDir, n_units: int, dups: tuple[np.ndarray, np.ndarray], stats: Stats) -> list[str]:
     """Copy the surviving documents, in corpus order, into shards of about SHARD_BYTES."""
     doc = 0
-    with _ShardWriter(work / "corpus") as shards:
+    with _ShardWriter(work.corpus) as shards:
         for i in range(n_units):
-            meta = json.loads((work / f"b-{i}-meta.json").read_text())
-            with open(work / f"b-{i}.jsonl", encoding="utf-8") as spill:
+            meta = json.loads(work.unit("filter", i, "-meta.json").read_text())
+            with open(work.unit("filter", i, ".jsonl"), encoding="utf-8") as spill:
                 rows = zip(spill, meta["langs"], meta["sizes"], meta["redacted"], strict=True)
                 for line, lang, size, redacted in rows:
                     dropped_at = next((name for name, mask in zip(_DEDUP_STAGES, dups, strict=True) if mask[doc]), None)
@@ -379,6 +414,15 @@ _DEDUP_STAGES = ("exact_dedup", "near_dedup")
 
 def _publish(staged: Path, out_dir: Path) -> None:
     """Swap the finished corpus into place: rename the old one aside, rename the new one in, drop the old."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    if staged.stat().st_dev != out_dir.parent.stat().st_dev:
+        # A --work-dir on another file system (a cluster's scratch space): copy beside out_dir first, so that
+        # the swap below is still a rename.
+        near = out_dir.with_name(f".{out_dir.name}.new-{os.getpid()}")
+        shutil.rmtree(near, ignore_errors=True)
+        shutil.copytree(staged, near)
+        shutil.rmtree(staged)
+        staged = near
     old = None
     if out_dir.exists():
         old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")

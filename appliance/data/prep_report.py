@@ -89,6 +89,21 @@ class Stats:
         for tag, n in other.pii_tags.items():
             self.pii_tags[tag] = self.pii_tags.get(tag, 0) + n
 
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON, for a work unit's done marker (prep_work.py); from_json reads it back unchanged."""
+        return {
+            "stages": {stage: {lang: vars(c) for lang, c in langs.items()} for stage, langs in self.stages.items()},
+            "examples": self.examples,
+            "skipped": self.skipped,
+            "skip_examples": self.skip_examples,
+            "pii_tags": self.pii_tags,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Stats:
+        stages = {stage: {lang: Counts(**c) for lang, c in langs.items()} for stage, langs in data["stages"].items()}
+        return cls(stages, data["examples"], data["skipped"], data["skip_examples"], data["pii_tags"])
+
 
 def build_report(stats: Stats, *, inputs: list[str], files: int, shards: list[str], perplexity: bool) -> dict:
     stages = []

@@ -21,7 +21,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 from appliance.data.tokenize_corpus import iter_corpus
 from appliance.errors import BadInput
-from appliance.tokenizer.fertility import fertility_report
+from appliance.tokenizer.fertility import fertility_report, reference_rule
 from appliance.tokenizer.vocab import (
     BLOOM_SPLIT_REGEX,
     SPECIAL_TOKENS,
@@ -182,14 +182,16 @@ def train_tokenizer(
     trained = tokenizer.get_vocab_size(with_added_tokens=True)
     padded = pad_with_placeholders(tokenizer, tp_size, at_least=vocab_size)
 
-    # Fertility: the same recipe and vocabulary size, trained on one language alone, for every language.
+    # Fertility: the same recipe trained on one language alone, for every language, with that language's
+    # equal share of the learned vocabulary (fertility.py says why and gives the arithmetic).
+    reference = reference_rule(trained, placeholders, len(samples))
     monolingual: dict[str, Tokenizer] = {}
     for i, (lang, sample) in enumerate(samples.items()):
         progress(0.4 + 0.55 * i / len(samples), f"training the {lang}-only reference tokenizer")
-        monolingual[lang] = train_bpe(sample.train, vocab_size, placeholders)
+        monolingual[lang] = train_bpe(sample.train, reference["vocab_size"], 0)
     held_out = {lang: s.held_out or s.train for lang, s in samples.items()}
     in_sample = {lang for lang, s in samples.items() if not s.held_out}
-    report = fertility_report(tokenizer, monolingual, held_out, in_sample=in_sample)
+    report = fertility_report(tokenizer, monolingual, held_out, in_sample=in_sample, reference=reference)
     report["tokenizer"] = {
         "vocab_size_requested": vocab_size,
         "vocab_size_trained": trained,

@@ -70,11 +70,16 @@ def test_output_replaces_the_old_corpus_atomically(tmp_path: Path, monkeypatch: 
     def crash(*args: object) -> None:
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(prep, "_write_shards", crash)
-    with pytest.raises(RuntimeError):
-        prepare_corpus(inputs, out)
+    with monkeypatch.context() as patched:
+        patched.setattr(prep, "_write_shards", crash)
+        with pytest.raises(RuntimeError):
+            prepare_corpus(inputs, out)
     assert _files(out) == good  # the finished corpus is untouched by a crashed rerun
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["corpus"]  # no scratch left
+    # Its work directory stays for the next run to resume from; that run removes it.
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".corpus.prep-work", "corpus"]
+    prepare_corpus(inputs, out)
+    assert _files(out) == good
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["corpus"]
 
 
 def test_iter_corpus_needs_shards(tmp_path: Path) -> None:

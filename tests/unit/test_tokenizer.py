@@ -177,6 +177,52 @@ def test_fertility_report(trained: Path) -> None:
     assert report["flagged"] == [lang for lang, e in report["languages"].items() if e["flagged"]]
     assert report["ok"] == (not report["flagged"])
     assert report["tokenizer"]["vocab_size_padded"] == 1024
+    # The references get an equal share of the learned entries: (1000 - 4 - 8 - 256) / 5 languages = 146.
+    reference = report["reference"]
+    assert reference["rule"] == "equal share of the learned vocabulary" and reference["languages"] == 5
+    assert reference["vocab_size"] == 4 + 256 + 146
+    assert reference["arithmetic"].endswith("= 146 learned entries each; + 4 special + 256 byte = 406")
+    assert "250,220 learned) / 59 languages = 4,241 learned entries each" in reference["bloom_setting"]
+
+
+# Five made-up languages, each in its own script, with a Zipfian vocabulary of 300 words: their fertility is
+# set by how many vocabulary entries each language gets, nothing else.
+SCRIPTS = {
+    "ru": "абвгдежзийклмнопрстуфхцчшщыэюя",
+    "el": "αβγδεζηθικλμνξοπρστυφχψω",
+    "hy": "աբգդեզէըթժիլխծկհձղճմյնշոչպջռսվտրցւփքօֆ",
+    "ka": "აბგდევზთიკლმნოპჟრსტუფქღყშჩცძწჭხჯჰ",
+    "he": "אבגדהוזחטיכלמנסעפצקרשת",
+}
+
+
+def _pseudo_language(letters: str, docs: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    words = ["".join(rng.choice(letters) for _ in range(rng.randint(3, 9))) for _ in range(300)]
+    zipf = [1 / rank for rank in range(1, len(words) + 1)]
+    return [" ".join(rng.choices(words, zipf, k=80)) + "." for _ in range(docs)]
+
+
+def test_fertility_flags_an_under_served_language_only(tmp_path: Path) -> None:
+    # Hebrew is planted with a tenth of the others' text: the shared vocabulary learns little of it, while its
+    # reference learns its full equal share from that same text (here 64 points worse). The
+    # other four, with equal text, come out within a few points of their references: served fairly.
+    docs = {
+        lang: _pseudo_language(letters, 6 if lang == "he" else 60, seed=i)
+        for i, (lang, letters) in enumerate(SCRIPTS.items())
+    }
+    root = tmp_path / "corpus"
+    root.mkdir()
+    lines = [
+        json.dumps({"text": t, "lang": lang, "source": "test"}, ensure_ascii=False) for lang in docs for t in docs[lang]
+    ]
+    (root / "shard-00000.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    train_tokenizer(root, tmp_path / "out", vocab_size=1400)
+    report = json.loads((tmp_path / "out" / "fertility.json").read_text(encoding="utf-8"))
+    languages = report["languages"]
+    assert report["flagged"] == ["he"] and report["ok"] is False
+    assert languages["he"]["points_worse"] > 10.0
+    assert all(languages[lang]["points_worse"] <= 10.0 for lang in SCRIPTS if lang != "he")
 
 
 def test_training_is_deterministic(tmp_path: Path) -> None:
