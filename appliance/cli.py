@@ -66,6 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     p.add_argument("--strict", action="store_true", help="stop at the first bad record (file, line, byte offset)")
+    p.add_argument("--work-dir", type=Path, help="resumable per-unit work (default: .<out>.prep-work beside --out)")
+    p.add_argument("--step", choices=["read", "templates", "filter", "finish"], help="run one step (SLURM jobs do)")
+    p.add_argument("--slice", help="I/N: with --step read or filter, this array task's share of the work units")
+    p.add_argument("--sbatch", action="store_true", help="write SLURM scripts (job arrays) instead of running")
+    p.add_argument("--array-size", type=int, help="with --sbatch: tasks per array (default: units, at most 64)")
+    p.add_argument("--cpus-per-task", type=int, default=8, help="with --sbatch: worker processes per task")
+    p.add_argument("--time", default="04:00:00", help="with --sbatch: time limit per job, [D-]HH:MM:SS")
+    p.add_argument("--partition", help="with --sbatch")
+    p.add_argument("--account", help="with --sbatch")
+    p.add_argument("--script-dir", type=Path, help="with --sbatch: where to write (default: <out>.prep-slurm)")
 
     p = sub.add_parser("tokenizer", help="train BLOOM's byte-level BPE tokenizer on a prepared corpus")
     p.add_argument("--corpus", type=Path, required=True)
@@ -76,6 +86,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train (or resume) the run in a run directory")
     p.add_argument("--run-dir", type=Path, required=True)
     p.add_argument("--resume", action="store_true", help="resume from the newest valid checkpoint (the default)")
+    p.add_argument(
+        "--stop-at-step",
+        type=int,
+        metavar="N",
+        help="save a checkpoint at step N and stop there (exit code 3, as after a preemption); rerun to continue",
+    )
+    p.add_argument(
+        "--layout",
+        metavar="tp=T,pp=P,dp=D[,mbs=M,zero=Z,recompute=R]",
+        help="continue at another parallel layout (e.g. on fewer nodes): the newest checkpoint loads directly",
+    )
 
     p = sub.add_parser("eval", help="evaluate the newest checkpoint of a run")
     p.add_argument("--run-dir", type=Path, required=True)
@@ -224,12 +245,49 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_prep(args: argparse.Namespace) -> int:
-    from appliance.data.prep import prepare_corpus
+    from appliance.data.prep import prepare_corpus, run_step
+    from appliance.data.prep_work import parse_slice
     from appliance.pipeline import check_inputs
 
     check_inputs(args.input)
-    report = prepare_corpus(args.input, args.out, workers=args.workers, strict=args.strict)
+    if args.sbatch:
+        return _write_prep_scripts(args)
+    if args.slice and not args.step:
+        raise BadInput("--slice needs --step read or --step filter")
+    if args.step:
+        part = parse_slice(args.slice) if args.slice else None
+        done = run_step(
+            args.step, args.input, args.out, work_dir=args.work_dir, part=part, workers=args.workers, strict=args.strict
+        )
+        print(json.dumps(done, indent=1, ensure_ascii=False))
+        return 0
+    report = prepare_corpus(args.input, args.out, workers=args.workers, strict=args.strict, work_dir=args.work_dir)
     print(json.dumps(report.get("totals", report), indent=1, ensure_ascii=False))
+    return 0
+
+
+def _write_prep_scripts(args: argparse.Namespace) -> int:
+    from appliance.data.prep import count_units
+    from appliance.data.prep_slurm import PrepJob, default_array_size, default_script_dir, write_scripts
+
+    if args.step or args.slice:
+        raise BadInput("--sbatch writes the scripts for every step; leave out --step and --slice")
+    job = PrepJob(
+        inputs=args.input,
+        out_dir=args.out,
+        script_dir=args.script_dir or default_script_dir(args.out),
+        array_size=args.array_size or default_array_size(count_units(args.input, strict=args.strict)),
+        cwd=Path.cwd(),
+        work_dir=args.work_dir,
+        strict=args.strict,
+        cpus_per_task=args.cpus_per_task,
+        time_limit=args.time,
+        partition=args.partition,
+        account=args.account,
+    )
+    submit = write_scripts(job)
+    print(f"wrote {submit} and {submit.parent / 'prep.sbatch'}: read and filter as arrays of {job.array_size} tasks")
+    print(f"submit with: bash {submit}   (run it again to resume after a failure)")
     return 0
 
 
@@ -250,13 +308,24 @@ def _launch(run_dir_path: Path, worker_args: tuple[str, ...] = ()) -> int:
     if code != 0:
         print(last_rank_errors(run_dir), file=sys.stderr)
         return EXIT_FAILED
+    if run_dir.failed_marker.exists():
+        print(f"training stopped, not retried: {run_dir.failed_marker.read_text().strip()}", file=sys.stderr)
+        return EXIT_FAILED
     if run_dir.preempted_marker.exists():
         return EXIT_PREEMPTED
     return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    return _launch(args.run_dir)
+    if args.stop_at_step is not None and args.stop_at_step < 1:
+        raise BadInput(f"--stop-at-step {args.stop_at_step}: must be a step number of at least 1")
+    if args.layout:
+        from appliance.train.relayout import change_layout
+
+        change = change_layout(RunDir(_need_run_dir(args.run_dir)), args.layout)
+        before, after = (",".join(f"{k}={d[k]}" for k in ("tp", "pp", "dp")) for d in (change["from"], change["to"]))
+        print(f"layout {before} -> {after}: the newest checkpoint loads at the new layout")
+    return _launch(args.run_dir, () if args.stop_at_step is None else ("--stop-at-step", str(args.stop_at_step)))
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

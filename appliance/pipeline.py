@@ -194,6 +194,8 @@ def _run_stages(
         code = run_plan(run_dir)
         if run_dir.preempted_marker.exists():
             raise Preempted(f"stopped on request after a checkpoint: {run_dir.checkpoints}")
+        if run_dir.failed_marker.exists():
+            raise RuntimeError(f"training stopped, not retried: {run_dir.failed_marker.read_text().strip()}")
         if code != 0 or not run_dir.eval.exists():
             raise RuntimeError(f"training failed (agent exit code {code})\n{last_rank_errors(run_dir)}")
 

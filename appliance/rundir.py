@@ -77,6 +77,18 @@ class RunDir:
         return self.control / "preempted"
 
     @property
+    def failed_marker(self) -> Path:
+        """Written by rank 0 when the run hit a failure a restart would only repeat (a full disk, a loss that stays
+        non-finite, replicas that disagree): the ranks exit 0 so the agent does not retry, and the head process
+        exits "failed" with the reason this file holds. The newest checkpoint stays the one a rerun loads."""
+        return self.control / "failed"
+
+    @property
+    def heartbeats(self) -> Path:
+        """One directory per launch attempt, a heartbeat file per rank (appliance/train/watchdog.py)."""
+        return self.control / "heartbeat"
+
+    @property
     def logs(self) -> Path:
         """Per-rank stdout/stderr, as the elastic agent redirects them."""
         return self.root / "logs"

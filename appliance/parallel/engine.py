@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
@@ -37,7 +37,13 @@ from appliance.parallel.deepspeed_comm import init_deepspeed_comm
 from appliance.parallel.deepspeed_config import deepspeed_config
 from appliance.parallel.drift import check_replicated_parameters, replicated_across_tp
 from appliance.parallel.grads import TopologyMPU, install_global_norm_clipping, register_sequence_parallel_grad_hooks
-from appliance.parallel.optimizer_state import load_optimizer_state, optimizer_state
+from appliance.parallel.optimizer_state import (
+    dp_writers,
+    load_optimizer_state,
+    optimizer_file_name,
+    optimizer_files,
+    optimizer_state,
+)
 from appliance.parallel.pipeline import (
     BloomStack,
     VocabParallelLoss,
@@ -48,11 +54,12 @@ from appliance.parallel.pipeline import (
 from appliance.parallel.scoring import ParallelScorer
 from appliance.parallel.shards import (
     FULL_MODEL_FILE,
+    ShardReader,
     dense_initial_weights,
     gather_full_state_dict,
     load_from_full,
+    model_sources,
     shard_file_name,
-    shard_files,
 )
 from appliance.parallel.topology import ParallelTopology
 
@@ -264,28 +271,66 @@ class ParallelEngine:
 
     @torch.no_grad()
     def load_model(self, step_dir: Path) -> None:
-        """Load this rank's weights from a checkpoint written at any layout (the own shard when the layout is
-        the same, otherwise the whole model reassembled and re-cut), then refresh the optimizer's fp32 copies."""
+        """Load this rank's weights from a checkpoint written at any layout (each parameter's slice read from the
+        files of the layout that wrote it; at the same layout, its own shard), fp32 master weights included."""
+        from deepspeed.utils import safe_set_full_fp32_param
+
         step_dir = Path(step_dir)
-        named = self.named_parameters()
-        files = shard_files(step_dir)
-        own = (self.tp_rank, self.pp_rank)
-        grid = {(t, p) for t in range(self.topology.tp) for p in range(self.topology.pp)}
-        if self.sharded and set(files) == grid:
-            load_from_full(named, load_file(str(files[own])), 0, 1, source=str(files[own]))
-        else:
-            full = gather_full_state_dict(step_dir)
-            load_from_full(named, full, self.tp_rank, self.topology.tp, source=str(step_dir))
-        refresh = getattr(self.engine.optimizer, "refresh_fp32_params", None)
-        if refresh is not None:
-            refresh()  # bf16/ZeRO master weights follow the loaded weights until the optimizer state is loaded
+        reader = ShardReader(model_sources(step_dir), what=str(step_dir))
+        for name, param in self.named_parameters():
+            value = reader.read(name, name, self.tp_rank, self.topology.tp)
+            if value.shape != param.shape:
+                raise ValueError(
+                    f"{step_dir}: {name}: slice {tuple(value.shape)} at tp={self.topology.tp} (written at "
+                    f"tp={reader.tp}), parameter {tuple(param.shape)}"
+                )
+            param.copy_(value)
+            # ZeRO and bf16 master weights take the file's fp32 numbers (bf16 weights would round them); the
+            # optimizer state's own masters, where saved, replace them in load_optimizer.
+            safe_set_full_fp32_param(param, value)
         self.last_checkpoint = step_dir
 
-    def optimizer_state(self) -> dict[str, Any]:
-        return optimizer_state(self.engine.optimizer)
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        """This rank's optimizer state: its TP slice of every parameter's Adam state, whole over DP, keyed
+        ``<Hugging Face name>.<state>`` (optimizer_state.py). Collective over the DP group."""
+        return optimizer_state(self.named_parameters(), self.engine.optimizer)
 
-    def load_optimizer_state(self, state: dict[str, Any]) -> None:
-        load_optimizer_state(self.engine.optimizer, state, dp_size=self.topology.dp)
+    def load_optimizer_state(self, state: Mapping[str, torch.Tensor]) -> bool:
+        """Load what ``optimizer_state`` returned on a rank of the same (tp, pp) position."""
+        return load_optimizer_state(self.named_parameters(), self.engine.optimizer, state.keys(), lambda k, _: state[k])
+
+    def optimizer_shard(self) -> dict[str, torch.Tensor]:
+        """The optimizer state this rank writes into a checkpoint: that of the parameters ``dp_writers`` gives
+        this DP rank. Collective over the DP group: call it on every rank before anything that may fail on one."""
+        named = self.named_parameters()
+        writers = dp_writers(named, self.topology.dp)
+        return optimizer_state(named, self.engine.optimizer, keep=lambda name: writers[name] == self.dp_rank)
+
+    def save_optimizer(
+        self, step_dir: Path, shard: Mapping[str, torch.Tensor], metadata: Mapping[str, str]
+    ) -> Path | None:
+        """Write ``optimizer_shard()``'s result; returns the file, or None when this rank has nothing to write."""
+        if not shard:
+            return None
+        path = Path(step_dir) / optimizer_file_name(self.tp_rank, self.pp_rank, self.dp_rank)
+        meta = {**metadata, "tp": str(self.topology.tp), "pp": str(self.topology.pp), "dp": str(self.topology.dp)}
+        save_file(dict(shard), str(path), metadata=meta)
+        return path
+
+    def load_optimizer(self, step_dir: Path) -> bool:
+        """Load the optimizer state saved by ``save_optimizer`` at any layout (local, no collective). Returns
+        False when the checkpoint holds none (written before the first step): the optimizer stays fresh."""
+        files = optimizer_files(step_dir)
+        if not files:
+            return False
+        reader = ShardReader(files, what=f"{step_dir} optimizer state")
+        tp_rank, tp_size = self.tp_rank, self.topology.tp
+        return load_optimizer_state(
+            self.named_parameters(),
+            self.engine.optimizer,
+            reader.keys(),
+            lambda k, n: reader.read(k, n, tp_rank, tp_size),
+        )
 
     # ---- the whole model, for evaluation -----------------------------------------------------------------
     def task_model(self) -> ParallelScorer:

@@ -126,10 +126,23 @@ def install_global_norm_clipping(engine: Any, topology: ParallelTopology) -> Non
     it; this gives the plain path the same behaviour, and the norm ``get_global_grad_norm()`` returns.
     """
 
+    optimizer = engine.optimizer
+    optimizer.overflow = False  # DeepSpeed reads it after the step: a skipped step counts in engine.skipped_steps
+    apply_update = optimizer.step
+
     def clip_fp32_gradients() -> None:
-        engine._global_grad_norm = clip_by_global_norm(engine.module.parameters(), engine.gradient_clipping(), topology)
+        norm = clip_by_global_norm(engine.module.parameters(), engine.gradient_clipping(), topology)
+        engine._global_grad_norm = norm
+        # The norm is global, so every rank sees the same verdict. A NaN or Inf gradient skips the update, as the bf16
+        # and ZeRO optimizers do: the parameters and Adam's moments stay as they were, and the gradients are zeroed
+        # after the step as always.
+        optimizer.overflow = not math.isfinite(float(norm))
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        return None if optimizer.overflow else apply_update(*args, **kwargs)
 
     engine.clip_fp32_gradients = clip_fp32_gradients
+    optimizer.step = step
 
 
 def register_sequence_parallel_grad_hooks(module: nn.Module, group: Group) -> int:

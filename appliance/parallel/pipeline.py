@@ -149,9 +149,11 @@ class VocabParallelLoss:
     def __init__(self, tp_group: Group) -> None:
         self.tp_group = tp_group
         self.reduction = "mean"
+        self.inject_nan = False  # a recovery drill's non-finite loss (appliance/train/faults.py)
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, labels, self.tp_group, reduction=self.reduction)
+        loss = vocab_parallel_cross_entropy(logits, labels, self.tp_group, reduction=self.reduction)
+        return loss * float("nan") if self.inject_nan else loss
 
 
 def bloom_layer_specs(

@@ -4,13 +4,15 @@ A checkpoint holds the model either whole, ``model.safetensors`` (tp = pp = 1), 
 position, ``model-tp{t}-pp{p}.safetensors``, written by DP rank 0 of that position: Hugging Face names as keys,
 each tensor this rank's slice (``role_of_parameter`` says along which dimension), the tied word embedding in
 both the first and the last stage's files. ``gather_full_state_dict`` turns either form back into the whole
-model on CPU, without any process group, for export, evaluation samples, and loading at another layout.
+model on CPU, without any process group, for export and evaluation samples. ``ShardReader`` reads back any
+TP rank's slice of any saved tensor, for loading weights and optimizer state at any layout.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -19,7 +21,7 @@ from safetensors.torch import load_file
 
 from appliance.model.bloom import BloomBlock, BloomEmbedding, BloomFinal
 from appliance.model.config import BloomConfig
-from appliance.parallel.tensor_parallel import gather_to_full, role_of_parameter, shard_from_full
+from appliance.parallel.tensor_parallel import gather_to_full, role_of_parameter, shard_from_full, split_dim
 
 FULL_MODEL_FILE = "model.safetensors"
 _SHARD_FILE = re.compile(r"^model-tp(\d+)-pp(\d+)\.safetensors$")
@@ -125,6 +127,94 @@ def gather_full_state_dict(step_dir: Path) -> dict[str, torch.Tensor]:
         return assemble_full({position: load_file(str(path)) for position, path in files.items()})
     except (FileNotFoundError, ValueError) as e:
         raise type(e)(f"{step_dir}: {e}") from e
+
+
+def model_sources(step_dir: Path) -> list[tuple[int, int, Path]]:
+    """(tp_rank, pp_rank, file) of every model file of a checkpoint, in either form."""
+    step_dir = Path(step_dir)
+    if (step_dir / FULL_MODEL_FILE).is_file():
+        return [(0, 0, step_dir / FULL_MODEL_FILE)]
+    files = shard_files(step_dir)
+    if not files:
+        raise FileNotFoundError(f"{step_dir}: neither {FULL_MODEL_FILE} nor model-tp*-pp*.safetensors")
+    return [(t, p, path) for (t, p), path in sorted(files.items())]
+
+
+class ShardReader:
+    """Tensors saved as tensor-parallel pieces across files, read back as any TP rank's slice.
+
+    ``sources`` are (tp_rank, pp_rank, file); several files may share a position (each holding some of its
+    tensors). A key held by several pipeline stages (the tied word embedding) is read from the first stage that
+    holds it. Indexing reads only the files' headers, and ``read`` takes from each piece only the rows or columns
+    the asking rank keeps: loading at any layout costs the memory of the rank's own slice, never the whole tensor
+    (at BLOOM-176B the whole word embedding is 250,880 x 14,336 x 4 B = 14 GB; a tp=4 slice is 3.6 GB).
+    Keys are Hugging Face parameter names, optionally with a suffix (``<name>.exp_avg``); the parameter's name
+    says how it splits over TP (``role_of_parameter``), and 0-d tensors are never split.
+    """
+
+    def __init__(self, sources: Iterable[tuple[int, int, Path]], *, what: str) -> None:
+        self.what = what
+        by_stage: dict[int, dict[str, dict[int, Path]]] = {}
+        saved_tp: set[int] = set()
+        for t, p, path in sources:
+            with safe_open(str(path), framework="pt") as f:
+                saved_tp.add(int((f.metadata() or {}).get("tp", 0)))
+                for key in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                    by_stage.setdefault(p, {}).setdefault(key, {})[t] = path
+        if not by_stage:
+            raise FileNotFoundError(f"{what}: no tensors")
+        # The writers record their layout's tp; files written without it count their TP ranks.
+        counted = 1 + max(t for stage in by_stage.values() for pieces in stage.values() for t in pieces)
+        recorded = saved_tp - {0}
+        if len(recorded) > 1:
+            raise ValueError(f"{what}: files written at different tp sizes {sorted(recorded)}")
+        self.tp = recorded.pop() if recorded else counted
+        self._files: dict[str, list[Path]] = {}  # key -> its file on each TP rank, in TP order
+        for p in sorted(by_stage):
+            for key, pieces in by_stage[p].items():
+                if key in self._files:
+                    continue
+                missing = [t for t in range(self.tp) if t not in pieces]
+                if missing:
+                    raise FileNotFoundError(f"{what}: {key} of pipeline stage {p} lacks tp rank(s) {missing}")
+                self._files[key] = [pieces[t] for t in range(self.tp)]
+
+    def keys(self) -> list[str]:
+        return list(self._files)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._files
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def read(self, key: str, param_name: str, tp_rank: int, tp_size: int) -> torch.Tensor:
+        """Rank ``tp_rank`` of ``tp_size``'s slice of tensor ``key``, which belongs to parameter ``param_name``:
+        what ``shard_from_full`` would cut from the whole tensor, whatever tp the files were written at."""
+        if key not in self._files:
+            raise KeyError(f"{self.what}: no tensor {key}")
+        role, is_bias = role_of_parameter(param_name)
+        with ExitStack() as stack:
+            handles = [stack.enter_context(safe_open(str(path), framework="pt")) for path in self._files[key]]
+            pieces = [handle.get_slice(key) for handle in handles]
+            shape = pieces[0].get_shape()
+            dim = split_dim(role, is_bias=is_bias) if shape else None
+            if dim is None:  # replicated across TP ranks: every piece is the whole tensor
+                return handles[0].get_tensor(key)
+            sizes = [piece.get_shape()[dim] for piece in pieces]
+            total = sum(sizes)
+            if total % tp_size:
+                raise ValueError(f"{self.what}: {key}: {total} along dimension {dim} does not split over tp({tp_size})")
+            # This rank keeps [start, stop) of the whole dimension; piece i holds [offset_i, offset_i + size_i).
+            start, stop = tp_rank * total // tp_size, (tp_rank + 1) * total // tp_size
+            parts, offset = [], 0
+            for piece, size in zip(pieces, sizes, strict=True):
+                low, high = max(start, offset), min(stop, offset + size)
+                if low < high:
+                    index = (slice(None),) * dim + (slice(low - offset, high - offset),)
+                    parts.append(piece[index])
+                offset += size
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
 class LazyFullStateDict(Mapping[str, torch.Tensor]):

@@ -26,8 +26,11 @@ def fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Temporary file, fsync, rename over `path`, fsync the directory (so the rename itself is durable)."""
+def write_atomic(path: Path, data: bytes, *, sync: bool = True) -> None:
+    """Temporary file, fsync, rename over `path`, fsync the directory (so the rename itself is durable).
+
+    sync=False keeps the rename (readers never see a torn file) but skips both fsyncs: for files that only matter
+    while the machine is up, such as heartbeats, where a flush per beat would load a shared file system."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
@@ -35,11 +38,13 @@ def write_atomic(path: Path, data: bytes) -> None:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view) :]
-        os.fsync(fd)
+        if sync:
+            os.fsync(fd)
     finally:
         os.close(fd)
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+    if sync:
+        fsync_dir(path.parent)
 
 
 def make_dir(path: Path) -> None:

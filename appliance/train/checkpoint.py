@@ -2,8 +2,11 @@
 
 Layout of checkpoints/:
     step-00000120/            one directory per save
-        model-*.safetensors   model weights (safetensors: loading runs no code)
-        rank00000.pt ...      per-rank optimizer state and RNG states (loaded with weights_only=True)
+        model-*.safetensors   model weights, one file per (tp, pp) position (safetensors: loading runs no code)
+        optim-*.safetensors   Adam's state per parameter under Hugging Face names (moments, step, fp32 masters
+                              when the weights are not fp32), split among each position's DP ranks: like the
+                              weights, it loads at any layout
+        rank00000.pt ...      per-rank RNG states (loaded with weights_only=True)
         manifest.json         written LAST, by rank 0, after every rank reported its files: step, layout,
                               consumed samples, versions, and every file with its size and SHA-256
     latest                    the name of the newest committed step directory

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from appliance.monitor.events import EventWriter
 from appliance.rundir import RunDir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -51,8 +53,15 @@ def agent_command(
     return cmd
 
 
+# By default the agent lets its workers share its own rendezvous store, with no per-restart prefix: after a
+# restart, the new workers find the dead ones' addresses under the same keys and the process group fails to form
+# ("Gloo connectFullMesh failed ... Connection refused"). With this set, each restart's rank 0 hosts a fresh store.
+FRESH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
 def worker_env(base: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
+    env[FRESH_STORE_ENV] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     # One compute thread per rank on CPU: ranks x threads must not exceed the cores (the agent sets this to 1 too
     # when it starts more than one process per node, with a warning we make unnecessary).
@@ -73,19 +82,80 @@ def _request_stop_on_signals(run_dir: RunDir) -> dict[int, Any]:
     return {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGUSR1)}
 
 
+# The agent's own report of a dead worker (torch.distributed.elastic.multiprocessing.api, SubprocessContext._poll).
+WORKER_FAILED = re.compile(rb"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
+
+
+class AgentLogWatcher:
+    """Turns the agent's "failed (exitcode: -9) local_rank: 1 (pid: 4242)" lines into `failure` events.
+
+    A rank killed outright (SIGKILL, the OOM killer, a segfault) writes nothing itself; the agent sees its exit code
+    and restarts the group. This reads the agent's log as it grows, so the dashboard names the rank and the cause.
+    A worker the hang watchdog killed was already reported, with the better reason, and is not reported again.
+    """
+
+    def __init__(self, run_dir: RunDir, log: Path, events: EventWriter) -> None:
+        self.run_dir = run_dir
+        self.log = log
+        self.events = events
+        self.offset = log.stat().st_size if log.exists() else 0
+        self.partial = b""
+
+    def poll(self) -> int:
+        """Read what the agent wrote since the last call; returns how many failures it reported."""
+        from appliance.train.watchdog import was_killed_as_hung
+
+        try:
+            with open(self.log, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except OSError:
+            return 0
+        self.offset += len(chunk)
+        lines = (self.partial + chunk).split(b"\n")
+        self.partial = lines.pop()
+        reported = 0
+        for line in lines:
+            match = WORKER_FAILED.search(line)
+            if match is None:
+                continue
+            code, local_rank, pid = (int(g) for g in match.groups())
+            if was_killed_as_hung(self.run_dir.heartbeats, pid):
+                continue
+            cause = f"killed by {signal.Signals(-code).name}" if code < 0 and -code in _SIGNALS else f"exit code {code}"
+            self.events.emit(
+                "failure",
+                rank=local_rank,
+                reason=f"rank {local_rank} (pid {pid}) died: {cause}; the agent restarts the workers",
+                exit_code=code,
+            )
+            reported += 1
+        return reported
+
+
+_SIGNALS = {s.value for s in signal.Signals}
+
+
 def run_agent(run_dir: RunDir, *, nproc_per_node: int, max_restarts: int, worker_args: tuple[str, ...] = ()) -> int:
-    """Runs the agent to completion; returns its exit code. Its own chatter goes to logs/agent.log."""
+    """Runs the agent to completion; returns its exit code. Its own chatter goes to logs/agent.log, which is
+    watched for dead workers (each becomes a `failure` event)."""
     run_dir.logs.mkdir(parents=True, exist_ok=True)
     cmd = agent_command(run_dir.root, nproc_per_node=nproc_per_node, max_restarts=max_restarts, worker_args=worker_args)
     previous = _request_stop_on_signals(run_dir) if threading.current_thread() is threading.main_thread() else {}
+    agent_log = run_dir.logs / "agent.log"
     try:
-        with open(run_dir.logs / "agent.log", "ab") as log:
+        with open(agent_log, "ab") as log, EventWriter(run_dir.metrics) as events:
+            watcher = AgentLogWatcher(run_dir, agent_log, events)
             # A new session: a Ctrl-C in the terminal reaches the head process only, which turns it into a
             # save-and-exit request instead of killing ranks mid-step.
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=worker_env(), start_new_session=True)
             while True:
                 try:
-                    return proc.wait()
+                    code = proc.wait(timeout=1.0)
+                    watcher.poll()
+                    return code
+                except subprocess.TimeoutExpired:
+                    watcher.poll()
                 except KeyboardInterrupt:
                     run_dir.control.mkdir(parents=True, exist_ok=True)
                     run_dir.request_stop.touch()
@@ -97,11 +167,12 @@ def run_agent(run_dir: RunDir, *, nproc_per_node: int, max_restarts: int, worker
 def run_plan(run_dir: RunDir, *, worker_args: tuple[str, ...] = ()) -> int:
     """The ranks of the run directory's plan on this machine (tp x pp x dp processes, the plan's restart budget).
 
-    A preempted marker left by an earlier stop is cleared first, so it only ever describes this launch.
+    Preempted and failed markers left by an earlier launch are cleared first, so they only ever describe this one.
     """
     plan = json.loads(run_dir.plan.read_text())
     layout = plan["layout"]
     run_dir.preempted_marker.unlink(missing_ok=True)
+    run_dir.failed_marker.unlink(missing_ok=True)
     return run_agent(
         run_dir,
         nproc_per_node=layout["tp"] * layout["pp"] * layout["dp"],

@@ -32,6 +32,13 @@ class TrainSettings:
     keep_last: int = 3
     eval_task_limit: int | None = None  # documents per evaluation task (0: all; None: 32 on CPU, all on GPUs)
     rampup: dict[str, int] | None = None
+    # Recovery. A rank silent for hang_timeout_s is killed and the group restarts (appliance/train/watchdog.py); the
+    # same timeout bounds every collective. After nan_rollback_after skipped steps in a row the run goes back to
+    # its newest checkpoint and skips the data of those steps, at most max_rollbacks times.
+    hang_timeout_s: float = 300.0
+    heartbeat_interval_s: float = 5.0
+    nan_rollback_after: int = 3
+    max_rollbacks: int = 5
 
     @classmethod
     def from_plan(cls, plan: dict[str, Any]) -> TrainSettings:

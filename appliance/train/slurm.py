@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from appliance.errors import BadInput
-from appliance.train.launch import REPO_ROOT, agent_command
+from appliance.train.launch import FRESH_STORE_ENV, REPO_ROOT, agent_command
 
 RDZV_PORT = 29500
 
@@ -78,7 +78,9 @@ def sbatch_script(job: SlurmJob, *, corpus: list[Path], python: str = ".venv/bin
         f"cd {shlex.quote(str(REPO_ROOT))}",
         f"RUN_DIR={shlex.quote(str(run_dir))}",
         'mkdir -p "$RUN_DIR/control" "$RUN_DIR/logs"',
-        'rm -f "$RUN_DIR/control/preempted"',
+        'rm -f "$RUN_DIR/control/preempted" "$RUN_DIR/control/failed"',
+        "# Workers of each restart get a fresh store (see appliance/train/launch.py, worker_env).",
+        f"export {FRESH_STORE_ENV}=1",
         "",
         "# Plan, corpus, tokenizer and indexed data, once, on this node (complete stages are skipped on requeue).",
         f'{python} bloom_appliance.py run --headless --prepare-only --run-dir "$RUN_DIR" '

@@ -27,12 +27,18 @@ from appliance.parallel.engine import ParallelEngine
 from appliance.rundir import RunDir
 from appliance.train import checkpoint as ckpt
 from appliance.train.control import ControlChannel
+from appliance.train.faults import FaultInjector
 from appliance.train.metrics import StepFlops
 from appliance.train.schedule import global_batch_at
 from appliance.train.settings import TrainSettings
-from appliance.train.state import rng_state, set_rng_state
+from appliance.train.state import rng_state, seed_everything, set_rng_state
 
 DRIFT_CHECK_INTERVAL = 50  # steps; plan train "drift_check_interval" overrides it
+
+
+class UnrecoverableError(RuntimeError):
+    """A failure that a restart would only repeat (diverging loss, a full disk, replicas that disagree): the run
+    stops with its newest checkpoint intact instead of letting the elastic agent retry."""
 
 
 @dataclass
@@ -41,8 +47,17 @@ class Position:
     consumed_samples: int = 0
 
 
+def in_windows(step: int, windows: Sequence[Sequence[int]]) -> bool:
+    return any(first <= step <= last for first, last in windows)
+
+
 def rank_file(rank: int) -> str:
     return f"rank{rank:05d}.pt"
+
+
+def layout_name(layout: Mapping[str, Any]) -> str:
+    """The parallel degrees of a layout, e.g. "tp=2,pp=2,dp=2": equal names mean the same ranks."""
+    return ",".join(f"{k}={layout.get(k)}" for k in ("tp", "pp", "dp"))
 
 
 def to_batch(source: SampleSource, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,6 +87,9 @@ class Trainer:
         versions: dict[str, str],
         device: torch.device,
         drift_check_interval: int = DRIFT_CHECK_INTERVAL,
+        faults: FaultInjector | None = None,
+        stop_at_step: int | None = None,
+        on_step: Callable[[int], None] | None = None,
     ) -> None:
         self.engine = engine
         self.s = settings
@@ -93,6 +111,14 @@ class Trainer:
         self.dp_group = engine.topology.dp_group
         self.first_valid_loss: float | None = None
         self.last_eval: tuple[int, dict[str, float]] | None = None  # (step, losses) of the newest evaluation
+        self.faults = faults or FaultInjector(rank, faults=[])
+        self.stop_at_step = stop_at_step  # train up to this step, save, and stop as if preempted
+        self.on_step = on_step  # told each step number as it starts (the watchdog's heartbeat shows it)
+        # Steps whose data is consumed but not trained on: windows that produced non-finite losses, skipped after a
+        # rollback (inclusive step ranges, saved in every checkpoint's manifest).
+        self.skip_windows: list[tuple[int, int]] = []
+        self.nonfinite_streak = 0
+        self.rollbacks = 0
 
     # ---- collectives -------------------------------------------------------------------------------------
     def _all_reduce(self, values: list[float], op: Any = None) -> list[float]:
@@ -122,17 +148,79 @@ class Trainer:
             steps += 1
         return steps
 
-    def train_step(self, batches: Iterator[list[int]]) -> dict[str, float]:
+    def train_step(self, batches: Iterator[list[int]]) -> dict[str, float] | None:
+        """One step; None when the step's data lies in a skip window (consumed, not trained on)."""
+        step = self.pos.step + 1
+        if self.on_step is not None:
+            self.on_step(step)
+        self.faults.at_step_start(step)
         batch = self.batch_size_at(self.pos.consumed_samples)
         # The lr for the samples this step consumes: at the end of them, so the first warmup step is not lr = 0.
         lr = self.s.lr_schedule.at(self.pos.consumed_samples + batch)
         self.engine.set_lr(lr)
         # During a ramp-up the step has fewer micro-batches; micro-batch size and DP size never change.
         count = batch // (self.s.micro_batch_size * self.dp_size)
-        result = self.engine.train_batch([to_batch(self.train_data, next(batches)) for _ in range(count)])
+        micro_batches = [to_batch(self.train_data, next(batches)) for _ in range(count)]
         self.pos.step += 1
         self.pos.consumed_samples += batch
+        if in_windows(step, self.skip_windows):
+            return None
+        self.engine.loss_fn.inject_nan = self.faults.due("nan", step)
+        try:
+            result = self.engine.train_batch(micro_batches)
+        finally:
+            self.engine.loss_fn.inject_nan = False
         return {"loss": result.loss, "lr": lr, "grad_norm": result.grad_norm, "batch": float(batch)}
+
+    def step_was_skipped(self, out: dict[str, float]) -> bool:
+        """Whether the optimizer skipped this step: a NaN or Inf loss or gradient norm on any rank. The engines
+        skip the update themselves (their global norm is the same on every rank); the MAX makes the trainer's
+        decision identical everywhere too, whatever each rank saw of the loss."""
+        local = not (math.isfinite(out["loss"]) and math.isfinite(out["grad_norm"]))
+        (bad,) = self._all_reduce([float(local)], dist.ReduceOp.MAX)
+        return bad > 0
+
+    def roll_back(self) -> None:
+        """After nan_rollback_after skipped steps in a row: back to the newest checkpoint, and skip the data of
+        those steps when training reaches them again (BLOOM-176B's remedy for its loss spikes, done by hand then)."""
+        started = time.time()
+        window = (self.pos.step - self.nonfinite_streak + 1, self.pos.step)
+        self.rollbacks += 1
+        if self.rollbacks > self.s.max_rollbacks:
+            raise UnrecoverableError(
+                f"the loss stayed non-finite after {self.s.max_rollbacks} rollbacks (last at steps "
+                f"{window[0]}-{window[1]}): lower the learning rate or inspect the data"
+            )
+        # One rank chooses (the search verifies hashes), so every rank loads the same directory.
+        choice: list[Path | None] = [ckpt.find_latest(self.run_dir.checkpoints) if self.rank == 0 else None]
+        if dist.is_initialized():
+            dist.broadcast_object_list(choice, src=0)
+        if choice[0] is None:
+            raise UnrecoverableError(
+                f"steps {window[0]}-{window[1]} had non-finite losses and {self.run_dir.checkpoints} holds no "
+                "complete checkpoint to roll back to"
+            )
+        windows = [*self.skip_windows, window]
+        self.load(choice[0])
+        self.skip_windows = sorted(set(windows) | set(self.skip_windows))
+        self.nonfinite_streak = 0
+        self._emit(
+            "recovery",
+            restart=self.faults.attempt,
+            resumed_step=self.pos.step,
+            lost_seconds=time.time() - started + self._seconds_since_save(choice[0]),
+            checkpoint=str(choice[0]),
+            reason=f"rolled back after {window[1] - window[0] + 1} non-finite steps; skipping steps "
+            f"{window[0]}-{window[1]}",
+        )
+
+    @staticmethod
+    def _seconds_since_save(step_dir: Path) -> float:
+        """Training wall time thrown away by going back to step_dir (its commit time is in the manifest)."""
+        try:
+            return max(0.0, time.time() - float(json.loads((step_dir / ckpt.MANIFEST).read_text())["time"]))
+        except (OSError, ValueError, KeyError):
+            return 0.0
 
     def check_drift(self) -> None:
         """Stop the run, loudly, when TP-replicated parameters no longer agree (collective)."""
@@ -190,19 +278,32 @@ class Trainer:
         step_dir = root / ckpt.step_dir_name(self.pos.step)
         records: list[ckpt.FileRecord] = []
         if ok:
+            # Collective (ZeRO and bf16 state is gathered over DP): before anything that may fail on one rank only.
+            optimizer_shard = self.engine.optimizer_shard()
             try:
-                # DP rank 0 of each (tp, pp) position writes its model shard (tp = pp = 1: the whole model).
+                # DP rank 0 of each (tp, pp) position writes its model shard (tp = pp = 1: the whole model); the
+                # position's DP ranks share the writing of its optimizer state; every rank writes its RNG states.
+                self.faults.before_write(self.pos.step)
                 model_file = self.engine.save_model(step_dir, {"step": str(self.pos.step)})
                 if model_file is not None:
                     records.append(ckpt.FileRecord.of(model_file))
-                payload = {"optimizer": self.engine.optimizer_state(), "rng": rng_state()}
-                torch.save(payload, step_dir / rank_file(self.rank))
+                optimizer_file = self.engine.save_optimizer(step_dir, optimizer_shard, {"step": str(self.pos.step)})
+                if optimizer_file is not None:
+                    records.append(ckpt.FileRecord.of(optimizer_file))
+                torch.save({"rng": rng_state()}, step_dir / rank_file(self.rank))
                 records.append(ckpt.FileRecord.of(step_dir / rank_file(self.rank)))
             except OSError as e:  # ENOSPC, EIO...: every rank learns it below and nobody commits
                 ok, error = 0.0, f"rank {self.rank}: {e}"
             (ok,) = self._all_reduce([ok], dist.ReduceOp.MIN)
         if not ok:
-            raise ckpt.CheckpointError(f"checkpoint at step {self.pos.step} failed, previous one kept: {error}")
+            # Every rank raises the same message, naming each rank's own cause (a full disk is seen by the writer).
+            causes: list[str] = [error]
+            if dist.is_initialized():
+                causes = [""] * self.world_size
+                dist.all_gather_object(causes, error)
+            reason = "; ".join(c for c in causes if c)
+            raise ckpt.CheckpointError(f"checkpoint at step {self.pos.step} failed, previous one kept: {reason}")
+        self.faults.in_save(self.pos.step)
         gathered: list[list[ckpt.FileRecord]] = [[] for _ in range(self.world_size)]
         if dist.is_initialized():
             dist.all_gather_object(gathered, records)
@@ -214,6 +315,7 @@ class Trainer:
                 "layout": self.layout,
                 "world_size": self.world_size,
                 "versions": self.versions,
+                "skip_windows": [list(w) for w in self.skip_windows],
             }
             ckpt.commit(root, self.pos.step, [r for recs in gathered for r in recs], meta)
             ckpt.prune(root, self.s.keep_last)
@@ -223,17 +325,28 @@ class Trainer:
         return step_dir
 
     def load(self, step_dir: Path) -> None:
-        """Weights from a checkpoint of any layout; optimizer and RNG states too when the layout is the same."""
+        """Weights, optimizer state and data position from a checkpoint of any layout; the RNG states too when the
+        (tp, pp, dp) layout is the same, since they belong to ranks."""
         manifest = json.loads((step_dir / ckpt.MANIFEST).read_text())
         self.engine.load_model(step_dir)
-        same_layout = manifest.get("world_size") == self.world_size and manifest.get("layout") == self.layout
-        if same_layout:
+        has_optimizer = self.engine.load_optimizer(step_dir)
+        saved, now = layout_name(manifest.get("layout") or {}), layout_name(self.layout)
+        if manifest.get("world_size") == self.world_size and saved == now:
             payload = torch.load(step_dir / rank_file(self.rank), map_location="cpu", weights_only=True)
-            self.engine.load_optimizer_state(payload["optimizer"])
             set_rng_state(payload["rng"])
         else:
-            self._emit("warning", message=f"layout changed since {step_dir.name}: weights loaded, optimizer reset")
+            # The saved RNG states belong to another layout's ranks. Every rank re-seeds as a run starts (one seed
+            # on all ranks), offset by the step so that the draws of the start are not repeated.
+            seed_everything(self.s.seed + manifest["step"])
+            self._emit(
+                "warning",
+                message=f"layout changed since {step_dir.name}: {saved} -> {now}; weights, optimizer state and "
+                f"data position loaded, RNG re-seeded (seed {self.s.seed} + step {manifest['step']})",
+            )
+        if not has_optimizer and manifest["step"] > 0:
+            self._emit("warning", message=f"{step_dir.name} holds no optimizer state: the optimizer starts fresh")
         self.pos = Position(step=manifest["step"], consumed_samples=manifest["consumed_samples"])
+        self.skip_windows = [(int(a), int(b)) for a, b in manifest.get("skip_windows", [])]
 
     def _model_bytes(self) -> float:
         """fp32 bytes of the whole model (each rank's share summed over one replica)."""
@@ -252,28 +365,25 @@ class Trainer:
         while self.pos.step < total_steps:
             started = time.time()
             out = self.train_step(batches)
-            seconds = time.time() - started
-            per_device = seconds * self.world_size
-            # FLOPs scale with the step's batch, which is smaller during a ramp-up.
-            share = out["batch"] / self.s.global_batch_size
-            self._emit(
-                "step",
-                step=self.pos.step,
-                loss=out["loss"],
-                lr=out["lr"],
-                grad_norm=out["grad_norm"],
-                tokens_per_s=out["batch"] * self.s.seq_len / seconds,
-                samples_per_s=out["batch"] / seconds,
-                step_time_s=seconds,
-                tflops_per_gpu=share * self.flops.hardware / per_device / 1e12,
-                model_tflops_per_gpu=share * self.flops.model / per_device / 1e12,
-                mfu=share * self.flops.model / per_device / self.peak if self.peak else None,
-                consumed_samples=self.pos.consumed_samples,
-                total_steps=total_steps,
-                global_batch_size=int(out["batch"]),
-            )
-            if not math.isfinite(out["loss"]):
-                raise FloatingPointError(f"loss is {out['loss']} at step {self.pos.step}")
+            if out is None:
+                self._emit("warning", message=f"step {self.pos.step}: data skipped (it gave non-finite losses)")
+            else:
+                skipped = self.step_was_skipped(out)
+                self._emit_step(out, time.time() - started, total_steps, skipped=skipped)
+                if skipped:
+                    self.nonfinite_streak += 1
+                    self._emit(
+                        "warning",
+                        message=f"step {self.pos.step} skipped: loss {out['loss']}, grad norm {out['grad_norm']}; "
+                        f"parameters unchanged ({self.nonfinite_streak} of {self.s.nan_rollback_after} in a row)",
+                    )
+                    if self.nonfinite_streak >= self.s.nan_rollback_after:
+                        self.roll_back()
+                        batches = self.micro_batches(self.pos.consumed_samples)
+                        last_save_time = time.time()
+                        continue
+                else:
+                    self.nonfinite_streak = 0
             if self.drift_check_interval > 0 and self.pos.step % self.drift_check_interval == 0:
                 self.check_drift()
             if self.pos.step % self.s.eval_interval == 0 or self.pos.step == total_steps:
@@ -282,16 +392,41 @@ class Trainer:
             # Every rank computes the same decision from the all-reduced inputs: wall time is agreed on too.
             (elapsed,) = self._all_reduce([time.time() - last_save_time], dist.ReduceOp.MAX)
             due = self.pos.step % self.s.save_interval == 0 or elapsed >= self.s.save_interval_minutes * 60
-            if requests.save or requests.stop or due or self.pos.step == total_steps:
+            stop = requests.stop or self.pos.step == self.stop_at_step
+            if requests.save or stop or due or self.pos.step == total_steps:
                 self.save()
                 last_save_time = time.time()
-            if requests.stop and self.pos.step < total_steps:
-                reason = self.control.signal_name or "save-and-exit requested"
+            if stop and self.pos.step < total_steps:
+                reason = self.control.signal_name or (
+                    "save-and-exit requested" if requests.stop else f"--stop-at-step {self.stop_at_step}"
+                )
                 self._emit("run", state="preempted", step=self.pos.step, reason=reason)
                 if self.rank == 0:
                     self.run_dir.preempted_marker.write_text(f"{self.pos.step}\n")
                 return "preempted"
         return "done"
+
+    def _emit_step(self, out: dict[str, float], seconds: float, total_steps: int, *, skipped: bool) -> None:
+        per_device = seconds * self.world_size
+        # FLOPs scale with the step's batch, which is smaller during a ramp-up.
+        share = out["batch"] / self.s.global_batch_size
+        self._emit(
+            "step",
+            step=self.pos.step,
+            loss=out["loss"],
+            lr=out["lr"],
+            grad_norm=out["grad_norm"],
+            tokens_per_s=out["batch"] * self.s.seq_len / seconds,
+            samples_per_s=out["batch"] / seconds,
+            step_time_s=seconds,
+            tflops_per_gpu=share * self.flops.hardware / per_device / 1e12,
+            model_tflops_per_gpu=share * self.flops.model / per_device / 1e12,
+            mfu=share * self.flops.model / per_device / self.peak if self.peak else None,
+            consumed_samples=self.pos.consumed_samples,
+            total_steps=total_steps,
+            global_batch_size=int(out["batch"]),
+            skipped=skipped,
+        )
 
     def evaluation_at_current_step(self) -> dict[str, float]:
         """The newest evaluation if it was taken at this step (the last training step evaluates), else a new one."""

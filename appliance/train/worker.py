@@ -22,10 +22,15 @@ import torch.distributed as dist
 
 from appliance.model.config import BloomConfig
 from appliance.monitor.events import EventWriter
+from appliance.parallel.drift import ReplicaDriftError
 from appliance.rundir import RunDir
 from appliance.train import checkpoint as ckpt
 from appliance.train.settings import TrainSettings
 from appliance.train.state import seed_everything
+from appliance.train.trainer import UnrecoverableError
+
+# Failures a restart would repeat: the run stops instead (see RunDir.failed_marker).
+UNRECOVERABLE = (UnrecoverableError, ckpt.CheckpointError, ReplicaDriftError)
 
 
 def _versions() -> dict[str, str]:
@@ -85,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="appliance.train.worker")
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--eval-only", action="store_true", help="evaluate the newest checkpoint, do not train")
+    parser.add_argument("--stop-at-step", type=int, default=None, help="save at this step and stop as if preempted")
     args = parser.parse_args(argv)
     run_dir = RunDir(args.run_dir)
     plan = json.loads(run_dir.plan.read_text())
@@ -98,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     from appliance.parallel.engine import build_engine
     from appliance.parallel.topology import ParallelTopology
     from appliance.planner.layout import Layout
+    from appliance.train.faults import FaultInjector
     from appliance.train.metrics import peak_flops_per_device, step_flops
     from appliance.train.trainer import DRIFT_CHECK_INTERVAL, Trainer
 
@@ -121,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{run_dir.plan}: {e}") from None
     topology.init_process_groups()
     dp_rank, dp_size = topology.dp_rank(rank), topology.dp
+    watchdog = _start_watchdog(run_dir, rank, settings)
 
     sampler = _start_sampler(run_dir, events, plan)
     seed_everything(settings.seed)
@@ -179,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         versions=_versions(),
         device=device,
         drift_check_interval=int(plan["train"].get("drift_check_interval", DRIFT_CHECK_INTERVAL)),
+        faults=FaultInjector(rank),
+        stop_at_step=args.stop_at_step,
+        on_step=watchdog.set_step,
     )
 
     def warn(message: str) -> None:
@@ -189,26 +200,64 @@ def main(argv: list[str] | None = None) -> int:
     if resume_from is not None:
         trainer.load(resume_from)
         if events is not None:
-            restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-            events.emit(
-                "recovery",
-                restart=restart,
-                resumed_step=trainer.pos.step,
-                lost_seconds=0.0,
-                checkpoint=str(resume_from),
-            )
+            _emit_recovery(events, run_dir, resume_from, trainer.pos.step)
     if args.eval_only and resume_from is None:
         raise SystemExit(f"{run_dir.checkpoints}: no complete checkpoint to evaluate")
-    outcome = "done" if args.eval_only else trainer.fit()
+    try:
+        outcome = "done" if args.eval_only else trainer.fit()
+    except UNRECOVERABLE as e:
+        # Every rank raises the same error at the same step (each comes from an agreed, collective decision), and
+        # every rank exits 0 below: the agent must not restart into the same failure. The head reads the marker.
+        outcome = "failed"
+        if rank == 0:
+            assert events is not None
+            if not isinstance(e, ReplicaDriftError):  # the drift check has named the parameter in its own event
+                events.emit("failure", rank=rank, reason=f"step {trainer.pos.step}: {e}", fatal=True)
+            run_dir.failed_marker.write_text(f"step {trainer.pos.step}: {e}\n")
     if outcome == "done":
         from appliance.eval.final import write_final_eval
 
         write_final_eval(trainer, run_dir, vocab_size=vocab_size, is_writer=rank == 0)
     dist.barrier()
+    watchdog.stop()
     if sampler is not None:
         sampler.stop()  # takes a last sample, so the energy total covers the whole run
     dist.destroy_process_group()
     return 0
+
+
+def _start_watchdog(run_dir: RunDir, rank: int, settings: TrainSettings) -> Any:
+    from appliance.train.watchdog import Watchdog, prune_attempts
+
+    def on_hung(hung_rank: int, reason: str) -> None:
+        # Any rank may be the one that notices; each event is one O_APPEND write, so writers never interleave.
+        with EventWriter(run_dir.metrics) as writer:
+            writer.emit("failure", rank=hung_rank, reason=reason, detected_by=rank)
+
+    if rank == 0:
+        prune_attempts(run_dir.heartbeats)
+    return Watchdog(
+        run_dir.heartbeats,
+        rank,
+        interval_s=settings.heartbeat_interval_s,
+        timeout_s=settings.hang_timeout_s,
+        on_hung=on_hung,
+    ).start()
+
+
+def _emit_recovery(events: EventWriter, run_dir: RunDir, resumed_from: Path, step: int) -> None:
+    import time
+
+    from appliance.train.watchdog import attempt_id, lost_seconds
+
+    manifest = json.loads((resumed_from / ckpt.MANIFEST).read_text())
+    events.emit(
+        "recovery",
+        restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        resumed_step=step,
+        lost_seconds=lost_seconds(run_dir.heartbeats, attempt_id(), float(manifest["time"]), step, time.time()),
+        checkpoint=str(resumed_from),
+    )
 
 
 if __name__ == "__main__":

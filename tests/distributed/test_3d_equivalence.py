@@ -162,6 +162,42 @@ def _inject_drift(engine: Any) -> str | None:
     return None
 
 
+def _optimizer_tensors(engine: Any) -> list[torch.Tensor]:
+    """Copies of what the optimizer updates: the master parameters it steps (fp32 partitions under bf16 or ZeRO,
+    the model's own parameters otherwise) and Adam's state for each."""
+    base = engine.engine.optimizer
+    base = getattr(base, "optimizer", base)  # DeepSpeed's bf16 and ZeRO optimizers wrap a torch AdamW
+    out = []
+    for group in base.param_groups:
+        for param in group["params"]:
+            out.append(param.detach().clone())
+            out += [v.detach().clone() for v in base.state.get(param, {}).values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def _non_finite_step(engine: Any, topology: ParallelTopology) -> dict[str, Any]:
+    """One step whose loss is NaN on every rank that computes one: the engine must skip the update everywhere."""
+    weights = [p.detach().clone() for _, p in engine.named_parameters()]
+    optimizer = _optimizer_tensors(engine)
+    tokens = token_stream()
+    micro = [_batch(tokens, [2 * i, 2 * i + 1]) for i in range(RAMPUP.final // (MBS * topology.dp))]
+    engine.loss_fn.inject_nan = True
+    try:
+        result = engine.train_batch(micro)
+    finally:
+        engine.loss_fn.inject_nan = False
+    after = [p.detach() for _, p in engine.named_parameters()]
+    return {
+        "loss": result.loss,
+        "grad_norm": result.grad_norm,
+        "weights_unchanged": all(torch.equal(a, b) for a, b in zip(weights, after, strict=True)),
+        "optimizer_unchanged": all(
+            torch.equal(a, b) for a, b in zip(optimizer, _optimizer_tensors(engine), strict=True)
+        ),
+        "next_step_loss": engine.train_batch(micro).loss,  # a clean step afterwards trains normally
+    }
+
+
 def _probe_batches() -> dict[str, torch.Tensor]:
     """Inputs for the evaluation paths: an odd length (sequence parallelism pads it) and left-padded prompts."""
     tokens = token_stream()
@@ -204,9 +240,12 @@ def layout_run(topology: ParallelTopology, options: dict[str, Any], root: Path) 
     engine.load_optimizer_state(torch.load(root / "step5" / f"rank{dist.get_rank()}.pt", weights_only=True))
     out["resumed"] = _train(engine, topology, RESUME_AT, None, root)
     out["eval"] = _evaluate(engine)
+    out["non_finite"] = {"fp32": _non_finite_step(engine, topology)}
     out["drift"] = _inject_drift(engine) if topology.tp > 1 else None
     if options["bf16"]:
-        out["bf16"] = _train(_engine(topology, options, "bf16"), topology, 0, None, root)
+        bf16 = _engine(topology, options, "bf16")
+        out["bf16"] = _train(bf16, topology, 0, None, root)
+        out["non_finite"]["bf16"] = _non_finite_step(bf16, topology)
     return out
 
 
@@ -296,3 +335,16 @@ def test_bf16_losses_track_fp32(launch: dict[str, Any], reference: dict[str, Any
     for result in launch["ranks"]:
         for step, (got, want) in enumerate(zip(result["bf16"]["losses"], reference["losses"], strict=True)):
             assert _relative(got, want) < BF16_TOL, (step, got, want)
+
+
+def test_a_non_finite_loss_skips_the_step_on_every_rank_and_changes_nothing(launch: dict[str, Any]) -> None:
+    """Pass: with the loss NaN, every rank reports a non-finite loss or norm, the weights, master weights and Adam
+    state are bit-identical afterwards (fp32 and, where run, bf16 optimizers), and the next clean step trains."""
+    import math
+
+    for rank, result in enumerate(launch["ranks"]):
+        for dtype, step in result["non_finite"].items():
+            assert not (math.isfinite(step["loss"]) and math.isfinite(step["grad_norm"])), (rank, dtype)
+            assert not math.isfinite(step["grad_norm"]), (rank, dtype)  # the norm is global: all ranks see it
+            assert step["weights_unchanged"] and step["optimizer_unchanged"], (rank, dtype)
+            assert math.isfinite(step["next_step_loss"]), (rank, dtype)

@@ -35,6 +35,7 @@ def test_jean_zay_script_has_the_directives_and_one_agent_per_node(tmp_path):
 FAKE_SRUN = """#!/bin/bash
 # Stands in for the ranks: waits for a stop request, then saves and reports "preempted", as the trainer does.
 RUN_DIR="$FAKE_RUN_DIR"
+touch "$RUN_DIR/srun.started"
 while [ ! -e "$RUN_DIR/control/save-and-exit" ]; do sleep 0.1; done
 rm "$RUN_DIR/control/save-and-exit"
 echo 7 > "$RUN_DIR/control/preempted"
@@ -66,10 +67,10 @@ def test_usr1_before_time_limit_saves_stops_and_requeues(tmp_path):
     }
     batch = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, text=True)
     deadline = time.time() + 30
-    while not (run_dir / "python.calls").exists():  # the data stages ran; the agents are up
+    # srun starts after the script's trap is set: from then on USR1 is the scheduler's warning, not a kill.
+    while not (run_dir / "srun.started").exists():
         assert time.time() < deadline and batch.poll() is None
         time.sleep(0.1)
-    time.sleep(0.5)
     batch.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@300 sends
     out, _ = batch.communicate(timeout=30)
     assert batch.returncode == 3, out
