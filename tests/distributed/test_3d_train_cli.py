@@ -111,7 +111,11 @@ def test_checkpoints_hold_one_shard_per_model_parallel_position(run: dict[str, A
     manifest = json.loads((step_dir / "manifest.json").read_text())
     names = sorted(f["name"] for f in manifest["files"])
     shards = [f"model-tp{t:02d}-pp{p:02d}.safetensors" for t in range(2) for p in range(2)]
-    assert names == sorted(shards + [f"rank{r:05d}.pt" for r in range(8)])
+    # Adam's state per parameter, each position's share written by its two DP ranks.
+    optimizer = [
+        f"optim-tp{t:02d}-pp{p:02d}-dp{d:02d}.safetensors" for t in range(2) for p in range(2) for d in range(2)
+    ]
+    assert names == sorted(shards + optimizer + [f"rank{r:05d}.pt" for r in range(8)])
 
 
 def test_export_reassembles_the_whole_model(run: dict[str, Any], tmp_path: Path) -> None:
