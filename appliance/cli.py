@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from appliance.rundir import RunDir
 
 if TYPE_CHECKING:
-    from appliance.pipeline import RunRequest
+    from appliance.head_run import RunRequest
 
 from appliance.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_PREEMPTED, BadInput
 
@@ -139,8 +139,8 @@ def _need_run_dir(path: Path) -> Path:
 # ---- commands ------------------------------------------------------------------------------------------------
 def cmd_run(args: argparse.Namespace) -> int:
     from appliance.data.sample_corpus import SAMPLE_CORPUS_DIR
+    from appliance.head_run import RunRequest, default_run_dir, make_run_plan, run
     from appliance.overrides import parse_overrides
-    from appliance.pipeline import RunRequest, default_run_dir, make_run_plan, run
 
     req = RunRequest(
         corpus=args.corpus or [SAMPLE_CORPUS_DIR],
@@ -155,7 +155,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not headless:
         # Validate in the foreground (exit 2 here on bad input), then run headless in the background and attach
         # the dashboard: quitting the dashboard leaves the run going, as on a head node.
-        from appliance.pipeline import check_inputs
+        from appliance.head_run import check_inputs
 
         check_inputs(req.corpus)
         plan = make_run_plan(req)
@@ -247,7 +247,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_prep(args: argparse.Namespace) -> int:
     from appliance.data.prep import prepare_corpus, run_step
     from appliance.data.prep_work import parse_slice
-    from appliance.pipeline import check_inputs
+    from appliance.head_run import check_inputs
 
     check_inputs(args.input)
     if args.sbatch:
@@ -362,7 +362,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 def cmd_sbatch(args: argparse.Namespace) -> int:
     from appliance.data.sample_corpus import SAMPLE_CORPUS_DIR
-    from appliance.pipeline import RunRequest, check_inputs, make_run_plan
+    from appliance.head_run import RunRequest, check_inputs, make_run_plan
     from appliance.train.atomic import write_atomic
     from appliance.train.slurm import SlurmJob, sbatch_script
 
