@@ -21,12 +21,19 @@ RUNTIME=(
   "psutil==7.2.2"                  # CPU cores, RAM, process memory
   "nvidia-ml-py==13.615.71"        # NVML (imported as pynvml): GPUs, power, energy counter
   "safetensors==0.8.0"             # checkpoints and the Hugging Face export
-  "numpy<3"                        # indexed datasets
+  "numpy==2.4.6"                   # indexed datasets
   "ftfy==6.3.1"                    # Unicode repair (mojibake) in corpus preparation
   "lingua-language-detector==2.1.1"  # offline language identification; its models ship inside the wheel
   "datasketch==2.0.0"              # MinHash LSH for near-duplicate removal
   "zstandard==0.25.0"              # reading .jsonl.zst corpora
+  "pyarrow==26.0.1"                # reading .parquet corpora
+  "regex==2026.11.15"              # Unicode properties (\p{Han}, \p{Extended_Pictographic}) that re lacks: filters, PII
+  "PyYAML==6.0.3"                  # lm-evaluation-harness task files (imported as yaml)
+  "Jinja2==3.1.6"                  # the prompt templates of those task files
+  "rich==15.0.0"                   # styled text in the dashboard's widgets (Textual renders with it)
 )
+# Build tools for DeepSpeed's --no-build-isolation install and for installing this project (editable).
+BUILD=("setuptools==84.2.1" "wheel==0.48.0")
 # triton ships with CUDA builds of torch; on CPU we install it for the kernel interpreter (TRITON_INTERPRET=1).
 TRITON="triton==3.7.1"
 # Test and lint tools. transformers is the reference implementation our model and export are checked against.
@@ -39,7 +46,7 @@ DEV=(
   "mypy==2.4.1"
 )
 
-stamp_of() { { cat "$0"; "$PYTHON" --version 2>&1; } | sha256sum | cut -d' ' -f1; }
+stamp_of() { { cat "$0" pyproject.toml; "$PYTHON" --version 2>&1; } | sha256sum | cut -d' ' -f1; }
 STAMP="$VENV/.install-stamp"
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$(stamp_of)" ]] \
@@ -56,11 +63,15 @@ echo "install.sh: torch"
 echo "install.sh: triton"
 if ! "$VENV/bin/python" -c "import triton" 2>/dev/null; then "${PIP[@]}" "$TRITON"; fi
 echo "install.sh: runtime dependencies"
-"${PIP[@]}" "${RUNTIME[@]}" setuptools wheel
+"${PIP[@]}" "${RUNTIME[@]}" "${BUILD[@]}"
 echo "install.sh: deepspeed (no build isolation, ops built just in time)"
 DS_BUILD_OPS=0 "${PIP[@]}" --no-build-isolation "$DEEPSPEED"
 echo "install.sh: test tools"
 "${PIP[@]}" "${DEV[@]}"
+# The project itself, editable (the appliance runs from this checkout: presets/, .venv, SLURM scripts that cd here),
+# so that .venv/bin/bloom-appliance exists; its dependencies are the pins above, already in place.
+echo "install.sh: bloom-appliance (editable)"
+"${PIP[@]}" --no-deps --no-build-isolation --editable .
 
 "$VENV/bin/python" -c "import torch, deepspeed, tokenizers, textual, psutil, pynvml, safetensors, transformers; \
 print('install.sh: torch', torch.__version__, '| deepspeed', deepspeed.__version__, '| cuda', torch.cuda.is_available())"

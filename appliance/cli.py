@@ -1,25 +1,66 @@
-"""Command line: parses, validates, dispatches. No logic of its own (design.md, "Commands")."""
+"""Command line: parses, validates, dispatches. No logic of its own (docs/ARCHITECTURE.md, "Commands")."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import platform
 import subprocess
 import sys
 import threading
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from appliance import __version__
 from appliance.rundir import RunDir
 
 if TYPE_CHECKING:
-    from appliance.pipeline import RunRequest
+    from appliance.head_run import RunRequest
 
 from appliance.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_PREEMPTED, BadInput
 
 DEFAULT_LOG_FORMAT = "text"
+DEBUG_HELP = "on an error, print the full traceback before the one-line message (exit codes stay the same)"
+# Flags of the program itself, accepted before the command (`--debug run ...`) and, for --debug, after it too.
+GLOBAL_FLAGS = ("--debug",)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" where there is a default to show and the help does not already say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        default = action.default
+        if default is None or default is False or default == [] or default == argparse.SUPPRESS:
+            return action.help
+        if action.help and "default" in action.help:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _VersionAction(argparse.Action):
+    """--version: the project's version and the versions a bug report needs, read from package metadata (no import
+    of torch or DeepSpeed, so it answers at once)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, help: str | None = None) -> None:
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        def installed(dist: str) -> str:
+            try:
+                return version(dist)
+            except PackageNotFoundError:
+                return "not installed"
+
+        print(
+            f"bloom-appliance {__version__} (torch {installed('torch')}, deepspeed {installed('deepspeed')},"
+            f" python {platform.python_version()})"
+        )
+        parser.exit()
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
@@ -29,7 +70,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="model preset name or TOML file (default: the largest that fits the budget)")
     p.add_argument("--hardware", help="plan for a hardware profile instead of the detected machine")
     p.add_argument("--headless", action="store_true", help="no dashboard: progress lines and events on stdout")
-    p.add_argument("--log-format", choices=["text", "json"], default=DEFAULT_LOG_FORMAT)
+    p.add_argument(
+        "--log-format", choices=["text", "json"], default=DEFAULT_LOG_FORMAT, help="headless progress lines or events"
+    )
     p.add_argument("--max-steps", type=int, help="stop after N optimizer steps")
     p.add_argument("--prepare-only", action="store_true", help="stop after plan, prep, tokenizer and data")
     p.add_argument(
@@ -46,25 +89,30 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="bloom_appliance.py",
         description="Config-free BLOOM training: detect, plan, prepare, tokenize, train, evaluate, export.",
+        formatter_class=_HelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command")
+    parser.add_argument(
+        "--version", action=_VersionAction, help="print the versions of bloom-appliance, torch, DeepSpeed and Python"
+    )
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", help="what to do (default: run)")
     _add_run(sub)
 
     p = sub.add_parser("detect", help="show the detected hardware")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="one JSON object (the hardware profile's keys)")
 
     p = sub.add_parser("plan", help="plan the parallel layout with the cost model")
     p.add_argument("--hardware", help="hardware profile name or TOML file (default: detect)")
     p.add_argument("--model", help="model preset name or TOML file (default: the model ladder picks)")
-    p.add_argument("--global-batch-size", type=int)
-    p.add_argument("--seq-len", type=int)
+    p.add_argument("--global-batch-size", type=int, help="samples per optimizer step (default: the model's recipe)")
+    p.add_argument("--seq-len", type=int, help="tokens per sample (default: the model's)")
     p.add_argument("--layout", help="evaluate this layout, e.g. tp=4,pp=12,dp=8,mbs=2[,zero=1][,recompute=full]")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="one JSON object: layout, estimate, rejected alternatives")
 
     p = sub.add_parser("prep", help="clean, filter, deduplicate and redact a corpus")
-    p.add_argument("--input", type=Path, nargs="+", required=True)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--input", type=Path, nargs="+", required=True, help="files or directories to prepare")
+    p.add_argument("--out", type=Path, required=True, help="the prepared corpus directory (shards and report)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="worker processes (default: CPU count)")
     p.add_argument("--strict", action="store_true", help="stop at the first bad record (file, line, byte offset)")
     p.add_argument("--work-dir", type=Path, help="resumable per-unit work (default: .<out>.prep-work beside --out)")
     p.add_argument("--step", choices=["read", "templates", "filter", "finish"], help="run one step (SLURM jobs do)")
@@ -78,13 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--script-dir", type=Path, help="with --sbatch: where to write (default: <out>.prep-slurm)")
 
     p = sub.add_parser("tokenizer", help="train BLOOM's byte-level BPE tokenizer on a prepared corpus")
-    p.add_argument("--corpus", type=Path, required=True)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--vocab-size", type=int, default=250_680)  # BLOOM's, before padding for tensor parallelism
+    p.add_argument("--corpus", type=Path, required=True, help="a directory `prep` wrote")
+    p.add_argument("--out", type=Path, required=True, help="where tokenizer.json and fertility.json go")
+    p.add_argument("--vocab-size", type=int, default=250_680, help="BLOOM's, before padding for tensor parallelism")
     p.add_argument("--tp", type=int, default=1, help="pad the vocabulary to a multiple of 128 x TP")
 
     p = sub.add_parser("train", help="train (or resume) the run in a run directory")
-    p.add_argument("--run-dir", type=Path, required=True)
+    p.add_argument("--run-dir", type=Path, required=True, help="a run directory with a plan.json")
     p.add_argument("--resume", action="store_true", help="resume from the newest valid checkpoint (the default)")
     p.add_argument(
         "--stop-at-step",
@@ -99,14 +147,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     p = sub.add_parser("eval", help="evaluate the newest checkpoint of a run")
-    p.add_argument("--run-dir", type=Path, required=True)
+    p.add_argument("--run-dir", type=Path, required=True, help="a run directory with a checkpoint; writes eval.json")
 
     p = sub.add_parser("export", help="write a Hugging Face transformers Bloom directory (safetensors)")
-    p.add_argument("--run-dir", type=Path, required=True)
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--run-dir", type=Path, required=True, help="a run directory with a checkpoint")
+    p.add_argument("--out", type=Path, required=True, help="the directory transformers will load")
 
     p = sub.add_parser("tui", help="attach the dashboard to a run directory (live or finished)")
-    p.add_argument("--run-dir", type=Path, required=True)
+    p.add_argument("--run-dir", type=Path, required=True, help="any run directory, e.g. runs/latest")
 
     p = sub.add_parser("import", help="start a run from a transformers Bloom checkpoint (safetensors)")
     p.add_argument(
@@ -114,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--run-dir", type=Path, required=True, help="a new run directory; then `run --run-dir` trains on")
     p.add_argument("--hardware", help="plan for a hardware profile instead of the detected machine")
-    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sample for the continued training")
 
     p = sub.add_parser("sbatch", help="write a SLURM batch script that trains the plan on an allocation")
     p.add_argument("--run-dir", type=Path, required=True, help="the run directory the job will use")
@@ -124,9 +172,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, help="default: the plan's GPUs / GPUs per node")
     p.add_argument("--gpus-per-node", type=int, help="default: the hardware's")
     p.add_argument("--time", default="20:00:00", help="job time limit, [D-]HH:MM:SS; the job requeues itself")
-    p.add_argument("--partition")
-    p.add_argument("--account")
+    p.add_argument("--partition", help="SLURM partition (default: the cluster's)")
+    p.add_argument("--account", help="SLURM account to charge (default: yours)")
     p.add_argument("--out", type=Path, help="default: <run-dir>/train.sbatch")
+
+    for command in sub.choices.values():
+        command.formatter_class = _HelpFormatter
+        # SUPPRESS: when absent after the command, the value given before it (or False) stays.
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
     return parser
 
 
@@ -139,8 +192,8 @@ def _need_run_dir(path: Path) -> Path:
 # ---- commands ------------------------------------------------------------------------------------------------
 def cmd_run(args: argparse.Namespace) -> int:
     from appliance.data.sample_corpus import SAMPLE_CORPUS_DIR
+    from appliance.head_run import RunRequest, default_run_dir, make_run_plan, run
     from appliance.overrides import parse_overrides
-    from appliance.pipeline import RunRequest, default_run_dir, make_run_plan, run
 
     req = RunRequest(
         corpus=args.corpus or [SAMPLE_CORPUS_DIR],
@@ -155,7 +208,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not headless:
         # Validate in the foreground (exit 2 here on bad input), then run headless in the background and attach
         # the dashboard: quitting the dashboard leaves the run going, as on a head node.
-        from appliance.pipeline import check_inputs
+        from appliance.head_run import check_inputs
 
         check_inputs(req.corpus)
         plan = make_run_plan(req)
@@ -247,7 +300,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_prep(args: argparse.Namespace) -> int:
     from appliance.data.prep import prepare_corpus, run_step
     from appliance.data.prep_work import parse_slice
-    from appliance.pipeline import check_inputs
+    from appliance.head_run import check_inputs
 
     check_inputs(args.input)
     if args.sbatch:
@@ -362,7 +415,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 def cmd_sbatch(args: argparse.Namespace) -> int:
     from appliance.data.sample_corpus import SAMPLE_CORPUS_DIR
-    from appliance.pipeline import RunRequest, check_inputs, make_run_plan
+    from appliance.head_run import RunRequest, check_inputs, make_run_plan
     from appliance.train.atomic import write_atomic
     from appliance.train.slurm import SlurmJob, sbatch_script
 
@@ -417,18 +470,33 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
+def with_default_command(argv: list[str]) -> list[str]:
+    """No command, or only options (`./bloom_appliance.py --debug --max-steps 40`): the command is `run`, placed
+    after the global flags."""
+    n = 0
+    while n < len(argv) and argv[n] in GLOBAL_FLAGS:
+        n += 1
+    rest = argv[n:]
+    if not rest or (rest[0].startswith("-") and rest[0] not in ("-h", "--help", "--version")):
+        return [*argv[:n], "run", *rest]
+    return argv
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    argv = sys.argv[1:] if argv is None else argv
-    # No command, or only options (`./bloom_appliance.py --max-steps 40`): the default command is `run`.
-    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
-        argv = ["run", *argv]
-    args = parser.parse_args(argv)
+    args = parser.parse_args(with_default_command(sys.argv[1:] if argv is None else argv))
     try:
         return COMMANDS[args.command](args)
     except BadInput as e:
-        print(f"error: {e}", file=sys.stderr)
+        _report(f"error: {e}", debug=args.debug)
         return EXIT_BAD_INPUT
     except Exception as e:  # an unrecoverable failure: the message, metrics.jsonl and logs/ say why
-        print(f"failed: {e}", file=sys.stderr)
+        _report(f"failed: {e}", debug=args.debug)
         return EXIT_FAILED
+
+
+def _report(message: str, *, debug: bool) -> None:
+    """One line on stderr; with --debug the traceback first, so that the line stays last."""
+    if debug:
+        traceback.print_exc()
+    print(message, file=sys.stderr)

@@ -1,4 +1,4 @@
-"""The run directory's layout (design.md, "Run directory"). Every stage reads its paths from here."""
+"""The run directory's layout (docs/ARCHITECTURE.md, "The run directory"). Every stage reads its paths from here."""
 
 from __future__ import annotations
 

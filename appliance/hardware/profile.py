@@ -1,6 +1,6 @@
 """The hardware profile: what the planner needs to know about a machine or cluster, plus what detection saw.
 
-The ten profile keys are public (design.md, "Hardware profile"); the TOML files in presets/hardware/ hold exactly
+The ten profile keys are public (docs/ARCHITECTURE.md, "Input files"); the TOML files in presets/hardware/ hold exactly
 them plus a few optional extras (name, description, cost and carbon figures). Bandwidths are Gb/s per direction:
 `intra_node_gbps` per GPU (its NVLink or PCIe share), `inter_node_gbps` per node (all its fabric ports together).
 """

@@ -1,7 +1,7 @@
 """Typed events, one JSON object per line in metrics.jsonl.
 
 Ranks and the head process write; the dashboard and the headless printer read. Kinds and keys are public
-(design.md): extend, never rename. Every event carries "t" (unix time) and "kind".
+(docs/ARCHITECTURE.md, "Events"): extend, never rename. Every event carries "t" (unix time) and "kind".
 """
 
 from __future__ import annotations

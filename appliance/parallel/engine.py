@@ -6,7 +6,7 @@
     result = engine.train_batch([(inputs, labels), ...])   # this DP rank's micro-batches of one step
 
 How the layout maps onto DeepSpeed, in the order it is applied:
-1. Tensor parallel lives inside the layers (pipeline.py: column/row-parallel linears, vocab-parallel embedding,
+1. Tensor parallel lives inside the layers (pipeline_parallel.py: column/row-parallel linears, vocab-parallel embedding,
    logits and cross-entropy, ALiBi slopes per rank), identical in both engines below.
 2. pp > 1: a PipelineModule under DeepSpeed's PipelineEngine, 1F1B (TrainSchedule), ZeRO 0/1.
    pp = 1: the same layers in a BloomStack under DeepSpeed's plain engine, ZeRO 0/1/2.
@@ -44,7 +44,7 @@ from appliance.parallel.optimizer_state import (
     optimizer_files,
     optimizer_state,
 )
-from appliance.parallel.pipeline import (
+from appliance.parallel.pipeline_parallel import (
     BloomStack,
     VocabParallelLoss,
     bloom_layer_specs,

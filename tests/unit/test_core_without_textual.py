@@ -1,4 +1,4 @@
-"""The training core never imports Textual: only appliance/tui/ may (design.md)."""
+"""The training core never imports Textual: only appliance/tui/ may (docs/ARCHITECTURE.md)."""
 
 import subprocess
 import sys
