@@ -2,8 +2,7 @@
 # Creates .venv and installs the pinned dependencies. Safe to run again: when nothing changed since the
 # last successful run (same pins, same Python), it checks the imports and exits in a second or two.
 #
-# Order matters: torch first (on a CPU box pip finds the CPU build; on a GPU node the index gives the CUDA
-# build of the same release), then deepspeed with --no-build-isolation so that its setup sees that torch
+# Order matters: torch first (the CUDA build on a node where nvidia-smi lists a GPU, see install_torch), then deepspeed with --no-build-isolation so that its setup sees that torch
 # instead of pulling another one into a throwaway build environment. DeepSpeed's ops compile just in time.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -49,8 +48,34 @@ DEV=(
 stamp_of() { { cat "$0" pyproject.toml; "$PYTHON" --version 2>&1; } | sha256sum | cut -d' ' -f1; }
 STAMP="$VENV/.install-stamp"
 
+# An NVIDIA GPU on this node: nvidia-smi lists "GPU 0: ..." lines (none, or no nvidia-smi, on a CPU box).
+gpu_node() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; }
+torch_has_cuda() { "$VENV/bin/python" -c "import sys, torch; sys.exit(torch.version.cuda is None)" 2>/dev/null; }
+
+# torch: the package index's default Linux wheel is the CUDA build, but a pip configured with a local wheel cache or
+# a CPU-only index can hand a GPU node the CPU build, which then trains on gloo at CPU speed without a word. So on a
+# GPU node the result is checked, and a CPU build is replaced by the pinned release from the package index alone
+# (TORCH_INDEX_URL, default PyPI's simple index). Elsewhere the index's default stands: the CPU build where the
+# index offers it, else the CUDA build, which runs on CPUs too.
+install_torch() {
+  "${PIP[@]}" "$TORCH"
+  gpu_node || return 0
+  torch_has_cuda && return 0
+  echo "install.sh: nvidia-smi lists a GPU but the installed torch is a CPU-only build; installing the CUDA build"
+  "$VENV/bin/python" -m pip uninstall --yes --disable-pip-version-check torch
+  PIP_FIND_LINKS="" PIP_EXTRA_INDEX_URL="" "${PIP[@]}" --no-cache-dir \
+    --index-url "${TORCH_INDEX_URL:-https://pypi.org/simple}" "$TORCH"
+  if ! torch_has_cuda; then
+    echo "install.sh: error: this node has an NVIDIA GPU, but $TORCH from ${TORCH_INDEX_URL:-https://pypi.org/simple}" \
+      "is still a CPU-only build. Set TORCH_INDEX_URL to an index that serves the CUDA build of $TORCH" \
+      "(for CUDA 12.x drivers, PyTorch's cu12x index) and run ./install.sh again." >&2
+    exit 1
+  fi
+}
+
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$(stamp_of)" ]] \
-   && "$VENV/bin/python" -c "import torch, deepspeed, tokenizers, textual, psutil, pynvml, safetensors" 2>/dev/null; then
+   && "$VENV/bin/python" -c "import torch, deepspeed, tokenizers, textual, psutil, pynvml, safetensors" 2>/dev/null \
+   && { ! gpu_node || torch_has_cuda; }; then
   echo "install.sh: .venv is up to date"
   exit 0
 fi
@@ -59,7 +84,7 @@ fi
 PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off)
 
 echo "install.sh: torch"
-"${PIP[@]}" "$TORCH"
+install_torch
 echo "install.sh: triton"
 if ! "$VENV/bin/python" -c "import triton" 2>/dev/null; then "${PIP[@]}" "$TRITON"; fi
 echo "install.sh: runtime dependencies"

@@ -169,13 +169,18 @@ def run_plan(run_dir: RunDir, *, worker_args: tuple[str, ...] = ()) -> int:
 
     Preempted and failed markers left by an earlier launch are cleared first, so they only ever describe this one.
     """
+    from appliance.hardware.torch_build import check_torch_for_plan
+
     plan = json.loads(run_dir.plan.read_text())
     layout = plan["layout"]
+    ranks = layout["tp"] * layout["pp"] * layout["dp"]
+    hardware = plan["hardware"]
+    check_torch_for_plan(hardware["gpus_per_node"], hardware["gpu"], ranks, source=str(run_dir.plan))
     run_dir.preempted_marker.unlink(missing_ok=True)
     run_dir.failed_marker.unlink(missing_ok=True)
     return run_agent(
         run_dir,
-        nproc_per_node=layout["tp"] * layout["pp"] * layout["dp"],
+        nproc_per_node=ranks,
         max_restarts=int(plan.get("run", {}).get("max_restarts", 3)),
         worker_args=worker_args,
     )
