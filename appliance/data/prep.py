@@ -7,8 +7,10 @@ Pipeline, per document, in this order:
 How it runs. The inputs are cut into work units (files, or 64 MB ranges of big .jsonl files) in a fixed order,
 and four steps run over them (prep_units.py has the per-unit ones):
   read       per unit: read, repair, label; spill the documents and hash their template-line candidates.
-  templates  once: check every file's encoding, count those hashes per source and pick the template lines.
-  filter     per unit: drop template lines, filter, hash for dedup (exact key + LSH band keys), redact PII.
+  templates  once: judge every file's encoding (prep_files.py), count the hashes of the files kept per source
+             and pick the template lines.
+  filter     per unit of a file kept: drop template lines, filter, hash for dedup (exact key + LSH band keys),
+             redact PII.
   finish     once: find exact and near duplicates over the whole corpus in corpus order, write the survivors
              into shard-00000.jsonl, ... with prep_report.json / prep_report.md, and move them to `out_dir`.
 Here (`prepare_corpus`) the per-unit steps run on local worker processes (multiprocessing "spawn": the head
@@ -39,6 +41,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from appliance.data import dedup, filters
+from appliance.data.prep_files import Screened, screen, skipped_files
 from appliance.data.prep_report import Stats, build_report, to_json, to_markdown
 from appliance.data.prep_units import FilterTask, ReadTask, filter_step, read_step
 from appliance.data.prep_work import (
@@ -55,7 +58,7 @@ from appliance.data.prep_work import (
     templates_key,
     unit_identity,
 )
-from appliance.data.readers import ReadCounts, Skip, Unit, plan_units
+from appliance.data.readers import Skip, Unit, plan_units
 from appliance.errors import BadInput
 
 SHARD_BYTES = 256 << 20
@@ -81,9 +84,10 @@ def prepare_corpus(
     `perplexity`, a picklable `(text, lang) -> perplexity` callable (a KenLM model), turns on ROOTS' perplexity
     filter; without it that filter is off. `work_dir` (default: `.<out_dir name>.prep-work` beside it) keeps
     each unit's finished steps until the corpus is in place: a run killed or failed halfway resumes from there,
-    and a successful run removes it. Raises BadInput for a missing input, a file that is not UTF-8 text, an
-    input that leaves no document, and (with `strict`) the first bad record; the work directory goes then too,
-    since the input has to change.
+    and a successful run removes it. Raises BadInput for a missing input, an input that leaves no document, and
+    (with `strict`) the first bad record; the work directory goes then too, since the input has to change.
+    Without `strict`, bad records and files are skipped and counted, and control characters removed and counted
+    (prep_files.py, unicode_fix.py): one bad file never stops the corpus.
     """
     out_dir = Path(out_dir)
     paths, units, plan_skips = _plan(inputs, strict)
@@ -131,16 +135,22 @@ def run_step(
     work = open_work_dir(work_dir or default_work_dir(out_dir), out_dir)
     if step in UNIT_STEPS:
         indices = slice_units([_unit_size(u) for u in units], *part) if part else list(range(len(units)))
+        passed_over: list[int] = []  # units of files skipped whole: the filter step has nothing to do for them
         with _mapper(workers, len(indices)) as run_map:
             if step == "read":
                 ran = _read_units(units, indices, work, strict, run_map, lambda index: None)
             else:
-                ran = _filter_units(units, indices, work, perplexity, run_map, lambda index: None)
+                ran, passed_over = _filter_units(units, indices, work, perplexity, run_map, lambda index: None)
         where = f" slice {part[0]}/{part[1]}" if part else ""
-        return {"step": step + where, "units": indices, "done_now": ran, "already_done": len(indices) - len(ran)}
+        done: dict[str, Any] = {"step": step + where, "units": indices, "done_now": ran}
+        done["already_done"] = len(indices) - len(ran) - len(passed_over)
+        if step == "filter":
+            done["skipped_whole"] = passed_over
+        return done
     if step == "templates":
-        kept = _make_templates(units, work)
-        return {"step": step, "units": len(units), "template_lines": kept}
+        kept, screened = _make_templates(units, work)
+        skipped = [str(p) for p in screened.not_utf8]
+        return {"step": step, "units": len(units), "template_lines": kept, "files_skipped": skipped}
     report = _finish(paths, units, plan_skips, work, out_dir, perplexity, lambda fraction: None)
     shutil.rmtree(work.root, ignore_errors=True)
     return {"step": step, **report["totals"]}
@@ -243,24 +253,30 @@ def _current_templates(read: list[dict[str, Any]], work: WorkDir, step: str) -> 
     return str(done["digest"])
 
 
-def _make_templates(units: list[Unit], work: WorkDir) -> int:
-    """Check every file's encoding, then pick the template lines over all units (unless already done)."""
+def _read_results(read: list[dict[str, Any]]) -> list[UnitResult]:
+    return [UnitResult.from_json(m["result"]) for m in read]
+
+
+def _make_templates(units: list[Unit], work: WorkDir) -> tuple[int, Screened]:
+    """Judge every file's encoding, then pick the template lines over the units of the files kept (unless
+    already done). Returns how many lines were picked, and the verdicts."""
     read = _read_markers(units, work, "templates")
-    _check_encodings(units, [UnitResult.from_json(m["result"]) for m in read])
+    screened = screen(units, _read_results(read))
+    # The key needs no verdict of its own: the verdicts follow from the read results, which the read keys fix.
     key = templates_key([m["key"] for m in read])
     marker = work.marker("templates")
     done = work.done(marker, key)
     if done is not None:
-        return int(done["template_lines"])
+        return int(done["template_lines"]), screened
     commit = UnitCommit(marker)
-    found = dedup.find_templates([work.unit("read", i, "-lines.npy") for i in range(len(units))])
+    found = dedup.find_templates([work.unit("read", i, "-lines.npy") for i in screened.kept])
     with open(commit.path(work.templates), "wb") as fh:
         np.save(fh, found)
     # The filter keys build on the lines picked, not on the read keys: a changed input that leaves the template
     # lines as they were redoes only its own units.
     digest = hashlib.sha256(found.tobytes()).hexdigest()
     commit.commit({"key": key, "template_lines": len(found), "digest": digest})
-    return len(found)
+    return len(found), screened
 
 
 def _filter_units(
@@ -270,34 +286,26 @@ def _filter_units(
     perplexity: filters.Perplexity | None,
     run_map: Callable,
     unit_done: Callable,
-) -> list[int]:
+) -> tuple[list[int], list[int]]:
+    """Run the filter step on `indices`; returns the units it processed and those of files skipped whole."""
     read = _read_markers(units, work, "filter")
     templates = _current_templates(read, work, "filter")
+    kept = set(screen(units, _read_results(read)).kept)
     model = perplexity_key(perplexity)
     tasks = [
-        FilterTask(i, work.root, filter_key(read[i]["key"], templates, model), templates, perplexity) for i in indices
+        FilterTask(i, work.root, filter_key(read[i]["key"], templates, model), templates, perplexity)
+        for i in indices
+        if i in kept
     ]
     ran = []
     for index, processed in run_map(filter_step, tasks):
         unit_done(index)
         if processed:
             ran.append(index)
-    return ran
-
-
-def _check_encodings(units: list[Unit], results: list[UnitResult]) -> None:
-    per_file: dict[Path, tuple[ReadCounts, Skip | None]] = {}
-    for unit, r in zip(units, results, strict=True):
-        counts, first = per_file.get(unit.path, (ReadCounts(), None))
-        counts.add(r.counts)
-        per_file[unit.path] = (counts, first or r.first_bad)
-    for path, (counts, first) in per_file.items():
-        if counts.not_utf8():
-            where = f"; first at line {first.line}, byte offset {first.offset}" if first else ""
-            raise BadInput(
-                f"prep: {path} is not UTF-8 text: {counts.bad_encoding} of {counts.records} records fail to decode"
-                f"{where}. Convert it first, e.g. iconv -f LATIN1 -t UTF-8 (or -f UTF-16)"
-            )
+    passed_over = [i for i in indices if i not in kept]
+    for index in passed_over:
+        unit_done(index)
+    return ran, passed_over
 
 
 # ------------------------------------------------------------------------------------------ dedup and output
@@ -315,54 +323,62 @@ def _finish(
     """Dedup over the whole corpus, write the shards and the report, and move them to `out_dir`."""
     read = _read_markers(units, work, "finish")
     templates = _current_templates(read, work, "finish")
+    results = _read_results(read)
+    screened = screen(units, results)
     stats = Stats()
-    for skip in plan_skips:
+    for skip in [*plan_skips, *screened.not_utf8.values()]:  # a file skipped whole counts once, not per record
         stats.skip(skip)
     filtered, model = [], perplexity_key(perplexity)
-    for i, unit in enumerate(units):
+    for i in screened.kept:
         marker = work.done(work.marker("filter", i), filter_key(read[i]["key"], templates, model))
         if marker is None:
             raise BadInput(
-                f"prep --step finish: work unit {i} ({unit.path}) is not filtered yet; "
+                f"prep --step finish: work unit {i} ({units[i].path}) is not filtered yet; "
                 "run --step filter on every slice first"
             )
-        filtered.append(marker)
-    for marker in [*read, *filtered]:  # read results first, then filter results, each in unit order
-        stats.merge(UnitResult.from_json(marker["result"]).stats)
-    dups = _deduplicate(work, len(units))
+        filtered.append(UnitResult.from_json(marker["result"]))
+    for result in [*(results[i] for i in screened.kept), *filtered]:  # read, then filter results, in unit order
+        stats.merge(result.stats)
+    dups = _deduplicate(work, screened.kept)
     progress(0.92)
     shutil.rmtree(work.corpus, ignore_errors=True)  # a finish killed halfway
-    shards = _write_shards(work, len(units), dups, stats)
+    shards = _write_shards(work, screened.kept, dups, stats)
+    no_docs = skipped_files(units, results, plan_skips, screened)
     if not shards:
-        raise BadInput(f"prep: no document left from {', '.join(map(str, inputs))} ({_why_empty(stats)})")
+        raise BadInput(f"prep: no document left from {', '.join(map(str, inputs))} ({_why_empty(stats, no_docs)})")
     files = len({u.path for u in units})
     names = [str(p) for p in inputs]
-    report = build_report(stats, inputs=names, files=files, shards=shards, perplexity=perplexity is not None)
+    report = build_report(
+        stats, inputs=names, files=files, shards=shards, perplexity=perplexity is not None, skipped_files=no_docs
+    )
     (work.corpus / REPORT_JSON).write_text(to_json(report), encoding="utf-8")
     (work.corpus / REPORT_MD).write_text(to_markdown(report), encoding="utf-8")
     _publish(work.corpus, out_dir)
     return report
 
 
-def _why_empty(stats: Stats) -> str:
+def _why_empty(stats: Stats, no_docs: list[dict[str, Any]]) -> str:
     read = sum(c.docs_in for c in stats.stages.get("unicode_repair", {}).values())
     if read == 0:
+        named = "; ".join(f"{f['file']}: {f['reason']}" + (f" ({f['detail']})" if f["detail"] else "") for f in no_docs)
         skipped = ", ".join(f"{n} {reason}" for reason, n in sorted(stats.skipped.items())) or "nothing to read"
-        return f"no readable record: {skipped}"
+        return f"no readable record: {named or skipped}"
     return f"all {read} documents were filtered out; see the stages in the report"
 
 
-def _deduplicate(work: WorkDir, n_units: int) -> tuple[np.ndarray, np.ndarray]:
-    exact = np.concatenate([np.load(work.unit("filter", i, "-exact.npy")) for i in range(n_units)])
-    bands = np.concatenate([np.load(work.unit("filter", i, "-bands.npy")) for i in range(n_units)])
+def _deduplicate(work: WorkDir, kept: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    if not kept:  # every file was skipped whole
+        return np.zeros(0, dtype=bool), np.zeros(0, dtype=bool)
+    exact = np.concatenate([np.load(work.unit("filter", i, "-exact.npy")) for i in kept])
+    bands = np.concatenate([np.load(work.unit("filter", i, "-bands.npy")) for i in kept])
     return dedup.find_duplicates(exact, bands)
 
 
-def _write_shards(work: WorkDir, n_units: int, dups: tuple[np.ndarray, np.ndarray], stats: Stats) -> list[str]:
-    """Copy the surviving documents, in corpus order, into shards of about SHARD_BYTES."""
+def _write_shards(work: WorkDir, kept: list[int], dups: tuple[np.ndarray, np.ndarray], stats: Stats) -> list[str]:
+    """Copy the surviving documents of the units `kept`, in corpus order, into shards of about SHARD_BYTES."""
     doc = 0
     with _ShardWriter(work.corpus) as shards:
-        for i in range(n_units):
+        for i in kept:
             meta = json.loads(work.unit("filter", i, "-meta.json").read_text())
             with open(work.unit("filter", i, ".jsonl"), encoding="utf-8") as spill:
                 rows = zip(spill, meta["langs"], meta["sizes"], meta["redacted"], strict=True)

@@ -2,7 +2,9 @@
 
 Every stage records, per language, the documents and UTF-8 bytes that entered and left it, plus the first few
 documents it dropped (in corpus order, so two runs write the same report). Hostile input is counted per skip
-reason with the first few places it was found. The report holds no timings or host names: it is byte-identical
+reason with the first few places it was found; every file that gave no document at all is named with its
+reason; characters removed from the documents kept (NULs and other controls, unicode_fix.REMOVED) are counted
+per reason, in characters and in documents. The report holds no timings or host names: it is byte-identical
 between runs on the same inputs.
 """
 
@@ -36,14 +38,27 @@ class Counts:
 
 
 @dataclass
+class Removed:
+    chars: int = 0  # characters removed for one reason
+    docs: int = 0  # documents that lost at least one of them
+
+    def add(self, other: Removed) -> None:
+        self.chars += other.chars
+        self.docs += other.docs
+
+
+@dataclass
 class Stats:
-    """Per-stage, per-language counts, examples of dropped documents, and skipped input by reason."""
+    """Per-stage, per-language counts, examples of dropped documents, skipped input by reason, and characters
+    removed by reason."""
 
     stages: dict[str, dict[str, Counts]] = field(default_factory=dict)
     examples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     skipped: dict[str, int] = field(default_factory=dict)
     skip_examples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     pii_tags: dict[str, int] = field(default_factory=dict)
+    removals: dict[str, Removed] = field(default_factory=dict)
+    removal_examples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     def counts(self, stage: str, lang: str) -> Counts:
         return self.stages.setdefault(stage, {}).setdefault(lang, Counts())
@@ -73,6 +88,13 @@ class Stats:
         if len(shown) < EXAMPLES:
             shown.append({"file": item.path, "line": item.line, "offset": item.offset, "detail": item.detail})
 
+    def removed(self, reason: str, chars: int, path: str, line: int, offset: int) -> None:
+        """One document lost `chars` characters for `reason`; (path, line, offset) is where the document starts."""
+        self.removals.setdefault(reason, Removed()).add(Removed(chars, 1))
+        shown = self.removal_examples.setdefault(reason, [])
+        if len(shown) < EXAMPLES:
+            shown.append({"file": path, "line": line, "offset": offset, "chars": chars})
+
     def merge(self, other: Stats) -> None:
         """Fold in a later unit's stats (units are merged in corpus order, so examples stay the first ones)."""
         for stage, langs in other.stages.items():
@@ -88,6 +110,11 @@ class Stats:
             mine += shown[: EXAMPLES - len(mine)]
         for tag, n in other.pii_tags.items():
             self.pii_tags[tag] = self.pii_tags.get(tag, 0) + n
+        for reason, removed in other.removals.items():
+            self.removals.setdefault(reason, Removed()).add(removed)
+        for reason, shown in other.removal_examples.items():
+            mine = self.removal_examples.setdefault(reason, [])
+            mine += shown[: EXAMPLES - len(mine)]
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON, for a work unit's done marker (prep_work.py); from_json reads it back unchanged."""
@@ -97,15 +124,36 @@ class Stats:
             "skipped": self.skipped,
             "skip_examples": self.skip_examples,
             "pii_tags": self.pii_tags,
+            "removals": {reason: vars(r) for reason, r in self.removals.items()},
+            "removal_examples": self.removal_examples,
         }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Stats:
         stages = {stage: {lang: Counts(**c) for lang, c in langs.items()} for stage, langs in data["stages"].items()}
-        return cls(stages, data["examples"], data["skipped"], data["skip_examples"], data["pii_tags"])
+        removals = {reason: Removed(**r) for reason, r in data["removals"].items()}
+        return cls(
+            stages,
+            data["examples"],
+            data["skipped"],
+            data["skip_examples"],
+            data["pii_tags"],
+            removals,
+            data["removal_examples"],
+        )
 
 
-def build_report(stats: Stats, *, inputs: list[str], files: int, shards: list[str], perplexity: bool) -> dict:
+def build_report(
+    stats: Stats,
+    *,
+    inputs: list[str],
+    files: int,
+    shards: list[str],
+    perplexity: bool,
+    skipped_files: list[dict[str, Any]],
+) -> dict:
+    """The report; `skipped_files` names every file that gave no document ({"file", "reason", "line", "offset",
+    "detail"}, in input order)."""
     stages = []
     for name in STAGES:
         langs = stats.stages.get(name, {})
@@ -129,6 +177,11 @@ def build_report(stats: Stats, *, inputs: list[str], files: int, shards: list[st
             reason: {"count": stats.skipped[reason], "examples": stats.skip_examples.get(reason, [])}
             for reason in sorted(stats.skipped)
         },
+        "skipped_files": skipped_files,
+        "removed_characters": {
+            reason: {**vars(stats.removals[reason]), "examples": stats.removal_examples.get(reason, [])}
+            for reason in sorted(stats.removals)
+        },
         "stages": stages,
         "languages": {lang: {"docs": c.docs_out, "bytes": c.bytes_out} for lang, c in sorted(kept_by_lang.items())},
         "totals": {
@@ -137,6 +190,8 @@ def build_report(stats: Stats, *, inputs: list[str], files: int, shards: list[st
             "bytes_in": first["bytes_in"],
             "bytes_out": last["bytes_out"],
             "records_skipped": sum(stats.skipped.values()),
+            "files_skipped": len(skipped_files),
+            "chars_removed": sum(r.chars for r in stats.removals.values()),
             "shards": shards,
         },
         "thresholds": {lang: _plain(vars(p)) for lang, p in sorted(PARAMS.items())},
@@ -159,7 +214,8 @@ def to_markdown(report: dict) -> str:
         "",
         f"Inputs: {', '.join(report['inputs'])} ({report['files_read']} files read).",
         f"Kept {t['docs_out']:,} of {t['docs_in']:,} documents and {_mb(t['bytes_out'])} of {_mb(t['bytes_in'])}"
-        f" in {len(t['shards'])} shard(s); {t['records_skipped']:,} input records skipped.",
+        f" in {len(t['shards'])} shard(s); {t['records_skipped']:,} input records skipped;"
+        f" {t['files_skipped']:,} files gave no document; {t['chars_removed']:,} characters removed.",
         "",
         "## Stages (in order)",
         "",
@@ -188,6 +244,28 @@ def to_markdown(report: dict) -> str:
         for reason, v in report["skipped"].items():
             ex = v["examples"][0]
             lines.append(f"| {reason} | {v['count']:,} | {ex['file']} line {ex['line']}, byte {ex['offset']} |")
+    if report["skipped_files"]:
+        lines += [
+            "",
+            "## Files that gave no document",
+            "",
+            "| file | reason | where | why |",
+            "| --- | --- | --- | --- |",
+        ]
+        for f in report["skipped_files"]:
+            lines.append(f"| {f['file']} | {f['reason']} | line {f['line']}, byte {f['offset']} | {f['detail']} |")
+    if report["removed_characters"]:
+        lines += [
+            "",
+            "## Characters removed",
+            "",
+            "| reason | characters | documents | first seen |",
+            "| --- | ---: | ---: | --- |",
+        ]
+        for reason, v in report["removed_characters"].items():
+            ex = v["examples"][0]
+            first = f"{ex['file']} document at line {ex['line']}, byte {ex['offset']}"
+            lines.append(f"| {reason} | {v['chars']:,} | {v['docs']:,} | {first} |")
     lines += ["", "## Examples of dropped documents", ""]
     for s in report["stages"]:
         for ex in s["dropped_examples"]:

@@ -21,7 +21,7 @@ from appliance.data import dedup, filters, pii
 from appliance.data.langid import detect_language
 from appliance.data.prep_report import Stats
 from appliance.data.prep_work import UnitCommit, UnitResult, WorkDir, read_key, unit_identity, write_json_atomic
-from appliance.data.readers import ENCODING_REASONS, INVALID_UTF8, Record, Skip, Unit, read_unit
+from appliance.data.readers import INVALID_UTF8, Record, Skip, Unit, read_unit
 from appliance.data.unicode_fix import repair
 from appliance.errors import BadInput
 
@@ -77,14 +77,16 @@ def _read(task: ReadTask, docs_path: Path, lines_path: Path) -> UnitResult:
         for item in read_unit(unit, strict=task.strict, counts=result.counts):
             if isinstance(item, Skip):
                 result.stats.skip(item)
-                if item.reason in ENCODING_REASONS and result.first_bad is None:
+                if item.reason == INVALID_UTF8 and result.first_bad is None:
                     result.first_bad = item
                 continue
             doc = _repaired(item, str(unit.path), task.strict)
             if isinstance(doc, Skip):
                 result.stats.skip(doc)
                 continue
-            text, lang = doc
+            text, lang, removed = doc
+            for reason, chars in removed.items():
+                result.stats.removed(reason, chars, str(unit.path), item.line, item.offset)
             result.stats.passed("unicode_repair", lang, nbytes(item.text), nbytes(text))
             spill.write(json.dumps({"t": text, "l": lang, "s": item.source}, ensure_ascii=False) + "\n")
             if lang != filters.CODE:
@@ -95,8 +97,10 @@ def _read(task: ReadTask, docs_path: Path, lines_path: Path) -> UnitResult:
     return result
 
 
-def _repaired(record: Record, path: str, strict: bool) -> tuple[str, str] | Skip:
-    text = repair(record.text)
+def _repaired(record: Record, path: str, strict: bool) -> tuple[str, str, dict[str, int]] | Skip:
+    """(text, language, characters removed by reason) of a record, or the Skip of one that cannot be repaired."""
+    repaired = repair(record.text)
+    text = repaired.text
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate ("\ud800" escaped in JSON) that ftfy could not pair up
@@ -105,7 +109,7 @@ def _repaired(record: Record, path: str, strict: bool) -> tuple[str, str] | Skip
             raise BadInput(f"prep: {skip.message()} (strict mode stops at the first bad record)") from None
         return skip
     lang = record.lang.strip().lower() if record.lang else detect_language(text)
-    return text, lang.replace("_", "-").split("-")[0] or "und"  # "pt_BR", "zh-Hant": the language subtag
+    return text, lang.replace("_", "-").split("-")[0] or "und", repaired.removed  # "pt_BR", "zh-Hant": the subtag
 
 
 # -------------------------------------------------------------------------------------------------- filter

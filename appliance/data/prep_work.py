@@ -51,6 +51,7 @@ _PIPELINE_FILES = (
     "dedup.py",
     "pii.py",
     "prep_report.py",
+    "prep_files.py",
     "prep_units.py",
     "prep_work.py",
 )
@@ -65,7 +66,7 @@ class UnitResult:
     index: int
     docs: int = 0
     counts: ReadCounts = field(default_factory=ReadCounts)
-    first_bad: Skip | None = None  # first undecodable record, for the "not UTF-8" message
+    first_bad: Skip | None = None  # first record that is not UTF-8, for the "not UTF-8" verdict
     stats: Stats = field(default_factory=Stats)
 
     def to_json(self) -> dict[str, Any]:

@@ -6,7 +6,8 @@ Formats (chosen by file name; directories are walked recursively in sorted order
   documents at the first blank line after every TXT_DOC_BYTES, so a book becomes a few chapter-sized documents
   rather than thousands of paragraphs too short for the word-count filter.
 - `.parquet`: column "text" (optional "lang", "source"), read one record batch at a time.
-- a directory written by `datasets.Dataset.save_to_disk` (or a DatasetDict): same columns, split by split.
+- a directory written by `datasets.Dataset.save_to_disk` (or a DatasetDict): same columns, split by split; a
+  damaged split is skipped and the others are read.
 Inside directories, hidden entries (".git", ".DS_Store") are passed over and files of other kinds are counted as
 skipped ("unsupported_file"); a file named on the command line is read as text whatever its suffix.
 
@@ -15,6 +16,11 @@ costs about its own size a few times over. Lines longer than MAX_RECORD_BYTES ar
 
 Hostile input never raises here unless `strict`: every bad record is reported as a Skip with its reason, file,
 line and byte offset (offsets count decompressed bytes for .gz/.zst), and the good records around it are kept.
+The record is the line for line formats, so a .txt line that is not UTF-8 is left out of its document and the
+rest of the document is kept. Control characters are text here: lenient mode reads a line holding NUL bytes
+(and JSON strings holding raw control characters) and leaves their removal, counted, to unicode_fix.repair;
+strict mode refuses a NUL as a bad record, naming the byte. Whether a whole file is not UTF-8 text is decided
+per file from ReadCounts, over all its records (prep.py skips such a file whole).
 """
 
 from __future__ import annotations
@@ -22,10 +28,11 @@ from __future__ import annotations
 import json
 import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import zstandard
 
@@ -47,14 +54,18 @@ BROKEN_SYMLINK = "broken_symlink"
 UNSUPPORTED_FILE = "unsupported_file"
 UNREADABLE_FILE = "unreadable_file"
 INVALID_UTF8 = "invalid_utf8"
-NUL_BYTES = "nul_bytes"
 BAD_JSON = "bad_json"
 NO_TEXT = "no_text_field"
 EMPTY_TEXT = "empty_text"
 TOO_LARGE = "record_too_large"
 TRUNCATED = "truncated_compressed"
 CORRUPT = "corrupt_compressed"
-ENCODING_REASONS = (INVALID_UTF8, NUL_BYTES)  # the ones that count towards "this file is not UTF-8"
+NOT_UTF8 = "not_utf8_file"  # a whole file, judged by ReadCounts.not_utf8 once all of it is read
+NUL_BYTES = "nul_bytes"  # strict mode only: lenient mode removes NULs and counts them (unicode_fix.py)
+
+# A UTF-16 or UTF-32 byte order mark at the start of a file. ASCII text in UTF-16 holds a NUL after every
+# character and is otherwise valid UTF-8, so once NULs are removed, only this mark tells such a file apart.
+_WIDE_BOMS = (b"\xff\xfe", b"\xfe\xff", b"\x00\x00\xfe\xff")
 
 
 @dataclass(frozen=True)
@@ -96,19 +107,25 @@ class ReadCounts:
     """Per-file tallies behind the "is this file UTF-8 at all?" verdict."""
 
     records: int = 0  # lines (rows for tabular files) looked at
-    bad_encoding: int = 0  # of which invalid UTF-8 or holding NUL bytes
+    bad_encoding: int = 0  # of which invalid UTF-8
     non_ascii: int = 0  # of which holding any byte past ASCII, decodable or not
+    wide_bom: int = 0  # 1 when the file starts with a UTF-16 or UTF-32 byte order mark
 
     def add(self, other: ReadCounts) -> None:
         self.records += other.records
         self.bad_encoding += other.bad_encoding
         self.non_ascii += other.non_ascii
+        self.wide_bom += other.wide_bom
 
     def not_utf8(self) -> bool:
-        """Most records fail to decode; or, at 3+ failures, most of the records that are not plain ASCII do (a
-        Latin-1 file whose accented lines all fail while its ASCII lines decode fine)."""
+        """The file starts with a UTF-16/32 byte order mark; or most records fail to decode; or it reads as Latin-1
+        (or another 8-bit code page): its accented lines fail while its ASCII lines decode, so at least 3 records
+        and a tenth of them fail, and they are most of the records that are not plain ASCII. What would be left
+        of such a file is its documents with every accented line cut out. Short of this, a UTF-8 file with a few
+        damaged lines keeps its good ones, even when it has few other non-ASCII lines to outweigh them."""
         bad = self.bad_encoding
-        return bad > 0 and (2 * bad > self.records or (bad >= 3 and 2 * bad > self.non_ascii))
+        code_page = bad >= 3 and 10 * bad >= self.records and 2 * bad > self.non_ascii
+        return self.wide_bom > 0 or 2 * bad > self.records or code_page
 
 
 class Truncated(Exception):
@@ -194,7 +211,8 @@ def _file_problem(path: Path, kind: str) -> Skip | None:
 def read_unit(unit: Unit, *, strict: bool, counts: ReadCounts | None = None) -> Iterator[Record | Skip]:
     """Records and skips of one unit, in file order. With `strict`, the first skip raises BadInput instead."""
     counts = counts if counts is not None else ReadCounts()
-    items = _read_tabular(unit, counts) if unit.kind in ("parquet", "arrow") else _read_lines(unit, counts)
+    tabular = unit.kind in ("parquet", "arrow")
+    items = _read_tabular(unit, counts, strict) if tabular else _read_lines(unit, counts, strict)
     lines_before: int | None = None
     for item in items:
         if isinstance(item, Skip):
@@ -219,7 +237,7 @@ def _newlines_before(path: Path, end: int) -> int:
 # ---------------------------------------------------------------------------------------------- line formats
 
 
-def _read_lines(unit: Unit, counts: ReadCounts) -> Iterator[Record | Skip]:
+def _read_lines(unit: Unit, counts: ReadCounts, strict: bool) -> Iterator[Record | Skip]:
     path = str(unit.path)
     doc: list[str] = []  # txt: lines of the document being assembled
     doc_bytes, doc_line, doc_offset = 0, 1, 0
@@ -232,11 +250,14 @@ def _read_lines(unit: Unit, counts: ReadCounts) -> Iterator[Record | Skip]:
             counts.non_ascii += 1
         if offset == 0 and raw.startswith(b"\xef\xbb\xbf"):
             raw = raw[3:]  # a UTF-8 byte order mark
+        if offset == 0 and raw.startswith(_WIDE_BOMS):
+            counts.wide_bom, counts.bad_encoding = 1, counts.bad_encoding + 1
+            yield Skip(INVALID_UTF8, path, line_no, offset, "a UTF-16 or UTF-32 byte order mark")
+            continue
         if raw.endswith(b"\r"):
             raw = raw[:-1]
-        if b"\x00" in raw:
-            counts.bad_encoding += 1
-            yield Skip(NUL_BYTES, path, line_no, offset)
+        if strict and b"\x00" in raw:
+            yield Skip(NUL_BYTES, path, line_no, offset + raw.index(b"\x00"))
             continue
         try:
             text = raw.decode("utf-8")
@@ -246,7 +267,7 @@ def _read_lines(unit: Unit, counts: ReadCounts) -> Iterator[Record | Skip]:
             continue
         if unit.kind == "jsonl":
             if text.strip():
-                yield _jsonl_record(text, unit.source, path, line_no, offset)
+                yield _jsonl_record(text, unit.source, path, line_no, offset, strict)
             continue
         if not doc:
             doc_line, doc_offset = line_no, offset
@@ -272,19 +293,21 @@ def _txt_document(lines: list[str], source: str, line: int, offset: int) -> Iter
         yield Record(text, None, source, line, offset)
 
 
-def _jsonl_record(text: str, source: str, path: str, line: int, offset: int) -> Record | Skip:
+def _jsonl_record(text: str, source: str, path: str, line: int, offset: int, strict: bool) -> Record | Skip:
     try:
-        obj = json.loads(text)
+        # JSON wants control characters inside strings escaped; lenient mode takes them raw as well (a writer
+        # that forgot to escape a tab or a NUL still meant the record), and repair removes those that are noise.
+        obj = json.loads(text, strict=strict)
     except ValueError as err:
         return Skip(BAD_JSON, path, line, offset, str(err)[:120])
     if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
         return Skip(NO_TEXT, path, line, offset, 'no string field "text"')
-    return _record(obj, source, path, line, offset)
+    return _record(obj, source, path, line, offset, strict)
 
 
-def _record(obj: dict, source: str, path: str, line: int, offset: int) -> Record | Skip:
+def _record(obj: dict, source: str, path: str, line: int, offset: int, strict: bool) -> Record | Skip:
     text = obj["text"]
-    if "\x00" in text:
+    if strict and "\x00" in text:
         return Skip(NUL_BYTES, path, line, offset, "NUL character in the text")
     if not text.strip():
         return Skip(EMPTY_TEXT, path, line, offset)
@@ -405,44 +428,72 @@ def _zstd_blocks(fh: BinaryIO) -> Iterator[bytes]:
 # ------------------------------------------------------------------------------------------- tabular formats
 
 
-def _read_tabular(unit: Unit, counts: ReadCounts) -> Iterator[Record | Skip]:
+def _read_tabular(unit: Unit, counts: ReadCounts, strict: bool) -> Iterator[Record | Skip]:
+    """Rows of a parquet file or a saved dataset. A part that cannot be read (the file, or one split of a
+    DatasetDict, named in the detail) is one Skip; the rows read before the damage, and the other splits, are kept.
+    Rows count on across the splits of a dataset, in the order read: the "line" of its records and skips."""
     path = str(unit.path)
-    row = 0
     try:
-        for batch in _batches(unit):
-            columns = batch.to_pydict()
-            texts = columns.get("text")
-            if texts is None:
-                yield Skip(NO_TEXT, path, row + 1, 0, 'no column "text"')
-                return
-            langs = columns.get("lang") or [None] * len(texts)
-            sources = columns.get("source") or [None] * len(texts)
-            for text, lang, source in zip(texts, langs, sources, strict=True):
-                row += 1
-                counts.records += 1
-                if not isinstance(text, str):
-                    yield Skip(NO_TEXT, path, row, 0, '"text" is not a string')
-                    continue
-                yield _record({"text": text, "lang": lang, "source": source}, unit.source, path, row, 0)
-    except (OSError, ValueError) as err:  # pyarrow raises ArrowInvalid (a ValueError) on a damaged file
-        yield Skip(UNREADABLE_FILE, path, row + 1, 0, str(err)[:200])
-
-
-def _batches(unit: Unit) -> Iterator:
-    wanted = ["text", "lang", "source"]
-    if unit.kind == "parquet":
-        import pyarrow.parquet as pq
-
-        pf = pq.ParquetFile(unit.path)
-        names = set(pf.schema_arrow.names)
-        yield from pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[c for c in wanted if c in names] or None)
+        parts = _parts(unit)
+    except (OSError, ValueError, KeyError, TypeError) as err:  # dataset_dict.json unreadable or malformed
+        yield Skip(UNREADABLE_FILE, path, 1, 0, f"dataset_dict.json: {err}"[:200])
         return
+    row = 0
+    for part, batches in parts:
+        try:
+            for batch in batches():
+                columns = batch.to_pydict()
+                texts = columns.get("text")
+                if texts is None:
+                    yield Skip(NO_TEXT, path, row + 1, 0, f'{part}no column "text"')
+                    break
+                langs = columns.get("lang") or [None] * len(texts)
+                sources = columns.get("source") or [None] * len(texts)
+                for text, lang, source in zip(texts, langs, sources, strict=True):
+                    row += 1
+                    counts.records += 1
+                    if not isinstance(text, str):
+                        yield Skip(NO_TEXT, path, row, 0, '"text" is not a string')
+                        continue
+                    yield _record({"text": text, "lang": lang, "source": source}, unit.source, path, row, 0, strict)
+        except (OSError, ValueError) as err:  # pyarrow raises ArrowInvalid (a ValueError) on a damaged file
+            yield Skip(UNREADABLE_FILE, path, row + 1, 0, f"{part}{err}"[:200])
+
+
+Batches = Callable[[], Iterator[Any]]
+_COLUMNS = ["text", "lang", "source"]
+
+
+def _parts(unit: Unit) -> list[tuple[str, Batches]]:
+    """(prefix for skip details, record batches) of each part of a tabular unit: the parquet file, or each split
+    of a saved dataset in sorted order (what DatasetDict.load_from_disk would load, but one split at a time, so
+    that one damaged split does not cost the others). Raises when a DatasetDict's list of splits is unreadable."""
+    if unit.kind == "parquet":
+        return [("", partial(_parquet_batches, unit.path))]
+    listing = unit.path / "dataset_dict.json"
+    if not listing.is_file():
+        return [("", partial(_dataset_batches, unit.path))]
+    splits = json.loads(listing.read_text(encoding="utf-8"))["splits"]
+    if not isinstance(splits, list) or not all(isinstance(name, str) for name in splits):
+        raise ValueError('"splits" is not a list of names')
+    return [(f"split {name}: ", partial(_dataset_batches, unit.path / name)) for name in sorted(splits)]
+
+
+def _parquet_batches(path: Path) -> Iterator[Any]:
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(path)
+    names = set(pf.schema_arrow.names)
+    yield from pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[c for c in _COLUMNS if c in names] or None)
+
+
+def _dataset_batches(path: Path) -> Iterator[Any]:
     import datasets  # slow to import; only saved datasets need it
 
-    loaded = datasets.load_from_disk(str(unit.path))
-    splits = [loaded[name] for name in sorted(loaded)] if isinstance(loaded, datasets.DatasetDict) else [loaded]
-    for split in splits:
-        table = split.with_format("arrow")
-        keep = [c for c in wanted if c in split.column_names]
-        for start in range(0, len(split), PARQUET_BATCH_ROWS):
-            yield table[start : start + PARQUET_BATCH_ROWS].select(keep)
+    split = datasets.load_from_disk(str(path))
+    if not isinstance(split, datasets.Dataset):
+        raise ValueError("a DatasetDict inside a DatasetDict")
+    table = split.with_format("arrow")
+    keep = [c for c in _COLUMNS if c in split.column_names]
+    for start in range(0, len(split), PARQUET_BATCH_ROWS):
+        yield table[start : start + PARQUET_BATCH_ROWS].select(keep)

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from test_prep_corpus_text import CONTENT_WORDS, prose
 
-from appliance.data import filters
+from appliance.data import filters, unicode_fix
 from appliance.data.filters import check, params_for
 from appliance.data.langid import detect_language
-from appliance.data.unicode_fix import repair
+from appliance.data.unicode_fix import Repaired, repair
 
 
 def test_thresholds_are_roots() -> None:
@@ -130,13 +130,28 @@ def test_layout_spaces_and_rules_are_folded_before_measuring() -> None:
 
 
 def test_unicode_repair() -> None:
-    assert repair("The cafÃ© was nice") == "The café was nice"
-    assert repair("РџСЂРёРІРµС‚ РјРёСЂ") == "Привет мир"
-    assert repair("a\r\nb\rc") == "a\nb\nc"
-    assert repair("colour \x1b[31mred\x1b[0m") == "colour red"
-    assert repair("e\u0301te\u0301") == "été"  # NFC
+    assert repair("The cafÃ© was nice") == Repaired("The café was nice")
+    assert repair("РџСЂРёРІРµС‚ РјРёСЂ") == Repaired("Привет мир")
+    assert repair("a\r\nb\rc") == Repaired("a\nb\nc")
+    assert repair("colour \x1b[31mred\x1b[0m") == Repaired("colour red")  # a terminal escape is repaired, not counted
+    assert repair("e\u0301te\u0301") == Repaired("été")  # NFC
     clean = "«Déjà vu», ещё… “quoted” ﬁne ＡＢＣ 中文"
-    assert repair(clean) == clean  # curly quotes, ligatures, width and typography are left alone
+    assert repair(clean) == Repaired(clean)  # curly quotes, ligatures, width and typography are left alone
+
+
+def test_control_characters_are_removed_and_counted_by_reason() -> None:
+    kept = "tab\tline\npage\x0cbreak"
+    assert repair(kept) == Repaired(kept)  # layout: tab, line feed, form feed
+    text = "a\x00\x00b\x01c\x7fd\x1be \x93quoted\x94 \x81x\x9dy z\ufeff w\u206a\ufffc"
+    assert repair(text) == Repaired(
+        "abcde “quoted” xy z w",  # C1 controls that stand for Windows-1252 characters become those characters
+        {unicode_fix.NUL: 2, unicode_fix.CONTROL: 3, unicode_fix.C1_CONTROL: 2, unicode_fix.INVISIBLE_FORMAT: 3},
+    )
+    assert set(repair(text).removed) == set(unicode_fix.REMOVED)
+    # NULs alone take the fast path (no ftfy pass) and leave NFC text behind, as does a control inside a
+    # combining sequence.
+    assert repair("caf\x00e\u0301\x00") == Repaired("café", {unicode_fix.NUL: 2})
+    assert repair("cafe\x01\u0301") == Repaired("café", {unicode_fix.CONTROL: 1})
 
 
 def test_language_id() -> None:

@@ -17,6 +17,7 @@ from test_prep_corpus_text import prose, write_jsonl
 from appliance.data import readers
 from appliance.data.prep import iter_corpus, prepare_corpus
 from appliance.data.readers import Record, Skip, plan_units, read_unit
+from appliance.errors import BadInput
 
 
 def _records(path: Path) -> list[Record | Skip]:
@@ -155,3 +156,44 @@ def test_a_50mb_line_is_streamed_in_bounded_memory(tmp_path: Path) -> None:
     assert result["word_count"]["docs_in"] - result["word_count"]["docs_out"] == 1
     grown_mb = (result["peak_kb"] - result["base_kb"]) / 1024
     assert grown_mb < 6 * 50, f"peak RSS grew by {grown_mb:.0f} MB reading a 50 MB line"
+
+
+def test_saved_dataset_damaged_split_is_skipped_and_the_other_kept(tmp_path: Path) -> None:
+    """A DatasetDict is read split by split: a damaged split costs only itself. A row with a NUL keeps its text
+    less the NUL in lenient mode and stops strict mode at its row."""
+    import datasets
+
+    good = [prose(i) for i in range(3)]
+    with_nul = prose(3)[:50] + "\x00" + prose(3)[50:]
+    ds = datasets.DatasetDict(
+        {
+            "a_broken": datasets.Dataset.from_dict({"text": [prose(10), prose(11)]}),
+            "b_good": datasets.Dataset.from_dict({"text": [good[0], with_nul, None, *good[1:]]}),
+        }
+    )
+    ds.save_to_disk(str(tmp_path / "saved"))
+    arrow = next((tmp_path / "saved" / "a_broken").glob("*.arrow"))
+    arrow.write_bytes(arrow.read_bytes()[:100])
+
+    items = _records(tmp_path / "saved")
+    assert [i.text for i in items if isinstance(i, Record)] == [good[0], with_nul, *good[1:]]
+    skips = [(s.reason, s.line, s.detail.split(":")[0]) for s in items if isinstance(s, Skip)]
+    # Rows count across the splits in the order read; the damaged split had none to give.
+    assert skips == [(readers.UNREADABLE_FILE, 1, "split a_broken"), (readers.NO_TEXT, 3, '"text" is not a string')]
+
+    report = prepare_corpus([tmp_path / "saved"], tmp_path / "corpus")
+    assert [d["text"] for d in iter_corpus(tmp_path / "corpus")] == [good[0], with_nul.replace("\x00", ""), *good[1:]]
+    assert report["removed_characters"]["nul"]["chars"] == 1
+    with pytest.raises(BadInput, match=r"saved: line 1, byte offset 0: unreadable file \(split a_broken: "):
+        prepare_corpus([tmp_path / "saved"], tmp_path / "strict", strict=True)
+    with pytest.raises(BadInput, match=r"b_good: line 2, byte offset 0: nul bytes"):
+        prepare_corpus([tmp_path / "saved" / "b_good"], tmp_path / "strict", strict=True)
+
+
+def test_saved_dataset_with_an_unreadable_split_list_is_one_skip(tmp_path: Path) -> None:
+    import datasets
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": [prose(1)]})}).save_to_disk(str(tmp_path / "s"))
+    (tmp_path / "s" / "dataset_dict.json").write_text("{not json")
+    items = _records(tmp_path / "s")
+    assert [(type(i).__name__, getattr(i, "reason", "")) for i in items] == [("Skip", readers.UNREADABLE_FILE)]

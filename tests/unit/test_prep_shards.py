@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from test_prep_corpus_text import prose, write_jsonl
+from test_prep_hostile import make_hostile
 
 from appliance.data import prep, prep_units
 from appliance.data.prep import prepare_corpus, run_step
@@ -197,3 +198,38 @@ def test_a_work_dir_that_is_not_ours_is_refused_and_left_alone(tmp_path: Path) -
         run_step("read", inputs, tmp_path / "two", work_dir=tmp_path / "shared")
     prepare_corpus(inputs, tmp_path / "one", work_dir=tmp_path / "shared")  # its own corpus: resumes, then cleans
     assert not (tmp_path / "shared").exists() and (tmp_path / "one" / "shard-00000.jsonl").exists()
+
+
+def test_slices_and_a_resumed_run_count_bad_files_and_removed_characters_alike(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file skipped whole, the records skipped and the characters removed are counted per unit and summed
+    in finish: a sliced run and a run killed and resumed report them exactly as one local run does."""
+    cases = make_hostile(tmp_path / "in")
+    inputs = [tmp_path / "in"]
+    local = prepare_corpus(inputs, tmp_path / "local")
+    assert local["removed_characters"]["nul"]["docs"] == 3 and len(local["skipped_files"]) == 4
+
+    out = tmp_path / "sliced"
+    for i in range(3):
+        run_step("read", inputs, out, part=(i, 3))
+    assert run_step("templates", inputs, out)["files_skipped"] == [str(cases["j_garbage.txt"][0])]
+    filtered = [run_step("filter", inputs, out, part=(i, 3)) for i in range(3)]
+    assert sorted(len(f["skipped_whole"]) for f in filtered) == [0, 0, 1]  # the garbage file's one unit
+    run_step("finish", inputs, out)
+    assert files_of(out) == files_of(tmp_path / "local")
+
+    filter_step = prep.filter_step
+
+    def killed_at_unit_5(task: prep_units.FilterTask) -> tuple[int, bool]:
+        if task.index == 5:
+            raise KeyboardInterrupt
+        return filter_step(task)
+
+    resumed = tmp_path / "resumed"
+    with monkeypatch.context() as patched:
+        patched.setattr(prep, "filter_step", killed_at_unit_5)
+        with pytest.raises(KeyboardInterrupt):
+            prepare_corpus(inputs, resumed)
+    assert prepare_corpus(inputs, resumed) == local
+    assert files_of(resumed) == files_of(tmp_path / "local")
