@@ -27,6 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from appliance.parallel.mappings import collective_device
+
 TargetLogprobs = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 NextTokens = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -81,13 +83,6 @@ def even_shard(count: int, rank: int, size: int) -> tuple[list[int], int]:
     return mine + [0] * (per_rank - len(mine)), len(mine)
 
 
-def _collective_device(group: Any) -> torch.device:
-    # NCCL moves CUDA tensors only; gloo moves CPU tensors.
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def gather_shards(local: torch.Tensor, count: int, group: Any = None) -> torch.Tensor:
     """Inverse of even_shard: each rank's [per_rank, ...] results -> all `count` results in request order.
 
@@ -97,7 +92,7 @@ def gather_shards(local: torch.Tensor, count: int, group: Any = None) -> torch.T
     _, size = group_rank_size(group)
     if size == 1:
         return local[:count]
-    device = _collective_device(group)
+    device = collective_device(group)
     parts = [torch.empty_like(local, device=device) for _ in range(size)]
     dist.all_gather(parts, local.to(device), group=group)
     stacked = torch.stack([p.cpu() for p in parts], dim=1)
@@ -109,7 +104,7 @@ def all_ranks_agree(flag: bool, group: Any = None) -> bool:
     _, size = group_rank_size(group)
     if size == 1:
         return flag
-    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_collective_device(group))
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=collective_device(group))
     dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
     return bool(value.item())
 

@@ -3,7 +3,9 @@ the SLURM allocation from its environment.
 
 Every probe is allowed to fail: a laptop has no NVML, a container has no /sys/class/infiniband, most shells have no
 SLURM. A failed probe becomes a note in the result and detection goes on; `detect()` never raises for the machine
-it runs on. The /sys root, the environment and the NVML module are parameters so tests can fake each of them.
+it runs on, only for a variable that names GPUs it does not have (BadInput). The GPUs are those the job may use
+(hardware/visible.py), not all the node's. The /sys root, the environment, the NVML module and torch's device count
+are parameters so tests can fake each of them.
 """
 
 from __future__ import annotations
@@ -11,10 +13,11 @@ from __future__ import annotations
 import importlib
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from appliance.errors import BadInput
 from appliance.hardware.profile import (
     NO_GPU,
     EthernetLink,
@@ -24,18 +27,26 @@ from appliance.hardware.profile import (
     SlurmAllocation,
 )
 from appliance.hardware.specs import FABRIC_GBPS, LOOPBACK_GBPS, match_nvml_name
+from appliance.hardware.visible import VisibleGpu, VisibleGpus, visible_gpus
 
 GIB = 2**30
 NVLINK3_GBS_PER_LINK_PER_DIRECTION = 25.0  # A100 NVLink 3: 50 GB/s per link, both directions together
 
 
-def detect(*, sys_root: str | Path = "/sys", env: Mapping[str, str] | None = None, nvml: Any | None = None) -> Hardware:
-    """The hardware this process runs on. `nvml` is a pynvml-like module (imported when None)."""
+def detect(
+    *,
+    sys_root: str | Path = "/sys",
+    env: Mapping[str, str] | None = None,
+    nvml: Any | None = None,
+    cuda_count: Callable[[], int | None] | None = None,
+) -> Hardware:
+    """The hardware this process runs on. `nvml` is a pynvml-like module (imported when None); `cuda_count` says how
+    many devices torch sees (None: ask torch)."""
     env = os.environ if env is None else env
     root = Path(sys_root)
     notes: list[str] = []
 
-    gpus = _probe_gpus(nvml, notes)
+    visible, gpus = _probe_gpus(nvml, env, cuda_count, notes)
     ib_ports, opa_ports = _probe_fabric(root, notes)
     ethernet = _probe_ethernet(root, notes)
     cpu_cores, ram_gb = _probe_cpu(notes)
@@ -52,7 +63,7 @@ def detect(*, sys_root: str | Path = "/sys", env: Mapping[str, str] | None = Non
             notes.append(f"GPU {gpus[0].name!r} is not in the specs table: the planner cannot rate it")
         if len({g.name for g in gpus}) > 1:
             notes.append(f"mixed GPU models on this node: {sorted({g.name for g in gpus})}; planning for GPU 0")
-    elif slurm and slurm.gpus_per_node:
+    elif slurm and slurm.gpus_per_node and not (visible and visible.node_gpus):
         gpus_per_node = slurm.gpus_per_node
         gpu = "unknown"
         notes.append(f"SLURM allocates {gpus_per_node} GPUs per node but NVML saw none here (a login node?)")
@@ -92,29 +103,37 @@ def detect(*, sys_root: str | Path = "/sys", env: Mapping[str, str] | None = Non
         ethernet=tuple(ethernet),
         slurm=slurm,
         notes=tuple(notes),
+        gpus_limited_by=visible.limited_by if visible else (),
     )
 
 
-def _probe_gpus(nvml_module: Any | None, notes: list[str]) -> list[GpuDevice]:
+def _probe_gpus(
+    nvml_module: Any | None, env: Mapping[str, str], cuda_count: Callable[[], int | None] | None, notes: list[str]
+) -> tuple[VisibleGpus | None, list[GpuDevice]]:
+    """The GPUs this job may use (None when NVML cannot say), and their descriptions."""
     nvml: Any = nvml_module
     if nvml is None:
         try:
             nvml = importlib.import_module("pynvml")  # nvidia-ml-py
         except ImportError as e:
             notes.append(f"no GPUs: pynvml is not importable ({e})")
-            return []
+            return None, []
     try:
         nvml.nvmlInit()
     except Exception as e:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...: no GPU driver here
         notes.append(f"no GPUs: NVML did not start ({e})")
-        return []
+        return None, []
     try:
-        count = nvml.nvmlDeviceGetCount()
-        handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
-        return [_gpu_device(nvml, i, h, handles, notes) for i, h in enumerate(handles)]
+        visible = visible_gpus(nvml, env, cuda_count=cuda_count)
+        notes.extend(visible.notes)
+        if any(gpu.mig for gpu in visible.gpus):
+            notes.append("MIG instances: the planner rates each as a whole GPU, though it has a share of one")
+        return visible, [_gpu_device(nvml, gpu, visible.gpus, notes) for gpu in visible.gpus]
+    except BadInput:
+        raise  # a variable naming GPUs this node lacks: the user's to fix, not a probe that failed
     except Exception as e:
         notes.append(f"NVML failed while listing GPUs ({e})")
-        return []
+        return None, []
     finally:
         try:
             nvml.nvmlShutdown()
@@ -122,7 +141,8 @@ def _probe_gpus(nvml_module: Any | None, notes: list[str]) -> list[GpuDevice]:
             notes.append(f"NVML shutdown failed ({e})")
 
 
-def _gpu_device(nvml: Any, index: int, handle: Any, handles: list[Any], notes: list[str]) -> GpuDevice:
+def _gpu_device(nvml: Any, gpu: VisibleGpu, peers: tuple[VisibleGpu, ...], notes: list[str]) -> GpuDevice:
+    index, handle = gpu.index, gpu.handle
     name = nvml.nvmlDeviceGetName(handle)
     name = name.decode() if isinstance(name, bytes) else str(name)
     memory_gb = nvml.nvmlDeviceGetMemoryInfo(handle).total / GIB
@@ -137,14 +157,14 @@ def _gpu_device(nvml: Any, index: int, handle: Any, handles: list[Any], notes: l
     read_cap = getattr(nvml, "NVML_P2P_CAPS_INDEX_READ", 0)
     read_cap = read_cap[0] if isinstance(read_cap, tuple) else read_cap  # some pynvml releases define it as (0,)
     p2p = []
-    for j, other in enumerate(handles):
-        if j == index:
+    for peer in peers:  # the job's own GPUs only: it cannot reach the others
+        if peer is gpu:
             continue
         try:
-            if nvml.nvmlDeviceGetP2PStatus(handle, other, read_cap) == getattr(nvml, "NVML_P2P_STATUS_OK", 0):
-                p2p.append(j)
+            if nvml.nvmlDeviceGetP2PStatus(handle, peer.handle, read_cap) == getattr(nvml, "NVML_P2P_STATUS_OK", 0):
+                p2p.append(peer.index)
         except Exception as e:
-            notes.append(f"GPU {index}: P2P status with GPU {j} unknown ({e})")
+            notes.append(f"GPU {index}: P2P status with GPU {peer.index} unknown ({e})")
     try:
         power_limit_w: float | None = nvml.nvmlDeviceGetPowerManagementLimit(handle) / 1000.0  # NVML reports mW
     except Exception as e:

@@ -83,6 +83,8 @@ class Hardware:
     ethernet: tuple[EthernetLink, ...] = ()
     slurm: SlurmAllocation | None = None
     notes: tuple[str, ...] = field(default=())
+    # Detection: the variables that left the job fewer GPUs than the node has ("CUDA_VISIBLE_DEVICES", ...).
+    gpus_limited_by: tuple[str, ...] = ()
 
     @property
     def has_gpus(self) -> bool:
@@ -94,7 +96,7 @@ class Hardware:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for key in ("gpus", "infiniband", "omnipath", "ethernet", "notes"):
+        for key in ("gpus", "infiniband", "omnipath", "ethernet", "notes", "gpus_limited_by"):
             d[key] = list(d[key])
         return d
 

@@ -6,7 +6,14 @@ Measured where the hardware says it, estimated (and labelled so) where it does n
   CPU: RAPL package counters under /sys/class/powercap (root-only on most kernels since CVE-2020-8694),
        else cores x CPU_WATTS_PER_CORE x utilization.
 `kwh` in events and summaries is the IT energy (GPU + CPU) that was measured; the facility overhead enters
-through the PUE in the carbon figure: co2_kg = kwh x PUE x grid intensity.
+through the PUE in the carbon figure: co2_kg = kwh x PUE x grid intensity. The GPUs are the job's own
+(hardware/visible.py, as detection counts them), not every GPU of the node.
+
+Across restarts and resumes, each node's energy events carry the node's total for the whole run: a new sampler
+(the agent's next attempt, `train --resume`) starts from the last `energy` event its node wrote to metrics.jsonl,
+and adds what it measures (`attempt_kwh`). So the newest event of every node is that node's whole-run figure, and
+summary.json, the dashboard and its projection sum those, as they always have. The energy used between a dead
+attempt's last sample and the next attempt's first (at most a sampling interval plus the restart) is not measured.
 """
 
 from __future__ import annotations
@@ -14,16 +21,15 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psutil
 
 from appliance.hardware.carbon import DEFAULT_PROFILE, CarbonProfile, carbon_kg
-
-if TYPE_CHECKING:
-    from appliance.monitor.state import RunState
-
+from appliance.hardware.visible import job_gpus, load_nvml
+from appliance.monitor.events import finite, read_events_backwards
 
 # Carbon facts (profiles, defaults, carbon_kg) are site facts: they live with the hardware facts.
 
@@ -34,6 +40,25 @@ CPU_ESTIMATE_BASIS = "cores x 7.5 W/core (Xeon Gold 6248: 150 W TDP / 20 cores) 
 
 JOULES_PER_KWH = 3.6e6
 _RAPL_PACKAGE = re.compile(r"intel-rapl:\d+$")  # packages only; intel-rapl:0:0 (core, dram) are inside them
+
+
+@dataclass(frozen=True)
+class EnergyTotals:
+    """What a node had used in the run before this sampler started."""
+
+    gpu_kwh: float = 0.0
+    cpu_kwh: float = 0.0
+
+
+def previous_totals(metrics: Path, node: str) -> EnergyTotals:
+    """The totals of `node`'s newest energy event in metrics.jsonl; zero when it has none (a first attempt, or a
+    node new to the run: then the whole file is read, once per sampler start)."""
+    for event in read_events_backwards(metrics):
+        if event.get("kind") == "energy" and str(event.get("node") or "local") == node:
+            cpu = finite(event.get("cpu_kwh")) or 0.0
+            gpu = finite(event.get("gpu_kwh"))
+            return EnergyTotals(gpu if gpu is not None else max(0.0, (finite(event.get("kwh")) or 0.0) - cpu), cpu)
+    return EnergyTotals()
 
 
 class _GpuEnergy:
@@ -93,10 +118,11 @@ class _RaplZone:
 
 
 class EnergyMeter:
-    """Energy of this node's GPUs and CPUs since construction; `sample()` returns the `energy` event fields.
+    """Energy of this job's GPUs and this node's CPUs; `sample()` returns the `energy` event fields.
 
-    `nvml` is an initialised pynvml-like module (None: load pynvml if it works; a fake in tests), `sysfs_root`
-    the powercap directory (a temp tree in tests).
+    The totals are `before` (what earlier attempts of the run used on this node, see previous_totals) plus what
+    this meter measured since construction. `nvml` is an initialised pynvml-like module (None: load pynvml if it
+    works; a fake in tests), `sysfs_root` the powercap directory (a temp tree in tests).
     """
 
     def __init__(
@@ -108,13 +134,12 @@ class EnergyMeter:
         cpu_cores: int | None = None,
         cpu_utilization: Callable[[], float] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        before: EnergyTotals | None = None,
     ) -> None:
         if nvml is None:
-            from appliance.monitor.gpu import load_nvml
-
             nvml = load_nvml()
-        self.profile, self.clock = profile, clock
-        self.gpus = [_GpuEnergy(nvml, nvml.nvmlDeviceGetHandleByIndex(i)) for i in range(_device_count(nvml))]
+        self.profile, self.clock, self.before = profile, clock, before or EnergyTotals()
+        self.gpus = [_GpuEnergy(nvml, gpu.handle) for gpu in job_gpus(nvml)]
         self.rapl = _open_rapl(Path(sysfs_root))
         self.cpu_cores = cpu_cores or psutil.cpu_count(logical=False) or psutil.cpu_count() or 1
         # psutil.cpu_percent(None) is the system-wide utilization since its previous call: one call per sample.
@@ -149,10 +174,12 @@ class EnergyMeter:
         return self.fields()
 
     def fields(self) -> dict[str, Any]:
-        gpu_kwh, cpu_kwh = self.gpu_joules / JOULES_PER_KWH, self.cpu_joules / JOULES_PER_KWH
+        attempt_gpu_kwh, attempt_cpu_kwh = self.gpu_joules / JOULES_PER_KWH, self.cpu_joules / JOULES_PER_KWH
+        gpu_kwh, cpu_kwh = self.before.gpu_kwh + attempt_gpu_kwh, self.before.cpu_kwh + attempt_cpu_kwh
         kwh = gpu_kwh + cpu_kwh
         fields: dict[str, Any] = {
             "kwh": kwh,
+            "attempt_kwh": attempt_gpu_kwh + attempt_cpu_kwh,
             "co2_kg": carbon_kg(kwh, self.profile.grid_g_per_kwh, self.profile.pue),
             "gpu_kwh": gpu_kwh,
             "cpu_kwh": cpu_kwh,
@@ -167,15 +194,6 @@ class EnergyMeter:
         if self.rapl is None:
             fields["cpu_estimate"] = CPU_ESTIMATE_BASIS.replace("cores", f"{self.cpu_cores} cores", 1)
         return fields
-
-
-def _device_count(nvml: Any) -> int:
-    if nvml is None:
-        return 0
-    try:
-        return int(nvml.nvmlDeviceGetCount())
-    except Exception:
-        return 0
 
 
 def _open_rapl(root: Path) -> list[_RaplZone] | None:
@@ -194,16 +212,3 @@ def _read_name(zone: Path) -> str:
         return (zone / "name").read_text().strip()
     except OSError:
         return ""
-
-
-def energy_summary(state: RunState) -> dict[str, Any]:
-    """The energy part of summary.json, from the latest energy event of every node."""
-    return {
-        "energy_kwh": state.energy_kwh,
-        "co2_kg": state.energy_sum("co2_kg"),
-        "gpu_kwh": state.energy_sum("gpu_kwh"),
-        "cpu_kwh": state.energy_sum("cpu_kwh"),
-        "energy_source": state.energy_field("source"),
-        "pue": state.energy_field("pue"),
-        "grid_g_per_kwh": state.energy_field("grid_g_per_kwh"),
-    }

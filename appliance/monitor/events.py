@@ -7,6 +7,7 @@ Ranks and the head process write; the dashboard and the headless printer read. K
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -118,3 +119,43 @@ class EventTail:
 def read_events(path: Path) -> Iterator[dict[str, Any]]:
     """All complete events of a finished (or live) run, in order."""
     yield from EventTail(Path(path)).read_new()
+
+
+def read_events_backwards(path: Path, block_bytes: int = 1 << 16) -> Iterator[dict[str, Any]]:
+    """The complete events of metrics.jsonl, newest first, read from the end of the file in blocks: finding a recent
+    event costs a block or two, not the whole file (days of a 384-GPU run)."""
+    try:
+        f = open(path, "rb")  # noqa: SIM115 (the generator holds it open between yields)
+    except FileNotFoundError:
+        return
+    with f:
+        end = f.seek(0, os.SEEK_END)
+        cut = b""  # the start of a line whose beginning lies in the block before
+        while end > 0:
+            start = max(0, end - block_bytes)
+            f.seek(start)
+            lines = (f.read(end - start) + cut).split(b"\n")
+            end = start
+            cut = lines.pop(0) if start > 0 else b""
+            for raw in reversed(lines):
+                event = _parse_line(raw)
+                if event is not None:
+                    yield event
+
+
+def _parse_line(raw: bytes) -> dict[str, Any] | None:
+    """One event, or None for a blank, half-written or foreign line."""
+    if not raw.strip():
+        return None
+    try:
+        event = json.loads(raw)
+    except json.JSONDecodeError:
+        return None
+    return event if isinstance(event, dict) else None
+
+
+def finite(value: Any) -> float | None:
+    """A finite float, or None for missing, null, NaN or non-numeric values."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None

@@ -1,7 +1,8 @@
 """Per-node GPU sampling: a daemon thread that writes `gpu` and `energy` events every few seconds.
 
 One sampler per node (the head or local rank 0 starts it), so a 384-GPU run writes 48 `gpu` events per interval,
-each with that node's 8 devices; the dashboard aggregates them per node. Without NVML (no driver, a CPU machine)
+each with that node's 8 devices; the dashboard aggregates them per node. The devices are the job's own
+(hardware/visible.py, as detection counts them), not every GPU of the node. Without NVML (no driver, a CPU machine)
 the device list is empty and the energy event carries the CPU figure alone. The second half of the module reads
 gpu events back into the per-node records the dashboard's table shows.
 """
@@ -10,48 +11,39 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from appliance.monitor.energy import EnergyMeter
-from appliance.monitor.events import EventWriter
+from appliance.hardware.visible import VisibleGpu, job_gpus, load_nvml
+from appliance.monitor.events import EventWriter, finite
+
+if TYPE_CHECKING:
+    from appliance.monitor.energy import EnergyMeter
 
 log = logging.getLogger(__name__)
 
 GIB = 2**30  # "80 GB" GPUs report 80 GiB; GiB keeps the table's figures equal to the name on the box
 
 
-def load_nvml() -> Any | None:
-    """pynvml, initialised, or None when the library or the driver is not there."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:  # ImportError, NVMLError_LibraryNotFound, NVMLError_DriverNotLoaded, ...
-        return None
-    return pynvml
-
-
 def _query(fn: Any, *args: Any) -> Any:
-    """One NVML call; None where the device does not support it (fans, power on some boards) or it fails."""
+    """One NVML call; None where the device does not support it (NVMLError_NotSupported: power on some boards and
+    on MIG instances) or it fails, so one missing reading never stops the others."""
     try:
         return fn(*args)
     except Exception:
         return None
 
 
-def read_devices(nvml: Any | None) -> list[dict[str, Any]]:
-    """The `devices` list of a gpu event: one dict per GPU with the keys events.py documents."""
+def read_devices(nvml: Any | None, gpus: Sequence[VisibleGpu] | None = None) -> list[dict[str, Any]]:
+    """The `devices` list of a gpu event: one dict per GPU of the job (`gpus`; None: find them) with the keys
+    events.py documents."""
     if nvml is None:
         return []
-    count = _query(nvml.nvmlDeviceGetCount) or 0
     devices = []
-    for index in range(int(count)):
-        handle = _query(nvml.nvmlDeviceGetHandleByIndex, index)
-        if handle is None:
-            continue
+    for gpu in job_gpus(nvml) if gpus is None else gpus:
+        index, handle = gpu.index, gpu.handle
         name = _query(nvml.nvmlDeviceGetName, handle)
         util = _query(nvml.nvmlDeviceGetUtilizationRates, handle)
         memory = _query(nvml.nvmlDeviceGetMemoryInfo, handle)
@@ -91,12 +83,13 @@ class GpuSampler:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self.writer, self.node, self.interval_s, self.energy = writer, node, interval_s, energy
         self.nvml = nvml if nvml is not None else load_nvml()
+        self.gpus = job_gpus(self.nvml)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._reported: set[str] = set()
 
     def tick(self) -> None:
-        self.writer.emit("gpu", node=self.node, devices=read_devices(self.nvml))
+        self.writer.emit("gpu", node=self.node, devices=read_devices(self.nvml, self.gpus))
         if self.energy is not None:
             self.writer.emit("energy", node=self.node, **self.energy.sample())
 
@@ -136,13 +129,6 @@ class GpuSampler:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def finite(value: Any) -> float | None:
-    """A finite float, or None for missing, null, NaN or non-numeric values."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value) if math.isfinite(value) else None
 
 
 # ---- reading gpu events back (the dashboard's GPU table) ------------------------------------------------------

@@ -9,7 +9,8 @@ Optional keys this reader understands beyond the required ones of events.py (all
   stage:       error (of a failed stage)
   checkpoint:  every_steps (the configured interval)
   gpu/energy:  node (one sampler per node; the totals sum the latest event of each node)
-  energy:      gpu_kwh, cpu_kwh, source, gpu_source, cpu_source, pue, grid_g_per_kwh
+  energy:      gpu_kwh, cpu_kwh, attempt_kwh, source, gpu_source, cpu_source, pue, grid_g_per_kwh (kwh and the
+               split are the node's totals for the whole run, restarts included: monitor/energy.py)
   eval:        any numeric metric, nested dicts of them (per_source, tasks), sample / prompt (a generated text)
   plan:        the plan.json object (or {"plan": {...}}): estimate.*, train.steps, train.save_interval,
                run.energy_kwh / run.co2_kg (the pre-run estimate for the whole run)
@@ -22,7 +23,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from appliance.monitor.gpu import NodeGpus, finite, parse_devices
+from appliance.monitor.events import finite
+from appliance.monitor.gpu import NodeGpus, parse_devices
 
 # Panels refresh only when their section changed; reduce() records which ones an event touched.
 SECTIONS = ("run", "throughput", "curves", "gpus", "stages", "checkpoints", "timeline", "energy", "eval", "plan")

@@ -7,10 +7,23 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from appliance.monitor.energy import energy_summary
 from appliance.monitor.events import read_events
 from appliance.monitor.state import RunState
 from appliance.rundir import RunDir
+
+
+def energy_summary(state: RunState) -> dict[str, Any]:
+    """The energy part of summary.json: the sum over nodes of each node's newest energy event, which holds that
+    node's total for the whole run, earlier attempts included (monitor/energy.py)."""
+    return {
+        "energy_kwh": state.energy_kwh,
+        "co2_kg": state.energy_sum("co2_kg"),
+        "gpu_kwh": state.energy_sum("gpu_kwh"),
+        "cpu_kwh": state.energy_sum("cpu_kwh"),
+        "energy_source": state.energy_field("source"),
+        "pue": state.energy_field("pue"),
+        "grid_g_per_kwh": state.energy_field("grid_g_per_kwh"),
+    }
 
 
 def summarize(run_dir: RunDir, *, state: str, wall_seconds: float, stage_seconds: dict[str, float]) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from appliance.parallel.mappings import Group, group_size
+from appliance.parallel.mappings import Group, collective_device, group_size
 from appliance.parallel.tensor_parallel import is_tensor_parallel
 from appliance.parallel.topology import ParallelTopology
 
@@ -95,11 +95,16 @@ def global_grad_norm(params: Iterable[torch.Tensor], topology: ParallelTopology)
 
     Call it once the gradients are reduced over DP (every replica then holds the same vector).
     """
+    params = list(params)
     tp_rank = topology.tp_rank(dist.get_rank())
     grads = [p.grad.detach() for p in params if p.grad is not None and _counted_here(p, tp_rank)]
-    device = grads[0].device if grads else torch.device("cpu")
-    # Summed on the gradients' device in fp32, one number per parameter, then one collective.
-    squares = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=device)
+    # Summed on the gradients' device in fp32, one number per parameter, then one collective. A rank that counts no
+    # gradient (a TP rank > 0 of a stage holding only replicated parameters) still joins the collective with a zero
+    # on its parameters' device: a CPU zero would fail under NCCL.
+    if grads:
+        squares = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
+    else:
+        squares = torch.zeros((), device=params[0].device if params else collective_device())
     if group_size(topology.mp_group) > 1:
         dist.all_reduce(squares, group=topology.mp_group)
     return math.sqrt(float(squares))

@@ -43,6 +43,13 @@ def group_rank(group: Group) -> int:
     return dist.get_rank(group) if dist.is_initialized() else 0
 
 
+def collective_device(group: Group = None) -> torch.device:
+    """Where a tensor for a collective over ``group`` must live: NCCL moves CUDA tensors only, gloo CPU ones."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Sum over the group into a fresh tensor (the caller's tensor may be aliased elsewhere in the graph)."""
     out = x.clone(memory_format=torch.contiguous_format)

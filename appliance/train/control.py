@@ -3,6 +3,7 @@
 Requests arrive three ways: control files in the run directory (the dashboard's `s` and `x`, or `touch`),
 SIGTERM (a scheduler's preemption) and SIGUSR1 (SLURM's --signal=USR1@300 warning). Each rank notes what
 it saw; one MAX all-reduce per step makes the decision identical on all ranks, so all stop at the same step.
+The flags live on the engine's device: NCCL moves CUDA tensors only, gloo CPU ones.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ class Requests:
 
 
 class ControlChannel:
-    def __init__(self, run_dir: RunDir, *, poll_files: bool) -> None:
+    def __init__(self, run_dir: RunDir, *, poll_files: bool, device: torch.device) -> None:
         self.run_dir = run_dir
+        self.device = device
         self.poll_files = poll_files  # one rank reads the files; the all-reduce tells the others
         self._signalled: str | None = None
         for sig in (signal.SIGTERM, signal.SIGUSR1):
@@ -50,10 +52,11 @@ class ControlChannel:
 
     def poll(self) -> Requests:
         local = self._local()
-        flags = torch.tensor([float(local.save), float(local.stop)])
+        flags = torch.tensor([float(local.save), float(local.stop)], device=self.device)
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return Requests(save=bool(flags[SAVE]), stop=bool(flags[STOP]))
+        agreed = flags.tolist()  # one device-to-host copy for both flags
+        return Requests(save=bool(agreed[SAVE]), stop=bool(agreed[STOP]))
 
 
 def _consume(path: Path) -> bool:

@@ -105,7 +105,7 @@ class Trainer:
         self.versions = versions
         self.device = device
         self.pos = Position()
-        self.control = ControlChannel(run_dir, poll_files=rank == 0)
+        self.control = ControlChannel(run_dir, poll_files=rank == 0, device=device)
         self.drift_check_interval = drift_check_interval
         # The group the final evaluation spreads its requests over: one rank per model replica position.
         self.dp_group = engine.topology.dp_group

@@ -57,13 +57,16 @@ def _start_sampler(run_dir: RunDir, events: EventWriter | None, plan: dict[str, 
     import socket
 
     from appliance.hardware.carbon import CarbonProfile, resolve_profile
-    from appliance.monitor.energy import EnergyMeter
+    from appliance.monitor.energy import EnergyMeter, previous_totals
     from appliance.monitor.gpu import GpuSampler
 
     carbon = plan.get("run", {}).get("carbon")
     profile = CarbonProfile(**carbon) if carbon else resolve_profile()  # the profile the plan estimated with
     writer = events or EventWriter(run_dir.metrics)
-    return GpuSampler(writer, node=socket.gethostname(), energy=EnergyMeter(profile=profile)).start()
+    node = socket.gethostname()
+    # A restarted or resumed run carries on from this node's last total, so the totals cover the whole run.
+    meter = EnergyMeter(profile=profile, before=previous_totals(run_dir.metrics, node))
+    return GpuSampler(writer, node=node, energy=meter).start()
 
 
 def model_config(plan: dict[str, Any], tokenizer_size: int, tp: int) -> BloomConfig:

@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from appliance.monitor.events import EventTail, EventWriter, make_event
+from appliance.monitor.events import EventTail, EventWriter, make_event, read_events, read_events_backwards
 
 
 def test_unknown_kind_or_missing_key_fails_where_made():
@@ -36,3 +36,18 @@ def test_tail_restarts_on_replaced_file(tmp_path):
     os.remove(path)
     EventWriter(path).emit("warning", message="new")
     assert [e["message"] for e in tail.read_new()] == ["new"]
+
+
+def test_backwards_reading_yields_complete_events_newest_first_across_blocks(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    assert list(read_events_backwards(path)) == []  # no run yet
+    with EventWriter(path) as w:
+        for i in range(50):
+            w.emit("warning", message=f"event {i} " + "x" * (i % 7))
+    with open(path, "a") as f:
+        f.write('{"t": 1, "kind": "warn')  # a line still being written
+    for block in (7, 64, 1 << 16):  # blocks that cut lines anywhere, and one that holds the whole file
+        assert [e["message"] for e in read_events_backwards(path, block_bytes=block)] == [
+            e["message"] for e in reversed(list(read_events(path)))
+        ]
+    assert next(read_events_backwards(path))["message"].startswith("event 49 ")

@@ -6,12 +6,18 @@ import json
 from pathlib import Path
 
 import pytest
+from fake_nvml import FakeGpu, PatchedNvml, node_of
 
 from appliance.errors import BadInput
 from appliance.hardware import GPU_SPECS, Hardware, detect, format_hardware, load_hardware, match_nvml_name
 from appliance.hardware.specs import gpu_spec
 
 GIB = 2**30
+
+
+def no_cuda() -> None:
+    """torch's device count where torch sees no CUDA: the fakes decide alone, whatever machine runs the tests."""
+    return None
 
 
 class FakeNvml:
@@ -124,7 +130,7 @@ def test_detect_with_fake_nvml_sys_and_slurm(fake_sys: Path) -> None:
         "SLURM_CPUS_PER_TASK": "64",
     }
     nvml = FakeNvml()
-    hw = detect(sys_root=fake_sys, env=env, nvml=nvml)
+    hw = detect(sys_root=fake_sys, env=env, nvml=nvml, cuda_count=no_cuda)
     assert nvml.shut_down
     assert (hw.nodes, hw.gpus_per_node, hw.gpu, hw.gpu_memory_gb) == (48, 8, "A100-SXM4-80GB", 80.0)
     assert (hw.intra_node, hw.intra_node_gbps) == ("nvlink", 2400.0)
@@ -157,7 +163,7 @@ def test_detect_infiniband_only_and_probe_failures(tmp_path: Path) -> None:
     write(port / "state", "4: ACTIVE")
     write(port / "rate", "garbage")
     write(port / "link_layer", "InfiniBand")
-    hw = detect(sys_root=tmp_path, env={"SLURM_JOB_ID": "1"}, nvml=NoPowerNvml(count=2, links=0))
+    hw = detect(sys_root=tmp_path, env={"SLURM_JOB_ID": "1"}, nvml=NoPowerNvml(count=2, links=0), cuda_count=no_cuda)
     assert hw.intra_node == "pcie" and hw.gpus[0].power_limit_w is None
     assert hw.inter_node == "infiniband" and hw.inter_node_gbps == 0.0
     notes = " | ".join(hw.notes)
@@ -247,3 +253,106 @@ def test_load_hardware_by_name_and_unknown_name() -> None:
         load_hardware("nope")
     with pytest.raises(BadInput, match="no such file"):
         load_hardware("/nonexistent/box.toml")
+
+
+# ---- the GPUs the job may use, not all the node's ---------------------------------------------------------------
+UUIDS = [gpu.uuid for gpu in node_of(8)]
+
+
+@pytest.mark.parametrize(
+    ("env", "indices", "limited_by"),
+    [
+        ({}, [0, 1, 2, 3, 4, 5, 6, 7], ()),
+        ({"CUDA_VISIBLE_DEVICES": "3"}, [3], ("CUDA_VISIBLE_DEVICES",)),
+        ({"CUDA_VISIBLE_DEVICES": "0,2"}, [0, 2], ("CUDA_VISIBLE_DEVICES",)),
+        ({"CUDA_VISIBLE_DEVICES": "6, 1"}, [6, 1], ("CUDA_VISIBLE_DEVICES",)),  # CUDA's order, which may differ
+        ({"CUDA_VISIBLE_DEVICES": f"{UUIDS[5]},{UUIDS[2][:12]}"}, [5, 2], ("CUDA_VISIBLE_DEVICES",)),  # a prefix too
+        ({"CUDA_VISIBLE_DEVICES": ""}, [], ("CUDA_VISIBLE_DEVICES",)),
+        ({"CUDA_VISIBLE_DEVICES": "-1"}, [], ("CUDA_VISIBLE_DEVICES",)),
+        ({"CUDA_VISIBLE_DEVICES": "4,-1,5"}, [4], ("CUDA_VISIBLE_DEVICES",)),  # CUDA stops at -1
+        ({"SLURM_GPUS_ON_NODE": "2"}, [0, 1], ("SLURM_GPUS_ON_NODE",)),
+        ({"SLURM_JOB_GPUS": "4,5"}, [4, 5], ("SLURM_JOB_GPUS",)),
+        ({"SLURM_JOB_GPUS": "1-3"}, [1, 2, 3], ("SLURM_JOB_GPUS",)),
+        ({"SLURM_GPUS_ON_NODE": "16"}, [0, 1, 2, 3, 4, 5, 6, 7], ()),  # never more than NVML sees
+        (
+            {"CUDA_VISIBLE_DEVICES": "4,5,6", "SLURM_JOB_GPUS": "0", "SLURM_GPUS_ON_NODE": "2"},
+            [4, 5],
+            ("CUDA_VISIBLE_DEVICES", "SLURM_GPUS_ON_NODE"),
+        ),
+    ],
+)
+def test_detect_counts_the_gpus_the_job_may_use(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, env: dict[str, str], indices: list[int], limited_by: tuple[str]
+) -> None:
+    PatchedNvml(monkeypatch, node_of(8))
+    hw = detect(sys_root=tmp_path, env=env, cuda_count=no_cuda)
+    assert [g.index for g in hw.gpus] == indices and hw.gpus_per_node == len(indices)
+    assert hw.gpus_limited_by == limited_by
+    if indices:
+        assert hw.gpus[0].p2p == tuple(indices[1:])  # peers among the job's GPUs only
+    else:
+        assert (hw.gpu, hw.intra_node) == ("none", "loopback")
+    notes = " | ".join(hw.notes)
+    if limited_by:
+        assert f"this job may use {len(indices)} of the 8 GPUs NVML sees here (limited by" in notes
+        assert ", ".join(limited_by) in format_hardware(hw)
+    assert json.loads(json.dumps(hw.to_dict()))["gpus_limited_by"] == list(limited_by)
+
+
+def test_torch_sees_fewer_devices_than_nvml(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    PatchedNvml(monkeypatch, node_of(8))
+    hw = detect(sys_root=tmp_path, env={}, cuda_count=lambda: 2)
+    assert hw.gpus_per_node == 2 and hw.gpus_limited_by == ("torch.cuda.device_count()",)
+
+
+def test_slurm_job_gpus_under_a_device_cgroup(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The cgroup hides the node's other GPUs: NVML numbers the two allocated ones 0 and 1, SLURM calls them 4, 5."""
+    PatchedNvml(monkeypatch, node_of(2))
+    hw = detect(sys_root=tmp_path, env={"SLURM_JOB_GPUS": "4,5"}, cuda_count=no_cuda)
+    assert [g.index for g in hw.gpus] == [0, 1] and hw.gpus_limited_by == ()
+
+
+def test_detect_describes_the_visible_gpus_not_the_node(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    gpus = node_of(8)
+    for gpu in gpus[4:]:
+        gpu.name, gpu.memory_gb = "NVIDIA H100 80GB HBM3", 79.6
+    PatchedNvml(monkeypatch, gpus)
+    hw = detect(sys_root=tmp_path, env={"CUDA_VISIBLE_DEVICES": "5,4"}, cuda_count=no_cuda)
+    assert (hw.gpu, hw.gpu_memory_gb, hw.gpus_per_node) == ("H100-SXM5-80GB", 79.6, 2)
+    assert not any("mixed GPU models" in note for note in hw.notes)
+
+
+def test_a_mig_instance_named_by_uuid(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    gpus = node_of(2)
+    slices = [FakeGpu(uuid=f"MIG-7d3f0c2a-1111-5222-8333-00000000000{i}", memory_gb=9.5) for i in range(2)]
+    for mig in slices:
+        mig.name = "NVIDIA A100-SXM4-80GB MIG 1g.10gb"
+    gpus[1].mig = slices
+    PatchedNvml(monkeypatch, gpus)
+    hw = detect(sys_root=tmp_path, env={"CUDA_VISIBLE_DEVICES": slices[1].uuid}, cuda_count=no_cuda)
+    (gpu,) = hw.gpus
+    assert (gpu.index, gpu.name, gpu.memory_gb) == (1, "NVIDIA A100-SXM4-80GB MIG 1g.10gb", 9.5)
+    assert any("MIG instances" in note for note in hw.notes)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"CUDA_VISIBLE_DEVICES": "9"}, "CUDA_VISIBLE_DEVICES='9': entry '9' is unusable: there is no GPU 9 here"),
+        ({"CUDA_VISIBLE_DEVICES": "0,gpu1"}, "entry 'gpu1' is unusable: an entry must be a GPU index, a GPU-<uuid>"),
+        ({"CUDA_VISIBLE_DEVICES": "0,,1"}, "entry '' is unusable"),
+        ({"CUDA_VISIBLE_DEVICES": "GPU-ffff"}, "entry 'GPU-ffff' is unusable: it matches no device here"),
+        ({"CUDA_VISIBLE_DEVICES": "GPU-0"}, "entry 'GPU-0' is unusable: it matches 8 devices here"),
+        ({"CUDA_VISIBLE_DEVICES": f"1,{UUIDS[1]}"}, "names a device already listed"),
+        ({"CUDA_VISIBLE_DEVICES": "MIG-GPU-x/1/0"}, "MIG-GPU-<uuid>/<gi>/<ci> form"),
+        ({"SLURM_GPUS_ON_NODE": "two"}, "SLURM_GPUS_ON_NODE='two': expected a GPU count"),
+        ({"SLURM_JOB_GPUS": "0,a100"}, "SLURM_JOB_GPUS='0,a100': 'a100' is not a GPU index"),
+    ],
+)
+def test_a_bad_gpu_variable_is_refused_with_a_clear_message(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, env: dict[str, str], message: str
+) -> None:
+    PatchedNvml(monkeypatch, node_of(8))
+    with pytest.raises(BadInput) as err:
+        detect(sys_root=tmp_path, env=env, cuda_count=no_cuda)
+    assert message in str(err.value)

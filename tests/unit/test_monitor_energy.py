@@ -1,5 +1,6 @@
 """Energy and carbon (NVML counters, integrated power, RAPL with wraparound, the stated CPU estimate) and the
-GPU sampler, against a fake NVML and a fake /sys/class/powercap."""
+GPU sampler, against a fake NVML and a fake /sys/class/powercap: only the job's GPUs, failing NVML calls survived,
+and totals that carry over restarts into summary.json."""
 
 from __future__ import annotations
 
@@ -10,14 +11,26 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from fake_nvml import PatchedNvml, node_of
 
-import appliance.monitor.gpu as gpu_module
+import appliance.hardware.visible as visible_module
+import appliance.monitor.energy as energy_module
 from appliance.errors import BadInput
 from appliance.hardware.carbon import BLOOM_JEAN_ZAY, DEFAULT_PROFILE, carbon_kg, resolve_profile
-from appliance.monitor.energy import CPU_WATTS_PER_CORE, EnergyMeter, energy_summary
+from appliance.monitor.energy import CPU_WATTS_PER_CORE, EnergyMeter, previous_totals
 from appliance.monitor.events import EventWriter, read_events
 from appliance.monitor.gpu import GpuSampler, read_devices
 from appliance.monitor.state import RunState, reduce
+from appliance.monitor.summary import energy_summary, summarize
+from appliance.rundir import RunDir
+
+
+@pytest.fixture(autouse=True)
+def whole_node_visible(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No job limits from the machine running the tests: each test sets the ones it is about."""
+    for name in ("CUDA_VISIBLE_DEVICES", "SLURM_JOB_GPUS", "SLURM_GPUS_ON_NODE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(visible_module, "_torch_cuda_count", lambda: None)
 
 
 class FakeNvmlError(Exception):
@@ -136,7 +149,7 @@ def test_integrated_power_and_the_stated_cpu_estimate(tmp_path: Path) -> None:
 
 
 def test_no_nvml_means_no_devices_and_cpu_only_energy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gpu_module, "load_nvml", lambda: None)
+    monkeypatch.setattr(energy_module, "load_nvml", lambda: None)
     assert read_devices(None) == []
     meter = EnergyMeter(sysfs_root=tmp_path, cpu_cores=2, cpu_utilization=lambda: 0.0)
     fields = meter.sample()
@@ -196,3 +209,94 @@ def test_a_failing_tick_becomes_one_warning_and_the_thread_goes_on(
         sampler.tick_safely()
     warnings = [e for e in read_events(metrics) if e["kind"] == "warning"]
     assert len(warnings) == 1 and "disk full" in warnings[0]["message"]
+
+
+# ---- the job's GPUs only, failing NVML calls, restarts ------------------------------------------------------
+KWH_MJ = 3.6e9  # 1 kWh = 3.6 MJ = 3.6e9 mJ, NVML's energy unit
+
+
+def test_only_the_jobs_gpus_are_sampled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job given GPUs 1 and 3 of 8: its gpu events list those two, its energy counts those two, and no other GPU
+    is read at all (another job's draw is not this run's)."""
+    nvml = PatchedNvml(monkeypatch, node_of(8))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,3")
+    clock = Clock()
+    meter = EnergyMeter(sysfs_root=tmp_path / "none", cpu_cores=2, cpu_utilization=lambda: 0.0, clock=clock)
+    with EventWriter(tmp_path / "metrics.jsonl") as writer:
+        sampler = GpuSampler(writer, node="n", energy=meter)
+        for gpu in nvml.gpus:
+            gpu.energy_mj += KWH_MJ
+        clock.now = 60.0
+        sampler.tick()
+    gpu_event, energy = list(read_events(tmp_path / "metrics.jsonl"))
+    assert [d["index"] for d in gpu_event["devices"]] == [1, 3]
+    assert energy["gpu_kwh"] == pytest.approx(2.0)
+    job = {nvml.gpus[1].uuid, nvml.gpus[3].uuid}
+    for function in ("nvmlDeviceGetTotalEnergyConsumption", "nvmlDeviceGetPowerUsage", "nvmlDeviceGetTemperature"):
+        assert set(nvml.read_uuids(function)) == job, function
+
+
+def test_a_failing_nvml_call_is_survived_and_the_rest_still_sampled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOT_SUPPORTED where boards and MIG instances give it: no power or temperature on GPU 0, no utilization and
+    no energy counter on GPU 1 (its energy is integrated power instead). Every tick still writes both events."""
+    gpus = node_of(2)
+    gpus[0].failing = {"nvmlDeviceGetPowerUsage", "nvmlDeviceGetTemperature"}
+    gpus[1].failing = {"nvmlDeviceGetUtilizationRates", "nvmlDeviceGetTotalEnergyConsumption"}
+    nvml = PatchedNvml(monkeypatch, gpus)
+    clock = Clock()
+    meter = EnergyMeter(sysfs_root=tmp_path / "none", cpu_cores=2, cpu_utilization=lambda: 0.0, clock=clock)
+    with EventWriter(tmp_path / "metrics.jsonl") as writer:
+        sampler = GpuSampler(writer, node="n", energy=meter)
+        gpus[0].energy_mj += KWH_MJ
+        clock.now = 3600.0  # GPU 1 at a steady 300 W for an hour: 0.3 kWh
+        sampler.tick_safely()
+        gpus[0].failing.add("nvmlDeviceGetTotalEnergyConsumption")  # the counter stops answering mid-run
+        clock.now = 7200.0
+        sampler.tick_safely()
+    events = list(read_events(tmp_path / "metrics.jsonl"))
+    assert [e["kind"] for e in events] == ["gpu", "energy", "gpu", "energy"]  # no warning: nothing stopped
+    first = events[0]["devices"]
+    assert (first[0]["power_w"], first[0]["temperature_c"], first[0]["util"]) == (None, None, 90.0)
+    assert (first[1]["power_w"], first[1]["temperature_c"], first[1]["util"]) == (300.0, 60.0, None)
+    assert events[1]["gpu_kwh"] == pytest.approx(1.0 + 0.3) and events[1]["gpu_source"] == "nvml_power_integrated"
+    # GPU 0 now has neither counter nor power: it adds nothing more; GPU 1 adds another 0.3 kWh.
+    assert events[3]["gpu_kwh"] == pytest.approx(1.0 + 0.6)
+    assert nvml.read_uuids("nvmlDeviceGetTemperature").count(gpus[1].uuid) == 2
+
+
+def test_two_attempts_energy_add_up_in_summary_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent restarts the workers: attempt 2's sampler carries on from attempt 1's last total on this node, so
+    summary.json reports both attempts, not the last one."""
+    run_dir = RunDir(tmp_path)
+    clock = Clock()
+
+    def attempt(gpu_kwh_each: float) -> None:
+        nvml = PatchedNvml(monkeypatch, node_of(2))  # a new process: the counters read wherever they are
+        before = previous_totals(run_dir.metrics, "node07")
+        meter = EnergyMeter(
+            sysfs_root=tmp_path / "none", cpu_cores=2, cpu_utilization=lambda: 50.0, clock=clock, before=before
+        )
+        with EventWriter(run_dir.metrics) as writer:
+            sampler = GpuSampler(writer, node="node07", energy=meter)
+            for gpu in nvml.gpus:
+                gpu.energy_mj += gpu_kwh_each * KWH_MJ
+            clock.now += 3600.0
+            sampler.tick()
+            writer.emit("warning", message="another event after the node's last energy event")
+
+    assert previous_totals(run_dir.metrics, "node07") == energy_module.EnergyTotals()
+    attempt(1.0)
+    attempt(0.5)
+    cpu_kwh_per_attempt = 2 * CPU_WATTS_PER_CORE * 0.5 / 1000  # 2 cores x 7.5 W x 50% for one hour
+    energies = [e for e in read_events(run_dir.metrics) if e["kind"] == "energy"]
+    assert energies[1]["attempt_kwh"] == pytest.approx(2 * 0.5 + cpu_kwh_per_attempt)
+    summary = summarize(run_dir, state="done", wall_seconds=7200.0, stage_seconds={})
+    (run_dir.root / "summary.json").write_text(json.dumps(summary))
+    written = json.loads((run_dir.root / "summary.json").read_text())
+    assert written["gpu_kwh"] == pytest.approx(2 * 1.0 + 2 * 0.5)
+    assert written["energy_kwh"] == pytest.approx(3.0 + 2 * cpu_kwh_per_attempt)
+    assert written["co2_kg"] == pytest.approx(
+        carbon_kg(written["energy_kwh"], DEFAULT_PROFILE.grid_g_per_kwh, DEFAULT_PROFILE.pue)
+    )
