@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import compute_capability, launch
+
 
 @triton.jit
 def _tanh(u):
@@ -66,30 +68,33 @@ def _bias_gelu_bwd_kernel(
     tl.store(DB_partial + tl.program_id(0) * N + cols, tl.sum(dx, axis=0), mask=cols < N)
 
 
-def _tiles(x2d: torch.Tensor) -> tuple[int, int, int]:
-    # GPU: 64x128 tiles (8192 elements, 32 per thread at 8 warps) keep loads wide. The interpreter pays per
-    # program; 16 x 64 tiles keep programs few while tiny test shapes still cross row and column tile borders.
-    return (64, 128, 8) if x2d.is_cuda else (16, 64, 1)
+def launch_config(capability: int | None) -> tuple[int, int, int]:
+    """(rows, columns, warps) of a tile on a GPU of this compute capability (None: the CPU interpreter).
+
+    GPU: 64x128 tiles (8192 elements, 32 per thread at 8 warps) keep loads wide. The interpreter pays per
+    program; 16 x 64 tiles keep programs few while tiny test shapes still cross row and column tile borders."""
+    return (64, 128, 8) if capability is not None else (16, 64, 1)
 
 
 def bias_gelu_fwd(x2d: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     rows, n = x2d.shape
     y = torch.empty_like(x2d)
-    block_m, block_n, warps = _tiles(x2d)
-    grid = (triton.cdiv(rows, block_m), triton.cdiv(n, block_n))
-    _bias_gelu_fwd_kernel[grid](
-        x2d, bias, y, rows, n, x2d.stride(0), y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps
-    )
+    block_m, block_n, warps = launch_config(compute_capability(x2d))
+    launch(
+        _bias_gelu_fwd_kernel, (triton.cdiv(rows, block_m), triton.cdiv(n, block_n)),
+        x2d, bias, y, rows, n, x2d.stride(0), y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+    )  # fmt: skip
     return y
 
 
 def bias_gelu_bwd(dy2d: torch.Tensor, x2d: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows, n = x2d.shape
     dx = torch.empty_like(x2d)
-    block_m, block_n, warps = _tiles(x2d)
+    block_m, block_n, warps = launch_config(compute_capability(x2d))
     grid = (triton.cdiv(rows, block_m), triton.cdiv(n, block_n))
     db_partial = torch.empty(grid[0], n, dtype=torch.float32, device=x2d.device)
-    _bias_gelu_bwd_kernel[grid](
+    launch(
+        _bias_gelu_bwd_kernel, grid,
         dy2d, x2d, bias, dx, db_partial, rows, n, dy2d.stride(0), x2d.stride(0), dx.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
     )  # fmt: skip

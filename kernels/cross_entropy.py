@@ -16,6 +16,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from kernels.launch import compute_capability, launch
 from kernels.reference import apply_vocab_cross_entropy
 
 
@@ -71,11 +72,12 @@ def _ce_grad_kernel(
         tl.store(base + cols[None, :], grad.to(Logits.dtype.element_ty), mask=mask)
 
 
-def _tile(vocab: int, is_cuda: bool) -> tuple[int, int, int]:
-    """(rows per program, vocab block, warps). GPU: one row per program streaming 4096-wide vocab blocks,
-    16 values per thread at 8 warps. Interpreter: 16 rows x 32 vocab entries, so small test vocabularies still
-    take several blocks and a ragged tail while the program count stays low."""
-    return (1, min(4096, triton.next_power_of_2(vocab)), 8) if is_cuda else (16, 32, 1)
+def launch_config(vocab: int, capability: int | None) -> tuple[int, int, int]:
+    """(rows per program, vocab block, warps) on a GPU of this compute capability (None: the interpreter).
+    GPU: one row per program streaming 4096-wide vocab blocks, 16 values per thread at 8 warps. Interpreter:
+    16 rows x 32 vocab entries, so small test vocabularies still take several blocks and a ragged tail while the
+    program count stays low."""
+    return (1, min(4096, triton.next_power_of_2(vocab)), 8) if capability is not None else (16, 32, 1)
 
 
 def ce_row_stats(
@@ -86,8 +88,9 @@ def ce_row_stats(
     if logits.stride(1) != 1:
         raise ValueError("ce_row_stats: logits rows must be unit-stride")
     row_max, sum_exp, target = (torch.empty(rows, dtype=torch.float32, device=logits.device) for _ in range(3))
-    block_r, block_v, warps = _tile(vocab, logits.is_cuda)
-    _ce_stats_kernel[(triton.cdiv(rows, block_r),)](
+    block_r, block_v, warps = launch_config(vocab, compute_capability(logits))
+    launch(
+        _ce_stats_kernel, (triton.cdiv(rows, block_r),),
         logits, labels, row_max, sum_exp, target, rows, logits.stride(0), vocab, vocab_start,
         BLOCK_R=block_r, BLOCK_V=block_v, num_warps=warps,
     )  # fmt: skip
@@ -99,8 +102,9 @@ def ce_row_grad_(
 ) -> None:
     """Overwrite a [rows, V_local] logits chunk with its gradient (see `_ce_grad_kernel`)."""
     rows, vocab = logits.shape
-    block_r, block_v, warps = _tile(vocab, logits.is_cuda)
-    _ce_grad_kernel[(triton.cdiv(rows, block_r),)](
+    block_r, block_v, warps = launch_config(vocab, compute_capability(logits))
+    launch(
+        _ce_grad_kernel, (triton.cdiv(rows, block_r),),
         logits, labels, lse.contiguous(), rows, logits.stride(0), vocab, vocab_start, inv_count, ignore_index,
         BLOCK_R=block_r, BLOCK_V=block_v, num_warps=warps,
     )  # fmt: skip

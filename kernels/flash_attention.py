@@ -14,14 +14,17 @@ in magnitude. Exponentials are base 2: every logit is pre-multiplied by log2(e),
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import compute_capability, launch
+
 LOG2E = 1.4426950408889634
-# BLOOM's heads are 64 (560m) or 128 wide (1b7 and up); the tile sizes below are tuned up to 128.
+# BLOOM's heads are 64 (560m), 80 (3b), 96 (1b1) or 128 (1b7, 7b1, 176b) wide; 80 and 96 run in 128-wide tiles.
 MAX_HEAD_DIM = 128
 
 
@@ -251,34 +254,59 @@ def _flash_bwd_dq_kernel(
     tl.store(dq_ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=q_mask)
 
 
-def _blocks(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict[str, int]:
-    """Tile sizes per kernel: (fwd_m, fwd_n) queries x keys forward, (dkdv_m, dkdv_n) and (dq_m, dq_n) backward.
+@dataclass(frozen=True)
+class FlashConfig:
+    """Tile sizes per kernel (queries x keys): fwd_m x fwd_n forward, dkdv_m x dkdv_n and dq_m x dq_n backward."""
 
-    GPU, bf16/fp16: FA2-style 128 x 64 forward, 64 x 64 backward. Head dim 128 fills the register file, so a
-    block shrinks to 32 where ptxas otherwise spills (forward and dk/dv before sm_90, dq everywhere; checked by
-    tests/kernels/test_kernel_compile.py). fp32 tiles hold twice the bytes: half-size tiles, two stages.
+    fwd_m: int
+    fwd_n: int
+    dkdv_m: int
+    dkdv_n: int
+    dq_m: int
+    dq_n: int
+    block_d: int
+    warps: int
+    stages: int  # forward; the backward kernels pipeline at most 2 stages (see bwd_stages)
+    dot_fp32: bool  # dots on fp32 copies of the tiles (the interpreter's dot has no bf16)
+    precision: str | None  # tl.dot input_precision: "ieee" for fp32 inputs (exact, not tf32), else the default
+
+    @property
+    def bwd_stages(self) -> int:
+        return min(self.stages, 2)
+
+
+def launch_config(head_dim: int, dtype: torch.dtype, capability: int | None) -> FlashConfig:
+    """The tiles the launchers use for this head dim and dtype on a GPU of this compute capability (None: the
+    CPU interpreter).
+
+    GPU, bf16/fp16: FA2-style 128 x 64 forward, 64 x 64 backward, narrowed where ptxas spills. Measured with
+    `python -m bench.kernels_compile` (docs/PERFORMANCE.md; 255 registers per thread at most): dk/dv at 64 x 64
+    spills 24 bytes per thread at head dim 64 on sm_80 (4 warps), so before sm_90 its query block is 32 (242
+    registers). At head dim 128 (8 warps) the blocks narrowed to 32 (forward and dk/dv before sm_90, dq) were
+    expected to spill at full size; compiled with real-launch specialisations they do not (forward 128 x 64:
+    220 registers on sm_80; dk/dv 64 x 64: 238; dq 64 x 64: 170 on sm_80, 156 on sm_90). They stay narrow until
+    timings on the GPUs decide.
+    fp32 (exact ieee dots, no tensor cores): 64 x 32 forward tiles spilled on both targets (16 to 648 bytes per
+    thread), 32 x 16 do not; the backward's 32 x 32 tiles do not; two stages.
     Interpreter: 16 queries x 8 keys, so tiny test shapes still cross block borders and ragged tails.
     """
-    if device.type != "cuda":
-        return {"fwd_m": 16, "fwd_n": 8, "dkdv_m": 16, "dkdv_n": 8, "dq_m": 16, "dq_n": 8,
-                "block_d": triton.next_power_of_2(head_dim), "warps": 1, "stages": 1}  # fmt: skip
+    # fp32 inputs use exact ieee dots, not tf32; other dtypes keep Triton's default.
+    precision = "ieee" if dtype == torch.float32 else None
+    if capability is None:
+        # The interpreter's dot mishandles bf16 (numpy has no bf16), so there tiles go through fp32, which is
+        # exact for bf16 inputs and matches the GPU's fp32 accumulation.
+        return FlashConfig(16, 8, 16, 8, 16, 8, triton.next_power_of_2(head_dim), 1, 1, True, precision)
     block_d = max(16, triton.next_power_of_2(head_dim))  # tensor-core dots need K >= 16
     warps = 4 if block_d <= 64 else 8
     if dtype == torch.float32:
-        return {"fwd_m": 64, "fwd_n": 32, "dkdv_m": 32, "dkdv_n": 32, "dq_m": 32, "dq_n": 32,
-                "block_d": block_d, "warps": warps, "stages": 2}  # fmt: skip
+        return FlashConfig(32, 16, 32, 32, 32, 32, block_d, warps, 2, False, precision)
     wide = block_d > 64
-    hopper = torch.cuda.get_device_capability(device)[0] >= 9
-    tight = wide and not hopper
-    return {"fwd_m": 128, "fwd_n": 32 if tight else 64, "dkdv_m": 32 if tight else 64, "dkdv_n": 64,
-            "dq_m": 64, "dq_n": 32 if wide else 64, "block_d": block_d, "warps": warps, "stages": 3}  # fmt: skip
-
-
-def _dot_settings(t: torch.Tensor) -> tuple[bool, str | None]:
-    # The interpreter's dot mishandles bf16 (numpy has no bf16), so on CPU tiles go through fp32, which is
-    # exact for bf16 inputs and matches the GPU's fp32 accumulation. fp32 inputs use exact ieee dots, not tf32;
-    # other dtypes keep Triton's default.
-    return (not t.is_cuda, "ieee" if t.dtype == torch.float32 else None)
+    before_hopper = capability < 90
+    return FlashConfig(
+        fwd_m=128, fwd_n=32 if wide and before_hopper else 64, dkdv_m=32 if before_hopper else 64, dkdv_n=64,
+        dq_m=64, dq_n=32 if wide else 64, block_d=block_d, warps=warps, stages=3, dot_fp32=False,
+        precision=precision,
+    )  # fmt: skip
 
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
@@ -295,17 +323,15 @@ def flash_fwd(
     """Output [b, h, q_len, d] (contiguous, q's dtype) and base-2 logsumexp [b, h, q_len] (fp32)."""
     b, h, q_len, d = q.shape
     k_len = k.shape[2]
-    cfg = _blocks(d, q.dtype, q.device)
-    dot_fp32, precision = _dot_settings(q)
+    cfg = launch_config(d, q.dtype, compute_capability(q))
     o = torch.empty((b, h, q_len, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, q_len), dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(q_len, cfg["fwd_m"]), b * h)
-    _flash_fwd_kernel[grid](
+    launch(
+        _flash_fwd_kernel, (triton.cdiv(q_len, cfg.fwd_m), b * h),
         q, k, v, slopes, o, lse, *_strides(q), *_strides(k), *_strides(v),
         h, q_len, k_len, d, scale * LOG2E,
-        CAUSAL=causal, DOT_FP32=dot_fp32, PRECISION=precision,
-        BLOCK_M=cfg["fwd_m"], BLOCK_N=cfg["fwd_n"], BLOCK_D=cfg["block_d"],
-        num_warps=cfg["warps"], num_stages=cfg["stages"],
+        CAUSAL=causal, DOT_FP32=cfg.dot_fp32, PRECISION=cfg.precision,
+        BLOCK_M=cfg.fwd_m, BLOCK_N=cfg.fwd_n, BLOCK_D=cfg.block_d, num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
     return o, lse
 
@@ -324,27 +350,29 @@ def flash_bwd(
     """dq, dk, dv, each contiguous in its input's dtype."""
     b, h, q_len, d = q.shape
     k_len = k.shape[2]
-    cfg = _blocks(d, q.dtype, q.device)
-    dot_fp32, precision = _dot_settings(q)
+    cfg = launch_config(d, q.dtype, compute_capability(q))
     do = do.contiguous()  # the kernels index dO like O: dense [b, h, q_len, d]
     delta = torch.empty_like(lse)
-    _flash_bwd_preprocess_kernel[(triton.cdiv(q_len, cfg["dq_m"]), b * h)](
-        o, do, delta, q_len, d, BLOCK_M=cfg["dq_m"], BLOCK_D=cfg["block_d"], num_warps=cfg["warps"]
-    )
+    launch(
+        _flash_bwd_preprocess_kernel, (triton.cdiv(q_len, cfg.dq_m), b * h),
+        o, do, delta, q_len, d, BLOCK_M=cfg.dq_m, BLOCK_D=cfg.block_d, num_warps=cfg.warps,
+    )  # fmt: skip
     dq = torch.empty((b, h, q_len, d), dtype=q.dtype, device=q.device)
     dk = torch.empty((b, h, k_len, d), dtype=k.dtype, device=k.device)
     dv = torch.empty((b, h, k_len, d), dtype=v.dtype, device=v.device)
     common = dict(
-        CAUSAL=causal, DOT_FP32=dot_fp32, PRECISION=precision, BLOCK_D=cfg["block_d"],
-        num_warps=cfg["warps"], num_stages=min(cfg["stages"], 2),
+        CAUSAL=causal, DOT_FP32=cfg.dot_fp32, PRECISION=cfg.precision, BLOCK_D=cfg.block_d,
+        num_warps=cfg.warps, num_stages=cfg.bwd_stages,
     )  # fmt: skip
     args = (*_strides(q), *_strides(k), *_strides(v), h, q_len, k_len, d, scale, scale * LOG2E)
-    _flash_bwd_dkdv_kernel[(triton.cdiv(k_len, cfg["dkdv_n"]), b * h)](
-        q, k, v, slopes, do, lse, delta, dk, dv, *args, BLOCK_M=cfg["dkdv_m"], BLOCK_N=cfg["dkdv_n"], **common
-    )
-    _flash_bwd_dq_kernel[(triton.cdiv(q_len, cfg["dq_m"]), b * h)](
-        q, k, v, slopes, do, lse, delta, dq, *args, BLOCK_M=cfg["dq_m"], BLOCK_N=cfg["dq_n"], **common
-    )
+    launch(
+        _flash_bwd_dkdv_kernel, (triton.cdiv(k_len, cfg.dkdv_n), b * h),
+        q, k, v, slopes, do, lse, delta, dk, dv, *args, BLOCK_M=cfg.dkdv_m, BLOCK_N=cfg.dkdv_n, **common,
+    )  # fmt: skip
+    launch(
+        _flash_bwd_dq_kernel, (triton.cdiv(q_len, cfg.dq_m), b * h),
+        q, k, v, slopes, do, lse, delta, dq, *args, BLOCK_M=cfg.dq_m, BLOCK_N=cfg.dq_n, **common,
+    )  # fmt: skip
     return dq, dk, dv
 
 

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import compute_capability, gpu_target, launch
+
 # The forward holds a whole row in registers: 16384 fp32 at 16 warps is 32 per thread, no spills (checked
 # with ptxas for sm_80 and sm_90). The fused backward holds ~4 row-wide arrays, so it stops at 8192.
 MAX_ROW = 16384
@@ -142,13 +144,22 @@ def _layer_norm_bwd_columns_kernel(
     tl.store(DB_partial + pid * N + cols, db, mask=in_cols)
 
 
-def _tile(n: int, is_cuda: bool) -> tuple[int, int, int]:
-    """(rows per tile, block width, warps). GPU: a tile of ~4096 elements, enough threads that each holds at
-    most ~32 fp32 of it. Interpreter: 16 rows per tile, since its cost is per program, not per element."""
+def launch_config(n: int, capability: int | None) -> tuple[int, int, int]:
+    """(rows per tile, block width, warps) for rows of n elements, forward and fused backward, on a GPU of this
+    compute capability (None: the CPU interpreter). GPU: a tile of ~4096 elements, enough threads that each holds
+    at most ~32 fp32 of it. Interpreter: 16 rows per tile, since its cost is per program, not per element."""
     block = triton.next_power_of_2(n)
-    rows = max(1, min(16, 4096 // block)) if is_cuda else 16
+    rows = max(1, min(16, 4096 // block)) if capability is not None else 16
     warps = 4 if rows * block < 2048 else 8 if rows * block < 8192 else 16
     return rows, block, warps
+
+
+def wide_bwd_config(capability: int | None) -> tuple[int, int, int, int]:
+    """(row-terms chunk, column-pass rows, column-pass columns, warps) of the backward for rows wider than
+    FUSED_BWD_MAX. GPU: 2048-column chunks at 8 warps (8 values per thread per array); 16 x 256 tiles in the
+    column pass. Interpreter: 256-column chunks and 16 x 256 tiles, so a 1023-wide test row takes several of each."""
+    chunk, warps = (2048, 8) if capability is not None else (256, 1)
+    return chunk, 16, 256, warps
 
 
 def layer_norm_fwd(
@@ -161,8 +172,9 @@ def layer_norm_fwd(
     y = torch.empty_like(x2d)
     mean = torch.empty(rows, dtype=torch.float32, device=x2d.device)
     rstd = torch.empty(rows, dtype=torch.float32, device=x2d.device)
-    block_r, block_n, warps = _tile(n, x2d.is_cuda)
-    _layer_norm_fwd_kernel[(triton.cdiv(rows, block_r),)](
+    block_r, block_n, warps = launch_config(n, compute_capability(x2d))
+    launch(
+        _layer_norm_fwd_kernel, (triton.cdiv(rows, block_r),),
         x2d, weight, bias, y, mean, rstd, x2d.stride(0), y.stride(0), rows, n, eps,
         BLOCK_R=block_r, BLOCK_N=block_n, num_warps=warps,
     )  # fmt: skip
@@ -174,17 +186,19 @@ def layer_norm_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dx, dweight, dbias (dweight/dbias in the weight's dtype)."""
     rows, n = x2d.shape
-    block_r, block_n, warps = _tile(n, x2d.is_cuda)
+    target = gpu_target(x2d)
+    block_r, block_n, warps = launch_config(n, None if target is None else target.capability)
     # A few programs per SM keep the GPU busy while the [programs, N] partials stay small; the interpreter
     # runs programs one after another, so there a handful suffices.
-    slots = 4 * torch.cuda.get_device_properties(x2d.device).multi_processor_count if x2d.is_cuda else 2
+    slots = 4 * target.multiprocessors if target is not None else 2
     if block_n > FUSED_BWD_MAX:
         return _layer_norm_bwd_wide(dy2d, x2d, weight, mean, rstd, slots)
     programs = max(1, min(triton.cdiv(rows, block_r), slots))
     dx = torch.empty_like(x2d)
     dw_partial = torch.empty(programs, n, dtype=torch.float32, device=x2d.device)
     db_partial = torch.empty(programs, n, dtype=torch.float32, device=x2d.device)
-    _layer_norm_bwd_kernel[(programs,)](
+    launch(
+        _layer_norm_bwd_kernel, (programs,),
         x2d, weight, dy2d, dx, mean, rstd, dw_partial, db_partial,
         x2d.stride(0), dy2d.stride(0), dx.stride(0), rows, n,
         BLOCK_R=block_r, BLOCK_N=block_n, num_warps=warps,
@@ -196,21 +210,21 @@ def _layer_norm_bwd_wide(
     dy2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, slots: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rows, n = x2d.shape
-    # GPU: 2048-column chunks at 8 warps (8 values per thread per array); 16 x 256 tiles in the column pass.
-    # Interpreter: 256-column chunks and 16 x 256 tiles, so a 1023-wide test row takes several of each.
-    chunk, warps = (2048, 8) if x2d.is_cuda else (256, 1)
-    block_r, block_c = 16, 256
+    gpu = compute_capability(x2d)
+    chunk, block_r, block_c, warps = wide_bwd_config(gpu)
     c1 = torch.empty(rows, dtype=torch.float32, device=x2d.device)
     c2 = torch.empty_like(c1)
-    _layer_norm_bwd_row_terms_kernel[(rows,)](
-        x2d, weight, dy2d, mean, rstd, c1, c2, x2d.stride(0), dy2d.stride(0), n, BLOCK_N=chunk, num_warps=warps
-    )
+    launch(
+        _layer_norm_bwd_row_terms_kernel, (rows,),
+        x2d, weight, dy2d, mean, rstd, c1, c2, x2d.stride(0), dy2d.stride(0), n, BLOCK_N=chunk, num_warps=warps,
+    )  # fmt: skip
     col_blocks = triton.cdiv(n, block_c)
-    programs = max(1, min(triton.cdiv(rows, block_r), slots // col_blocks if x2d.is_cuda else 2))
+    programs = max(1, min(triton.cdiv(rows, block_r), slots // col_blocks if gpu is not None else 2))
     dx = torch.empty_like(x2d)
     dw_partial = torch.empty(programs, n, dtype=torch.float32, device=x2d.device)
     db_partial = torch.empty(programs, n, dtype=torch.float32, device=x2d.device)
-    _layer_norm_bwd_columns_kernel[(col_blocks, programs)](
+    launch(
+        _layer_norm_bwd_columns_kernel, (col_blocks, programs),
         x2d, weight, dy2d, dx, mean, rstd, c1, c2, dw_partial, db_partial,
         x2d.stride(0), dy2d.stride(0), dx.stride(0), rows, n,
         BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import compute_capability, launch
 from kernels.reference import alibi_key_positions
 
 # A whole key row sits in registers: 16384 fp32 at 16 warps is 32 per thread, no spills (ptxas, sm_80/sm_90).
@@ -69,11 +70,12 @@ def _alibi_softmax_bwd_kernel(
     tl.store(DS + bh * q_len * k_len + offs, ds.to(DS.dtype.element_ty), mask=in_bounds)
 
 
-def _tile(q_len: int, k_len: int, is_cuda: bool) -> tuple[int, int, int]:
+def launch_config(q_len: int, k_len: int, capability: int | None) -> tuple[int, int, int]:
+    """(query rows per program, key block, warps) on a GPU of this compute capability (None: the interpreter)."""
     block_k = triton.next_power_of_2(k_len)
     # GPU: ~8192 elements per program (32 fp32 per thread at 8 warps), several short rows per program.
     # Interpreter: per-program cost dominates, so take up to 8 rows at once.
-    rows = max(1, min(16, 8192 // block_k)) if is_cuda else 8
+    rows = max(1, min(16, 8192 // block_k)) if capability is not None else 8
     rows = min(rows, triton.next_power_of_2(q_len))
     warps = 4 if rows * block_k <= 2048 else 8 if rows * block_k <= 8192 else 16
     return rows, block_k, warps
@@ -89,8 +91,9 @@ def alibi_softmax_fwd(
         raise ValueError(f"alibi_softmax: slopes shape {tuple(slopes.shape)} does not match {h} heads")
     probs = torch.empty((b, h, q_len, k_len), dtype=scores.dtype, device=scores.device)
     key_pos = None if padding_mask is None else alibi_key_positions(padding_mask, b, k_len, scores.device)
-    block_r, block_k, warps = _tile(q_len, k_len, scores.is_cuda)
-    _alibi_softmax_fwd_kernel[(triton.cdiv(q_len, block_r), b * h)](
+    block_r, block_k, warps = launch_config(q_len, k_len, compute_capability(scores))
+    launch(
+        _alibi_softmax_fwd_kernel, (triton.cdiv(q_len, block_r), b * h),
         scores, probs, slopes.contiguous(), key_pos if key_pos is not None else slopes,
         h, q_len, k_len, *scores.stride(), scale,
         CAUSAL=causal, HAS_PADDING=key_pos is not None, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=warps,
@@ -102,10 +105,10 @@ def alibi_softmax_bwd(dprobs: torch.Tensor, probs: torch.Tensor, scale: float) -
     b, h, q_len, k_len = probs.shape
     dprobs = dprobs.contiguous()  # the kernel walks it as a dense [b*h, q, k] block, like probs
     dscores = torch.empty_like(probs)
-    block_r, block_k, warps = _tile(q_len, k_len, probs.is_cuda)
-    _alibi_softmax_bwd_kernel[(triton.cdiv(q_len, block_r), b * h)](
-        probs, dprobs, dscores, q_len, k_len, scale,
-        BLOCK_R=block_r, BLOCK_K=block_k, num_warps=warps,
+    block_r, block_k, warps = launch_config(q_len, k_len, compute_capability(probs))
+    launch(
+        _alibi_softmax_bwd_kernel, (triton.cdiv(q_len, block_r), b * h),
+        probs, dprobs, dscores, q_len, k_len, scale, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=warps,
     )  # fmt: skip
     return dscores
 

@@ -1,14 +1,15 @@
-"""The kernels compile for real GPUs, with the tile sizes the launchers pick there, without a GPU.
+"""The kernels compile for real GPUs, as real launches specialise them, without a GPU.
 
-Triton ships ptxas, so each kernel is compiled ahead of time for sm_90 (H100) and sm_80 (A100): that catches
-what the CPU interpreter cannot (an op the GPU backend rejects, a tile over the shared-memory limit) and checks
-that ptxas spills no registers. The compile runs in a subprocess, because this directory's conftest switches
-@triton.jit to the interpreter.
+`python -m bench.kernels_compile` runs the launchers on meta tensors laid out as training lays them out (every
+GPU model preset), as if on sm_80 (A100) and sm_90 (H100), and compiles what they launch with the ptxas Triton
+ships (kernels.aot). That catches what the CPU interpreter cannot: an op the GPU backend rejects, a tile over
+the shared-memory limit, register spills. It runs in a subprocess because this directory's conftest switches
+@triton.jit to the interpreter. The unmarked test compiles one launch per kernel and target (the largest model
+that launches it); the slow one the whole matrix (every preset, bf16, and fp32 for flash attention).
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import subprocess
@@ -16,117 +17,138 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from bench.kernels_compile import training_shapes
+from kernels import flash_attention, layer_norm
+from kernels.aot import REGISTERS_PER_SM, REGISTERS_PER_THREAD, SHARED_MEMORY_PER_BLOCK
+from kernels.launch import A100, H100, recording
 
 ROOT = Path(__file__).resolve().parents[2]
-SHARED_MEMORY_LIMIT = {90: 232448, 80: 166912}  # bytes of dynamic shared memory per block (H100, A100)
+KERNELS = {
+    "_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel", "_layer_norm_bwd_row_terms_kernel",
+    "_layer_norm_bwd_columns_kernel", "_bias_gelu_fwd_kernel", "_bias_gelu_bwd_kernel", "_flash_fwd_kernel",
+    "_flash_bwd_preprocess_kernel", "_flash_bwd_dkdv_kernel", "_flash_bwd_dq_kernel", "_alibi_softmax_fwd_kernel",
+    "_alibi_softmax_bwd_kernel", "_ce_stats_kernel", "_ce_grad_kernel",
+}  # fmt: skip
 
 
-def _signature(fn, dtype: str, fp32: tuple[str, ...], floats: tuple[str, ...], constexprs: dict) -> dict[str, str]:
-    """Kernel argument types: capitalized names are pointers (fp32 for `fp32`, int64 for Labels), `floats` are fp32
-    scalars, other names int32."""
-    types = {}
-    for name in inspect.signature(fn.fn).parameters:
-        if name in constexprs:
-            types[name] = "constexpr"
-        elif name[0].isupper() and name != "N":
-            types[name] = "*i64" if name == "Labels" else "*fp32" if name in fp32 else f"*{dtype}"
-        else:
-            types[name] = "fp32" if name in floats else "i32"
-    return types
-
-
-def _compile_matrix() -> list[dict]:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from kernels import bias_gelu, cross_entropy, flash_attention, layer_norm, softmax
-
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    results = []
-
-    def build(cc: int, name: str, fn, fp32=(), floats=(), constexprs=None, warps=4, stages=3, dtype="bf16") -> None:
-        constexprs = constexprs or {}
-        source = ASTSource(fn=fn, signature=_signature(fn, dtype, fp32, floats, constexprs), constexprs=constexprs)
-        compiled = triton.compile(source, target=GPUTarget("cuda", cc, 32),
-                                  options={"num_warps": warps, "num_stages": stages})  # fmt: skip
-        ptx = Path(os.environ["COMPILE_TMP"]) / f"{name}-{cc}.ptx"
-        ptx.write_text(compiled.asm["ptx"])
-        arch = "sm_90a" if cc == 90 else f"sm_{cc}"
-        report = subprocess.run([str(ptxas), f"-arch={arch}", "-v", str(ptx), "-o", os.devnull],
-                                capture_output=True, text=True, check=True).stderr  # fmt: skip
-        # ptxas -v prints e.g. "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"
-        spills = sum(int(part.split()[0]) for line in report.splitlines() for part in line.split(",")
-                     if part.strip().endswith("bytes spill stores"))  # fmt: skip
-        results.append({"cc": cc, "kernel": name, "shared": compiled.metadata.shared, "spill_bytes": spills})
-
-    for cc in (90, 80):
-        for d in (64, 128) if cc == 90 else (128,):  # before sm_90, head dim 128 is the tight one for registers
-            cfg = _gpu_flash_blocks(flash_attention, d, cc)
-            common = {"CAUSAL": True, "DOT_FP32": False, "PRECISION": None, "BLOCK_D": cfg["block_d"]}
-            build(cc, f"flash_fwd_d{d}", flash_attention._flash_fwd_kernel, ("Slopes", "LSE"), ("scale2",),
-                  common | {"BLOCK_M": cfg["fwd_m"], "BLOCK_N": cfg["fwd_n"]}, cfg["warps"], cfg["stages"])  # fmt: skip
-            for part in ("dkdv", "dq"):
-                build(cc, f"flash_{part}_d{d}", getattr(flash_attention, f"_flash_bwd_{part}_kernel"),
-                      ("Slopes", "LSE", "Delta"), ("scale", "scale2"),
-                      common | {"BLOCK_M": cfg[f"{part}_m"], "BLOCK_N": cfg[f"{part}_n"]}, cfg["warps"], 2)  # fmt: skip
-        if cc == 80:
-            continue  # the memory-bound kernels below compile alike on both; sm_90 is enough for them
-        rows, block, warps = layer_norm._tile(14336, True)
-        build(cc, "layer_norm_fwd", layer_norm._layer_norm_fwd_kernel, ("Mean", "Rstd"), ("eps",),
-              {"BLOCK_R": rows, "BLOCK_N": block}, warps)  # fmt: skip
-        rows, block, warps = layer_norm._tile(layer_norm.FUSED_BWD_MAX, True)
-        build(cc, "layer_norm_bwd_fused", layer_norm._layer_norm_bwd_kernel,
-              ("Mean", "Rstd", "DW_partial", "DB_partial"), (), {"BLOCK_R": rows, "BLOCK_N": block}, warps)  # fmt: skip
-        build(cc, "layer_norm_bwd_row_terms", layer_norm._layer_norm_bwd_row_terms_kernel,
-              ("Mean", "Rstd", "C1", "C2"), (), {"BLOCK_N": 2048}, 8)  # fmt: skip
-        partials = ("Mean", "Rstd", "C1", "C2", "DW_partial", "DB_partial")
-        build(cc, "layer_norm_bwd_columns", layer_norm._layer_norm_bwd_columns_kernel, partials, (),
-              {"BLOCK_R": 16, "BLOCK_C": 256}, 8)  # fmt: skip
-        build(cc, "bias_gelu_fwd", bias_gelu._bias_gelu_fwd_kernel, (), (), {"BLOCK_M": 64, "BLOCK_N": 128}, 8)
-        build(cc, "bias_gelu_bwd", bias_gelu._bias_gelu_bwd_kernel, ("DB_partial",), (),
-              {"BLOCK_M": 64, "BLOCK_N": 128}, 8)  # fmt: skip
-        rows, block, warps = softmax._tile(2048, 2048, True)
-        build(cc, "alibi_softmax_fwd", softmax._alibi_softmax_fwd_kernel, ("Slopes", "KeyPos"), ("scale",),
-              {"CAUSAL": True, "HAS_PADDING": True, "BLOCK_R": rows, "BLOCK_K": block}, warps)  # fmt: skip
-        build(cc, "alibi_softmax_bwd", softmax._alibi_softmax_bwd_kernel, (), ("scale",),
-              {"BLOCK_R": rows, "BLOCK_K": block}, warps)  # fmt: skip
-        rows, block, warps = cross_entropy._tile(62720, True)
-        build(cc, "ce_stats", cross_entropy._ce_stats_kernel, ("RowMax", "SumExp", "Target"), (),
-              {"BLOCK_R": rows, "BLOCK_V": block}, warps)  # fmt: skip
-        build(cc, "ce_grad", cross_entropy._ce_grad_kernel, ("LSE",), ("inv_count",),
-              {"BLOCK_R": rows, "BLOCK_V": block}, warps)  # fmt: skip
-    return results
-
-
-def _gpu_flash_blocks(flash_attention, d: int, cc: int) -> dict[str, int]:
-    """The launcher's GPU tile sizes for compute capability cc (it asks the device, which is absent here)."""
-    import torch
-
-    real = torch.cuda.get_device_capability
-    torch.cuda.get_device_capability = lambda device=None: (cc // 10, cc % 10)
-    try:
-        return flash_attention._blocks(d, torch.bfloat16, torch.device("cuda"))
-    finally:
-        torch.cuda.get_device_capability = real
-
-
-def test_kernels_compile_for_sm90_and_sm80(tmp_path: Path) -> None:
+def _ptxas_shipped() -> bool:
     import triton
 
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("this triton build ships no ptxas")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env |= {"COMPILE_TMP": str(tmp_path), "TRITON_CACHE_DIR": str(tmp_path / "cache")}
-    run = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    results = json.loads(run.stdout.splitlines()[-1])
-    assert len(results) == 19  # 6 flash kernels on sm_90, 3 on sm_80, 10 memory-bound kernels on sm_90
-    for r in results:
-        assert r["shared"] <= SHARED_MEMORY_LIMIT[r["cc"]], r
-        assert r["spill_bytes"] == 0, r
+    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
 
 
-if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
-    print(json.dumps(_compile_matrix()))
+needs_ptxas = pytest.mark.skipif(not _ptxas_shipped(), reason="this triton build ships no ptxas")
+
+
+@pytest.fixture(scope="session")
+def triton_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One Triton cache for the session: the full matrix reuses the quick run's builds."""
+    return tmp_path_factory.mktemp("triton-cache")
+
+
+def _compile(cache: Path, out: Path, *flags: str) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(cache)}
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.kernels_compile", "--json", str(out), *flags],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=900,
+    )  # fmt: skip
+    # exit status 1 only flags problems, which the assertions below name; anything else is a failed compile
+    assert run.returncode in (0, 1) and out.exists(), run.stdout[-2000:] + run.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="session")
+def quick_builds(triton_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return _compile(triton_cache, tmp_path_factory.mktemp("compile") / "quick.json", "--quick")
+
+
+def _check_limits(builds: list[dict]) -> None:
+    # CUDA C++ Programming Guide, "Technical Specifications per Compute Capability": shared memory per thread
+    # block with opt-in 163 KiB on 8.0 (A100), 227 KiB on 9.0 (H100); 255 registers per thread and 64 Ki
+    # registers per SM on both.
+    assert SHARED_MEMORY_PER_BLOCK == {80: 166912, 90: 232448}
+    assert (REGISTERS_PER_THREAD, REGISTERS_PER_SM) == (255, 65536)
+    for b in builds:
+        where = f"{b['kernel']} sm_{b['capability']} {b['dtype']} {b['sizes']} {b['constexprs']}"
+        assert b["stack_bytes"] == 0, f"{where}: spills {b['stack_bytes']} bytes per thread"
+        assert 0 < b["registers"] <= REGISTERS_PER_THREAD, where
+        assert b["registers"] * 32 * b["num_warps"] <= REGISTERS_PER_SM, where
+        assert b["shared_bytes"] <= SHARED_MEMORY_PER_BLOCK[b["capability"]], where
+        assert b["problems"] == [], where
+
+
+def _check_specialised(builds: list[dict]) -> None:
+    """Pointers 16-byte aligned and strides divisible by 16 (or the constant 1), as on a real launch with
+    contiguous bf16 tensors whose last dimension is a multiple of 8; inputs in the dtype trained with."""
+    for b in builds:
+        pointers = [name for name, ty in b["signature"].items() if ty.startswith("*")]
+        assert set(pointers) <= set(b["divisible"]), b
+        strides = [name for name in b["signature"] if name.startswith("stride")]
+        assert all(name in b["divisible"] or name in b["ones"] for name in strides), b
+        first = b["signature"][pointers[0]]
+        assert first == {"bfloat16": "*bf16", "float32": "*fp32"}[b["dtype"]], b
+
+
+@needs_ptxas
+def test_each_kernel_compiles_for_sm80_and_sm90_without_spills(quick_builds: list[dict]) -> None:
+    assert {(b["kernel"], b["capability"]) for b in quick_builds} == {(k, cc) for k in KERNELS for cc in (80, 90)}
+    assert len(quick_builds) == 2 * len(KERNELS)
+    _check_limits(quick_builds)
+    _check_specialised(quick_builds)
+
+
+@needs_ptxas
+def test_compiled_tiles_are_the_launchers_choice_per_target(quick_builds: list[dict]) -> None:
+    for cc in (80, 90):
+        cfg = flash_attention.launch_config(128, torch.bfloat16, cc)
+        (fwd,) = [b for b in quick_builds if b["kernel"] == "_flash_fwd_kernel" and b["capability"] == cc]
+        assert fwd["sizes"] == ["d=128"]
+        assert (fwd["constexprs"]["BLOCK_M"], fwd["constexprs"]["BLOCK_N"]) == (cfg.fwd_m, cfg.fwd_n)
+        assert (fwd["num_warps"], fwd["num_stages"]) == (cfg.warps, cfg.stages)
+        assert fwd["constexprs"]["DOT_FP32"] is False  # tensor-core dots, not the interpreter's fp32 copies
+        (ln,) = [b for b in quick_builds if b["kernel"] == "_layer_norm_fwd_kernel" and b["capability"] == cc]
+        rows, block, warps = layer_norm.launch_config(14336, cc)
+        assert (ln["constexprs"]["BLOCK_R"], ln["constexprs"]["BLOCK_N"], ln["num_warps"]) == (rows, block, warps)
+
+
+def test_launchers_pick_tiles_for_the_recorded_target() -> None:
+    qkv = torch.empty(1, 64, 4, 3, 128, dtype=torch.bfloat16, device="meta")
+    q, k, v = (qkv[..., i, :].transpose(1, 2) for i in range(3))
+    slopes = torch.empty(4, device="meta")
+    for target in (A100, H100):
+        with recording(target) as launches:
+            flash_attention.flash_fwd(q, k, v, slopes, True, 0.1)
+        (launch,) = launches
+        expected = flash_attention.launch_config(128, torch.bfloat16, target.capability)
+        assert launch.options["BLOCK_N"] == expected.fwd_n and launch.options["DOT_FP32"] is False
+    # sm_80 narrows the forward's key block at head dim 128; sm_90 keeps 64
+    assert flash_attention.launch_config(128, torch.bfloat16, 80).fwd_n == 32
+    assert flash_attention.launch_config(128, torch.bfloat16, 90).fwd_n == 64
+    with pytest.raises(RuntimeError, match="already recording"), recording(A100), recording(H100):
+        pass
+
+
+def test_matrix_covers_every_gpu_preset_head_dim() -> None:
+    # BLOOM-560m 64, 1b1 96, 1b7 128, 3b 80, 7b1 128, 176b 128 (hidden / heads in presets/models)
+    shapes = {s.model: s for s in training_shapes()}
+    assert {name: s.head_dim for name, s in shapes.items()} == {
+        "bloom-560m": 64, "bloom-1b1": 96, "bloom-1b7": 128, "bloom-3b": 80, "bloom-7b1": 128, "bloom-176b": 128,
+    }  # fmt: skip
+    # BLOOM-176B per rank at its reference layout (tp=4): 28 heads, a quarter of the padded vocabulary
+    assert (shapes["bloom-176b"].tp, shapes["bloom-176b"].heads, shapes["bloom-176b"].vocab) == (4, 28, 62720)
+
+
+@needs_ptxas
+@pytest.mark.slow
+def test_whole_matrix_compiles_without_spills(triton_cache: Path, tmp_path: Path) -> None:
+    builds = _compile(triton_cache, tmp_path / "full.json")
+    assert {b["kernel"] for b in builds} == KERNELS and {b["capability"] for b in builds} == {80, 90}
+    flash = [b for b in builds if b["kernel"] == "_flash_fwd_kernel"]
+    for cc in (80, 90):
+        for dtype in ("bfloat16", "float32"):
+            sizes = {s for b in flash if (b["capability"], b["dtype"]) == (cc, dtype) for s in b["sizes"]}
+            assert sizes == {"d=64", "d=80", "d=96", "d=128"}, (cc, dtype)
+    _check_limits(builds)
+    _check_specialised(builds)
