@@ -208,11 +208,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not headless:
         # Validate in the foreground (exit 2 here on bad input), then run headless in the background and attach
         # the dashboard: quitting the dashboard leaves the run going, as on a head node.
-        from appliance.head_run import check_inputs
+        from appliance.head_run import check_inputs, existing_plan
 
         check_inputs(req.corpus)
-        plan = make_run_plan(req)
-        run_dir = req.run_dir or default_run_dir(plan["model"].get("name", "model"))
+        spec = existing_plan(req) or make_run_plan(req)
+        run_dir = req.run_dir or default_run_dir(spec.model.name)
         return _run_with_dashboard(run_dir)
     return _run_headless(req, args.log_format, run)
 
@@ -406,9 +406,9 @@ def cmd_tui(args: argparse.Namespace) -> int:
 def cmd_import(args: argparse.Namespace) -> int:
     from appliance.eval.import_run import import_run
 
-    plan = import_run(args.hf_dir, args.run_dir, hardware=args.hardware, seq_len=args.seq_len)
-    layout = plan["layout"]
-    print(f"imported {plan['model']['name']} into {args.run_dir} (tp{layout['tp']} pp{layout['pp']} dp{layout['dp']});")
+    spec = import_run(args.hf_dir, args.run_dir, hardware=args.hardware, seq_len=args.seq_len)
+    lay = spec.layout
+    print(f"imported {spec.model.name} into {args.run_dir} (tp{lay.tp} pp{lay.pp} dp{lay.dp});")
     print(f"continue training with: ./bloom_appliance.py run --run-dir {args.run_dir} --corpus PATH...")
     return 0
 
@@ -416,41 +416,34 @@ def cmd_import(args: argparse.Namespace) -> int:
 def cmd_sbatch(args: argparse.Namespace) -> int:
     from appliance.data.sample_corpus import SAMPLE_CORPUS_DIR
     from appliance.head_run import RunRequest, check_inputs, make_run_plan
+    from appliance.planner.runspec import load_spec
     from appliance.train.atomic import write_atomic
-    from appliance.train.slurm import SlurmJob, sbatch_script
+    from appliance.train.slurm import job_for, sbatch_script
 
     corpus = args.corpus or [SAMPLE_CORPUS_DIR]
     check_inputs(corpus)
     plan_path = args.run_dir / "plan.json"
     if plan_path.exists():
-        plan = json.loads(plan_path.read_text())
+        spec = load_spec(plan_path)
     else:
-        plan = make_run_plan(RunRequest(corpus=corpus, hardware=args.hardware, model=args.model))
-    hardware, layout = plan["hardware"], plan["layout"]
-    gpus_per_node = args.gpus_per_node or hardware.get("gpus_per_node") or 0
-    if gpus_per_node < 1:
-        raise BadInput("sbatch: the plan is for a machine without GPUs; give --hardware (e.g. jean-zay-a100-48n)")
-    world = layout["tp"] * layout["pp"] * layout["dp"]
-    nodes = args.nodes or -(-world // gpus_per_node)
-    if nodes * gpus_per_node != world:
-        raise BadInput(f"sbatch: tp*pp*dp = {world} ranks do not fill {nodes} nodes x {gpus_per_node} GPUs")
-    args.run_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(plan_path, json.dumps(plan, indent=1).encode())
-    job = SlurmJob(
-        run_dir=args.run_dir,
-        nodes=nodes,
-        gpus_per_node=gpus_per_node,
-        cpus_per_task=int(hardware.get("cpu_cores") or 8),
+        spec = make_run_plan(RunRequest(corpus=corpus, hardware=args.hardware, model=args.model))
+    job = job_for(
+        spec,
+        args.run_dir,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
         time_limit=args.time,
         partition=args.partition,
         account=args.account,
-        job_name=str(plan["model"].get("name", "bloom")),
     )
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(plan_path, spec.dumps())
     script = sbatch_script(job, corpus=[p.resolve() for p in corpus])
     out = args.out or args.run_dir / "train.sbatch"
     out.write_text(script)
     out.chmod(0o750)
-    print(f"wrote {out}: {nodes} nodes x {gpus_per_node} GPUs, tp{layout['tp']} pp{layout['pp']} dp{layout['dp']}")
+    lay = spec.layout
+    print(f"wrote {out}: {job.nodes} nodes x {job.gpus_per_node} GPUs, tp{lay.tp} pp{lay.pp} dp{lay.dp}")
     print(f"submit with: sbatch {out}")
     return 0
 

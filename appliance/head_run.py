@@ -9,14 +9,15 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from appliance.errors import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, BadInput, Preempted
-from appliance.hardware.carbon import CarbonProfile, carbon_kg, resolve_profile
+from appliance.hardware.carbon import carbon_kg, resolve_profile
 from appliance.monitor.events import EventWriter
 from appliance.overrides import CARBON_KEYS, RUN_KEYS
+from appliance.planner.runspec import RunSection, RunSpec, load_spec
 from appliance.rundir import RunDir, point_latest
 from appliance.stages import Stages, fingerprint, settings_key
 from appliance.train.atomic import write_atomic
@@ -45,76 +46,92 @@ def check_inputs(paths: list[Path]) -> None:
             raise BadInput(f"--corpus {p}: no such file or directory")
 
 
-def make_run_plan(req: RunRequest) -> dict[str, Any]:
+def make_run_plan(req: RunRequest) -> RunSpec:
     """The plan for this run, with --max-steps and --set applied. Validates the model and hardware names."""
     from appliance.hardware import detect, load_hardware
     from appliance.planner import load_model_shape, make_plan
 
     hardware = load_hardware(req.hardware) if req.hardware else detect()
     shape = load_model_shape(req.model) if req.model else None
-    plan = make_plan(hardware, shape).to_json()
-    if not plan.get("feasible", True):
-        reasons = "; ".join(plan.get("reasons", [])) or "see `plan`"
+    plan = make_plan(hardware, shape)
+    if not plan.feasible:
+        reasons = "; ".join(plan.reasons) or "see `plan`"
         raise BadInput(f"--model {req.model}: does not fit this hardware: {reasons}")
-    apply_request(plan, req)
-    return plan
+    return apply_request(plan.spec(), req)
 
 
-def apply_request(plan: dict[str, Any], req: RunRequest) -> None:
-    """--set and --max-steps on a plan (a new one, or one `import` or `sbatch` wrote and no run has used yet)."""
-    train = plan["train"]
-    for key, value in req.overrides.items():
-        if key == "vocab_size":
-            plan["model"]["vocab_size"] = value
-        elif key in RUN_KEYS:
-            plan.setdefault("run", {})[key] = value
-        else:
-            train[key] = value
-    _apply_carbon_overrides(plan, req.overrides)
-    if req.max_steps is not None:
-        if req.max_steps <= 0:
-            raise BadInput(f"--max-steps {req.max_steps}: must be positive")
-        train["train_samples"] = req.max_steps * train["global_batch_size"]
-    # A shortened run keeps its schedule's shape: warmup and decay fit inside the samples it will see.
-    train["decay_samples"] = min(train["decay_samples"], train["train_samples"])
-    train["warmup_samples"] = min(train["warmup_samples"], train["decay_samples"] // 2)
-    train["eval_interval"] = max(1, min(train["eval_interval"], train["train_samples"] // train["global_batch_size"]))
+def existing_plan(req: RunRequest) -> RunSpec | None:
+    """The plan.json of the request's run directory, when it has one (a rerun, or a directory `import` or `sbatch`
+    prepared): that plan runs, whatever --model or --hardware say; --set applies to it until a run has used it."""
+    if req.run_dir is None or not RunDir(req.run_dir).plan.exists():
+        return None
+    return load_spec(RunDir(req.run_dir).plan)
 
 
-def _apply_carbon_overrides(plan: dict[str, Any], overrides: dict[str, Any]) -> None:
+def apply_request(spec: RunSpec, req: RunRequest) -> RunSpec:
+    """--set and --max-steps on a plan (a new one, or one `import` or `sbatch` wrote and no run has used yet).
+    Keys the plan states twice (global and micro batch in train and layout, seq_len in train and model) change in
+    both places; the spec checks the result as it checks a plan read from disk."""
+    sets = req.overrides
+    if req.max_steps is not None and req.max_steps <= 0:
+        raise BadInput(f"--max-steps {req.max_steps}: must be positive")
+    try:
+        model = replace(spec.model, **{k: sets[k] for k in ("vocab_size",) if k in sets})
+        layout = replace(spec.layout, **{k: sets[k] for k in ("global_batch_size", "micro_batch_size") if k in sets})
+        run = replace(spec.run, **{k: sets[k] for k in ("max_restarts", "workers") if k in sets})
+        train = replace(spec.train, **{k: v for k, v in sets.items() if k not in RUN_KEYS})
+        if req.max_steps is not None:
+            train = replace(train, train_samples=req.max_steps * train.global_batch_size)
+        # A shortened run keeps its schedule's shape: warmup and decay fit inside the samples it will see.
+        decay = min(train.decay_samples, train.train_samples)
+        train = replace(
+            train,
+            decay_samples=decay,
+            warmup_samples=min(train.warmup_samples, decay // 2),
+            eval_interval=max(1, min(train.eval_interval, train.train_samples // train.global_batch_size)),
+        )
+        return replace(
+            spec,
+            model=model.with_seq_len(sets.get("seq_len")),
+            layout=layout,
+            train=train,
+            run=_carbon_overrides(run, sets),
+        )
+    except ValueError as e:
+        raise BadInput(f"--set: {e}") from None
+
+
+def _carbon_overrides(run: RunSection, overrides: dict[str, Any]) -> RunSection:
     """--set carbon_profile/grid_g_per_kwh/pue: the plan's carbon estimate and the meters use the same profile."""
     if not any(k in overrides for k in CARBON_KEYS):
-        return
-    run = plan.setdefault("run", {})
-    site = CarbonProfile(**run["carbon"]) if "carbon" in run else None
+        return run
     carbon = resolve_profile(
         overrides.get("carbon_profile"),
         grid_g_per_kwh=overrides.get("grid_g_per_kwh"),
         pue=overrides.get("pue"),
-        site=site,
+        site=run.carbon,
     )
-    run.update(
-        carbon=carbon.to_dict(),
+    return replace(
+        run,
+        carbon=carbon,
         pue=carbon.pue,
         kg_co2_per_kwh=carbon.grid_g_per_kwh / 1000.0,
-        co2_kg=carbon_kg(run.get("energy_kwh", 0.0), carbon.grid_g_per_kwh, carbon.pue),
+        co2_kg=carbon_kg(run.energy_kwh, carbon.grid_g_per_kwh, carbon.pue),
     )
 
 
 def run(req: RunRequest, *, on_event_writer: Any = None) -> int:
     check_inputs(req.corpus)
-    plan = make_run_plan(req)
-    model_name = plan["model"].get("name", "model")
-    run_dir = RunDir(req.run_dir or default_run_dir(model_name)).make()
+    spec = existing_plan(req) or make_run_plan(req)
+    run_dir = RunDir(req.run_dir or default_run_dir(spec.model.name)).make()
     events = EventWriter(run_dir.metrics)
     if on_event_writer is not None:
         on_event_writer(run_dir)
     started = time.time()
     events.emit("run", state="started", run_dir=str(run_dir.root), pid=os.getpid())
     stages = Stages(run_dir.manifest, events)
-    workers = int(plan.get("run", {}).get("workers", min(os.cpu_count() or 1, 8)))
     try:
-        outcome = _run_stages(req, plan, run_dir, stages, events, workers)
+        outcome = _run_stages(req, spec, run_dir, stages, events)
     except BadInput:
         events.emit("run", state="failed", reason="bad input")
         raise
@@ -127,26 +144,25 @@ def run(req: RunRequest, *, on_event_writer: Any = None) -> int:
     return {"done": EXIT_OK, "prepared": EXIT_OK, "preempted": EXIT_PREEMPTED}.get(outcome, EXIT_FAILED)
 
 
-def _run_stages(
-    req: RunRequest, plan: dict[str, Any], run_dir: RunDir, stages: Stages, events: EventWriter, workers: int
-) -> str:
+def _run_stages(req: RunRequest, spec: RunSpec, run_dir: RunDir, stages: Stages, events: EventWriter) -> str:
     from appliance.data.prep import prepare_corpus
     from appliance.data.tokenize_corpus import build_indexed_datasets
     from appliance.tokenizer.bpe import train_tokenizer
     from appliance.train.launch import last_rank_errors, run_plan
 
-    def write_plan(progress: Any) -> None:
-        write_atomic(run_dir.plan, json.dumps(plan, indent=1).encode())
-        events.emit("plan", **{k: plan[k] for k in ("hardware", "model", "layout", "estimate", "run") if k in plan})
-
     # The plan is fixed once written: a rerun of the same run directory keeps its plan and resumes.
     if run_dir.plan.exists():
-        plan.clear()
-        plan.update(json.loads(run_dir.plan.read_text()))
+        spec = load_spec(run_dir.plan)
         if "plan" not in stages.records:  # written by `import` or `sbatch`: this first run's settings apply
-            apply_request(plan, req)
+            spec = apply_request(spec, req)
+    plan = spec.to_json()
+
+    def write_plan(progress: Any) -> None:
+        write_atomic(run_dir.plan, spec.dumps())
+        events.emit("plan", **{k: plan[k] for k in ("hardware", "model", "layout", "estimate", "run")})
+
     stages.run("plan", key=settings_key(plan=plan), outputs=[run_dir.plan], work=write_plan)
-    layout, train = plan["layout"], plan["train"]
+    layout, train, workers = spec.layout, spec.train, spec.data_workers(os.cpu_count())
 
     stages.run(
         "prep",
@@ -155,25 +171,25 @@ def _run_stages(
         work=lambda progress: prepare_corpus(req.corpus, run_dir.corpus, workers=workers, on_progress=progress),
     )
     point_latest(run_dir.root.parent, run_dir.root)
-    if "init" in plan:
+    if spec.init is not None:
         # An imported model keeps its own tokenizer (already in place): its weights only make sense with those ids.
         stages.run(
             "tokenizer",
-            key=settings_key(imported=plan["init"]["tokenizer_sha256"]),
+            key=settings_key(imported=spec.init.tokenizer_sha256),
             outputs=[run_dir.tokenizer],
             work=lambda progress: None,
         )
     else:
         stages.run(
             "tokenizer",
-            key=settings_key(corpus=fingerprint([run_dir.corpus]), vocab=plan["model"]["vocab_size"], tp=layout["tp"]),
+            key=settings_key(corpus=fingerprint([run_dir.corpus]), vocab=spec.model.vocab_size, tp=layout.tp),
             outputs=[run_dir.tokenizer],
             work=lambda progress: train_tokenizer(
                 run_dir.corpus,
                 run_dir.tokenizer,
-                vocab_size=plan["model"]["vocab_size"],
-                tp_size=layout["tp"],
-                seed=train["seed"],
+                vocab_size=spec.model.vocab_size,
+                tp_size=layout.tp,
+                seed=train.seed,
                 on_progress=progress,
             ),
         )

@@ -16,6 +16,11 @@ class RunDir:
         return self.root / "plan.json"
 
     @property
+    def ds_config(self) -> Path:
+        """The DeepSpeed config the newest launch ran with (written by rank 0)."""
+        return self.root / "ds_config.json"
+
+    @property
     def corpus(self) -> Path:
         return self.root / "corpus"
 

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from appliance.errors import BadInput
+from appliance.planner.runspec import load_spec
 from appliance.rundir import RunDir
 from appliance.train import checkpoint as ckpt
 
 
 def export_run(run_dir: RunDir, out_dir: Path) -> Path:
     from appliance.eval.hf_export import export_hf
-    from appliance.model.config import BloomConfig
+    from appliance.model.config import config_for_shape
     from appliance.parallel.shards import LazyFullStateDict
 
     if not run_dir.plan.exists():
@@ -20,18 +20,13 @@ def export_run(run_dir: RunDir, out_dir: Path) -> Path:
     step_dir = ckpt.find_latest(run_dir.checkpoints)
     if step_dir is None:
         raise BadInput(f"--run-dir {run_dir.root}: no complete checkpoint under {run_dir.checkpoints}")
-    plan = json.loads(run_dir.plan.read_text())
+    spec = load_spec(run_dir.plan)
     # Read parameter by parameter from model.safetensors or the tensor/pipeline-parallel shards: the export never
     # holds the whole model, only one output shard.
     try:
         state = LazyFullStateDict(step_dir)
     except FileNotFoundError as e:
         raise BadInput(str(e)) from None
-    shape = plan["model"]
-    config = BloomConfig(
-        vocab_size=state["transformer.word_embeddings.weight"].shape[0],
-        hidden_size=shape["hidden"],
-        n_layer=shape["layers"],
-        n_head=shape["heads"],
-    )
+    # config.json states the plan's layer_norm_epsilon and init_std (as initializer_range), not transformers' defaults.
+    config = config_for_shape(spec.model, state["transformer.word_embeddings.weight"].shape[0])
     return export_hf(state, config, run_dir.tokenizer_json, out_dir)

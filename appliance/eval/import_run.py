@@ -9,14 +9,14 @@ layout the plan chose: a full-model checkpoint loads at any layout, with a fresh
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from safetensors.torch import save_file
 
 from appliance.errors import BadInput
+from appliance.planner.runspec import ImportedWeights, RunSpec
 from appliance.rundir import RunDir
 from appliance.train import checkpoint as ckpt
 from appliance.train.atomic import make_dir, write_atomic
@@ -24,7 +24,7 @@ from appliance.train.atomic import make_dir, write_atomic
 MODEL_FILE = "model.safetensors"
 
 
-def import_run(hf_dir: Path, run_dir: Path, *, hardware: str | None = None, seq_len: int = 2048) -> dict[str, Any]:
+def import_run(hf_dir: Path, run_dir: Path, *, hardware: str | None = None, seq_len: int = 2048) -> RunSpec:
     from appliance.eval.hf_export import import_hf
     from appliance.hardware import detect, load_hardware
     from appliance.planner import ModelShape, make_plan
@@ -45,16 +45,17 @@ def import_run(hf_dir: Path, run_dir: Path, *, hardware: str | None = None, seq_
         name=f"imported-{Path(hf_dir).resolve().name}",
         description=f"imported from {Path(hf_dir).resolve()}",
         layer_norm_epsilon=config.layer_norm_epsilon,
+        init_std=config.initializer_range,  # not used (the weights are loaded), but what the checkpoint states
     )
-    plan = make_plan(load_hardware(hardware) if hardware else detect(), shape).to_json()
-    if plan["layout"].get("padded_vocab", config.vocab_size) != config.vocab_size:
+    spec = make_plan(load_hardware(hardware) if hardware else detect(), shape).spec()
+    if shape.padded_vocab(spec.layout.tp) != config.vocab_size:
         raise BadInput(
-            f"--hf-dir {hf_dir}: vocabulary {config.vocab_size} is not a multiple of 128 x tp({plan['layout']['tp']})"
+            f"--hf-dir {hf_dir}: vocabulary {config.vocab_size} is not a multiple of 128 x tp({spec.layout.tp})"
         )
-    plan["init"] = {
-        "from": str(Path(hf_dir).resolve()),
-        "tokenizer_sha256": hashlib.sha256(tokenizer_json.read_bytes()).hexdigest(),
-    }
+    imported = ImportedWeights(
+        source=str(Path(hf_dir).resolve()), tokenizer_sha256=hashlib.sha256(tokenizer_json.read_bytes()).hexdigest()
+    )
+    spec = replace(spec, init=imported)
 
     rd.make()
     make_dir(rd.tokenizer)
@@ -63,7 +64,7 @@ def import_run(hf_dir: Path, run_dir: Path, *, hardware: str | None = None, seq_
     tensors = {k: v.float().contiguous() for k, v in state.items() if k != "lm_head.weight"}  # the tie is implied
     save_file(tensors, str(step_dir / MODEL_FILE), metadata={"imported_from": str(Path(hf_dir).resolve())})
     # layout None: every layout loads the weights and starts a fresh optimizer.
-    meta = {"consumed_samples": 0, "layout": None, "world_size": None, "imported_from": plan["init"]["from"]}
+    meta = {"consumed_samples": 0, "layout": None, "world_size": None, "imported_from": imported.source}
     ckpt.commit(rd.checkpoints, 0, [ckpt.FileRecord.of(step_dir / MODEL_FILE)], meta)
-    write_atomic(rd.plan, json.dumps(plan, indent=1).encode())
-    return plan
+    write_atomic(rd.plan, spec.dumps())
+    return spec

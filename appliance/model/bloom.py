@@ -276,7 +276,9 @@ class BloomForCausalLM(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """transformers' Bloom init: weights ~ N(0, initializer_range), biases 0, LayerNorms 1/0.
+        """transformers' Bloom init: weights ~ N(0, initializer_range), biases 0, LayerNorms 1/0. initializer_range is
+        the plan's model.init_std (BLOOM: 0.0048). Megatron-DeepSpeed also drew the attention and MLP output
+        projections at init_std / sqrt(2 x layers); like transformers, this draws every matrix at init_std.
 
         Pass a seeded torch.Generator for a reproducible model; the draw order is embeddings then blocks in order.
         """

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from appliance.planner.model_shape import ModelShape
 
 # Special-token ids of the BLOOM tokenizer layout (<unk>, <s>, </s>, <pad> are the first four entries of the
 # vocabulary); bigscience/bloom's config.json carries the same numbers.
@@ -120,3 +123,21 @@ class BloomConfig:
             hidden_dropout=float(d.get("hidden_dropout", 0.0)),
             attention_dropout=float(d.get("attention_dropout", 0.0)),
         )
+
+
+def config_for_shape(shape: ModelShape, vocab_size: int) -> BloomConfig:
+    """The BloomConfig of a planned shape (plan.json's "model"), with `vocab_size` embedding rows: the tokenizer's
+    entries padded to 128 x tp, which only the tokenizer stage knows. init_std becomes initializer_range, the std
+    every weight matrix and the word embedding draw from (BloomForCausalLM.init_weights)."""
+    if shape.ffn_hidden != 4 * shape.hidden:
+        raise ValueError(
+            f"model {shape.name}: ffn_hidden({shape.ffn_hidden}) != 4 x hidden({shape.hidden}); BLOOM's MLP is 4x wide"
+        )
+    return BloomConfig(
+        vocab_size=vocab_size,
+        hidden_size=shape.hidden,
+        n_layer=shape.layers,
+        n_head=shape.heads,
+        layer_norm_epsilon=shape.layer_norm_epsilon,
+        initializer_range=shape.init_std,
+    )

@@ -12,7 +12,8 @@ How the layout maps onto DeepSpeed, in the order it is applied:
    pp = 1: the same layers in a BloomStack under DeepSpeed's plain engine, ZeRO 0/1/2.
 3. Data parallel and the optimizer: DeepSpeed's (bf16: BF16_Optimizer with fp32 accumulation and master weights;
    fp32: ZeRO stage as planned), with our topology as its model-parallel unit so the clipping norm is global.
-Every layout starts from the weights a single process draws from the same seed (shards.dense_initial_weights).
+Every layout starts from the weights a single process draws from the same seed (shards.dense_initial_weights), each
+weight matrix and the word embedding from N(0, config.initializer_range): the plan's model.init_std.
 
 The batch size may change from step to step (ramp-up): the number of micro-batches handed to ``train_batch``
 is the step's batch, and the engine tells DeepSpeed before the step (``set_train_batch_size``), which rescales
@@ -176,6 +177,11 @@ class ParallelEngine:
         self.sharded = topology.tp > 1 or topology.pp > 1
         self.last_checkpoint: Path | None = None  # where the weights were last saved to or loaded from
         self._dense: tuple[Path | None, BloomForCausalLM] | None = None
+
+    @property
+    def ds_config(self) -> dict[str, Any]:
+        """The DeepSpeed config this engine was initialized with (what run_dir/ds_config.json records)."""
+        return dict(self.engine.config)
 
     # ---- parameters ---------------------------------------------------------------------------------------
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:

@@ -8,6 +8,7 @@ from appliance.planner.model_shape import ModelShape, Rampup, TrainRecipe, load_
 from appliance.planner.plan import Plan, make_plan
 from appliance.planner.reference import Reference, load_reference
 from appliance.planner.render import format_plan
+from appliance.planner.runspec import RunSpec, load_spec
 from appliance.planner.timing import StepTime, step_time
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "Plan",
     "Rampup",
     "Reference",
+    "RunSpec",
     "StepTime",
     "TrainRecipe",
     "activation_bytes_per_layer",
@@ -30,6 +32,7 @@ __all__ = [
     "fused_softmax_error",
     "load_model_shape",
     "load_reference",
+    "load_spec",
     "make_plan",
     "memory_per_gpu",
     "model_from_table",

@@ -7,11 +7,9 @@ ranks out: rank = tp_rank + tp * (dp_rank + dp * pp_rank).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import re
 from dataclasses import dataclass
-from typing import Any
 
 from appliance.errors import BadInput
 from appliance.planner.model_shape import RECOMPUTE_MODES
@@ -94,11 +92,6 @@ class Layout:
             problems.append(partition_problem)
         if problems:
             raise BadInput(f"layout {self.describe()}: " + "; ".join(problems))
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Layout:
-        """The layout of a plan.json "layout" object (extra keys such as world_size are ignored)."""
-        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
 
     def to_dict(self) -> dict[str, int | str | bool]:
         return {

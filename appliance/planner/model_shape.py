@@ -13,7 +13,7 @@ Megatron-LM", appendix; the formula Megatron-DeepSpeed's throughput log uses):
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from appliance.errors import BadInput
@@ -21,6 +21,9 @@ from appliance.presets import load_preset
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 VOCAB_PAD_MULTIPLE = 128  # Megatron pads the vocabulary to a multiple of 128 x TP (make-vocab-size-divisible-by)
+# Standard deviation of the initial weights when a shape states none: Megatron's --init-method-std default (and
+# transformers' BloomConfig initializer_range). BLOOM's own runs set 0.0048 (presets/models/bloom-*.toml).
+DEFAULT_INIT_STD = 0.02
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,7 @@ class ModelShape:
     ffn_hidden: int = 0  # 0 means 4 x hidden
     name: str = "custom"
     description: str = ""
-    init_std: float | None = None
+    init_std: float = DEFAULT_INIT_STD  # every weight matrix and the embedding draw from N(0, init_std)
     layer_norm_epsilon: float = 1e-5
     recipe: TrainRecipe = field(default_factory=TrainRecipe)
 
@@ -78,6 +81,9 @@ class ModelShape:
                 raise BadInput(f"model {self.name}: {key} must be a positive integer, got {value!r}")
         if self.hidden % self.heads:
             raise BadInput(f"model {self.name}: hidden({self.hidden}) is not divisible by heads({self.heads})")
+        for key in ("init_std", "layer_norm_epsilon"):
+            if not getattr(self, key) > 0:
+                raise BadInput(f"model {self.name}: {key} must be > 0, got {getattr(self, key)!r}")
 
     @property
     def head_dim(self) -> int:
@@ -122,15 +128,6 @@ class ModelShape:
 
     def with_seq_len(self, seq_len: int | None) -> ModelShape:
         return self if seq_len is None or seq_len == self.seq_len else replace(self, seq_len=seq_len)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ModelShape:
-        """The shape of a plan.json "model" object (derived keys such as parameters are ignored)."""
-        values = {f.name: data[f.name] for f in fields(cls) if f.name in data and f.name != "recipe"}
-        recipe = dict(data.get("recipe") or {})
-        if isinstance(recipe.get("rampup"), dict):
-            recipe["rampup"] = Rampup(**recipe["rampup"])
-        return cls(**values, recipe=TrainRecipe(**recipe))
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

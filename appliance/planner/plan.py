@@ -11,12 +11,14 @@ from appliance.hardware.profile import Hardware
 from appliance.hardware.specs import GENERIC_GPU, gpu_spec
 from appliance.planner.device import Device, make_device
 from appliance.planner.ladder import DEFAULT_TIME_BUDGET_DAYS, choose_model
-from appliance.planner.layout import Layout, pipeline_partition
+from appliance.planner.layout import Layout
 from appliance.planner.memory import MemoryEstimate
 from appliance.planner.model_shape import ModelShape
 from appliance.planner.recipe import default_global_batch_size, run_estimate, train_section
+from appliance.planner.runspec import PlanDevice, PlanReport, RunSection, RunSpec
 from appliance.planner.search import Evaluated, SearchResult, evaluate, search_layouts
 from appliance.planner.timing import StepTime
+from appliance.planner.train_settings import TrainSettings
 
 MAX_REJECTED_PER_KIND = 6
 
@@ -43,13 +45,13 @@ class Plan:
     time: StepTime
     device: Device
     mode: str  # "searched" or "given"
+    train: TrainSettings
+    run: RunSection
     reasons: list[str] = field(default_factory=list)  # why it cannot run (empty when feasible)
     rejected: list[dict[str, Any]] = field(default_factory=list)
     rejected_counts: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     model_choice: list[str] = field(default_factory=list)  # the ladder's reasoning when no model was named
-    train: dict[str, Any] = field(default_factory=dict)
-    run: dict[str, Any] = field(default_factory=dict)
     candidates: int = 0
     search_seconds: float = 0.0
 
@@ -72,45 +74,42 @@ class Plan:
             "samples_per_s": lay.global_batch_size / step,
         }
 
-    def to_json(self) -> dict[str, Any]:
-        layout: dict[str, Any] = dict(self.layout.to_dict())
-        partition = pipeline_partition(self.model.layers, self.layout.pp)
-        layout.update(
-            world_size=self.layout.world_size,
-            micro_batches=self.layout.micro_batches,
-            partition_method=partition.method,
-            layers_per_stage=list(partition.layers_per_stage),
-            padded_vocab=self.model.padded_vocab(self.layout.tp),
+    def spec(self) -> RunSpec:
+        """The plan as the run spec every consumer reads (plan.json is its serialised form)."""
+        return RunSpec(
+            hardware=self.hardware,
+            model=self.model,
+            layout=self.layout,
+            train=self.train,
+            run=self.run,
+            device=PlanDevice(
+                kind=self.device.kind,
+                name=self.device.name,
+                dtype=self.device.dtype,
+                peak_tflops=self.device.peak_flops / 1e12,
+            ),
+            report=PlanReport(
+                estimate=self.estimate,
+                feasible=self.feasible,
+                reasons=list(self.reasons),
+                rejected=list(self.rejected),
+                rejected_counts=dict(self.rejected_counts),
+                memory_breakdown_gb=dict(self.memory.breakdown_gb),
+                memory_stage=self.memory.stage,
+                in_flight_micro_batches=self.memory.in_flight,
+                time_breakdown_s=dict(self.time.breakdown_s),
+                bottleneck_stage=self.time.bottleneck_stage,
+                conventions=dict(CONVENTIONS),
+                mode=self.mode,
+                candidates=self.candidates,
+                search_seconds=self.search_seconds,
+                notes=list(self.notes),
+                model_choice=list(self.model_choice),
+            ),
         )
-        return {
-            "hardware": self.hardware.to_dict(),
-            "model": self.model.to_dict(),
-            "layout": layout,
-            "estimate": self.estimate,
-            "feasible": self.feasible,
-            "reasons": list(self.reasons),
-            "rejected": list(self.rejected),
-            "rejected_counts": dict(self.rejected_counts),
-            "memory_breakdown_gb": dict(self.memory.breakdown_gb),
-            "memory_stage": self.memory.stage,
-            "in_flight_micro_batches": self.memory.in_flight,
-            "time_breakdown_s": dict(self.time.breakdown_s),
-            "bottleneck_stage": self.time.bottleneck_stage,
-            "device": {
-                "kind": self.device.kind,
-                "name": self.device.name,
-                "dtype": self.device.dtype,
-                "peak_tflops": self.device.peak_flops / 1e12,
-            },
-            "conventions": dict(CONVENTIONS),
-            "mode": self.mode,
-            "candidates": self.candidates,
-            "search_seconds": self.search_seconds,
-            "notes": list(self.notes),
-            "model_choice": list(self.model_choice),
-            "train": dict(self.train),
-            "run": dict(self.run),
-        }
+
+    def to_json(self) -> dict[str, Any]:
+        return self.spec().to_json()
 
 
 def _world_for(hardware: Hardware, layout: Layout) -> int:
@@ -220,7 +219,7 @@ def make_plan(
     layout = chosen.layout
 
     train = train_section(model, layout, device, chosen.time.total_s, train_tokens=train_tokens, notes=notes)
-    run = run_estimate(hardware, device, layout, chosen.time.total_s, train["steps"])
+    run = run_estimate(hardware, device, layout, chosen.time.total_s, train.steps_at_full_batch)
     return Plan(
         hardware=hardware,
         model=model,

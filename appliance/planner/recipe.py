@@ -9,7 +9,6 @@ for the BLOOM sizes) is used as is; anything it leaves out follows BLOOM's choic
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from appliance.hardware.carbon import carbon_kg, resolve_profile, site_profile
 from appliance.hardware.profile import Hardware
@@ -18,6 +17,8 @@ from appliance.planner import calibration as cal
 from appliance.planner.device import Device
 from appliance.planner.layout import Layout
 from appliance.planner.model_shape import ModelShape
+from appliance.planner.runspec import RunSection
+from appliance.planner.train_settings import TrainSettings
 
 # BLOOM's optimizer settings (tr11-176B-ml README, "Optimizer"): AdamW (0.9, 0.95), eps 1e-8, weight decay 0.1,
 # clipping at global norm 1.0; seed 42 as in every tr11 script.
@@ -79,7 +80,7 @@ def train_section(
     *,
     train_tokens: int | None = None,
     notes: list[str] | None = None,
-) -> dict[str, Any]:
+) -> TrainSettings:
     """The "train" section of plan.json: what the trainer needs, in samples."""
     notes = [] if notes is None else notes
     r = model.recipe
@@ -93,32 +94,34 @@ def train_section(
     decay = r.decay_samples if (own_budget and r.decay_samples) else samples
     steps = max(1, samples // gbs)
     save_default = max(1, min(steps, round(3600 / max(step_time_s, 1e-9))))  # about hourly
-    section: dict[str, Any] = {
-        "seq_len": model.seq_len,
-        "global_batch_size": gbs,
-        "micro_batch_size": layout.micro_batch_size,
-        "train_samples": samples,
-        "train_tokens": samples * model.seq_len,
-        "steps": steps,
-        "lr": lr,
-        "min_lr": r.min_lr if r.min_lr is not None else lr / 10,
-        "lr_decay_style": "cosine",
-        "warmup_samples": warmup,
-        "decay_samples": decay,
-        "rampup": _rampup(model, layout, notes),
-        **{k: getattr(r, k) if getattr(r, k) is not None else v for k, v in BLOOM_OPTIMIZER.items()},
-        "eval_interval": r.eval_interval or max(1, steps // 20),
-        "eval_samples": r.eval_samples or gbs,
-        "save_interval": r.save_interval or save_default,
-        "dtype": device.dtype,
-        "seed": r.seed if r.seed is not None else BLOOM_SEED,
+    optimizer: dict[str, float] = {
+        k: getattr(r, k) if getattr(r, k) is not None else v for k, v in BLOOM_OPTIMIZER.items()
     }
-    if model.init_std is not None:
-        section["init_std"] = model.init_std
-    return section
+    return TrainSettings(
+        seq_len=model.seq_len,
+        global_batch_size=gbs,
+        micro_batch_size=layout.micro_batch_size,
+        train_samples=samples,
+        lr=lr,
+        min_lr=r.min_lr if r.min_lr is not None else lr / 10,
+        lr_decay_style="cosine",
+        warmup_samples=warmup,
+        decay_samples=decay,
+        rampup=_rampup(model, layout, notes),
+        weight_decay=optimizer["weight_decay"],
+        grad_clip=optimizer["grad_clip"],
+        adam_beta1=optimizer["adam_beta1"],
+        adam_beta2=optimizer["adam_beta2"],
+        adam_eps=optimizer["adam_eps"],
+        eval_interval=r.eval_interval or max(1, steps // 20),
+        eval_samples=r.eval_samples or gbs,
+        save_interval=r.save_interval or save_default,
+        dtype=device.dtype,
+        seed=r.seed if r.seed is not None else BLOOM_SEED,
+    )
 
 
-def run_estimate(hardware: Hardware, device: Device, layout: Layout, step_time_s: float, steps: int) -> dict[str, Any]:
+def run_estimate(hardware: Hardware, device: Device, layout: Layout, step_time_s: float, steps: int) -> RunSection:
     """Wall time, energy, carbon and cost of `steps` steps at full batch (a ramp-up's slower start not counted)."""
     ranks = layout.world_size
     seconds = steps * step_time_s
@@ -132,17 +135,17 @@ def run_estimate(hardware: Hardware, device: Device, layout: Layout, step_time_s
         price = cal.USD_PER_GPU_HOUR.get(spec.family if spec else "", cal.DEFAULT_USD_PER_GPU_HOUR)
     else:
         price = 0.0
-    return {
-        "steps": steps,
-        "time_s": seconds,
-        "time_days": seconds / 86400,
-        "gpu_hours": hours * ranks if hardware.has_gpus else 0.0,
-        "energy_kwh": energy_kwh,
-        "co2_kg": carbon_kg(energy_kwh, carbon.grid_g_per_kwh, carbon.pue),
-        "cost_usd": hours * ranks * price if hardware.has_gpus else 0.0,
-        "watts_per_rank": device.watts,
-        "pue": carbon.pue,
-        "kg_co2_per_kwh": carbon.grid_g_per_kwh / 1000.0,
-        "carbon": carbon.to_dict(),
-        "usd_per_gpu_hour": price if hardware.has_gpus else 0.0,
-    }
+    return RunSection(
+        steps=steps,
+        time_s=seconds,
+        time_days=seconds / 86400,
+        gpu_hours=hours * ranks if hardware.has_gpus else 0.0,
+        energy_kwh=energy_kwh,
+        co2_kg=carbon_kg(energy_kwh, carbon.grid_g_per_kwh, carbon.pue),
+        cost_usd=hours * ranks * price if hardware.has_gpus else 0.0,
+        watts_per_rank=device.watts,
+        pue=carbon.pue,
+        kg_co2_per_kwh=carbon.grid_g_per_kwh / 1000.0,
+        carbon=carbon,
+        usd_per_gpu_hour=price if hardware.has_gpus else 0.0,
+    )

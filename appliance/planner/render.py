@@ -78,21 +78,21 @@ def format_plan(plan: Plan) -> str:
             out.append(f"  {layout}: {item['reason']}")
 
     t = plan.train
-    ramp = t["rampup"]
+    ramp = t.rampup
     ramp_text = f", batch ramp-up {ramp['start']}+{ramp['increment']} over {ramp['samples']:,} samples" if ramp else ""
     out.append(
-        f"Training: {t['steps']:,} steps x {t['global_batch_size']} x {t['seq_len']} tokens ="
-        f" {_si(t['train_tokens'], 'tokens')}; lr {t['lr']:.3g} -> {t['min_lr']:.3g} cosine over"
-        f" {t['decay_samples']:,} samples, warmup {t['warmup_samples']:,} samples{ramp_text}; AdamW"
-        f" ({t['adam_beta1']}, {t['adam_beta2']}), wd {t['weight_decay']}, clip {t['grad_clip']}, {t['dtype']},"
-        f" seed {t['seed']}"
+        f"Training: {t.steps_at_full_batch:,} steps x {t.global_batch_size} x {t.seq_len} tokens ="
+        f" {_si(t.train_samples * t.seq_len, 'tokens')}; lr {t.lr:.3g} -> {t.min_lr:.3g} {t.lr_decay_style} over"
+        f" {t.decay_samples:,} samples, warmup {t.warmup_samples:,} samples{ramp_text}; AdamW"
+        f" ({t.adam_beta1}, {t.adam_beta2}), wd {t.weight_decay}, clip {t.grad_clip}, {t.dtype}, seed {t.seed},"
+        f" init std {plan.model.init_std:g}"
     )
     r = plan.run
-    cost = f", ${r['cost_usd']:,.0f} at ${r['usd_per_gpu_hour']:.2f} per GPU-hour" if hw.has_gpus else ""
-    gpu_hours = f", {r['gpu_hours']:,.0f} GPU-hours" if hw.has_gpus else ""
+    cost = f", ${r.cost_usd:,.0f} at ${r.usd_per_gpu_hour:.2f} per GPU-hour" if hw.has_gpus else ""
+    gpu_hours = f", {r.gpu_hours:,.0f} GPU-hours" if hw.has_gpus else ""
     out.append(
-        f"Run estimate: {_duration(r['time_s'])}{gpu_hours}, {_si(r['energy_kwh'] * 1000, 'Wh')} (PUE {r['pue']:g}),"
-        f" {r['co2_kg']:,.3g} kg CO2 at {r['kg_co2_per_kwh']:g} kg/kWh{cost}"
+        f"Run estimate: {_duration(r.time_s)}{gpu_hours}, {_si(r.energy_kwh * 1000, 'Wh')} (PUE {r.pue:g}),"
+        f" {r.co2_kg:,.3g} kg CO2 at {r.kg_co2_per_kwh:g} kg/kWh{cost}"
     )
     out.append("FLOP conventions:")
     out.append(f"  model FLOPs (MFU): {CONVENTIONS['model_flops']}")

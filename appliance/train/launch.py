@@ -7,7 +7,6 @@ the same agent with a shared c10d rendezvous on the first node (see appliance/tr
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -19,6 +18,7 @@ from types import FrameType
 from typing import Any
 
 from appliance.monitor.events import EventWriter
+from appliance.planner.runspec import load_spec
 from appliance.rundir import RunDir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -168,20 +168,18 @@ def run_plan(run_dir: RunDir, *, worker_args: tuple[str, ...] = ()) -> int:
     """The ranks of the run directory's plan on this machine (tp x pp x dp processes, the plan's restart budget).
 
     Preempted and failed markers left by an earlier launch are cleared first, so they only ever describe this one.
+    A plan the ranks could not read fails here, before any rank starts (BadInput naming plan.json and the key).
     """
     from appliance.hardware.torch_build import check_torch_for_plan
 
-    plan = json.loads(run_dir.plan.read_text())
-    layout = plan["layout"]
-    ranks = layout["tp"] * layout["pp"] * layout["dp"]
-    hardware = plan["hardware"]
-    check_torch_for_plan(hardware["gpus_per_node"], hardware["gpu"], ranks, source=str(run_dir.plan))
+    spec = load_spec(run_dir.plan)
+    check_torch_for_plan(spec.hardware.gpus_per_node, spec.hardware.gpu, spec.layout.world_size, str(run_dir.plan))
     run_dir.preempted_marker.unlink(missing_ok=True)
     run_dir.failed_marker.unlink(missing_ok=True)
     return run_agent(
         run_dir,
-        nproc_per_node=ranks,
-        max_restarts=int(plan.get("run", {}).get("max_restarts", 3)),
+        nproc_per_node=spec.layout.world_size,
+        max_restarts=spec.run.max_restarts,
         worker_args=worker_args,
     )
 

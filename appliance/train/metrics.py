@@ -7,10 +7,8 @@ hardware FLOPs (recompute included, as Megatron-DeepSpeed counts them) for the T
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from appliance.planner import model_from_table
-from appliance.planner.model_shape import OPTIONAL_KEYS, SHAPE_KEYS
+from appliance.planner.runspec import RunSpec
 
 
 @dataclass(frozen=True)
@@ -19,19 +17,15 @@ class StepFlops:
     hardware: float  # what the GPUs actually execute, recomputed forward passes included
 
 
-def step_flops(plan: dict[str, Any]) -> StepFlops:
-    # plan.json's model section also carries derived figures (parameters, recipe...): keep the shape's own keys.
-    table = {k: v for k, v in plan["model"].items() if (k in SHAPE_KEYS or k in OPTIONAL_KEYS) and v is not None}
-    shape = model_from_table(table, "plan.json")
-    layout, train = plan["layout"], plan["train"]
-    tokens = train["global_batch_size"] * train["seq_len"]
+def step_flops(spec: RunSpec) -> StepFlops:
+    layout, train = spec.layout, spec.train
+    tokens = train.global_batch_size * train.seq_len
     return StepFlops(
-        model=shape.flops_per_token(train["seq_len"], tp=layout["tp"]) * tokens,
-        hardware=shape.flops_per_token(train["seq_len"], recompute=layout["recompute"], tp=layout["tp"]) * tokens,
+        model=spec.model.flops_per_token(train.seq_len, tp=layout.tp) * tokens,
+        hardware=spec.model.flops_per_token(train.seq_len, recompute=layout.recompute, tp=layout.tp) * tokens,
     )
 
 
-def peak_flops_per_device(plan: dict[str, Any]) -> float | None:
+def peak_flops_per_device(spec: RunSpec) -> float | None:
     """The planner's peak for the device the plan targets (dense bf16 on GPUs; a stated estimate on CPU)."""
-    peak = plan.get("device", {}).get("peak_tflops")
-    return float(peak) * 1e12 if peak else None
+    return spec.device.peak_tflops * 1e12 if spec.device.peak_tflops else None

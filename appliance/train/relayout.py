@@ -12,20 +12,20 @@ padding, which any divisor of the original tp does).
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from appliance.errors import BadInput
 from appliance.hardware.profile import OPTIONAL_KEYS, PROFILE_KEYS, Hardware, hardware_from_table
-from appliance.planner import ModelShape, make_plan, parse_layout
+from appliance.planner import make_plan, parse_layout
+from appliance.planner.runspec import load_spec
 from appliance.rundir import RunDir
 from appliance.train.atomic import write_atomic
 
 
-def _hardware_for(plan: dict[str, Any], world: int, source: str) -> Hardware:
+def _hardware_for(planned: Hardware, world: int, source: str) -> Hardware:
     """The plan's hardware, resized to the nodes the new layout fills (continuing on fewer or more nodes of the
     same kind); on CPU, ranks are processes and the hardware stays as it is."""
-    table = {k: v for k, v in plan["hardware"].items() if (k in PROFILE_KEYS or k in OPTIONAL_KEYS) and v is not None}
+    table = {k: getattr(planned, k) for k in (*PROFILE_KEYS, *OPTIONAL_KEYS) if getattr(planned, k) is not None}
     hardware = hardware_from_table(table, source)
     if not hardware.has_gpus:
         return hardware
@@ -36,31 +36,30 @@ def _hardware_for(plan: dict[str, Any], world: int, source: str) -> Hardware:
 
 
 def change_layout(run_dir: RunDir, text: str) -> dict[str, Any]:
-    """Rewrite the run's plan for the layout `text` (the planner's syntax; gbs defaults to the run's own).
+    """Rewrite the run's plan for the layout `text` (the planner's syntax; gbs defaults to the run's own, mbs too).
     Returns {"from": old layout, "to": new layout}; BadInput when the layout cannot carry on this run."""
     source = str(run_dir.plan)
-    plan = json.loads(run_dir.plan.read_text())
-    old = plan["layout"]
-    gbs = int(plan["train"]["global_batch_size"])
+    spec = load_spec(run_dir.plan)
+    old = spec.layout_section()
+    gbs = spec.train.global_batch_size
     layout = parse_layout(text if "gbs=" in text else f"{text},gbs={gbs}")
     if layout.global_batch_size != gbs:
         raise BadInput(f"--layout {text}: gbs={layout.global_batch_size}, but this run's global batch is {gbs}")
     if "mbs=" not in text:
-        layout = parse_layout(f"{text},gbs={gbs},mbs={old['micro_batch_size']}")
-    model = ModelShape.from_dict(plan["model"])
-    new = make_plan(_hardware_for(plan, layout.world_size, source), model, layout=layout).to_json()
-    if not new["feasible"]:
-        raise BadInput(f"--layout {text}: cannot run: {'; '.join(new.get('reasons') or ['infeasible'])}")
+        layout = parse_layout(f"{text},gbs={gbs},mbs={spec.layout.micro_batch_size}")
+    new = make_plan(_hardware_for(spec.hardware, layout.world_size, source), spec.model, layout=layout).spec()
+    if not new.report.feasible:
+        raise BadInput(f"--layout {text}: cannot run: {'; '.join(new.report.reasons or ['infeasible'])}")
     from appliance.tokenizer.vocab import padded_vocab_size
     from appliance.train.worker import tokenizer_vocab_size
 
     entries = tokenizer_vocab_size(run_dir.tokenizer_json)
-    rows = {"from": padded_vocab_size(entries, old["tp"]), "to": padded_vocab_size(entries, new["layout"]["tp"])}
+    rows = {"from": padded_vocab_size(entries, spec.layout.tp), "to": padded_vocab_size(entries, new.layout.tp)}
     if rows["from"] != rows["to"]:
         raise BadInput(
-            f"--layout {text}: tp={new['layout']['tp']} pads the vocabulary to {rows['to']} rows, but this run's "
-            f"embedding has {rows['from']} (padded for tp={old['tp']}); pick a tp that divides {old['tp']}"
+            f"--layout {text}: tp={new.layout.tp} pads the vocabulary to {rows['to']} rows, but this run's "
+            f"embedding has {rows['from']} (padded for tp={spec.layout.tp}); pick a tp that divides {spec.layout.tp}"
         )
-    plan["layout"], plan["estimate"] = new["layout"], new["estimate"]
-    write_atomic(run_dir.plan, json.dumps(plan, indent=1).encode())
-    return {"from": old, "to": new["layout"]}
+    moved = spec.with_layout(new.layout, new.report.estimate)
+    write_atomic(run_dir.plan, moved.dumps())
+    return {"from": old, "to": moved.layout_section()}

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from appliance.errors import BadInput
+from appliance.planner.runspec import RunSpec
 from appliance.train.launch import FRESH_STORE_ENV, REPO_ROOT, agent_command
 
 RDZV_PORT = 29500
@@ -38,6 +39,38 @@ class SlurmJob:
         parts = self.time_limit.replace("-", ":").split(":")
         if not all(p.isdigit() for p in parts) or not 1 <= len(parts) <= 4:
             raise BadInput(f"sbatch --time {self.time_limit!r}: expected [D-]HH:MM:SS")
+
+
+def job_for(
+    spec: RunSpec,
+    run_dir: Path,
+    *,
+    nodes: int | None = None,
+    gpus_per_node: int | None = None,
+    time_limit: str = SlurmJob.time_limit,
+    partition: str | None = None,
+    account: str | None = None,
+) -> SlurmJob:
+    """The job that trains `spec`: its tp x pp x dp ranks over whole nodes (nodes and GPUs per node default to the
+    plan's hardware), the plan's restart budget, the model's name."""
+    gpus = gpus_per_node or spec.hardware.gpus_per_node
+    if gpus < 1:
+        raise BadInput("sbatch: the plan is for a machine without GPUs; give --hardware (e.g. jean-zay-a100-48n)")
+    world = spec.layout.world_size
+    nodes = nodes or -(-world // gpus)
+    if nodes * gpus != world:
+        raise BadInput(f"sbatch: tp*pp*dp = {world} ranks do not fill {nodes} nodes x {gpus} GPUs")
+    return SlurmJob(
+        run_dir=run_dir,
+        nodes=nodes,
+        gpus_per_node=gpus,
+        cpus_per_task=spec.hardware.cpu_cores,
+        time_limit=time_limit,
+        partition=partition,
+        account=account,
+        max_restarts=spec.run.max_restarts,
+        job_name=spec.model.name,
+    )
 
 
 def _shell(args: list[str]) -> str:

@@ -24,16 +24,15 @@ from appliance.data.blend import SampleSource
 from appliance.monitor.events import EventWriter
 from appliance.parallel.drift import ReplicaDriftError
 from appliance.parallel.engine import ParallelEngine
+from appliance.planner.train_settings import DRIFT_CHECK_INTERVAL
 from appliance.rundir import RunDir
 from appliance.train import checkpoint as ckpt
 from appliance.train.control import ControlChannel
 from appliance.train.faults import FaultInjector
 from appliance.train.metrics import StepFlops
 from appliance.train.schedule import global_batch_at
-from appliance.train.settings import TrainSettings
+from appliance.train.settings import TrainSettings, batch_rampup, lr_schedule
 from appliance.train.state import rng_state, seed_everything, set_rng_state
-
-DRIFT_CHECK_INTERVAL = 50  # steps; plan train "drift_check_interval" overrides it
 
 
 class UnrecoverableError(RuntimeError):
@@ -138,7 +137,7 @@ class Trainer:
     # ---- one step ----------------------------------------------------------------------------------------
     def batch_size_at(self, consumed_samples: int) -> int:
         """The global batch of the step that starts at consumed_samples (the ramp-up, counted in samples)."""
-        return global_batch_at(consumed_samples, self.s.global_batch_size, self.s.batch_rampup)
+        return global_batch_at(consumed_samples, self.s.global_batch_size, batch_rampup(self.s))
 
     def planned_steps(self) -> int:
         """Steps to consume train_samples (whole batches; more than train_samples / batch during a ramp-up)."""
@@ -156,7 +155,7 @@ class Trainer:
         self.faults.at_step_start(step)
         batch = self.batch_size_at(self.pos.consumed_samples)
         # The lr for the samples this step consumes: at the end of them, so the first warmup step is not lr = 0.
-        lr = self.s.lr_schedule.at(self.pos.consumed_samples + batch)
+        lr = lr_schedule(self.s).at(self.pos.consumed_samples + batch)
         self.engine.set_lr(lr)
         # During a ramp-up the step has fewer micro-batches; micro-batch size and DP size never change.
         count = batch // (self.s.micro_batch_size * self.dp_size)

@@ -20,9 +20,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from appliance.model.config import BloomConfig
+from appliance.errors import BadInput
 from appliance.monitor.events import EventWriter
 from appliance.parallel.drift import ReplicaDriftError
+from appliance.planner.runspec import RunSpec, load_spec
 from appliance.rundir import RunDir
 from appliance.train import checkpoint as ckpt
 from appliance.train.settings import TrainSettings
@@ -49,38 +50,22 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def _start_sampler(run_dir: RunDir, events: EventWriter | None, plan: dict[str, Any]) -> Any:
+def _start_sampler(run_dir: RunDir, events: EventWriter | None, spec: RunSpec) -> Any:
     """GPU and energy sampling, by one process per node (local rank 0): utilization, memory, temperature,
     power, and energy from NVML's counter or RAPL (or a stated estimate on machines that expose neither)."""
     if os.environ.get("LOCAL_RANK", "0") != "0":
         return None
     import socket
 
-    from appliance.hardware.carbon import CarbonProfile, resolve_profile
     from appliance.monitor.energy import EnergyMeter, previous_totals
     from appliance.monitor.gpu import GpuSampler
 
-    carbon = plan.get("run", {}).get("carbon")
-    profile = CarbonProfile(**carbon) if carbon else resolve_profile()  # the profile the plan estimated with
     writer = events or EventWriter(run_dir.metrics)
     node = socket.gethostname()
-    # A restarted or resumed run carries on from this node's last total, so the totals cover the whole run.
-    meter = EnergyMeter(profile=profile, before=previous_totals(run_dir.metrics, node))
+    # The meters use the carbon profile the plan estimated with. A restarted or resumed run carries on from this
+    # node's last total, so the totals cover the whole run.
+    meter = EnergyMeter(profile=spec.run.carbon, before=previous_totals(run_dir.metrics, node))
     return GpuSampler(writer, node=node, energy=meter).start()
-
-
-def model_config(plan: dict[str, Any], tokenizer_size: int, tp: int) -> BloomConfig:
-    """The BLOOM shape of the plan; the embedding has the tokenizer's rows padded to a multiple of 128 x tp
-    (already the tokenizer's own size when it was built for this tp)."""
-    from appliance.tokenizer.vocab import padded_vocab_size
-
-    shape = plan["model"]
-    return BloomConfig(
-        vocab_size=padded_vocab_size(tokenizer_size, tp),
-        hidden_size=shape["hidden"],
-        n_layer=shape["layers"],
-        n_head=shape["heads"],
-    )
 
 
 def tokenizer_vocab_size(tokenizer_json: Path) -> int:
@@ -96,36 +81,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stop-at-step", type=int, default=None, help="save at this step and stop as if preempted")
     args = parser.parse_args(argv)
     run_dir = RunDir(args.run_dir)
-    plan = json.loads(run_dir.plan.read_text())
-    settings = TrainSettings.from_plan(plan)
-    layout = plan["layout"]
+    try:
+        spec = load_spec(run_dir.plan)  # an unknown, missing or mistyped key, named, before any process group forms
+    except BadInput as e:
+        raise SystemExit(str(e)) from None
+    settings = spec.train
 
     from appliance.data.blend import build_datasets
     from appliance.data.sampler import PretrainingSampler
-    from appliance.errors import BadInput
+    from appliance.hardware.torch_build import check_torch_for_plan
     from appliance.parallel.deepspeed_comm import init_deepspeed_comm
-    from appliance.parallel.engine import build_engine
     from appliance.parallel.topology import ParallelTopology
-    from appliance.planner.layout import Layout
     from appliance.train.faults import FaultInjector
+    from appliance.train.from_spec import engine_for, model_config
     from appliance.train.metrics import peak_flops_per_device, step_flops
-    from appliance.train.trainer import DRIFT_CHECK_INTERVAL, Trainer
+    from appliance.train.trainer import Trainer
 
     device = _device()
     init_deepspeed_comm("nccl" if device.type == "cuda" else "gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     events = EventWriter(run_dir.metrics) if rank == 0 else None
     vocab_size = tokenizer_vocab_size(run_dir.tokenizer_json)
-    config = model_config(plan, vocab_size, layout["tp"])
+    layout = spec.layout
     try:
+        # The head checked this before launching; under SLURM there is no head, so every node checks its own torch.
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        check_torch_for_plan(spec.hardware.gpus_per_node, spec.hardware.gpu, local_ranks, str(run_dir.plan))
+        config = model_config(spec, vocab_size)
         # Every broken rule at once, each factor named: tp * pp * dp against the world, heads % tp, the blocks
         # over pp. The process groups are built once, here, TP innermost, then DP, then PP.
-        Layout.from_dict(layout).validate(world_size, config.n_head, config.n_layer)
-        if layout["pp"] > 1 and layout.get("zero_stage", 0) >= 2:
-            raise BadInput(f"zero({layout['zero_stage']}) with pp({layout['pp']}): DeepSpeed's pipeline engine "
-                           "takes ZeRO stage 0 or 1")  # fmt: skip
-        topology = ParallelTopology(tp=layout["tp"], pp=layout["pp"], dp=layout["dp"], world_size=world_size)
-    except BadInput as e:
+        layout.validate(world_size, config.n_head, config.n_layer)
+        topology = ParallelTopology(tp=layout.tp, pp=layout.pp, dp=layout.dp, world_size=world_size)
+    except (BadInput, ValueError) as e:
         if events is not None:
             events.emit("failure", rank=rank, reason=f"{run_dir.plan}: {e}")
         raise SystemExit(f"{run_dir.plan}: {e}") from None
@@ -133,24 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     dp_rank, dp_size = topology.dp_rank(rank), topology.dp
     watchdog = _start_watchdog(run_dir, rank, settings)
 
-    sampler = _start_sampler(run_dir, events, plan)
+    sampler = _start_sampler(run_dir, events, spec)
     seed_everything(settings.seed)
-    engine = build_engine(
-        config,
-        topology,
-        micro_batch_size=settings.micro_batch_size,
-        global_batch_size=settings.global_batch_size,
-        zero_stage=layout.get("zero_stage", 0),
-        dtype=settings.dtype,
-        grad_clip=settings.grad_clip,
-        recompute=layout.get("recompute", "none"),
-        sequence_parallel=bool(layout.get("sequence_parallel", False)),
-        lr=settings.lr,
-        weight_decay=settings.weight_decay,
-        betas=(settings.adam_beta1, settings.adam_beta2),
-        eps=settings.adam_eps,
-        seed=settings.seed,
-    )
+    engine = engine_for(spec, config, topology, run_dir=run_dir)
 
     train_data, valid_data = build_datasets(
         run_dir.data,
@@ -184,12 +156,12 @@ def main(argv: list[str] | None = None) -> int:
         dp_size=dp_size,
         world_size=world_size,
         events=events,
-        flops=step_flops(plan),
-        peak_flops_per_device=peak_flops_per_device(plan),
-        layout=layout,
+        flops=step_flops(spec),
+        peak_flops_per_device=peak_flops_per_device(spec),
+        layout=spec.layout_section(),
         versions=_versions(),
         device=device,
-        drift_check_interval=int(plan["train"].get("drift_check_interval", DRIFT_CHECK_INTERVAL)),
+        drift_check_interval=settings.drift_check_interval,
         faults=FaultInjector(rank),
         stop_at_step=args.stop_at_step,
         on_step=watchdog.set_step,

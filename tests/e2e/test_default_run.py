@@ -75,6 +75,26 @@ def test_training_ran_data_parallel_through_the_elastic_agent(default_run):
         assert key in steps[-1]
 
 
+def test_the_launch_wrote_the_deepspeed_config_it_ran_with(default_run):
+    from appliance.parallel.deepspeed_config import deepspeed_config
+    from appliance.planner.runspec import load_spec
+
+    _, run_dir, _, _ = default_run
+    spec = load_spec(run_dir / "plan.json")
+    lay, train = spec.layout, spec.train
+    # What build_engine hands deepspeed.initialize for this plan (engine.py), as rank 0 wrote it.
+    expected = deepspeed_config(
+        global_batch_size=train.global_batch_size,
+        micro_batch_size=train.micro_batch_size,
+        dp=lay.dp,
+        zero_stage=lay.zero_stage,
+        dtype=train.dtype,
+        grad_clip=train.grad_clip,
+        pipeline=lay.pp > 1,
+    )
+    assert json.loads((run_dir / "ds_config.json").read_text()) == expected
+
+
 def test_headless_prints_readable_progress_and_never_imports_textual(default_run):
     result, _, _, _ = default_run
     assert "step" in result.stdout and "loss" in result.stdout

@@ -1,16 +1,19 @@
 """Launching a plan's ranks: one place computes the rank count and restart budget, and a stale preempted marker
 from an earlier stop never makes a later, complete launch look preempted."""
 
-import json
+from dataclasses import replace
 
 import appliance.train.launch as launch
+from appliance.hardware import load_hardware
+from appliance.planner import load_model_shape, make_plan, parse_layout
 from appliance.rundir import RunDir
 
 
 def test_run_plan_starts_tp_pp_dp_ranks_and_clears_a_stale_preempted_marker(tmp_path, monkeypatch):
     run_dir = RunDir(tmp_path / "run").make()
-    plan = {"layout": {"tp": 2, "pp": 2, "dp": 2}, "run": {"max_restarts": 5}}
-    run_dir.plan.write_text(json.dumps(plan))
+    layout = parse_layout("tp=2,pp=2,dp=2")
+    spec = make_plan(load_hardware("cpu-laptop-2core"), load_model_shape("bloom-micro-test"), layout=layout).spec()
+    run_dir.plan.write_bytes(replace(spec, run=replace(spec.run, max_restarts=5)).dumps())
     run_dir.preempted_marker.write_text("7\n")  # left by an earlier preempted launch
     seen = {}
 

@@ -30,25 +30,25 @@ def test_carbon_overrides_change_the_plans_estimate_and_profile():
     from appliance.hardware.carbon import BLOOM_JEAN_ZAY, DEFAULT_PROFILE
     from appliance.head_run import RunRequest, make_run_plan
 
-    default = make_run_plan(RunRequest(corpus=[], hardware="cpu-laptop-2core"))["run"]
-    assert default["carbon"]["name"] == DEFAULT_PROFILE.name  # the stated default when the site says nothing
+    default = make_run_plan(RunRequest(corpus=[], hardware="cpu-laptop-2core")).run
+    assert default.carbon.name == DEFAULT_PROFILE.name  # the stated default when the site says nothing
     bloom = make_run_plan(
         RunRequest(corpus=[], hardware="cpu-laptop-2core", overrides=parse_overrides(["carbon_profile=bloom-jean-zay"]))
-    )["run"]
-    assert (bloom["carbon"]["grid_g_per_kwh"], bloom["pue"]) == (BLOOM_JEAN_ZAY.grid_g_per_kwh, BLOOM_JEAN_ZAY.pue)
+    ).run
+    assert (bloom.carbon.grid_g_per_kwh, bloom.pue) == (BLOOM_JEAN_ZAY.grid_g_per_kwh, BLOOM_JEAN_ZAY.pue)
     # same IT energy; carbon scales with PUE x intensity: 1.2 x 57 against 1.58 x 475
-    assert bloom["co2_kg"] / default["co2_kg"] == pytest.approx((1.2 * 57) / (1.58 * 475))
+    assert bloom.co2_kg / default.co2_kg == pytest.approx((1.2 * 57) / (1.58 * 475))
     custom = make_run_plan(
         RunRequest(corpus=[], hardware="cpu-laptop-2core", overrides=parse_overrides(["grid_g_per_kwh=0", "pue=1.1"]))
-    )["run"]
-    assert custom["co2_kg"] == 0 and custom["pue"] == 1.1
+    ).run
+    assert custom.co2_kg == 0 and custom.pue == 1.1
 
 
 def test_site_figures_of_a_hardware_profile_are_used():
     from appliance.head_run import RunRequest, make_run_plan
 
-    run = make_run_plan(RunRequest(corpus=[], hardware="jean-zay-a100-48n", model="bloom-176b"))["run"]
-    assert (run["carbon"]["grid_g_per_kwh"], run["pue"]) == (57.0, 1.2)
+    run = make_run_plan(RunRequest(corpus=[], hardware="jean-zay-a100-48n", model="bloom-176b")).run
+    assert (run.carbon.grid_g_per_kwh, run.pue) == (57.0, 1.2)
 
 
 def test_unknown_carbon_profile_is_bad_input():

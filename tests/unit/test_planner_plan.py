@@ -9,7 +9,7 @@ import pytest
 
 from appliance.errors import BadInput
 from appliance.hardware import Hardware, load_hardware
-from appliance.planner import Layout, ModelShape, format_plan, load_model_shape, make_plan, parse_layout
+from appliance.planner import RunSpec, format_plan, load_model_shape, make_plan, parse_layout
 
 TRAIN_KEYS = {
     "seq_len",
@@ -43,12 +43,12 @@ def test_cpu_smoke_plan() -> None:
     lay, train = plan.layout, plan.train
     assert plan.model.name == "bloom-tiny-cpu" and plan.feasible
     assert (lay.tp, lay.pp, lay.dp, lay.zero_stage, lay.recompute) == (1, 1, 2, 0, "none")
-    assert set(train) >= TRAIN_KEYS
-    assert (train["dtype"], train["global_batch_size"], train["seq_len"]) == ("fp32", 16, 128)
-    assert train["train_samples"] // train["global_batch_size"] == 200
-    assert train["warmup_samples"] == train["train_samples"] // 10 and train["lr"] == 4e-3
-    assert train["rampup"] is None
-    assert 20 < plan.run["time_s"] < 180  # about a minute on 2 cores
+    assert set(plan.to_json()["train"]) >= TRAIN_KEYS
+    assert (train.dtype, train.global_batch_size, train.seq_len) == ("fp32", 16, 128)
+    assert train.train_samples // train.global_batch_size == 200
+    assert train.warmup_samples == train.train_samples // 10 and train.lr == 4e-3
+    assert train.rampup is None
+    assert 20 < plan.run.time_s < 180  # about a minute on 2 cores
 
 
 @pytest.mark.parametrize(("cores", "dp"), [(1, 1), (2, 2), (16, 2)])
@@ -108,7 +108,7 @@ def test_given_layout_errors_name_every_factor() -> None:
 
 def test_cpu_given_layout_takes_its_own_world() -> None:
     plan = make_plan(cpu_box(2), load_model_shape("bloom-micro-test"), layout=parse_layout("tp=2,pp=2,dp=2,mbs=1"))
-    assert plan.feasible and plan.layout.world_size == 8 and plan.train["dtype"] == "fp32"
+    assert plan.feasible and plan.layout.world_size == 8 and plan.train.dtype == "fp32"
     assert any("time-share" in n for n in plan.notes)
 
 
@@ -120,7 +120,7 @@ def test_fused_softmax_limit_makes_long_sequences_infeasible() -> None:
 def test_v100_trains_in_fp16() -> None:
     v100 = replace(load_hardware("a100-80gb-x1"), gpu="V100-SXM2-32GB", gpu_memory_gb=32.0)
     plan = make_plan(v100, load_model_shape("bloom-560m"))
-    assert plan.train["dtype"] == "fp16"
+    assert plan.train.dtype == "fp16"
 
 
 def test_format_plan_explains_the_choice() -> None:
@@ -149,7 +149,7 @@ def test_plan_json_round_trips_layout_and_model() -> None:
         load_hardware("jean-zay-a100-48n"), load_model_shape("bloom-176b"), layout=parse_layout("tp=4,pp=12,dp=8,mbs=2")
     )
     doc = json.loads(json.dumps(plan.to_json()))
-    assert Layout.from_dict(doc["layout"]) == plan.layout
-    assert ModelShape.from_dict(doc["model"]) == plan.model
+    spec = RunSpec.from_json(doc, "plan.json")
+    assert (spec.layout, spec.model, spec.train) == (plan.layout, plan.model, plan.train)
     assert doc["layout"]["partition_method"] == "type:transformer|embedding"
     assert doc["layout"]["layers_per_stage"] == [5, *[6] * 10, 5]

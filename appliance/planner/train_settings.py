@@ -1,0 +1,100 @@
+"""Training settings: the plan's "train" section, counted in samples as BLOOM counted them.
+
+The planner computes them (recipe.py), plan.json carries them (runspec.py), the trainer runs them. They live at the
+planner's level so both sides import one definition (appliance/train/settings.py re-exports it with the schedule
+objects built from it). Fields without a default must be in every plan; the defaults below are the documented
+values of the optional ones (docs/PLANNER.md, "plan.json").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("bf16", "fp16", "fp32")
+LR_DECAY_STYLES = ("cosine",)  # the one decay appliance/train/schedule.py implements
+RAMPUP_KEYS = ("start", "increment", "samples")  # Megatron --rampup-batch-size START INCREMENT SAMPLES
+DRIFT_CHECK_INTERVAL = 50  # steps between TP-replica drift checks (appliance/parallel/drift.py)
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    seq_len: int
+    global_batch_size: int
+    micro_batch_size: int
+    train_samples: int
+    lr: float
+    min_lr: float
+    warmup_samples: int
+    decay_samples: int
+    weight_decay: float
+    grad_clip: float  # global gradient norm; 0 turns clipping off
+    adam_beta1: float
+    adam_beta2: float
+    adam_eps: float
+    eval_interval: int  # steps
+    eval_samples: int  # per language, per evaluation
+    save_interval: int  # steps
+    dtype: str
+    seed: int
+    lr_decay_style: str = "cosine"
+    rampup: dict[str, int] | None = None
+    save_interval_minutes: float = 180.0  # BLOOM-176B saved about every 3 hours of wall time
+    keep_last: int = 3
+    eval_task_limit: int | None = None  # documents per evaluation task (0: all; None: 32 on CPU, all on GPUs)
+    drift_check_interval: int = DRIFT_CHECK_INTERVAL  # 0 turns the check off
+    # Recovery. A rank silent for hang_timeout_s is killed and the group restarts (appliance/train/watchdog.py); the
+    # same timeout bounds every collective. After nan_rollback_after skipped steps in a row the run goes back to
+    # its newest checkpoint and skips the data of those steps, at most max_rollbacks times.
+    hang_timeout_s: float = 300.0
+    heartbeat_interval_s: float = 5.0
+    nan_rollback_after: int = 3
+    max_rollbacks: int = 5
+
+    def __post_init__(self) -> None:
+        problems = []
+        for key in (
+            "seq_len",
+            "global_batch_size",
+            "micro_batch_size",
+            "train_samples",
+            "eval_interval",
+            "save_interval",
+        ):
+            if getattr(self, key) < 1:
+                problems.append(f"{key} must be at least 1, got {getattr(self, key)!r}")
+        for key in ("warmup_samples", "decay_samples", "eval_samples", "seed", "keep_last", "drift_check_interval"):
+            if getattr(self, key) < 0:
+                problems.append(f"{key} must not be negative, got {getattr(self, key)!r}")
+        if not 0 <= self.min_lr <= self.lr:
+            problems.append(f"need 0 <= min_lr({self.min_lr}) <= lr({self.lr})")
+        for key in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                problems.append(f"{key} must be in [0, 1), got {getattr(self, key)!r}")
+        if not self.adam_eps > 0:
+            problems.append(f"adam_eps must be > 0, got {self.adam_eps!r}")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            problems.append(f"weight_decay({self.weight_decay}) and grad_clip({self.grad_clip}) must not be negative")
+        if self.global_batch_size % self.micro_batch_size:
+            problems.append(
+                f"global_batch_size({self.global_batch_size}) is not a multiple of"
+                f" micro_batch_size({self.micro_batch_size})"
+            )
+        if self.dtype not in DTYPES:
+            problems.append(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            problems.append(f"lr_decay_style must be one of {', '.join(LR_DECAY_STYLES)}, got {self.lr_decay_style!r}")
+        if self.rampup is not None and (
+            sorted(self.rampup) != sorted(RAMPUP_KEYS) or not all(v > 0 for v in self.rampup.values())
+        ):
+            problems.append(f"rampup must be {{start, increment, samples}} of positive integers, got {self.rampup!r}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def train_steps(self) -> int:
+        return self.train_samples // self.global_batch_size
+
+    @property
+    def steps_at_full_batch(self) -> int:
+        """Steps at the full batch, at least one (a ramp-up's smaller first steps not counted)."""
+        return max(1, self.train_steps)

@@ -1,0 +1,61 @@
+"""A rank's model config and engine from the run spec: the one code path from plan.json to what is built, shared by
+the worker and the tests that check it (tests/unit/test_runspec_engine.py).
+
+Every layout and training key the engine takes comes from the spec here, and nowhere else: no default stands in
+for a missing key (the spec refuses a plan without it).
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch.distributed as dist
+
+from appliance.model.config import BloomConfig, config_for_shape
+from appliance.parallel.engine import ParallelEngine, build_engine
+from appliance.parallel.topology import ParallelTopology
+from appliance.planner.runspec import RunSpec
+from appliance.rundir import RunDir
+from appliance.train.atomic import write_atomic
+
+
+def model_config(spec: RunSpec, tokenizer_size: int) -> BloomConfig:
+    """The plan's BLOOM shape; the embedding has the tokenizer's rows padded to a multiple of 128 x tp (already the
+    tokenizer's own size when it was built for this tp)."""
+    from appliance.tokenizer.vocab import padded_vocab_size
+
+    return config_for_shape(spec.model, padded_vocab_size(tokenizer_size, spec.layout.tp))
+
+
+def engine_for(
+    spec: RunSpec, config: BloomConfig, topology: ParallelTopology, *, run_dir: RunDir | None = None
+) -> ParallelEngine:
+    """This rank's engine for the spec's layout and training settings (collective). With `run_dir`, rank 0 writes
+    the DeepSpeed config the engine runs with to run_dir/ds_config.json, replacing the previous launch's."""
+    layout, train = spec.layout, spec.train
+    engine = build_engine(
+        config,
+        topology,
+        micro_batch_size=train.micro_batch_size,
+        global_batch_size=train.global_batch_size,
+        zero_stage=layout.zero_stage,
+        dtype=train.dtype,
+        grad_clip=train.grad_clip,
+        recompute=layout.recompute,
+        sequence_parallel=layout.sequence_parallel,
+        lr=train.lr,
+        weight_decay=train.weight_decay,
+        betas=(train.adam_beta1, train.adam_beta2),
+        eps=train.adam_eps,
+        seed=train.seed,
+    )
+    if run_dir is not None and dist.get_rank() == 0:
+        write_ds_config(run_dir, engine.ds_config)
+    return engine
+
+
+def write_ds_config(run_dir: RunDir, config: dict) -> None:
+    """ds_config.json, as Megatron-DeepSpeed launches keep theirs. It holds batch sizes, precision, ZeRO stage and
+    clipping only (deepspeed_config.py builds it from the plan): nothing secret. No clipping is written as
+    Infinity, which json.load (DeepSpeed's own reader) accepts."""
+    write_atomic(run_dir.ds_config, (json.dumps(config, indent=1, sort_keys=True) + "\n").encode())
