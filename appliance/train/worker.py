@@ -25,6 +25,7 @@ from appliance.monitor.events import EventWriter
 from appliance.parallel.drift import ReplicaDriftError
 from appliance.rundir import RunDir
 from appliance.train import checkpoint as ckpt
+from appliance.train import runlock
 from appliance.train.settings import TrainSettings
 from appliance.train.state import seed_everything
 from appliance.train.trainer import UnrecoverableError
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stop-at-step", type=int, default=None, help="save at this step and stop as if preempted")
     args = parser.parse_args(argv)
     run_dir = RunDir(args.run_dir)
+    runlock.join(run_dir)  # this rank keeps the run directory until it exits, even if its launcher is gone
     plan = json.loads(run_dir.plan.read_text())
     settings = TrainSettings.from_plan(plan)
     layout = plan["layout"]
