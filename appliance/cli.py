@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from appliance import __version__
 from appliance.rundir import RunDir
+from appliance.train.runlock import own_run_dir, refuse_if_live
 
 if TYPE_CHECKING:
     from appliance.head_run import RunRequest
@@ -213,6 +214,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         check_inputs(req.corpus)
         spec = existing_plan(req) or make_run_plan(req)
         run_dir = req.run_dir or default_run_dir(spec.model.name)
+        refuse_if_live(RunDir(run_dir))  # here, not in the background child, whose refusal nobody would see
         return _run_with_dashboard(run_dir)
     return _run_headless(req, args.log_format, run)
 
@@ -357,7 +359,8 @@ def _launch(run_dir_path: Path, worker_args: tuple[str, ...] = ()) -> int:
     from appliance.train.launch import last_rank_errors, run_plan
 
     run_dir = RunDir(_need_run_dir(run_dir_path))
-    code = run_plan(run_dir, worker_args=worker_args)
+    with own_run_dir(run_dir):  # exit 2, naming the owner, while a live run trains in this directory
+        code = run_plan(run_dir, worker_args=worker_args)
     if code != 0:
         print(last_rank_errors(run_dir), file=sys.stderr)
         return EXIT_FAILED
@@ -372,6 +375,11 @@ def _launch(run_dir_path: Path, worker_args: tuple[str, ...] = ()) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     if args.stop_at_step is not None and args.stop_at_step < 1:
         raise BadInput(f"--stop-at-step {args.stop_at_step}: must be a step number of at least 1")
+    with own_run_dir(RunDir(_need_run_dir(args.run_dir))):  # from before --layout rewrites the plan
+        return _train(args)
+
+
+def _train(args: argparse.Namespace) -> int:
     if args.layout:
         from appliance.train.relayout import change_layout
 
@@ -406,6 +414,7 @@ def cmd_tui(args: argparse.Namespace) -> int:
 def cmd_import(args: argparse.Namespace) -> int:
     from appliance.eval.import_run import import_run
 
+    refuse_if_live(RunDir(args.run_dir))
     spec = import_run(args.hf_dir, args.run_dir, hardware=args.hardware, seq_len=args.seq_len)
     lay = spec.layout
     print(f"imported {spec.model.name} into {args.run_dir} (tp{lay.tp} pp{lay.pp} dp{lay.dp});")

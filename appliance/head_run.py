@@ -21,6 +21,7 @@ from appliance.planner.runspec import RunSection, RunSpec, load_spec
 from appliance.rundir import RunDir, point_latest
 from appliance.stages import Stages, fingerprint, settings_key
 from appliance.train.atomic import write_atomic
+from appliance.train.runlock import own_run_dir
 
 
 @dataclass
@@ -124,6 +125,13 @@ def run(req: RunRequest, *, on_event_writer: Any = None) -> int:
     check_inputs(req.corpus)
     spec = existing_plan(req) or make_run_plan(req)
     run_dir = RunDir(req.run_dir or default_run_dir(spec.model.name)).make()
+    # One training per run directory: a rerun while a run (or its orphaned ranks) trains here is refused (exit 2,
+    # naming the owner) before it writes anything. The lock goes on to the ranks (appliance/train/runlock.py).
+    with own_run_dir(run_dir):
+        return _run_owned(req, spec, run_dir, on_event_writer)
+
+
+def _run_owned(req: RunRequest, spec: RunSpec, run_dir: RunDir, on_event_writer: Any) -> int:
     events = EventWriter(run_dir.metrics)
     if on_event_writer is not None:
         on_event_writer(run_dir)

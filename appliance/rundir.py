@@ -89,6 +89,16 @@ class RunDir:
         return self.control / "failed"
 
     @property
+    def run_lock(self) -> Path:
+        """Locked by every process of a live training run; never replaced or deleted (appliance/train/runlock.py)."""
+        return self.control / "lock"
+
+    @property
+    def run_owner(self) -> Path:
+        """Who holds run_lock (pid, host, start, command), so that a refused command can name the owner."""
+        return self.control / "owner.json"
+
+    @property
     def heartbeats(self) -> Path:
         """One directory per launch attempt, a heartbeat file per rank (appliance/train/watchdog.py)."""
         return self.control / "heartbeat"

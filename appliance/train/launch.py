@@ -20,6 +20,7 @@ from typing import Any
 from appliance.monitor.events import EventWriter
 from appliance.planner.runspec import load_spec
 from appliance.rundir import RunDir
+from appliance.train.runlock import own_run_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKER_MODULE = "appliance.train.worker"
@@ -144,11 +145,16 @@ def run_agent(run_dir: RunDir, *, nproc_per_node: int, max_restarts: int, worker
     previous = _request_stop_on_signals(run_dir) if threading.current_thread() is threading.main_thread() else {}
     agent_log = run_dir.logs / "agent.log"
     try:
-        with open(agent_log, "ab") as log, EventWriter(run_dir.metrics) as events:
+        with open(agent_log, "ab") as log, EventWriter(run_dir.metrics) as events, own_run_dir(run_dir) as lock:
             watcher = AgentLogWatcher(run_dir, agent_log, events)
             # A new session: a Ctrl-C in the terminal reaches the head process only, which turns it into a
-            # save-and-exit request instead of killing ranks mid-step.
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=worker_env(), start_new_session=True)
+            # save-and-exit request instead of killing ranks mid-step. The agent inherits the run directory's
+            # lock (pass_fds) and keeps it if this process dies; its ranks join it (appliance/train/runlock.py).
+            env = lock.child_env(worker_env())
+            proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, pass_fds=lock.fds, start_new_session=True
+            )
+            lock.note_agent(proc.pid)
             while True:
                 try:
                     code = proc.wait(timeout=1.0)

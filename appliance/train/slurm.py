@@ -15,6 +15,7 @@ from pathlib import Path
 from appliance.errors import BadInput
 from appliance.planner.runspec import RunSpec
 from appliance.train.launch import FRESH_STORE_ENV, REPO_ROOT, agent_command
+from appliance.train.runlock import LOCK_ENV
 
 RDZV_PORT = 29500
 
@@ -111,13 +112,20 @@ def sbatch_script(job: SlurmJob, *, corpus: list[Path], python: str = ".venv/bin
         f"cd {shlex.quote(str(REPO_ROOT))}",
         f"RUN_DIR={shlex.quote(str(run_dir))}",
         'mkdir -p "$RUN_DIR/control" "$RUN_DIR/logs"',
-        'rm -f "$RUN_DIR/control/preempted" "$RUN_DIR/control/failed"',
         "# Workers of each restart get a fresh store (see appliance/train/launch.py, worker_env).",
         f"export {FRESH_STORE_ENV}=1",
         "",
         "# Plan, corpus, tokenizer and indexed data, once, on this node (complete stages are skipped on requeue).",
         f'{python} bloom_appliance.py run --headless --prepare-only --run-dir "$RUN_DIR" '
         f"--corpus {' '.join(shlex.quote(str(p)) for p in corpus)}",
+        "",
+        "# One training per run directory (appliance/train/runlock.py): this shell opens the lock file and keeps it",
+        "# open, with srun, for the job's life; the hook locks it (exit 2 if a live run owns the directory). Every",
+        "# rank, on every node, holds it too.",
+        'exec {RUN_LOCK_FD}<>"$RUN_DIR/control/lock"',
+        f'{python} -m appliance.train.runlock --run-dir "$RUN_DIR" --fd "$RUN_LOCK_FD" --owner-pid $$',
+        f'export {LOCK_ENV}="$RUN_DIR/control/lock"',
+        'rm -f "$RUN_DIR/control/preempted" "$RUN_DIR/control/failed"',
         "",
         "# The rendezvous host is the first node of the allocation.",
         'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
@@ -143,6 +151,8 @@ def sbatch_script(job: SlurmJob, *, corpus: list[Path], python: str = ".venv/bin
         "",
         "# Training done: evaluation ran on the ranks; export the model for transformers.",
         f'{python} bloom_appliance.py export --run-dir "$RUN_DIR" --out "$RUN_DIR/export"',
+        "# The run ended here: its lock goes with this shell, and the next owner has no one to take over from.",
+        'rm -f "$RUN_DIR/control/owner.json"',
         "",
     ]
     return "\n".join(lines)

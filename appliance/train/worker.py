@@ -26,6 +26,7 @@ from appliance.parallel.drift import ReplicaDriftError
 from appliance.planner.runspec import RunSpec, load_spec
 from appliance.rundir import RunDir
 from appliance.train import checkpoint as ckpt
+from appliance.train import runlock
 from appliance.train.settings import TrainSettings
 from appliance.train.state import seed_everything
 from appliance.train.trainer import UnrecoverableError
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stop-at-step", type=int, default=None, help="save at this step and stop as if preempted")
     args = parser.parse_args(argv)
     run_dir = RunDir(args.run_dir)
+    runlock.join(run_dir)  # this rank keeps the run directory until it exits, even if its launcher is gone
     try:
         spec = load_spec(run_dir.plan)  # an unknown, missing or mistyped key, named, before any process group forms
     except BadInput as e:

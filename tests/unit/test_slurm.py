@@ -3,11 +3,16 @@ USR1/TERM turned into a save-and-exit request followed by a requeue."""
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from appliance.rundir import RunDir
+from appliance.train.runlock import RunInUse, claim
 from appliance.train.slurm import SlurmJob, sbatch_script
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,8 +45,14 @@ while [ ! -e "$RUN_DIR/control/save-and-exit" ]; do sleep 0.1; done
 rm "$RUN_DIR/control/save-and-exit"
 echo 7 > "$RUN_DIR/control/preempted"
 """
+# The host list in one write, as scontrol's buffered output is: bash's echo and printf write line by line, and when
+# `| head -n 1` has exited between two writes, the second one's SIGPIPE fails the script (pipefail, set -e).
 FAKE_SCONTROL = """#!/bin/bash
-if [ "$1" = show ]; then echo node001; echo node002; else echo "$@" >> "$FAKE_RUN_DIR/scontrol.calls"; fi
+if [ "$1" = show ]; then cat <<HOSTS
+node001
+node002
+HOSTS
+else echo "$@" >> "$FAKE_RUN_DIR/scontrol.calls"; fi
 """
 FAKE_PYTHON = """#!/bin/bash
 echo "$@" >> "$FAKE_RUN_DIR/python.calls"
@@ -119,3 +130,54 @@ def test_cli_refuses_a_cpu_plan(tmp_path):
         timeout=120,
     )
     assert result.returncode == 2 and "GPUs" in result.stderr
+
+
+# Runs the run-directory lock's hook for real and stands in for every other python command of the script.
+LOCKING_PYTHON = """#!/bin/bash
+if [ "$1 $2" = "-m appliance.train.runlock" ]; then exec "$REAL_PYTHON" "$@"; fi
+echo "$@" >> "$FAKE_RUN_DIR/python.calls"
+"""
+
+
+def test_the_job_owns_its_run_directory_while_it_runs(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("lockingpython", LOCKING_PYTHON)):
+        (bin_dir / name).write_text(body)
+        (bin_dir / name).chmod(0o755)
+    run_dir = RunDir(tmp_path / "run")
+    script = tmp_path / "train.sbatch"
+    job = SlurmJob(run_dir=run_dir.root, nodes=2, gpus_per_node=8, cpus_per_task=8)
+    script.write_text(sbatch_script(job, corpus=[tmp_path], python="lockingpython"))
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "PYTHONPATH": str(ROOT),
+        "REAL_PYTHON": sys.executable,
+        "FAKE_RUN_DIR": str(run_dir.root),
+        "SLURM_JOB_ID": "42",
+        "SLURM_JOB_NODELIST": "node[001-002]",
+    }
+    batch = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while not (run_dir.root / "srun.started").exists():
+            assert time.time() < deadline and batch.poll() is None, batch.stderr.read() if batch.stderr else ""
+            time.sleep(0.1)
+        # The batch shell, not the short-lived hook, is named: it (with srun) holds the lock for the job's life.
+        with pytest.raises(RunInUse) as refused:
+            claim(run_dir)
+        assert f"pid {batch.pid} on host {socket.gethostname()}, SLURM job 42" in str(refused.value)
+        assert "scancel 42" in str(refused.value)
+        second = subprocess.run(
+            ["bash", str(script)], env={**env, "SLURM_JOB_ID": "43"}, capture_output=True, text=True, timeout=60
+        )
+        assert second.returncode == 2 and f"pid {batch.pid} on host" in second.stderr, second.stderr
+        batch.send_signal(signal.SIGUSR1)
+        batch.communicate(timeout=30)
+        assert batch.returncode == 3
+    finally:
+        if batch.poll() is None:
+            batch.kill()
+            batch.wait()
+    claim(run_dir).release()  # the job is over: the directory is free
