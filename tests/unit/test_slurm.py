@@ -33,7 +33,7 @@ def test_jean_zay_script_has_the_directives_and_one_agent_per_node(tmp_path):
     srun = next(line for line in script.splitlines() if line.startswith("srun "))
     assert "-m torch.distributed.run" in srun and "--nnodes=48" in srun and "--nproc-per-node=8" in srun
     assert '"--rdzv-endpoint=$MASTER_ADDR:29500"' in srun and "-m appliance.train.worker" in srun
-    assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1' in script
+    assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p' in script
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
 
 
@@ -45,13 +45,10 @@ while [ ! -e "$RUN_DIR/control/save-and-exit" ]; do sleep 0.1; done
 rm "$RUN_DIR/control/save-and-exit"
 echo 7 > "$RUN_DIR/control/preempted"
 """
-# The host list in one write, as scontrol's buffered output is: bash's echo and printf write line by line, and when
-# `| head -n 1` has exited between two writes, the second one's SIGPIPE fails the script (pipefail, set -e).
+# The host list one line per write, with a pause between, as a long list comes out: the script must read it all
+# (a reader that stops after the first line would make the second write die of SIGPIPE and fail the script).
 FAKE_SCONTROL = """#!/bin/bash
-if [ "$1" = show ]; then cat <<HOSTS
-node001
-node002
-HOSTS
+if [ "$1" = show ]; then echo node001; sleep 0.2; echo node002
 else echo "$@" >> "$FAKE_RUN_DIR/scontrol.calls"; fi
 """
 FAKE_PYTHON = """#!/bin/bash
