@@ -152,6 +152,15 @@ def _run_owned(req: RunRequest, spec: RunSpec, run_dir: RunDir, on_event_writer:
     return {"done": EXIT_OK, "prepared": EXIT_OK, "preempted": EXIT_PREEMPTED}.get(outcome, EXIT_FAILED)
 
 
+def _warn_skipped_input(events: EventWriter, report: dict[str, Any]) -> dict[str, Any]:
+    from appliance.data.prep_report import skipped_input_warning
+
+    message = skipped_input_warning(report)
+    if message is not None:
+        events.emit("warning", message=message)
+    return report
+
+
 def _run_stages(req: RunRequest, spec: RunSpec, run_dir: RunDir, stages: Stages, events: EventWriter) -> str:
     from appliance.data.prep import prepare_corpus
     from appliance.data.tokenize_corpus import build_indexed_datasets
@@ -176,7 +185,9 @@ def _run_stages(req: RunRequest, spec: RunSpec, run_dir: RunDir, stages: Stages,
         "prep",
         key=settings_key(inputs=fingerprint(req.corpus), names=sorted(str(p) for p in req.corpus)),
         outputs=[run_dir.corpus],
-        work=lambda progress: prepare_corpus(req.corpus, run_dir.corpus, workers=workers, on_progress=progress),
+        work=lambda progress: _warn_skipped_input(
+            events, prepare_corpus(req.corpus, run_dir.corpus, workers=workers, on_progress=progress)
+        ),
     )
     point_latest(run_dir.root.parent, run_dir.root)
     if spec.init is not None:

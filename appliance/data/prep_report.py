@@ -277,3 +277,14 @@ def to_markdown(report: dict) -> str:
 
 def _mb(n: int, unit: bool = True) -> str:
     return f"{n / 1e6:.2f}" + (" MB" if unit else "")
+
+
+def skipped_input_warning(report: dict[str, Any], *, listed: int = 5) -> str | None:
+    """One line for the run's events when a lenient prep went past input files that gave no document (None when
+    it did not): lenient mode keeps going, so the run must say so where the user looks, not only in the report."""
+    skipped = report.get("skipped_files") or []
+    if not skipped:
+        return None
+    names = ", ".join(f"{f['file']} ({f['reason']})" for f in skipped[:listed])
+    more = f" and {len(skipped) - listed} more" if len(skipped) > listed else ""
+    return f"prep skipped {len(skipped)} input file(s) that gave no document: {names}{more}; see prep_report.md"
