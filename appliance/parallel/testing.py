@@ -4,35 +4,179 @@
 
 Each rank is a fresh spawned process (no inherited state) with one CPU thread, a gloo process group and a
 ``ParallelTopology`` whose process groups already exist; ``fn(topology, *args)`` must be a module-level
-function. Nothing listens beyond loopback: this process hosts the rendezvous store on a socket bound to
-127.0.0.1 (port chosen by the kernel, so no race for a free port), and gloo is pinned to the loopback
-interface. Return values come back in rank order; a rank that raises makes the whole call raise with that
-rank's traceback, after the other ranks are stopped.
+function. The ranks run on the CPU whatever the host has: they start with DeepSpeed's accelerator pinned to the CPU
+and no CUDA device visible, so on a GPU host they do not all land on cuda:0. In each rank a ``CollectiveGuard``
+checks that every tensor handed to a torch.distributed collective or point-to-point call is on ``device`` (the
+device the engine reports; cpu here), and counts the calls; ``collective_guard()`` returns it inside ``fn``.
+
+Nothing listens beyond loopback: this process hosts the rendezvous store on a socket bound to 127.0.0.1 (port
+chosen by the kernel, so no race for a free port), and gloo is pinned to the loopback interface. Return values
+come back in rank order; a rank that raises makes the whole call raise with that rank's traceback, after the
+other ranks are stopped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import functools
 import io
 import os
 import queue
 import socket
+import sys
+import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed import distributed_c10d
 
 from appliance.parallel.topology import ParallelTopology
 
 _GRACE_S = 2.0  # how long to wait for the other ranks' reports once one rank has failed
 
+# Read when a rank starts, before torch or DeepSpeed choose an accelerator (DeepSpeed picks one at import, from
+# DS_ACCELERATOR or else from what torch.cuda sees), so they have to be in the environment the rank is spawned with.
+RANK_ENVIRONMENT = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+
+# torch.distributed's calls that move tensors between ranks. Old and new names both: torch 2.13 renamed
+# all_gather_into_tensor / reduce_scatter_tensor to *_single and the old names now call the new ones, and
+# DeepSpeed still calls the old names.
+GUARDED_CALLS = (
+    "all_reduce",
+    "all_reduce_coalesced",
+    "reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "_all_gather_base",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "_reduce_scatter_base",
+    "all_to_all",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+)
+
 
 class DistributedRunError(RuntimeError):
     """A rank raised, died, or did not finish in time."""
+
+
+class WrongDeviceError(RuntimeError):
+    """A tensor handed to a collective is not on the device the ranks compute on."""
+
+
+class CollectiveGuard:
+    """Wraps torch.distributed's collectives and point-to-point calls in this process: every tensor handed to one
+    must be on ``device``, else ``WrongDeviceError`` names the call, the tensor's device and its shape. Counts the
+    calls by name (``calls``; a call made from inside another guarded call, such as all_gather_into_tensor calling
+    all_gather_single, counts once, as the outer one).
+
+    Every route to the collectives goes through a wrapper: torch.distributed's names, distributed_c10d's (which
+    torch's own functions call one another through), and any module that bound one of them at import, like our
+    tensor-parallel mappings (``_all_gather_single = dist.all_gather_single``). DeepSpeed's communication layer
+    looks ``torch.distributed.<name>`` up at each call, except the two functions its backend object binds when
+    it starts; those are rebound too when it has started already.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.calls: Counter[str] = Counter()
+        self._nested = threading.local()
+        self._wrappers: dict[int, Callable[..., Any]] = {}
+
+    def install(self) -> None:
+        for name in GUARDED_CALLS:
+            original = getattr(distributed_c10d, name, None) or getattr(dist, name, None)
+            if callable(original) and id(original) not in self._wrappers:
+                self._wrappers[id(original)] = self._wrap(name, original)
+        for module in list(sys.modules.values()):
+            self._rebind(getattr(module, "__dict__", None), module)
+        backend = getattr(sys.modules.get("deepspeed.comm.comm"), "cdb", None)
+        if backend is not None:
+            self._rebind(vars(backend), backend)
+
+    def _rebind(self, namespace: Mapping[str, Any] | None, owner: Any) -> None:
+        if not namespace:
+            return
+        for attribute, value in list(namespace.items()):
+            wrapper = self._wrappers.get(id(value)) if callable(value) else None
+            if wrapper is not None and wrapper.__wrapped__ is value:  # type: ignore[attr-defined]
+                setattr(owner, attribute, wrapper)
+
+    def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            for tensor in _tensors((args, kwargs)):
+                if tensor.device != self.device:
+                    raise WrongDeviceError(
+                        f"torch.distributed.{name} was handed a tensor on {tensor.device} of shape "
+                        f"{tuple(tensor.shape)}; this rank computes on {self.device}"
+                    )
+            depth = getattr(self._nested, "depth", 0)
+            if depth == 0:
+                self.calls[name] += 1
+            self._nested.depth = depth + 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._nested.depth = depth
+
+        return guarded
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a call's arguments: bare, in lists and dicts, and in P2POp objects."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+    elif isinstance(value, dist.P2POp):
+        yield value.tensor
+
+
+_guard: CollectiveGuard | None = None
+
+
+def collective_guard() -> CollectiveGuard:
+    """The guard of this rank (inside a function run by ``run_distributed``)."""
+    if _guard is None:
+        raise RuntimeError("no collective guard in this process: only ranks started by run_distributed have one")
+    return _guard
+
+
+@contextlib.contextmanager
+def _environment(values: Mapping[str, str]) -> Iterator[None]:
+    """``values`` in os.environ for the block (a spawned process inherits the environment it starts with)."""
+    before = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _loopback_interface() -> str:
@@ -54,8 +198,10 @@ def _worker(
     layout: tuple[int, int, int, int],
     port: int,
     timeout_s: float,
+    device: str,
     results: Any,
 ) -> None:
+    global _guard
     tp, pp, dp, world_size = layout
     report: tuple[int, bool, bytes | str, float]
     try:
@@ -67,6 +213,8 @@ def _worker(
         try:
             topology = ParallelTopology(tp=tp, pp=pp, dp=dp, world_size=world_size)
             topology.init_process_groups()
+            _guard = CollectiveGuard(device)
+            _guard.install()
             report = (rank, True, _dumps(fn(topology, *args)), time.time())
         except BaseException:
             # Time-stamped before our connections close: the peers fail only after that.
@@ -110,8 +258,10 @@ def run_distributed(
     pp: int = 1,
     dp: int = 1,
     timeout_s: float = 120.0,
+    device: str = "cpu",
 ) -> list[Any]:
-    """Call ``fn(topology, *args)`` on ``world_size`` spawned gloo ranks; return their results by rank."""
+    """Call ``fn(topology, *args)`` on ``world_size`` spawned gloo ranks; return their results by rank.
+    ``device``: where every tensor handed to a collective must be (the engine's device)."""
     ParallelTopology(tp=tp, pp=pp, dp=dp, world_size=world_size)  # a bad layout fails here, before spawning
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
@@ -127,13 +277,14 @@ def run_distributed(
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     results = mp.get_context("spawn").Queue()
-    context = mp.start_processes(
-        _worker,
-        args=(fn, args, (tp, pp, dp, world_size), port, timeout_s, results),
-        nprocs=world_size,
-        join=False,
-        start_method="spawn",
-    )
+    with _environment(RANK_ENVIRONMENT):
+        context = mp.start_processes(
+            _worker,
+            args=(fn, args, (tp, pp, dp, world_size), port, timeout_s, device, results),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
     values: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
     try:

@@ -13,13 +13,19 @@ and the final checkpoints to be identical.
 
 from __future__ import annotations
 
+import functools
+import json
 import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import reference_training
 import torch
+from noise_floor import NoiseFloor, Order, assert_within, check_floor, measure_floor
 from prepared_runs import checkpoint_tensors, copy_run, events, explain, prepare_run, step_losses, train
+from reference_training import Recipe
 
 from appliance.rundir import RunDir
 
@@ -27,6 +33,48 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 STEPS = 12
 FINAL = f"step-{STEPS:08d}"
+MOVED_AT = 6  # the step whose checkpoint the moved run continues from at other layouts
+# The moved run's layouts sum in other orders than the straight run's (see noise_floor.py), so its losses after the
+# move differ from the straight run's by the noise floor of those steps, measured on the single-process reference
+# of this run; a layout lies within a few floors of the reference (test_3d_equivalence measures up to 3.6 x), so
+# two layouts within 10 x.
+FACTOR = 10.0
+
+
+def reference_run(run_dir: RunDir, order: Order) -> dict[str, Any]:
+    """The run's training in one process, on its own data and plan; its trace is the losses after MOVED_AT."""
+    from appliance.data.blend import build_datasets
+    from appliance.model.config import BloomConfig
+    from appliance.train.settings import TrainSettings
+
+    plan = json.loads(run_dir.plan.read_text())
+    settings = TrainSettings.from_plan(plan)
+    shape = plan["model"]
+    config = BloomConfig(  # the tokenizer was trained to this size; padding rows past it never see a label
+        vocab_size=shape["vocab_size"], hidden_size=shape["hidden"], n_layer=shape["layers"], n_head=shape["heads"]
+    )
+    data, _ = build_datasets(
+        run_dir.data,
+        seq_len=settings.seq_len,
+        train_samples=settings.train_samples,
+        valid_samples_per_lang=settings.eval_samples,
+        seed=settings.seed,
+    )
+    gbs = settings.global_batch_size
+    recipe = Recipe(
+        config=config,
+        seed=settings.seed,
+        micro_batch_size=settings.micro_batch_size,
+        steps=[(step * gbs, gbs) for step in range(STEPS)],
+        lr_at=settings.lr_schedule.at,
+        weight_decay=settings.weight_decay,
+        betas=(settings.adam_beta1, settings.adam_beta2),
+        eps=settings.adam_eps,
+        grad_clip=settings.grad_clip,
+    )
+    tokens = torch.from_numpy(np.stack([data[i] for i in range(STEPS * gbs)]).astype(np.int64))
+    _, trace = reference_training.train(recipe, tokens, order)
+    return {"losses": trace["losses"][MOVED_AT:]}
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +108,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out["killed"] = copy_run(base, root / "killed", max_restarts=1)
     out["killed_result"] = train(out["killed"], faults="kill@step=8:rank=5")
     return out
+
+
+@pytest.fixture(scope="module")
+def floor(runs: dict[str, Any]) -> NoiseFloor:
+    return measure_floor(functools.partial(reference_run, runs["straight"]))[1]
 
 
 def _same_checkpoint(a: RunDir, b: RunDir) -> None:
@@ -125,8 +178,6 @@ def test_a_rank_killed_mid_step_is_restarted_and_the_run_ends_as_if_uninterrupte
 
 
 def test_checkpoints_keep_the_consumed_samples(runs: dict[str, Any]) -> None:
-    import json
-
     for name in ("straight", "split", "killed"):
         manifest = json.loads((runs[name].checkpoints / FINAL / "manifest.json").read_text())
         assert manifest["consumed_samples"] == 8 * STEPS
@@ -141,13 +192,12 @@ def test_prepared_runs_share_their_data(runs: dict[str, Any]) -> None:
 
 
 def test_a_checkpoint_moves_from_tp2_pp2_dp2_to_tp1_pp2_dp1_to_one_process_and_training_goes_on(
-    runs: dict[str, Any],
+    runs: dict[str, Any], floor: NoiseFloor
 ) -> None:
     """Pass: `train --layout` continues step 6's tp2 pp2 dp2 checkpoint on 2 ranks, then on 1 process, each load
     direct (warning names both layouts), the data position kept (steps 7-12, 96 samples in the end), and the losses
-    follow the uninterrupted run's to 1e-4 relative (summation order differs between layouts, nothing else)."""
-    import json
-
+    follow the uninterrupted run's within FACTOR x the noise floor of those steps (summation order differs between
+    layouts, nothing else)."""
     first, second = runs["moved_first"], runs["moved_second"]
     assert first.returncode == 3, explain(first)
     assert second.returncode == 0, explain(second)
@@ -158,8 +208,9 @@ def test_a_checkpoint_moves_from_tp2_pp2_dp2_to_tp1_pp2_dp1_to_one_process_and_t
     assert [e["resumed_step"] for e in events(moved, "recovery")] == [6, 9]
     straight, got = step_losses(runs["straight"]), step_losses(moved)
     assert sorted(got) == list(range(1, STEPS + 1))
-    for step in range(7, STEPS + 1):
-        assert abs(got[step] - straight[step]) / straight[step] < 1e-4, (step, got[step], straight[step])
+    check_floor(floor, ["losses"])
+    after = range(MOVED_AT + 1, STEPS + 1)
+    assert_within([got[s] for s in after], [straight[s] for s in after], "losses", floor, FACTOR, "moved run")
     manifest = json.loads((moved.checkpoints / FINAL / "manifest.json").read_text())
     assert manifest["consumed_samples"] == 8 * STEPS and manifest["world_size"] == 1
     assert json.loads(moved.plan.read_text())["layout"]["tp"] == 1

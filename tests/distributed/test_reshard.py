@@ -16,7 +16,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+import reference_training
 import torch
+from noise_floor import NoiseFloor, Order, assert_within, check_floor, measure_floor
+from reference_training import Recipe
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -41,7 +44,10 @@ CONFIG = BloomConfig(vocab_size=256, hidden_size=64, n_layer=2, n_head=4)  # 256
 SEQ, MBS, GBS, SAMPLES = 16, 2, 8, 64
 SAVE_AT, BF16_SAVE_AT = 3, 2
 AFTER = 2  # steps trained after a load: the second one's loss depends on the loaded Adam state
-FP32_TOL = 1e-5
+# The layouts sum in other orders than one another (see noise_floor.py), so the steps after the load differ by
+# the noise floor of those steps, measured on the single-process reference of this run; each layout lies within
+# a few floors of the reference (test_3d_equivalence measures up to 3.6 x), so two of them within 10 x.
+FACTOR = 10.0
 ORIGINAL, SMALLER, SINGLE = (2, 2, 2), (1, 2, 1), (1, 1, 1)  # (tp, pp, dp)
 
 
@@ -204,6 +210,30 @@ def gathered(step_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def reference_run(order: Order) -> dict[str, Any]:
+    """The single-process reference of the first launch's run (SAVE_AT + AFTER steps of GBS samples); its trace
+    is the losses and grad norms of the steps after the save."""
+    settings = _settings("fp32")
+    recipe = Recipe(
+        config=CONFIG,
+        seed=settings.seed,
+        micro_batch_size=MBS,
+        steps=[(step * GBS, GBS) for step in range(SAVE_AT + AFTER)],
+        lr_at=settings.lr_schedule.at,
+        weight_decay=settings.weight_decay,
+        betas=(settings.adam_beta1, settings.adam_beta2),
+        eps=settings.adam_eps,
+        grad_clip=settings.grad_clip,
+    )
+    _, trace = reference_training.train(recipe, torch.from_numpy(TokenStream().tokens), order)
+    return {"losses": trace["losses"][SAVE_AT:], "norms": trace["norms"][SAVE_AT:]}
+
+
+@pytest.fixture(scope="module")
+def floor() -> NoiseFloor:
+    return measure_floor(reference_run)[1]
+
+
 def _assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], where: str) -> None:
     assert got.keys() == want.keys(), (where, sorted(got.keys() ^ want.keys()))
     for key, tensor in want.items():
@@ -246,15 +276,21 @@ def test_consumed_samples_and_step_are_kept(launches: dict[str, Any]) -> None:
         assert all(r["position"] == (SAVE_AT, SAVE_AT * GBS) for r in launches[target])
 
 
-def test_steps_after_resharding_match_the_original_layout_within_1e_5(launches: dict[str, Any]) -> None:
+def test_noise_floor_of_the_steps_after_the_load_is_nonzero_but_small(floor: NoiseFloor) -> None:
+    check_floor(floor, ["losses", "norms"])
+
+
+def test_steps_after_resharding_match_the_original_layout_within_the_noise_floor(
+    launches: dict[str, Any], floor: NoiseFloor
+) -> None:
     """Losses and grad norms of the two steps after the load; the second one's loss follows an Adam update made
     with the loaded moments and step count."""
     want = launches["a"][0]["next"]
     for target in ("b", "c"):
-        for result in launches[target]:
-            for step, ((loss, norm), (want_loss, want_norm)) in enumerate(zip(result["next"], want, strict=True)):
-                assert abs(loss - want_loss) / abs(want_loss) < FP32_TOL, (target, step, loss, want_loss)
-                assert abs(norm - want_norm) / abs(want_norm) < FP32_TOL, (target, step, norm, want_norm)
+        for rank, result in enumerate(launches[target]):
+            for i, key in enumerate(("losses", "norms")):
+                got, expected = [s[i] for s in result["next"]], [s[i] for s in want]
+                assert_within(got, expected, key, floor, FACTOR, f"layout {target} rank {rank} {key}")
 
 
 def test_same_layout_resume_fp32_zero1_is_bit_for_bit(launches: dict[str, Any]) -> None:

@@ -1,11 +1,15 @@
 """Tensor-parallel layers at tp=2 against the dense single-process computation (fp32: outputs and gradients).
 
 All checks run inside one spawn of two gloo ranks (spawns are the slow part); each test reads its own result.
-Each rank builds the dense reference itself from the same seed, so nothing but the layers differs.
+Each rank builds the dense reference itself from the same seed, so nothing but the layers differs. Results are
+relative norms against the dense ones, bounded by a multiple of fp32's rounding at these sizes, measured in the
+rank; initial weight slices are copies and must be bit-identical. The same launch shows the collective guard at
+work on the mappings' collectives.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from typing import Any
@@ -13,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from noise_floor import NoiseFloor, check_floor, pinned_threads, relative_norm
 from torch import nn
 
 from appliance.parallel.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
@@ -29,18 +34,48 @@ from appliance.parallel.tensor_parallel import (
     tp_linear_factory,
     vocab_parallel_cross_entropy,
 )
-from appliance.parallel.testing import run_distributed
+from appliance.parallel.testing import WrongDeviceError, collective_guard, run_distributed
 from appliance.parallel.topology import ParallelTopology
 
 pytestmark = pytest.mark.distributed
 
-TOLERANCE = 1e-5  # fp32
 SEQ, BATCH, HIDDEN, HEADS, VOCAB = 4, 2, 8, 4, 16
+# A TP result and the dense one are two fp32 evaluations of the same exact value, in another summation order, so
+# each is within about fp32's rounding error (the floor: the dense block in fp32 against float64) of it and their
+# relative difference is within about twice that; measured at most 0.75 x the floor, so 10 x leaves room.
+FACTOR = 10.0
+TEETH = 10.0  # a missing all-reduce must land this far beyond the bound
 
 
-def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert a.shape == b.shape, (a.shape, b.shape)
-    return float((a.detach() - b.detach()).abs().max())
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return relative_norm(a, b)
+
+
+def _exact(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Copies of the same numbers (initial slices, no arithmetic): 0 when bit-identical, else infinitely off."""
+    return 0.0 if a.shape == b.shape and torch.equal(a.detach(), b.detach()) else math.inf
+
+
+def _rounding_floor() -> dict[str, float]:
+    """fp32's own rounding at these sizes: the dense block's output, input gradient and parameter gradients (every
+    op the layers here have: linears of each role, LayerNorm, softmax attention, GeLU), fp32 against float64."""
+    torch.manual_seed(4)
+    x, probe = torch.randn(SEQ, BATCH, HIDDEN), torch.randn(SEQ, BATCH, HIDDEN)
+    torch.manual_seed(5)
+    narrow = Block(_dense_factory, 1, 0)
+    wide = copy.deepcopy(narrow).double()
+    outputs, inputs = [], []
+    for block, dtype in ((narrow, torch.float32), (wide, torch.float64)):
+        inputs.append(x.to(dtype, copy=True).requires_grad_())
+        outputs.append(block(inputs[-1]))
+        (outputs[-1] * probe.to(dtype)).sum().backward()
+    return {
+        "output": _relative(outputs[0], outputs[1]),
+        "input grad": _relative(inputs[0].grad, inputs[1].grad),
+        "parameter grads": max(
+            _relative(a.grad, b.grad) for a, b in zip(narrow.parameters(), wide.parameters(), strict=True)
+        ),
+    }
 
 
 def _column(topology: ParallelTopology) -> dict[str, float]:
@@ -57,13 +92,12 @@ def _column(topology: ParallelTopology) -> dict[str, float]:
     (y_tp * probe).sum().backward()
     local = ColumnParallelLinear(HIDDEN, 12, group=group, full_weight=dense.weight, full_bias=dense.bias)
     return {
-        "init": _max_diff(column.weight, dense.weight.chunk(2)[rank])
-        + _max_diff(column.bias, dense.bias.chunk(2)[rank]),
-        "output": _max_diff(y_tp, y_dense),
-        "local output": _max_diff(local(x), y_dense.chunk(2, dim=-1)[rank]),
-        "input grad": _max_diff(x_tp.grad, x_dense.grad),
-        "weight grad": _max_diff(column.weight.grad, dense.weight.grad.chunk(2)[rank]),
-        "bias grad": _max_diff(column.bias.grad, dense.bias.grad.chunk(2)[rank]),
+        "init": max(_exact(column.weight, dense.weight.chunk(2)[rank]), _exact(column.bias, dense.bias.chunk(2)[rank])),
+        "output": _relative(y_tp, y_dense),
+        "local output": _relative(local(x), y_dense.chunk(2, dim=-1)[rank]),
+        "input grad": _relative(x_tp.grad, x_dense.grad),
+        "weight grad": _relative(column.weight.grad, dense.weight.grad.chunk(2)[rank]),
+        "bias grad": _relative(column.bias.grad, dense.bias.grad.chunk(2)[rank]),
     }
 
 
@@ -85,13 +119,13 @@ def _row(topology: ParallelTopology) -> dict[str, float]:
     for y in (y_dense, y_tp, y_scatter):
         (y * probe).sum().backward()
     return {
-        "init": _max_diff(row.weight, dense.weight.chunk(2, dim=1)[rank]) + _max_diff(row.bias, dense.bias),
-        "output": _max_diff(y_tp, y_dense),
-        "output, scattered input": _max_diff(y_scatter, y_dense),
-        "input grad": _max_diff(x_shard.grad, x_dense.grad.chunk(2, dim=-1)[rank]),
-        "input grad, scattered input": _max_diff(x_full.grad, x_dense.grad),
-        "weight grad": _max_diff(row.weight.grad, dense.weight.grad.chunk(2, dim=1)[rank]),
-        "bias grad": _max_diff(row.bias.grad, dense.bias.grad),
+        "init": max(_exact(row.weight, dense.weight.chunk(2, dim=1)[rank]), _exact(row.bias, dense.bias)),
+        "output": _relative(y_tp, y_dense),
+        "output, scattered input": _relative(y_scatter, y_dense),
+        "input grad": _relative(x_shard.grad, x_dense.grad.chunk(2, dim=-1)[rank]),
+        "input grad, scattered input": _relative(x_full.grad, x_dense.grad),
+        "weight grad": _relative(row.weight.grad, dense.weight.grad.chunk(2, dim=1)[rank]),
+        "bias grad": _relative(row.bias.grad, dense.bias.grad),
     }
 
 
@@ -113,11 +147,11 @@ def _batch_first_sequence_parallel(topology: ParallelTopology) -> dict[str, floa
     (y_chunk * probe.chunk(2, dim=1)[rank]).sum().backward()
     allreduce_sequence_parallel_grads(row, group)  # the row bias saw only this rank's chunk
     return {
-        "output chunk": _max_diff(y_chunk, y_dense.chunk(2, dim=1)[rank]),
-        "input grad chunk": _max_diff(x_chunk.grad, x_dense.grad.chunk(2, dim=1)[rank]),
-        "column weight grad": _max_diff(column.weight.grad, dense_in.weight.grad.chunk(2)[rank]),
-        "row weight grad": _max_diff(row.weight.grad, dense_out.weight.grad.chunk(2, dim=1)[rank]),
-        "row bias grad": _max_diff(row.bias.grad, dense_out.bias.grad),
+        "output chunk": _relative(y_chunk, y_dense.chunk(2, dim=1)[rank]),
+        "input grad chunk": _relative(x_chunk.grad, x_dense.grad.chunk(2, dim=1)[rank]),
+        "column weight grad": _relative(column.weight.grad, dense_in.weight.grad.chunk(2)[rank]),
+        "row weight grad": _relative(row.weight.grad, dense_out.weight.grad.chunk(2, dim=1)[rank]),
+        "row bias grad": _relative(row.bias.grad, dense_out.bias.grad),
     }
 
 
@@ -142,11 +176,11 @@ def _vocab(topology: ParallelTopology) -> dict[str, float]:
     loss_dense = F.cross_entropy(logits_dense.view(-1, VOCAB), labels.view(-1))
     loss_tp = vocab_parallel_cross_entropy(logits_shard, labels, group)
     return {
-        "init": _max_diff(embedding.weight, dense.weight.chunk(2)[rank]),
-        "output": _max_diff(y_tp, y_dense),
-        "weight grad": _max_diff(embedding.weight.grad, dense.weight.grad.chunk(2)[rank]),
-        "tied logits": _max_diff(logits_shard, logits_dense.chunk(2, dim=-1)[rank]),
-        "tied loss": _max_diff(loss_tp, loss_dense),
+        "init": _exact(embedding.weight, dense.weight.chunk(2)[rank]),
+        "output": _relative(y_tp, y_dense),
+        "weight grad": _relative(embedding.weight.grad, dense.weight.grad.chunk(2)[rank]),
+        "tied logits": _relative(logits_shard, logits_dense.chunk(2, dim=-1)[rank]),
+        "tied loss": _relative(loss_tp, loss_dense),
     }
 
 
@@ -165,14 +199,14 @@ def _cross_entropy(topology: ParallelTopology) -> dict[str, float]:
         weights = torch.arange(1.0, dense.numel() + 1).view(dense.shape)  # distinct upstream gradient per token
         (dense * weights).sum().backward()
         (parallel * weights.view(parallel.shape)).sum().backward()
-        results[f"loss {reduction}"] = _max_diff(parallel.reshape(-1), dense.reshape(-1))
-        results[f"logits grad {reduction}"] = _max_diff(shard.grad, full.grad.chunk(2, dim=-1)[rank])
+        results[f"loss {reduction}"] = _relative(parallel.reshape(-1), dense.reshape(-1))
+        results[f"logits grad {reduction}"] = _relative(shard.grad, full.grad.chunk(2, dim=-1)[rank])
     # bf16 logits: the loss is still computed in fp32, and the gradient comes back in bf16.
     shard16 = logits.chunk(2, dim=-1)[rank].to(torch.bfloat16).requires_grad_()
     loss16 = vocab_parallel_cross_entropy(shard16, labels, group)
     loss16.backward()
-    results["bf16 logits: loss not fp32"] = float(loss16.dtype != torch.float32)
-    results["bf16 logits: grad not bf16"] = float(shard16.grad.dtype != torch.bfloat16)
+    results["bf16 logits: loss not fp32"] = math.inf if loss16.dtype != torch.float32 else 0.0
+    results["bf16 logits: grad not bf16"] = math.inf if shard16.grad.dtype != torch.bfloat16 else 0.0
     return results
 
 
@@ -254,40 +288,102 @@ def _block(topology: ParallelTopology) -> dict[str, float]:
         if sequence_parallel:
             allreduce_sequence_parallel_grads(block, group)
         tag = "sequence parallel" if sequence_parallel else "tensor parallel"
-        results[f"{tag} output"] = _max_diff(y_tp, y_dense)
-        results[f"{tag} input grad"] = _max_diff(x_tp.grad, x_dense.grad)
+        results[f"{tag} output"] = _relative(y_tp, y_dense)
+        results[f"{tag} input grad"] = _relative(x_tp.grad, x_dense.grad)
         worst_init, worst_grad = 0.0, 0.0
         for name, param in block.named_parameters():
             role, is_bias = role_of_parameter(name)
             expected_param = shard_from_full(dict(dense.named_parameters())[name], role, rank, 2, is_bias=is_bias)
             expected_grad = shard_from_full(dense_grads[name], role, rank, 2, is_bias=is_bias)
-            worst_grad = max(worst_grad, _max_diff(param.grad, expected_grad))
-            worst_init = max(worst_init, _max_diff(param, expected_param))  # no optimizer step was taken
+            worst_grad = max(worst_grad, _relative(param.grad, expected_grad))
+            worst_init = max(worst_init, _exact(param, expected_param))  # no optimizer step was taken
         results[f"{tag} parameter grads"] = worst_grad
         results[f"{tag} init"] = worst_init
     return results
 
 
-def _all_checks(topology: ParallelTopology) -> dict[str, dict[str, float]]:
-    return {
+def _missing_all_reduce(topology: ParallelTopology) -> dict[str, float]:
+    """A bug the bound must catch: a row-parallel linear whose partial sums are never all-reduced."""
+    rank = topology.tp_rank(torch.distributed.get_rank())
+    torch.manual_seed(1)
+    dense = nn.Linear(12, HIDDEN)
+    x = torch.randn(SEQ, BATCH, 12)
+    partial = F.linear(x.chunk(2, dim=-1)[rank], dense.weight.chunk(2, dim=1)[rank], dense.bias)
+    return {"row output without its all-reduce": _relative(partial, dense(x))}
+
+
+def _wrong_device(topology: ParallelTopology) -> str | None:
+    """The guard expecting another device (as on a GPU rank) refuses the CPU tensor, before any rank sends."""
+    guard = collective_guard()
+    expected, guard.device = guard.device, torch.device("meta")
+    try:
+        torch.distributed.all_reduce(torch.ones(3, 4))
+    except WrongDeviceError as e:
+        return str(e)
+    finally:
+        guard.device = expected
+    return None
+
+
+def _all_checks(topology: ParallelTopology) -> dict[str, Any]:
+    with pinned_threads(1):
+        floor = _rounding_floor()
+    results: dict[str, Any] = {
+        "floor": floor,
         "column": _column(topology),
         "row": _row(topology),
         "batch-first sequence parallel": _batch_first_sequence_parallel(topology),
         "vocab": _vocab(topology),
         "cross_entropy": _cross_entropy(topology),
         "block": _block(topology),
+        "teeth": _missing_all_reduce(topology),
     }
+    results["collectives"] = dict(collective_guard().calls)
+    results["wrong device"] = _wrong_device(topology)
+    return results
 
 
 @pytest.fixture(scope="module")
-def tp2_results() -> list[dict[str, dict[str, float]]]:
+def tp2_results() -> list[dict[str, Any]]:
     return run_distributed(_all_checks, 2, tp=2, timeout_s=120)
+
+
+def _bound(floor: dict[str, float]) -> float:
+    return FACTOR * max(floor.values())
 
 
 def _assert_close(results: list[dict[str, Any]], key: str) -> None:
     for rank, per_rank in enumerate(results):
+        floor, limit = max(per_rank["floor"].values()), _bound(per_rank["floor"])
         for check, error in per_rank[key].items():
-            assert error < TOLERANCE, f"{key} {check} on rank {rank}: max |diff| {error:.3e}"
+            assert error <= limit, (
+                f"{key} {check} on rank {rank}: relative difference {error:.3e} > bound {limit:.3e} "
+                f"= {FACTOR:g} x fp32 rounding floor {floor:.3e}"
+            )
+
+
+def test_fp32_rounding_floor_is_nonzero_but_small(tp2_results: list[dict[str, Any]]) -> None:
+    """Pass: fp32 rounds the dense block away from float64 (so the bound is not 0), at the level of rounding."""
+    for per_rank in tp2_results:
+        check_floor(NoiseFloor(per_rank["floor"], {k: "dense block" for k in per_rank["floor"]}), ["output"])
+        assert max(per_rank["floor"].values()) < 1e-5, per_rank["floor"]
+
+
+def test_a_missing_all_reduce_lands_far_outside_the_bound(tp2_results: list[dict[str, Any]]) -> None:
+    for rank, per_rank in enumerate(tp2_results):
+        for check, error in per_rank["teeth"].items():
+            assert error > TEETH * _bound(per_rank["floor"]), (rank, check, error, per_rank["floor"])
+
+
+def test_collective_guard_sees_the_mappings_and_refuses_a_wrong_device(tp2_results: list[dict[str, Any]]) -> None:
+    """Pass: the guard counted the TP collectives, including the two the mappings bound at import, and with its
+    expected device set to another one it refused a CPU tensor handed to all_reduce, naming device and shape."""
+    for per_rank in tp2_results:
+        calls = per_rank["collectives"]
+        assert all(calls.get(name, 0) > 0 for name in ("all_reduce", "all_gather_single", "reduce_scatter_single"))
+        assert per_rank["wrong device"] == (
+            "torch.distributed.all_reduce was handed a tensor on cpu of shape (3, 4); this rank computes on meta"
+        )
 
 
 def test_column_parallel_linear_equals_dense(tp2_results: list[dict[str, Any]]) -> None:
@@ -314,7 +410,14 @@ def test_block_with_and_without_sequence_parallel_equals_dense(tp2_results: list
     _assert_close(tp2_results, "block")
 
 
-def test_fused_qkv_rows_split_by_whole_heads_as_transformers_reads_them() -> None:
+@pytest.fixture(scope="module")
+def local_bound() -> float:
+    """The bound for comparisons in this process, from the floor measured here at a pinned thread count."""
+    with pinned_threads(1):
+        return _bound(_rounding_floor())
+
+
+def test_fused_qkv_rows_split_by_whole_heads_as_transformers_reads_them(local_bound: float) -> None:
     from transformers import BloomConfig
     from transformers.models.bloom.modeling_bloom import BloomAttention
 
@@ -328,8 +431,8 @@ def test_fused_qkv_rows_split_by_whole_heads_as_transformers_reads_them() -> Non
         bias = shard_from_full(full.query_key_value.bias, "qkv", rank, tp, is_bias=True)
         q_r, k_r, v_r = local._reshape(F.linear(x, weight, bias))
         mine = slice(rank * heads // tp, (rank + 1) * heads // tp)
-        for whole, part in ((q, q_r), (k, k_r), (v, v_r)):
-            torch.testing.assert_close(part, whole[:, mine], rtol=0, atol=1e-6)
+        for name, whole, part in (("q", q, q_r), ("k", k, k_r), ("v", v, v_r)):
+            assert _relative(part, whole[:, mine]) <= local_bound, (rank, name)
 
 
 def test_state_dict_shards_round_trip_with_transformers_names() -> None:
@@ -364,7 +467,7 @@ def test_factory_returns_plain_linear_at_tp1() -> None:
         make(8, 8, True, "lm_head")
 
 
-def test_layers_and_loss_run_in_one_process_without_a_process_group() -> None:
+def test_layers_and_loss_run_in_one_process_without_a_process_group(local_bound: float) -> None:
     torch.manual_seed(0)
     dense = nn.Linear(HIDDEN, 12)
     torch.manual_seed(0)
@@ -377,5 +480,5 @@ def test_layers_and_loss_run_in_one_process_without_a_process_group() -> None:
     (grad,) = torch.autograd.grad(loss, logits)
     reference = F.cross_entropy(logits.view(-1, VOCAB), labels.view(-1))
     (reference_grad,) = torch.autograd.grad(reference, logits)
-    torch.testing.assert_close(loss, reference, rtol=0, atol=TOLERANCE)
-    torch.testing.assert_close(grad, reference_grad, rtol=0, atol=TOLERANCE)
+    assert _relative(loss, reference) <= local_bound
+    assert _relative(grad, reference_grad) <= local_bound
