@@ -44,15 +44,15 @@ FACTOR = 10.0
 def reference_run(run_dir: RunDir, order: Order) -> dict[str, Any]:
     """The run's training in one process, on its own data and plan; its trace is the losses after MOVED_AT."""
     from appliance.data.blend import build_datasets
-    from appliance.model.config import BloomConfig
-    from appliance.train.settings import TrainSettings
+    from appliance.planner.runspec import load_spec
+    from appliance.train.from_spec import model_config
+    from appliance.train.settings import lr_schedule
+    from appliance.train.worker import tokenizer_vocab_size
 
-    plan = json.loads(run_dir.plan.read_text())
-    settings = TrainSettings.from_plan(plan)
-    shape = plan["model"]
-    config = BloomConfig(  # the tokenizer was trained to this size; padding rows past it never see a label
-        vocab_size=shape["vocab_size"], hidden_size=shape["hidden"], n_layer=shape["layers"], n_head=shape["heads"]
-    )
+    spec = load_spec(run_dir.plan)
+    settings = spec.train
+    # The model the ranks build: the plan's shape and init std, the tokenizer's rows padded as for the run's tp.
+    config = model_config(spec, tokenizer_vocab_size(run_dir.tokenizer_json))
     data, _ = build_datasets(
         run_dir.data,
         seq_len=settings.seq_len,
@@ -66,7 +66,7 @@ def reference_run(run_dir: RunDir, order: Order) -> dict[str, Any]:
         seed=settings.seed,
         micro_batch_size=settings.micro_batch_size,
         steps=[(step * gbs, gbs) for step in range(STEPS)],
-        lr_at=settings.lr_schedule.at,
+        lr_at=lr_schedule(settings).at,
         weight_decay=settings.weight_decay,
         betas=(settings.adam_beta1, settings.adam_beta2),
         eps=settings.adam_eps,

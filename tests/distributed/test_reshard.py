@@ -35,7 +35,7 @@ from appliance.parallel.topology import ParallelTopology
 from appliance.rundir import RunDir
 from appliance.train import checkpoint as ckpt
 from appliance.train.metrics import StepFlops
-from appliance.train.settings import TrainSettings
+from appliance.train.settings import TrainSettings, lr_schedule
 from appliance.train.trainer import Trainer
 
 pytestmark = pytest.mark.distributed
@@ -219,7 +219,7 @@ def reference_run(order: Order) -> dict[str, Any]:
         seed=settings.seed,
         micro_batch_size=MBS,
         steps=[(step * GBS, GBS) for step in range(SAVE_AT + AFTER)],
-        lr_at=settings.lr_schedule.at,
+        lr_at=lr_schedule(settings).at,
         weight_decay=settings.weight_decay,
         betas=(settings.adam_beta1, settings.adam_beta2),
         eps=settings.adam_eps,
