@@ -70,18 +70,30 @@ def fmt_float(value: float | None, spec: str = ".4g") -> str:
     return MISSING if value is None or not math.isfinite(value) else format(value, spec)
 
 
+def fmt_loss_scale(scale: float | None, skipped_steps: int | None) -> str:
+    """fp16's dynamic loss scale and the overflow steps it cost: "2^12, 3 skipped". DeepSpeed's scales are
+    powers of two (a power of two to start, halved or doubled since), written as such."""
+    if scale is None or not math.isfinite(scale) or scale <= 0:
+        return MISSING
+    exponent = math.log2(scale)
+    text = f"2^{exponent:.0f}" if exponent == round(exponent) else fmt_si(scale)
+    return text if skipped_steps is None else f"{text}, {skipped_steps} skipped"
+
+
 def fmt_clock(t: float | None) -> str:
     return MISSING if t is None else time.strftime("%m-%d %H:%M:%S", time.localtime(t))
 
 
 def step_line(state: RunState) -> str:
-    """step 120/1000 (12.0%) loss 3.214 lr 2.00e-04 tok/s 12.3k TFLOPs/GPU 150 MFU 48.1% ETA 1h02m"""
+    """step 120/1000 (12.0%) loss 3.214 lr 2.00e-04 tok/s 12.3k TFLOPs/GPU 150 MFU 48.1% ETA 1h02m
+    and, in fp16 runs, loss scale 2^12, 3 skipped"""
     total = f"/{state.total_steps}" if state.total_steps else ""
     share = f" ({fmt_pct(state.step / state.total_steps)})" if state.total_steps and state.step is not None else ""
+    scale = f" loss scale {fmt_loss_scale(state.loss_scale, state.skipped_steps)}" if state.loss_scale else ""
     return (
         f"step {state.step}{total}{share} loss {fmt_float(state.loss)} lr {fmt_float(state.lr, '.2e')} "
         f"tok/s {fmt_si(state.tokens_per_s)} TFLOPs/GPU {fmt_float(state.tflops_per_gpu, '.4g')} "
-        f"MFU {fmt_pct(state.mfu)} ETA {fmt_duration(state.training_eta_s)}"
+        f"MFU {fmt_pct(state.mfu)} ETA {fmt_duration(state.training_eta_s)}{scale}"
     )
 
 

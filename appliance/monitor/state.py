@@ -5,7 +5,9 @@ Pure: no I/O and no wall clock. Every time-derived figure (rates, ETAs, "elapsed
 JSON parsing (bench/tui_tail.py measures it).
 
 Optional keys this reader understands beyond the required ones of events.py (all "extend, never rename"):
-  step:        total_steps, step_time_s, samples_per_s
+  step:        total_steps, step_time_s, samples_per_s; fp16 runs: loss_scale, skipped_steps (steps the loss
+               scaler skipped for an overflow, over the run) and overflow (this step was one of them: its gradient
+               norm is the overflow's inf, not a model figure, so the grad norm curve leaves it out)
   stage:       error (of a failed stage)
   checkpoint:  every_steps (the configured interval)
   gpu/energy:  node (one sampler per node; the totals sum the latest event of each node)
@@ -159,6 +161,8 @@ class RunState:
     loss: float | None = None
     lr: float | None = None
     grad_norm: float | None = None
+    loss_scale: float | None = None  # fp16 runs only
+    skipped_steps: int | None = None  # fp16: overflow steps so far
     tokens_per_s: float | None = None
     samples_per_s: float | None = None
     tflops_per_gpu: float | None = None
@@ -230,8 +234,16 @@ class RunState:
         self.mfu = finite(e.get("mfu"))
         consumed = finite(e.get("consumed_samples"))
         self.consumed_samples = int(consumed) if consumed is not None else self.consumed_samples
-        for series, key in ((self.loss_series, "loss"), (self.lr_series, "lr"), (self.grad_norm_series, "grad_norm")):
-            series.add(step, e.get(key))
+        self.loss_scale = finite(e.get("loss_scale"))
+        skipped = finite(e.get("skipped_steps"))
+        self.skipped_steps = int(skipped) if skipped is not None else None
+        norm = None if e.get("overflow") is True else e.get("grad_norm")
+        for series, value in (
+            (self.loss_series, e.get("loss")),
+            (self.lr_series, e.get("lr")),
+            (self.grad_norm_series, norm),
+        ):
+            series.add(step, value)
         self.tokens_series.add(step, e.get("tokens_per_s"))
         if self._steps and step < self._steps[-1][1]:
             self._steps.clear()  # a restart rewound the step counter: old rates no longer apply

@@ -4,6 +4,20 @@ from __future__ import annotations
 
 from typing import Any
 
+from appliance.planner.train_settings import DTYPES
+
+# Dynamic loss scaling for fp16, as BigScience's fp16 runs configured it (bigscience-workshop/bigscience,
+# train/tr1-13B-base/tr1-13B-round1.slurm: 13B on Jean Zay's V100-32GB, ZeRO stage 1): start at 2^12, halve
+# on an overflow once `hysteresis` overflows have been absorbed, double after `loss_scale_window` clean steps,
+# never below `min_loss_scale`. loss_scale 0 is DeepSpeed's switch for dynamic (rather than static) scaling.
+FP16_LOSS_SCALING: dict[str, int] = {
+    "loss_scale": 0,
+    "initial_scale_power": 12,
+    "loss_scale_window": 500,
+    "hysteresis": 2,
+    "min_loss_scale": 1,
+}
+
 
 def deepspeed_config(
     *,
@@ -49,6 +63,15 @@ def deepspeed_config(
         # fp32 gradient accumulation), which DeepSpeed selects for bf16 + fp32 accumulation at ZeRO stage 1. Its
         # stage 0 has no bf16 path with fp32 accumulation, so 0 and 1 both mean that optimizer.
         config["zero_optimization"]["stage"] = max(zero_stage, 1)
+    elif dtype == "fp16":
+        # fp16 weights and activations, fp32 master weights and Adam states in ZeRO's optimizer, the loss scaled
+        # before backward and every step whose scaled gradients overflow skipped (DeepSpeed counts them).
+        config["fp16"] = {"enabled": True, **FP16_LOSS_SCALING}
+        # ZeRO's optimizer, as BigScience's fp16 runs used it. Stage 0's fp16 optimizers are not an option: in
+        # DeepSpeed 0.19.8 engine.backward scales the loss for ZeRO optimizers only (deepspeedai/DeepSpeed PR
+        # #8393, open), so they divide unscaled gradients by the scale: updates 4096x too small, clipping that
+        # never acts, no overflow ever detected. So 0 and 1 both mean stage 1 here, as for bf16.
+        config["zero_optimization"]["stage"] = max(zero_stage, 1)
     elif dtype != "fp32":
-        raise ValueError(f"dtype {dtype!r} is not one of bf16, fp32")
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     return config

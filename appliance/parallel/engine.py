@@ -11,7 +11,8 @@ How the layout maps onto DeepSpeed, in the order it is applied:
 2. pp > 1: a PipelineModule under DeepSpeed's PipelineEngine, 1F1B (TrainSchedule), ZeRO 0/1.
    pp = 1: the same layers in a BloomStack under DeepSpeed's plain engine, ZeRO 0/1/2.
 3. Data parallel and the optimizer: DeepSpeed's (bf16: BF16_Optimizer with fp32 accumulation and master weights;
-   fp32: ZeRO stage as planned), with our topology as its model-parallel unit so the clipping norm is global.
+   fp16: ZeRO's optimizer with fp32 master weights and dynamic loss scaling, see precision.py; fp32: ZeRO stage
+   as planned), with our topology as its model-parallel unit so the clipping norm is global.
 Every layout starts from the weights a single process draws from the same seed (shards.dense_initial_weights), each
 weight matrix and the word embedding from N(0, config.initializer_range): the plan's model.init_std.
 
@@ -52,6 +53,7 @@ from appliance.parallel.pipeline_parallel import (
     build_pipeline_module,
     hf_parameter_name,
 )
+from appliance.parallel.precision import keep_training_at_the_minimum_scale, load_loss_scaler_state, loss_scaler_state
 from appliance.parallel.scoring import ParallelScorer
 from appliance.parallel.shards import (
     FULL_MODEL_FILE,
@@ -71,7 +73,11 @@ IGNORE_INDEX = -100
 @dataclass(frozen=True)
 class StepResult:
     loss: float  # mean over the step's tokens, on every rank
-    grad_norm: float  # global gradient norm before clipping, on every rank
+    grad_norm: float  # global gradient norm before clipping, on every rank (inf on an fp16 overflow)
+    loss_scale: float | None = None  # fp16: the dynamic loss scale this step's loss was multiplied by; else None
+    # fp16: DeepSpeed skipped the update because the scaled gradients overflowed at a scale above its minimum
+    # (it lowers the scale; a normal event under dynamic scaling). The same on every rank.
+    overflow: bool = False
 
 
 def param_groups(named_params: Sequence[tuple[str, torch.nn.Parameter]], weight_decay: float) -> list[dict[str, Any]]:
@@ -150,7 +156,10 @@ def build_engine(
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config, mpu=mpu)
     if not (engine.bfloat16_enabled() or engine.zero_optimization()):
         install_global_norm_clipping(engine, topology)
-    return ParallelEngine(engine, topology, config, micro_batch_size=micro_batch_size, loss_fn=loss_fn)
+    min_loss_scale = keep_training_at_the_minimum_scale(engine.optimizer) if engine.fp16_enabled() else None
+    return ParallelEngine(
+        engine, topology, config, micro_batch_size=micro_batch_size, loss_fn=loss_fn, min_loss_scale=min_loss_scale
+    )
 
 
 class ParallelEngine:
@@ -164,8 +173,10 @@ class ParallelEngine:
         *,
         micro_batch_size: int,
         loss_fn: VocabParallelLoss,
+        min_loss_scale: float | None = None,
     ) -> None:
         self.engine = engine
+        self.min_loss_scale = min_loss_scale  # fp16 only: the smallest scale the loss scaler may reach
         self.topology = topology
         self.config = config
         self.micro_batch_size = micro_batch_size
@@ -204,12 +215,38 @@ class ParallelEngine:
             raise ValueError("a step needs at least one micro-batch")
         if count != self.engine.gradient_accumulation_steps():
             self.engine.set_train_batch_size(count * self.micro_batch_size * self.topology.dp)
+        scale = self.loss_scale
         if self.pipelined:
             loss = float(self.engine.train_batch(iter(micro_batches)))
         else:
             loss = self._train_batch_plain(micro_batches)
         norm = self.engine.get_global_grad_norm()
-        return StepResult(loss=loss, grad_norm=float(norm) if norm is not None else float("nan"))
+        # ZeRO's overflow verdict is all-reduced over DP and the model-parallel group, so every rank agrees. At the
+        # minimum scale it is no scaling accident (precision.keep_training_at_the_minimum_scale).
+        minimum = self.min_loss_scale
+        overflow = scale is not None and minimum is not None and scale > minimum and not self.engine.was_step_applied()
+        return StepResult(
+            loss=loss,
+            grad_norm=float(norm) if norm is not None else float("nan"),
+            loss_scale=scale,
+            overflow=overflow,
+        )
+
+    # ---- fp16 loss scaling --------------------------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float | None:
+        """fp16: the dynamic loss scale the next step multiplies its loss by; None in bf16 and fp32."""
+        return float(self.engine.optimizer.loss_scale) if self.min_loss_scale is not None else None
+
+    def loss_scaler_state(self) -> dict[str, float] | None:
+        """fp16: the loss scaler's state, for a checkpoint (the same on every rank); None in bf16 and fp32."""
+        return loss_scaler_state(self.engine.optimizer) if self.min_loss_scale is not None else None
+
+    def load_loss_scaler_state(self, state: Mapping[str, float]) -> None:
+        """Continue at the scale ``loss_scaler_state`` saved (every rank loads the same state). fp16 only."""
+        if self.min_loss_scale is None:
+            raise ValueError("a loss scaler state is for an fp16 engine; this one trains in bf16 or fp32")
+        load_loss_scaler_state(self.engine.optimizer, state)
 
     def _train_batch_plain(self, micro_batches: Sequence[Batch]) -> float:
         self.engine.train()

@@ -18,7 +18,7 @@ from types import FrameType
 from typing import Any
 
 from appliance.monitor.events import EventWriter
-from appliance.planner.runspec import load_spec
+from appliance.planner.runspec import RunSpec, load_spec
 from appliance.rundir import RunDir
 from appliance.train.runlock import own_run_dir
 
@@ -170,6 +170,16 @@ def run_agent(run_dir: RunDir, *, nproc_per_node: int, max_restarts: int, worker
             signal.signal(sig, handler)
 
 
+def check_precision_for_plan(spec: RunSpec, source: str) -> None:
+    """BadInput, naming the device and the fix, when the plan trains in fp16 on CPU ranks whose DeepSpeed
+    accelerator (this machine's) cannot. GPU ranks ask their own accelerator (worker.py): asking here would hold a
+    CUDA context on GPU 0 in this process for the whole run, and every GPU of the specs table has fp16 (V100 on)."""
+    from appliance.parallel.precision import check_fp16_supported
+
+    if spec.hardware.gpus_per_node == 0:
+        check_fp16_supported(spec.train.dtype, source)
+
+
 def run_plan(run_dir: RunDir, *, worker_args: tuple[str, ...] = ()) -> int:
     """The ranks of the run directory's plan on this machine (tp x pp x dp processes, the plan's restart budget).
 
@@ -180,6 +190,7 @@ def run_plan(run_dir: RunDir, *, worker_args: tuple[str, ...] = ()) -> int:
 
     spec = load_spec(run_dir.plan)
     check_torch_for_plan(spec.hardware.gpus_per_node, spec.hardware.gpu, spec.layout.world_size, str(run_dir.plan))
+    check_precision_for_plan(spec, str(run_dir.plan))
     run_dir.preempted_marker.unlink(missing_ok=True)
     run_dir.failed_marker.unlink(missing_ok=True)
     return run_agent(

@@ -34,6 +34,11 @@ from appliance.train.schedule import global_batch_at
 from appliance.train.settings import TrainSettings, batch_rampup, lr_schedule
 from appliance.train.state import rng_state, seed_everything, set_rng_state
 
+# What became of a step's update, the same on every rank (Trainer.step_outcome).
+TRAINED = "trained"
+OVERFLOW = "overflow"  # fp16: skipped by the dynamic loss scaler, which lowers the scale; a normal event
+NONFINITE = "nonfinite"  # skipped for a NaN/Inf loss or gradient: counts toward a rollback
+
 
 class UnrecoverableError(RuntimeError):
     """A failure that a restart would only repeat (diverging loss, a full disk, replicas that disagree): the run
@@ -118,6 +123,8 @@ class Trainer:
         self.skip_windows: list[tuple[int, int]] = []
         self.nonfinite_streak = 0
         self.rollbacks = 0
+        # fp16: steps the loss scaler skipped for an overflow, over the run (kept in each checkpoint's manifest).
+        self.overflow_steps = 0
 
     # ---- collectives -------------------------------------------------------------------------------------
     def _all_reduce(self, values: list[float], op: Any = None) -> list[float]:
@@ -147,7 +154,7 @@ class Trainer:
             steps += 1
         return steps
 
-    def train_step(self, batches: Iterator[list[int]]) -> dict[str, float] | None:
+    def train_step(self, batches: Iterator[list[int]]) -> dict[str, Any] | None:
         """One step; None when the step's data lies in a skip window (consumed, not trained on)."""
         step = self.pos.step + 1
         if self.on_step is not None:
@@ -169,15 +176,24 @@ class Trainer:
             result = self.engine.train_batch(micro_batches)
         finally:
             self.engine.loss_fn.inject_nan = False
-        return {"loss": result.loss, "lr": lr, "grad_norm": result.grad_norm, "batch": float(batch)}
+        return {
+            "loss": result.loss,
+            "lr": lr,
+            "grad_norm": result.grad_norm,
+            "batch": float(batch),
+            "loss_scale": result.loss_scale,
+            "overflow": result.overflow,
+        }
 
-    def step_was_skipped(self, out: dict[str, float]) -> bool:
-        """Whether the optimizer skipped this step: a NaN or Inf loss or gradient norm on any rank. The engines
-        skip the update themselves (their global norm is the same on every rank); the MAX makes the trainer's
-        decision identical everywhere too, whatever each rank saw of the loss."""
-        local = not (math.isfinite(out["loss"]) and math.isfinite(out["grad_norm"]))
-        (bad,) = self._all_reduce([float(local)], dist.ReduceOp.MAX)
-        return bad > 0
+    def step_outcome(self, out: Mapping[str, Any]) -> str:
+        """TRAINED, OVERFLOW or NONFINITE, the same on every rank (the MAX makes it so, whatever each rank saw of
+        the loss). NONFINITE: a NaN or Inf loss on any rank, or a non-finite gradient norm that no loss-scale
+        overflow explains; the engines skip the update themselves. OVERFLOW: fp16's loss scaler skipped the step
+        with a finite loss, because the gradients overflowed at the current scale. Under dynamic scaling that is
+        how the scale finds its level, so it never counts toward a rollback."""
+        nonfinite = not math.isfinite(out["loss"]) or (not math.isfinite(out["grad_norm"]) and not out["overflow"])
+        bad, overflow = self._all_reduce([float(nonfinite), float(out["overflow"])], dist.ReduceOp.MAX)
+        return NONFINITE if bad > 0 else OVERFLOW if overflow > 0 else TRAINED
 
     def roll_back(self) -> None:
         """After nan_rollback_after skipped steps in a row: back to the newest checkpoint, and skip the data of
@@ -316,6 +332,10 @@ class Trainer:
                 "versions": self.versions,
                 "skip_windows": [list(w) for w in self.skip_windows],
             }
+            scaler = self.engine.loss_scaler_state()
+            if scaler is not None:
+                meta["loss_scaler"] = scaler
+                meta["overflow_steps"] = self.overflow_steps
             ckpt.commit(root, self.pos.step, [r for recs in gathered for r in recs], meta)
             ckpt.prune(root, self.s.keep_last)
         self._barrier()
@@ -346,6 +366,11 @@ class Trainer:
             self._emit("warning", message=f"{step_dir.name} holds no optimizer state: the optimizer starts fresh")
         self.pos = Position(step=manifest["step"], consumed_samples=manifest["consumed_samples"])
         self.skip_windows = [(int(a), int(b)) for a, b in manifest.get("skip_windows", [])]
+        # fp16 continues at the loss scale the checkpoint had reached (a rollback also undoes the halvings its
+        # non-finite steps caused); a checkpoint of a bf16 or fp32 run leaves the scaler at its start.
+        if self.engine.loss_scale is not None and "loss_scaler" in manifest:
+            self.engine.load_loss_scaler_state(manifest["loss_scaler"])
+            self.overflow_steps = int(manifest.get("overflow_steps", 0))
 
     def _model_bytes(self) -> float:
         """fp32 bytes of the whole model (each rank's share summed over one replica)."""
@@ -367,9 +392,11 @@ class Trainer:
             if out is None:
                 self._emit("warning", message=f"step {self.pos.step}: data skipped (it gave non-finite losses)")
             else:
-                skipped = self.step_was_skipped(out)
-                self._emit_step(out, time.time() - started, total_steps, skipped=skipped)
-                if skipped:
+                outcome = self.step_outcome(out)
+                if outcome == OVERFLOW:
+                    self.overflow_steps += 1
+                self._emit_step(out, time.time() - started, total_steps, outcome=outcome)
+                if outcome == NONFINITE:
                     self.nonfinite_streak += 1
                     self._emit(
                         "warning",
@@ -382,7 +409,7 @@ class Trainer:
                         last_save_time = time.time()
                         continue
                 else:
-                    self.nonfinite_streak = 0
+                    self.nonfinite_streak = 0  # a finite loss ends a run of non-finite ones, overflow or not
             if self.drift_check_interval > 0 and self.pos.step % self.drift_check_interval == 0:
                 self.check_drift()
             if self.pos.step % self.s.eval_interval == 0 or self.pos.step == total_steps:
@@ -405,10 +432,18 @@ class Trainer:
                 return "preempted"
         return "done"
 
-    def _emit_step(self, out: dict[str, float], seconds: float, total_steps: int, *, skipped: bool) -> None:
+    def _emit_step(self, out: Mapping[str, Any], seconds: float, total_steps: int, *, outcome: str) -> None:
         per_device = seconds * self.world_size
         # FLOPs scale with the step's batch, which is smaller during a ramp-up.
         share = out["batch"] / self.s.global_batch_size
+        fp16: dict[str, Any] = {}
+        if out["loss_scale"] is not None:
+            # skipped: the update did not happen (for either cause); overflow: because of the loss scale.
+            fp16 = {
+                "loss_scale": out["loss_scale"],
+                "skipped_steps": self.overflow_steps,
+                "overflow": outcome == OVERFLOW,
+            }
         self._emit(
             "step",
             step=self.pos.step,
@@ -424,7 +459,8 @@ class Trainer:
             consumed_samples=self.pos.consumed_samples,
             total_steps=total_steps,
             global_batch_size=int(out["batch"]),
-            skipped=skipped,
+            skipped=outcome != TRAINED,
+            **fp16,
         )
 
     def evaluation_at_current_step(self) -> dict[str, float]:

@@ -13,6 +13,7 @@ import json
 import math
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -24,6 +25,7 @@ from textual.message import Message
 from textual.widgets import Footer, Static
 
 from appliance.monitor.events import EventTail
+from appliance.monitor.headless import fmt_loss_scale
 from appliance.monitor.state import SECTIONS, RunState, reduce
 from appliance.rundir import RunDir
 from appliance.tui.screens.confirm import ConfirmScreen
@@ -113,10 +115,10 @@ class DashboardApp(App[int]):
         self._header = self.query_one(RunHeader)
         self._waiting = self.query_one("#waiting", Static)
         self._body = self.query_one("#body", VerticalScroll)
-        self._plots = [
-            (self.query_one("#loss", LinePlot), "loss_series"),
-            (self.query_one("#lr", LinePlot), "lr_series"),
-            (self.query_one("#grad-norm", LinePlot), "grad_norm_series"),
+        self._plots: list[tuple[LinePlot, str, Callable[[RunState], str] | None]] = [
+            (self.query_one("#loss", LinePlot), "loss_series", None),
+            (self.query_one("#lr", LinePlot), "lr_series", None),
+            (self.query_one("#grad-norm", LinePlot), "grad_norm_series", loss_scale_note),
         ]
         self._draw(frozenset(SECTIONS), metrics_exists=self.run_dir.metrics.exists())
         self.read_run()
@@ -200,8 +202,8 @@ class DashboardApp(App[int]):
                 if panel.SECTIONS & sections:
                     panel.show(self.state)
             if "curves" in sections:
-                for plot, series in self._plots:
-                    plot.show(getattr(self.state, series))
+                for plot, series, note in self._plots:
+                    plot.show(getattr(self.state, series), note(self.state) if note else "")
 
     def _tick_header(self) -> None:
         with self.state_lock:
@@ -249,6 +251,14 @@ class DashboardApp(App[int]):
             return
         self.notify(f"{what} requested ({path.relative_to(self.run_dir.root)}); the trainer acts at its next step")
         self.read_run()
+
+
+def loss_scale_note(state: RunState) -> str:
+    """fp16's loss scale and its overflow steps, beside the grad norm (an overflow is a gradient event); "" when
+    the run does not train in fp16."""
+    if state.loss_scale is None:
+        return ""
+    return f"loss scale {fmt_loss_scale(state.loss_scale, state.skipped_steps)}"
 
 
 def make_app(run_dir: Path, *, follow: bool = True, poll_interval: float = 0.5) -> DashboardApp:

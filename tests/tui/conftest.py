@@ -31,3 +31,8 @@ def finished_run(tmp_path: Path) -> RunDir:
 @pytest.fixture
 def live_run(tmp_path: Path) -> RunDir:
     return write_run(tmp_path / "live", synthetic_events(last_step=600, finished=False))
+
+
+@pytest.fixture
+def fp16_run(tmp_path: Path) -> RunDir:
+    return write_run(tmp_path / "fp16", synthetic_events(fp16=True))

@@ -90,6 +90,19 @@ def test_finished_run_shows_every_panel(finished_run: RunDir) -> None:
     drive(finished_run.root, check)
 
 
+def test_fp16_run_shows_the_loss_scale_beside_the_grad_norm(fp16_run: RunDir, finished_run: RunDir) -> None:
+    async def fp16(app: DashboardApp, pilot: Pilot[int]) -> None:
+        title = str(app.query_one("#grad-norm", LinePlot).border_title)
+        # The two overflow steps' inf norms are left out of the curve: no "non-finite" count.
+        assert title == "grad norm 0.9 · loss scale 2^10, 2 skipped", title
+
+    async def bf16(app: DashboardApp, pilot: Pilot[int]) -> None:
+        assert str(app.query_one("#grad-norm", LinePlot).border_title) == "grad norm 0.9"
+
+    drive(fp16_run.root, fp16)
+    drive(finished_run.root, bf16)
+
+
 def test_live_run_eta_cadence_and_projection(live_run: RunDir) -> None:
     async def check(app: DashboardApp, pilot: Pilot[int]) -> None:
         assert "running" in text(app, "#header") and "ago)" in text(app, "#header")

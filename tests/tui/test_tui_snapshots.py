@@ -1,6 +1,6 @@
-"""Snapshots of the dashboard at a fixed terminal size (160 x 50): a finished 384-GPU run, its help screen, and
-a run that has not started. Regenerate after an intended change with `pytest tests/tui --snapshot-update` and
-review the SVGs under __snapshots__/."""
+"""Snapshots of the dashboard at a fixed terminal size (160 x 50): a finished 384-GPU run, its help screen, a run
+that has not started, and the finished run trained in fp16 (the loss scale beside the grad norm). Regenerate after
+an intended change with `pytest tests/tui --snapshot-update` and review the SVGs under __snapshots__/."""
 
 from __future__ import annotations
 
@@ -24,6 +24,10 @@ async def loaded(pilot: Pilot[int]) -> None:
 
 def test_finished_run(snap_compare, finished_run: RunDir) -> None:  # type: ignore[no-untyped-def]
     assert snap_compare(make_app(finished_run.root, follow=False), terminal_size=SIZE, run_before=loaded)
+
+
+def test_finished_fp16_run(snap_compare, fp16_run: RunDir) -> None:  # type: ignore[no-untyped-def]
+    assert snap_compare(make_app(fp16_run.root, follow=False), terminal_size=SIZE, run_before=loaded)
 
 
 def test_help_screen(snap_compare, finished_run: RunDir) -> None:  # type: ignore[no-untyped-def]

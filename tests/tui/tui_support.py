@@ -3,7 +3,9 @@ run directory.
 
 Fixed timestamps and values, so the snapshots are stable: training starts at T0 + 1200 s, steps take 105 s
 (2048 samples x 2048 tokens = 4.19M tokens per step, ~40k tokens/s), a checkpoint every 200 steps, rank 137 fails
-after step 450 and the run resumes from step 400, 1000 steps in all.
+after step 450 and the run resumes from step 400, 1000 steps in all. With fp16=True the same run trains in fp16:
+its step events carry the dynamic loss scale, 2^12 at the start, halved after each of the overflow steps 450 and
+780 (whose gradient norm is the overflow's inf).
 """
 
 from __future__ import annotations
@@ -54,21 +56,35 @@ def step_time(step: int, resumed: bool) -> float:
     return TRAIN_T0 + step * STEP_S + lost
 
 
-def step_event(step: int, resumed: bool) -> dict[str, Any]:
+OVERFLOW_STEPS = (450, 780)
+
+
+def fp16_fields(step: int) -> dict[str, Any]:
+    """The loss scale the step ran at and the overflow steps so far (a resume restores both, so the run's second
+    pass over steps 400-450 reads the same)."""
+    overflows = sum(s <= step for s in OVERFLOW_STEPS)
+    scale = 2.0 ** (12 - sum(s < step for s in OVERFLOW_STEPS))
+    overflow = step in OVERFLOW_STEPS
+    return {"loss_scale": scale, "skipped_steps": overflows, "overflow": overflow, "skipped": overflow}
+
+
+def step_event(step: int, resumed: bool, fp16: bool = False) -> dict[str, Any]:
     warmup = min(1.0, step / 100)
     lr = 6e-5 * warmup * (0.55 + 0.45 * math.cos(math.pi * step / TOTAL_STEPS))
+    overflow = fp16 and step in OVERFLOW_STEPS
     return make_event(
         "step",
         t=step_time(step, resumed),
         step=step,
         loss=2.2 + 9.0 * math.exp(-step / 120) + 0.05 * math.sin(step / 7),
         lr=lr,
-        grad_norm=12.3 if step == 450 else 0.9 + 0.5 * math.exp(-step / 50),
+        grad_norm=math.inf if overflow else 12.3 if step == 450 else 0.9 + 0.5 * math.exp(-step / 50),
         tokens_per_s=2048 * 2048 / STEP_S,
         tflops_per_gpu=149.5,
         mfu=0.479,
         consumed_samples=step * 2048,
         total_steps=TOTAL_STEPS,
+        **(fp16_fields(step) if fp16 else {}),
     )
 
 
@@ -107,7 +123,7 @@ def node_events(t: float, hours: float) -> Iterator[dict[str, Any]]:
         )
 
 
-def synthetic_events(last_step: int = TOTAL_STEPS, finished: bool = True) -> list[dict[str, Any]]:
+def synthetic_events(last_step: int = TOTAL_STEPS, finished: bool = True, fp16: bool = False) -> list[dict[str, Any]]:
     ev: list[dict[str, Any]] = [make_event("run", t=T0, state="started", name="bloom-176b-synthetic")]
     for i, name in enumerate(("prep", "tokenizer", "indexing")):
         start = T0 + 400 * i
@@ -121,13 +137,13 @@ def synthetic_events(last_step: int = TOTAL_STEPS, finished: bool = True) -> lis
     step = 10
     while step <= last_step:
         t = step_time(step, resumed)
-        ev.append(step_event(step, resumed))
+        ev.append(step_event(step, resumed, fp16))
         if step % 50 == 0:
             ev += node_events(t, (t - TRAIN_T0) / 3600)
         if step % 200 == 0:
             path = f"checkpoints/step-{step:08d}"
             ev.append(make_event("checkpoint", t=t + 45, step=step, path=path, seconds=45.0, bytes=2.3e12))
-        if step == 450:
+        if step == 450 and not fp16:  # in fp16 the step overflowed instead: no norm to call a spike
             ev.append(make_event("warning", t=t, message="loss spike at step 450 (grad norm 12.3)"))
         if step == 450 and not resumed:
             fail_t = t + 5 * STEP_S

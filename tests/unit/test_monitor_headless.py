@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 
 from appliance.errors import BadInput
 from appliance.monitor.events import make_event
-from appliance.monitor.headless import HeadlessPrinter, fmt_bytes, fmt_duration, fmt_pct, fmt_si
+from appliance.monitor.headless import HeadlessPrinter, fmt_bytes, fmt_duration, fmt_loss_scale, fmt_pct, fmt_si
 
 T0 = 1_000_000.0
 
@@ -70,6 +71,14 @@ def test_text_mode_lines() -> None:
     assert not any("gpu" in x for x in lines)
 
 
+def test_fp16_step_lines_show_the_loss_scale_and_the_overflow_steps() -> None:
+    fp16 = [{**step(n), "loss_scale": 2.0**16 if n < 3 else 2.0**15, "skipped_steps": min(n, 2)} for n in range(1, 12)]
+    steps = [x for x in text_lines(fp16) if x.startswith("step ")]
+    assert steps[0].endswith("ETA - loss scale 2^16, 1 skipped")  # one step: no rate for an ETA yet
+    assert steps[1].endswith("ETA 1m29s loss scale 2^15, 2 skipped")
+    assert all("loss scale" not in x for x in text_lines([step(n) for n in range(1, 12)]))  # bf16 and fp32 runs
+
+
 def test_eval_lines_stay_one_readable_line() -> None:
     event = make_event(
         "eval",
@@ -111,6 +120,15 @@ def test_number_formats() -> None:
     ]
     assert [fmt_si(v) for v in (950, 41_234, 1.2e6, None)] == ["950", "41.2k", "1.2M", "-"]
     assert fmt_bytes(2.3e12) == "2.3 TB" and fmt_pct(0.481) == "48.1%" and fmt_pct(48.1) == "48.1%"
+    assert [fmt_loss_scale(s, None) for s in (4096.0, 2.0**24, 0.25, 3000.0, None, math.inf)] == [
+        "2^12",
+        "2^24",
+        "2^-2",
+        "3k",
+        "-",
+        "-",
+    ]
+    assert fmt_loss_scale(4096, 7) == "2^12, 7 skipped"
 
 
 def test_a_headless_run_never_imports_textual(tmp_path: Path) -> None:

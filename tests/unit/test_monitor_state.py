@@ -218,3 +218,27 @@ def test_eta_counts_wall_time_between_steps_not_just_the_trainers_step_time() ->
     state = fold([step(n, T0 + n, step_time_s=0.5, total_steps=100) for n in range(1, 51)])
     assert state.step_time_s == 0.5 and state.wall_s_per_step == pytest.approx(1.0)
     assert state.training_eta_s == pytest.approx(50.0)
+
+
+def test_fp16_loss_scale_and_overflow_steps() -> None:
+    # Two overflow skips (the scale halves after the second, hysteresis 2), then clean steps at 2^15.
+    events = [
+        step(1, T0 + 1, grad_norm=math.inf, loss_scale=65536.0, skipped_steps=1, overflow=True, skipped=True),
+        step(2, T0 + 2, grad_norm=math.inf, loss_scale=65536.0, skipped_steps=2, overflow=True, skipped=True),
+        step(3, T0 + 3, grad_norm=0.8, loss_scale=32768.0, skipped_steps=2, overflow=False, skipped=False),
+        step(4, T0 + 4, grad_norm=0.7, loss_scale=32768.0, skipped_steps=2, overflow=False, skipped=False),
+    ]
+    state = fold(events)
+    assert state.loss_scale == 32768.0 and state.skipped_steps == 2
+    # An overflow step's inf is the scaled gradient's, not the model's: left out of the curve, not counted as a
+    # non-finite norm (which stays the sign of a real problem).
+    assert state.grad_norm_series.count == 2 and state.grad_norm_series.nonfinite == 0
+    assert state.loss_series.count == 4
+    # A NaN gradient that is no overflow still counts.
+    state = fold([*events, step(5, T0 + 5, grad_norm=math.nan, loss_scale=32768.0, skipped_steps=2, overflow=False)])
+    assert state.grad_norm_series.nonfinite == 1
+
+
+def test_runs_without_fp16_have_no_loss_scale() -> None:
+    state = fold([step(1, T0 + 1), step(2, T0 + 2, grad_norm=math.inf)])
+    assert state.loss_scale is None and state.skipped_steps is None and state.grad_norm_series.nonfinite == 1

@@ -85,11 +85,13 @@ class LinePlot(Widget):
     def on_mount(self) -> None:
         self.border_title = self.title
 
-    def show(self, series: Series) -> None:
+    def show(self, series: Series, note: str = "") -> None:
+        """Plot `series`; `note` (a related figure, e.g. fp16's loss scale beside the grad norm) joins the title."""
         self._copy = series.copy()
         last = fmt_float(series.last, ".4g") if series.last is not None else "-"
         bad = f" · {series.nonfinite} non-finite" if series.nonfinite else ""
-        self.border_title = f"{self.title} {last}{bad}"
+        extra = f" · {note}" if note else ""
+        self.border_title = f"{self.title} {last}{bad}{extra}"
         self.refresh()
 
     def render(self) -> Text:
