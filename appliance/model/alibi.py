@@ -18,15 +18,17 @@ def _slopes(n_head: int) -> tuple[float, ...]:
     # For a power of two n, the slopes are the geometric sequence r, r^2, ..., r^n with r = 2^(-8/n)
     # (n=8: 1/2, 1/4, ..., 1/256). Written as BLOOM writes it: base = 2^(-(2^-(log2(n) - 3))) = 2^(-8/n).
     # The powers are taken in float32 from a float32 base, as BLOOM does, so the slopes agree to the bit.
+    # On the CPU by name: models are built under torch.device("meta"), which would otherwise capture these tensors.
+    cpu = torch.device("cpu")
     closest = 2 ** math.floor(math.log2(n_head))
-    base = torch.tensor(2.0 ** (-(2.0 ** -(math.log2(closest) - 3))), dtype=torch.float32)
-    slopes = torch.pow(base, torch.arange(1, closest + 1, dtype=torch.int32))
+    base = torch.tensor(2.0 ** (-(2.0 ** -(math.log2(closest) - 3))), dtype=torch.float32, device=cpu)
+    slopes = torch.pow(base, torch.arange(1, closest + 1, dtype=torch.int32, device=cpu))
     if closest != n_head:
         # The remaining heads take every other slope of the sequence for 2*closest heads (odd powers of its
         # ratio), so they fall between the ones already used: 12 heads = the 8-head slopes + 4 of the 16-head ones.
-        extra_base = torch.tensor(2.0 ** (-(2.0 ** -(math.log2(2 * closest) - 3))), dtype=torch.float32)
+        extra_base = torch.tensor(2.0 ** (-(2.0 ** -(math.log2(2 * closest) - 3))), dtype=torch.float32, device=cpu)
         n_extra = min(closest, n_head - closest)
-        extra = torch.pow(extra_base, torch.arange(1, 1 + 2 * n_extra, 2, dtype=torch.int32))
+        extra = torch.pow(extra_base, torch.arange(1, 1 + 2 * n_extra, 2, dtype=torch.int32, device=cpu))
         slopes = torch.cat([slopes, extra])
     return tuple(slopes.tolist())
 
@@ -35,7 +37,7 @@ def alibi_slopes(n_head: int) -> torch.Tensor:
     """Per-head ALiBi slopes, float32 [n_head], on CPU, for any head count (BLOOM's rule)."""
     if isinstance(n_head, bool) or not isinstance(n_head, int) or n_head <= 0:
         raise ValueError(f"n_head must be a positive integer (got {n_head!r})")
-    return torch.tensor(_slopes(n_head), dtype=torch.float32)
+    return torch.tensor(_slopes(n_head), dtype=torch.float32, device="cpu")
 
 
 def alibi_slopes_for_rank(n_head: int, tp_rank: int, tp_size: int) -> torch.Tensor:

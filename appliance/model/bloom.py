@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from appliance.model import ops
 from appliance.model.alibi import alibi_bias, alibi_slopes_for_rank
 from appliance.model.config import BloomConfig
+from appliance.model.initial_weights import Seed, empty_module, init_parameter_
 
 # (in_features, out_features, bias, role) -> module with .weight [out, in] and .bias [out] (or None).
 LinearFactory = Callable[[int, int, bool, str], nn.Module]
@@ -56,20 +56,6 @@ def _project(linear: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     if getattr(linear, "skip_bias_add", False) and isinstance(bias, torch.Tensor):
         return out, bias
     return out, None
-
-
-def _init_linear(linear: nn.Module, std: float, generator: torch.Generator | None) -> None:
-    weight, bias = linear.weight, getattr(linear, "bias", None)
-    if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"linear factory returned {type(linear).__name__} without a weight tensor")
-    nn.init.normal_(weight, mean=0.0, std=std, generator=generator)
-    if bias is not None:
-        nn.init.zeros_(bias)
-
-
-def _init_layer_norm(norm: nn.LayerNorm) -> None:
-    nn.init.ones_(norm.weight)
-    nn.init.zeros_(norm.bias)
 
 
 def _norm(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
@@ -149,11 +135,6 @@ class BloomEmbedding(nn.Module):
         """The tied output head: [B, S, hidden] -> [B, S, vocab] through the word-embedding matrix."""
         return F.linear(hidden, self.word_embeddings.weight)
 
-    @torch.no_grad()
-    def init_weights(self, generator: torch.Generator | None = None) -> None:
-        nn.init.normal_(self.word_embeddings.weight, mean=0.0, std=self.config.initializer_range, generator=generator)
-        _init_layer_norm(self.word_embeddings_layernorm)
-
 
 class BloomBlock(nn.Module):
     """One pre-LN transformer layer: x + attn(LN(x)), then x + mlp(LN(x)); [B, S, hidden] -> [B, S, hidden].
@@ -204,19 +185,6 @@ class BloomBlock(nn.Module):
             mask = mask & attention_mask.bool()[:, None, None, :]
         return alibi_bias(self._slopes, attention_mask, seq_len), mask
 
-    @torch.no_grad()
-    def init_weights(self, generator: torch.Generator | None = None) -> None:
-        std = self.config.initializer_range
-        _init_layer_norm(self.input_layernorm)
-        _init_layer_norm(self.post_attention_layernorm)
-        for linear in (
-            self.self_attention.query_key_value,
-            self.self_attention.dense,
-            self.mlp.dense_h_to_4h,
-            self.mlp.dense_4h_to_h,
-        ):
-            _init_linear(linear, std, generator)
-
 
 class BloomFinal(nn.Module):
     """Final LayerNorm, then logits through the (tied) word-embedding matrix: [B, S, hidden] -> [B, S, vocab]."""
@@ -227,10 +195,6 @@ class BloomFinal(nn.Module):
 
     def forward(self, hidden: torch.Tensor, embedding_weight: torch.Tensor) -> torch.Tensor:
         return F.linear(_norm(self.ln_f, hidden), embedding_weight)
-
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        _init_layer_norm(self.ln_f)
 
 
 class BloomTransformer(nn.Module):
@@ -252,7 +216,11 @@ class BloomTransformer(nn.Module):
 
 
 class BloomForCausalLM(nn.Module):
-    """BLOOM with its tied language-model head. forward(input_ids, attention_mask) -> logits [B, S, vocab]."""
+    """BLOOM with its tied language-model head. forward(input_ids, attention_mask) -> logits [B, S, vocab].
+
+    Built on the meta device and given storage on ``device`` (CPU by default), then drawn once by ``init_weights``:
+    no layer draws a default init first, so building costs one model's memory and one draw.
+    """
 
     def __init__(
         self,
@@ -260,32 +228,42 @@ class BloomForCausalLM(nn.Module):
         linear_factory: LinearFactory | None = None,
         *,
         checkpoint_blocks: bool = False,
-        generator: torch.Generator | None = None,
+        seed: Seed = 0,
+        device: torch.device | str = "cpu",
     ) -> None:
         super().__init__()
         self.config = config
         # Recompute each block's activations in the backward pass instead of keeping them (full recompute).
         self.checkpoint_blocks = checkpoint_blocks
-        blocks = [BloomBlock(config, i, linear_factory) for i in range(config.n_layer)]
-        self.transformer = BloomTransformer(BloomEmbedding(config), blocks, BloomFinal(config))
+
+        def build() -> BloomTransformer:
+            blocks = [BloomBlock(config, i, linear_factory) for i in range(config.n_layer)]
+            return BloomTransformer(BloomEmbedding(config), blocks, BloomFinal(config))
+
+        self.transformer = empty_module(build, device)
         # The head owns no storage: its weight is the word-embedding parameter (built on meta so the
         # [vocab, hidden] matrix is not allocated twice).
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
         self.lm_head.weight = self.transformer.word_embeddings.weight
-        self.init_weights(generator)
+        self.init_weights(seed)
 
     @torch.no_grad()
-    def init_weights(self, generator: torch.Generator | None = None) -> None:
+    def init_weights(self, seed: Seed = 0) -> None:
         """transformers' Bloom init: weights ~ N(0, initializer_range), biases 0, LayerNorms 1/0. initializer_range is
         the plan's model.init_std (BLOOM: 0.0048). Megatron-DeepSpeed also drew the attention and MLP output
         projections at init_std / sqrt(2 x layers); like transformers, this draws every matrix at init_std.
 
-        Pass a seeded torch.Generator for a reproducible model; the draw order is embeddings then blocks in order.
+        Each element is a function of (seed, parameter name, its index) (initial_weights.py), so every parallel
+        layout's shards, drawn from the same seed, are slices of this model. A torch.Generator stands for its initial
+        seed: ``init_weights(torch.Generator().manual_seed(s))`` equals ``init_weights(s)``.
         """
-        self.transformer.embedding.init_weights(generator)
-        for block in self.transformer.h:
-            cast(BloomBlock, block).init_weights(generator)
-        self.transformer.final.init_weights()
+        for name, param in self.named_parameters():
+            if getattr(param, "tensor_model_parallel", False):
+                raise ValueError(
+                    f"{name} is a tensor-parallel shard: a split model draws its shards through "
+                    "appliance.parallel.shards.init_shards_"
+                )
+            init_parameter_(param, name, seed=seed, std=self.config.initializer_range)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids: [B, S] int64; attention_mask: [B, S] of 1 (token) / 0 (padding) or None. -> [B, S, vocab]."""

@@ -13,8 +13,10 @@ How the layout maps onto DeepSpeed, in the order it is applied:
 3. Data parallel and the optimizer: DeepSpeed's (bf16: BF16_Optimizer with fp32 accumulation and master weights;
    fp16: ZeRO's optimizer with fp32 master weights and dynamic loss scaling, see precision.py; fp32: ZeRO stage
    as planned), with our topology as its model-parallel unit so the clipping norm is global.
-Every layout starts from the weights a single process draws from the same seed (shards.dense_initial_weights), each
-weight matrix and the word embedding from N(0, config.initializer_range): the plan's model.init_std.
+Every layout starts from the weights a single process draws from the same seed, each weight matrix and the word
+embedding from N(0, config.initializer_range), the plan's model.init_std: the layers are built without values on
+the engine's device, and each rank draws only its own shards there (shards.init_shards_: every element is a
+function of the seed, the parameter's name and its index in the whole tensor).
 
 The batch size may change from step to step (ramp-up): the number of micro-batches handed to ``train_batch``
 is the step's batch, and the engine tells DeepSpeed before the step (``set_train_batch_size``), which rescales
@@ -58,9 +60,8 @@ from appliance.parallel.scoring import ParallelScorer
 from appliance.parallel.shards import (
     FULL_MODEL_FILE,
     ShardReader,
-    dense_initial_weights,
     gather_full_state_dict,
-    load_from_full,
+    init_shards_,
     model_sources,
     shard_file_name,
 )
@@ -106,6 +107,7 @@ def build_engine(
 ) -> ParallelEngine:
     """Build this rank's part of the model and its DeepSpeed engine. Collective: every rank calls it."""
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
 
     from appliance.planner.layout import pipeline_partition
 
@@ -115,6 +117,8 @@ def build_engine(
     # before deepspeed.initialize would set it up).
     init_deepspeed_comm(dist.get_backend())
     loss_fn = VocabParallelLoss(topology.tp_group)
+    # Where DeepSpeed keeps the module (cuda:<current device>, or cpu): the layers are allocated and drawn there.
+    device = torch.device(get_accelerator().current_device_name())
     module: torch.nn.Module
     if topology.pp > 1:
         partition = pipeline_partition(config.n_layer, topology.pp)
@@ -124,19 +128,21 @@ def build_engine(
             partition_method=partition.method,
             blocks_per_stage=partition.layers_per_stage,
             loss_fn=loss_fn,
+            device=device,
             recompute=recompute,
             sequence_parallel=sequence_parallel,
         )
     else:
         specs = bloom_layer_specs(
-            config, topology, sequence_parallel=sequence_parallel, recompute_core=recompute == "selective"
+            config,
+            topology,
+            device=device,
+            sequence_parallel=sequence_parallel,
+            recompute_core=recompute == "selective",
         )
         module = BloomStack(specs, loss_fn, recompute_blocks=recompute == "full")
     named = [(hf_parameter_name(n, config.n_layer), p) for n, p in module.named_parameters()]
-    tp_rank = topology.tp_rank(dist.get_rank())
-    initial = dense_initial_weights(config, seed, [n for n, _ in named])
-    load_from_full(named, initial, tp_rank, topology.tp, source=f"initial weights (seed {seed})")
-    del initial
+    init_shards_(named, config, seed, topology.tp_rank(dist.get_rank()), topology.tp)
     if sequence_parallel:
         register_sequence_parallel_grad_hooks(module, topology.tp_group)
     optimizer = torch.optim.AdamW(param_groups(named, weight_decay), lr=lr, betas=betas, eps=eps)

@@ -19,6 +19,10 @@ BLOOM-176B's split; the planner's ``pipeline_partition`` predicts it and ``build
 Activations between layers are [batch, seq, hidden] (the transformers layout); with sequence parallelism each
 TP rank holds [batch, seq / tp, hidden] between the tensor-parallel regions (sequence dimension 1).
 Parameter names map to the Hugging Face ones with ``hf_parameter_name``.
+
+Every spec builds its layer on the meta device and then allocates its parameters on the rank's device, without
+values (no layer draws a default init, the tensor-parallel ones a whole matrix): the engine then draws this rank's
+shards in place (shards.init_shards_).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from torch.utils.checkpoint import checkpoint
 from appliance.model import ops
 from appliance.model.bloom import BloomBlock, LinearFactory
 from appliance.model.config import BloomConfig
+from appliance.model.initial_weights import empty_module
 from appliance.parallel.mappings import Group
 from appliance.parallel.tensor_parallel import (
     VocabParallelEmbedding,
@@ -142,6 +147,32 @@ class TransformerLayerPipe(BloomBlock):
         return ops.bias_dropout_add(mlp_out, mlp_bias, hidden, self.hidden_dropout, self.training)
 
 
+class EmptyLayerSpec(LayerSpec):
+    """A LayerSpec whose layer gets its parameters on ``device``, uninitialised (initial_weights.empty_module)."""
+
+    def __init__(
+        self, typename: type[nn.Module], *module_args: Any, device: torch.device, **module_kwargs: Any
+    ) -> None:
+        super().__init__(typename, *module_args, **module_kwargs)
+        self.device = device
+
+    def build(self, log: bool = False) -> nn.Module:
+        return empty_module(lambda: LayerSpec.build(self, log), self.device)
+
+
+class EmptyTiedLayerSpec(TiedLayerSpec):
+    """The TiedLayerSpec counterpart of EmptyLayerSpec."""
+
+    def __init__(
+        self, key: str, typename: type[nn.Module], *module_args: Any, device: torch.device, **module_kwargs: Any
+    ) -> None:
+        super().__init__(key, typename, *module_args, **module_kwargs)
+        self.device = device
+
+    def build(self, log: bool = False) -> nn.Module:
+        return empty_module(lambda: TiedLayerSpec.build(self, log), self.device)
+
+
 class VocabParallelLoss:
     """loss_fn(logits shard, labels): mean token cross-entropy for training; ``reduction = "sum"`` for evaluation
     (a padded evaluation micro-batch may hold no token at all, whose mean would be 0 / 0)."""
@@ -157,36 +188,44 @@ class VocabParallelLoss:
 
 
 def bloom_layer_specs(
-    config: BloomConfig, topology: ParallelTopology, *, sequence_parallel: bool = False, recompute_core: bool = False
+    config: BloomConfig,
+    topology: ParallelTopology,
+    *,
+    device: torch.device,
+    sequence_parallel: bool = False,
+    recompute_core: bool = False,
 ) -> list[LayerSpec]:
-    """The pipeline's layer specs (see the module docstring); every rank builds the same list."""
+    """The pipeline's layer specs (see the module docstring); every rank builds the same list. The layers they
+    build hold uninitialised parameters on ``device``."""
     tp_group = topology.tp_group
     tp_rank = dist.get_rank(tp_group)
     factory = tp_linear_factory(topology, sequence_parallel=sequence_parallel, sequence_dim=SEQUENCE_DIM)
     embed = partial(
-        TiedLayerSpec,
+        EmptyTiedLayerSpec,
         EMBED_KEY,
         WordEmbeddingPipe,
         config,
         tp_group,
+        device=device,
         sequence_parallel=sequence_parallel,
         tied_weight_attr=["word_embeddings.weight"],
     )
     blocks = [
-        LayerSpec(
+        EmptyLayerSpec(
             TransformerLayerPipe,
             config,
             i,
             factory,
             tp_rank,
             topology.tp,
+            device=device,
             sequence_parallel=sequence_parallel,
             recompute_core=recompute_core,
         )
         for i in range(config.n_layer)
     ]
-    return [embed(), LayerSpec(EmbedLayerNormPipe, config), *blocks, LayerSpec(FinalLayerNormPipe, config),
-            embed(forward_fn=lm_head)]  # fmt: skip
+    return [embed(), EmptyLayerSpec(EmbedLayerNormPipe, config, device=device), *blocks,
+            EmptyLayerSpec(FinalLayerNormPipe, config, device=device), embed(forward_fn=lm_head)]  # fmt: skip
 
 
 def hf_parameter_name(pipe_name: str, n_layer: int) -> str:
@@ -213,15 +252,18 @@ def build_pipeline_module(
     partition_method: str,
     blocks_per_stage: Sequence[int],
     loss_fn: VocabParallelLoss,
+    device: torch.device,
     recompute: str = "none",
     sequence_parallel: bool = False,
 ) -> PipelineModule:
-    """This rank's stage of the BLOOM pipeline; ``recompute`` is "full" (every block), "selective" or "none"."""
+    """This rank's stage of the BLOOM pipeline, its parameters uninitialised on ``device``; ``recompute`` is "full"
+    (every block), "selective" or "none"."""
     specs = bloom_layer_specs(
-        config, topology, sequence_parallel=sequence_parallel, recompute_core=recompute == "selective"
+        config, topology, device=device, sequence_parallel=sequence_parallel, recompute_core=recompute == "selective"
     )
     # No autograd while building: the constructor broadcasts the tied embedding in place from the first stage,
-    # which autograd would otherwise record on the parameter.
+    # which autograd would otherwise record on the parameter. (It broadcasts uninitialised memory here; both
+    # stages then draw the same values.)
     with torch.no_grad():
         module = PipelineModule(
             layers=specs,

@@ -5,7 +5,8 @@ position, ``model-tp{t}-pp{p}.safetensors``, written by DP rank 0 of that positi
 each tensor this rank's slice (``role_of_parameter`` says along which dimension), the tied word embedding in
 both the first and the last stage's files. ``gather_full_state_dict`` turns either form back into the whole
 model on CPU, without any process group, for export and evaluation samples. ``ShardReader`` reads back any
-TP rank's slice of any saved tensor, for loading weights and optimizer state at any layout.
+TP rank's slice of any saved tensor, for loading weights and optimizer state at any layout. ``init_shards_`` draws
+a rank's slices of the initial weights directly.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from appliance.model.bloom import BloomBlock, BloomEmbedding, BloomFinal
 from appliance.model.config import BloomConfig
-from appliance.parallel.tensor_parallel import gather_to_full, role_of_parameter, shard_from_full, split_dim
+from appliance.model.initial_weights import Seed, init_parameter_
+from appliance.parallel.tensor_parallel import gather_to_full, role_of_parameter, split_dim
 
 FULL_MODEL_FILE = "model.safetensors"
 _SHARD_FILE = re.compile(r"^model-tp(\d+)-pp(\d+)\.safetensors$")
@@ -31,54 +32,25 @@ def shard_file_name(tp_rank: int, pp_rank: int) -> str:
     return f"model-tp{tp_rank:02d}-pp{pp_rank:02d}.safetensors"
 
 
-def dense_initial_weights(config: BloomConfig, seed: int, names: Iterable[str]) -> dict[str, torch.Tensor]:
-    """The named tensors of ``BloomForCausalLM(config).init_weights(torch.Generator().manual_seed(seed))``.
-
-    Every rank draws the whole model in the single-process order (embedding, blocks, final LayerNorm) and keeps
-    what it holds, so every layout starts from the numbers a single process starts from. One piece exists at a
-    time; the draws cost O(model) time per rank, seconds up to a few billion parameters.
-    """
-    wanted = set(names)
-    generator = torch.Generator().manual_seed(seed)
-    out: dict[str, torch.Tensor] = {}
-
-    def keep(prefix: str, piece: torch.nn.Module) -> None:
-        out.update({prefix + k: v for k, v in piece.state_dict().items() if prefix + k in wanted})
-
-    embedding = BloomEmbedding(config)
-    embedding.init_weights(generator)
-    keep("transformer.", embedding)
-    for i in range(config.n_layer):
-        block = BloomBlock(config, i)
-        block.init_weights(generator)
-        keep(f"transformer.h.{i}.", block)
-    final = BloomFinal(config)
-    final.init_weights()
-    keep("transformer.", final)
-    missing = wanted - out.keys()
-    if missing:
-        raise KeyError(f"no BLOOM parameter is named {sorted(missing)}")
-    return out
-
-
 @torch.no_grad()
-def load_from_full(
-    named_params: Iterable[tuple[str, torch.Tensor]],
-    full: Mapping[str, torch.Tensor],
-    tp_rank: int,
-    tp_size: int,
-    *,
-    source: str = "state dict",
+def init_shards_(
+    named_params: Iterable[tuple[str, torch.Tensor]], config: BloomConfig, seed: Seed, tp_rank: int, tp_size: int
 ) -> None:
-    """Copy this rank's slice of each whole (Hugging Face-named) tensor into its parameter."""
+    """Draw this rank's slice of every parameter's initial value into it, in place, on the parameter's device: the
+    slice ``shard_from_full`` would cut from ``BloomForCausalLM(config, seed=seed)``, to the bit (each element is a
+    function of the seed, the Hugging Face name and its index in the whole tensor: model/initial_weights.py). Only
+    the rank's own elements are computed; nothing of the whole model is built."""
     for name, param in named_params:
-        if name not in full:
-            raise KeyError(f"{source}: no tensor {name}")
         role, is_bias = role_of_parameter(name)
-        shard = shard_from_full(full[name], role, tp_rank, tp_size, is_bias=is_bias)
-        if shard.shape != param.shape:
-            raise ValueError(f"{source}: {name}: slice {tuple(shard.shape)}, parameter {tuple(param.shape)}")
-        param.copy_(shard)
+        dim = split_dim(role, is_bias=is_bias) if param.ndim else None
+        full_shape, offset = list(param.shape), [0] * param.ndim
+        if dim is not None:
+            # shard_from_full's chunks: rank r of tp holds [r * n, (r + 1) * n) of the tp * n along dim.
+            full_shape[dim] *= tp_size
+            offset[dim] = tp_rank * param.shape[dim]
+        init_parameter_(
+            param, name, seed=seed, std=config.initializer_range, full_shape=full_shape, offset=offset or None
+        )
 
 
 def shard_files(step_dir: Path) -> dict[tuple[int, int], Path]:

@@ -10,9 +10,11 @@ uses and DeepSpeed reads (``deepspeed.runtime.utils.is_model_parallel_parameter`
 gradient norm counts each replicated parameter once. Everything not marked is replicated across TP ranks and
 must stay bit-identical there (drift.py checks it).
 
-Initialisation matches a single process exactly: a layer draws the *full* weight with the same calls, in the
-same order, on the same generator as the dense ``nn.Linear``/``nn.Embedding`` would, then keeps its slice. With
-the same seed on every TP rank, a tp=2 model therefore starts from the same numbers as the tp=1 model.
+A layer built on its own initialises like the dense layer: it draws the *full* weight with the same calls, in the
+same order, on the same generator as ``nn.Linear``/``nn.Embedding`` would, then keeps its slice, so with the same
+seed on every TP rank a tp=2 layer starts from the same numbers as the tp=1 one. The model's layers are built on
+the meta device instead, where that draw costs nothing, and each rank then draws only its own slice of BLOOM's
+initial weights (shards.init_shards_).
 """
 
 from __future__ import annotations

@@ -111,7 +111,7 @@ def test_initial_weights_are_drawn_with_the_plans_seed_and_std(built: dict[str, 
     spec = built["spec"]
     from appliance.model.config import config_for_shape
 
-    single = BloomForCausalLM(config_for_shape(spec.model, VOCAB), generator=torch.Generator().manual_seed(1234))
+    single = BloomForCausalLM(config_for_shape(spec.model, VOCAB), seed=1234)
     full = single.transformer.word_embeddings.weight.detach().to(torch.bfloat16).float()
     rows = VOCAB // 2  # vocab-parallel: rank r holds rows [r * V/2, (r + 1) * V/2)
     for r, rank in enumerate(built["ranks"]):

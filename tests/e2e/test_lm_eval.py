@@ -51,7 +51,7 @@ def export(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, BloomForCaus
     )
     tokenizer.train_from_iterator(texts, trainer)
     tokenizer.save(str(root / "tokenizer.json"))
-    model = BloomForCausalLM(CONFIG, generator=torch.Generator().manual_seed(0)).eval()
+    model = BloomForCausalLM(CONFIG, seed=0).eval()
     with torch.no_grad():  # away from init, so choices and generations differ
         for param in model.parameters():
             param.add_(0.2 * torch.randn(param.shape, generator=torch.Generator().manual_seed(param.numel())))

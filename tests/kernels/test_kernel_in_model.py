@@ -15,7 +15,7 @@ def _run(monkeypatch: pytest.MonkeyPatch, backend: str) -> tuple[torch.Tensor, d
     torch.manual_seed(0)
     config = BloomConfig(vocab_size=64, hidden_size=24, n_layer=2, n_head=3)  # head dim 8, 3 heads (odd count)
     model = BloomForCausalLM(config)
-    model.init_weights(generator=torch.Generator().manual_seed(1))
+    model.init_weights(seed=1)
     ids = torch.randint(0, 64, (2, 9))  # an odd sequence length
     logits = model(ids)
     logits.float().square().mean().backward()

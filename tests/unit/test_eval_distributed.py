@@ -26,7 +26,7 @@ PROMPTS = [[10 + i, 11, 12 + i][: 1 + i % 3] for i in range(5)]
 
 
 def model() -> BloomForCausalLM:
-    return BloomForCausalLM(CONFIG, generator=torch.Generator().manual_seed(0)).eval()
+    return BloomForCausalLM(CONFIG, seed=0).eval()
 
 
 class CollectiveScorer(ModelScorer):

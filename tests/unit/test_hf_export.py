@@ -50,7 +50,7 @@ def tokenizer_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def model() -> BloomForCausalLM:
-    ours = BloomForCausalLM(CONFIG, generator=torch.Generator().manual_seed(0)).eval()
+    ours = BloomForCausalLM(CONFIG, seed=0).eval()
     with torch.no_grad():  # away from init, so a swapped or missing tensor shows in the logits
         for param in ours.parameters():
             param.add_(0.1 * torch.randn(param.shape, generator=torch.Generator().manual_seed(param.numel())))

@@ -15,7 +15,7 @@ from appliance.parallel.tensor_parallel import shard_state_dict
 
 def _full_state() -> dict[str, torch.Tensor]:
     model = BloomForCausalLM(BloomConfig(vocab_size=256, hidden_size=32, n_layer=4, n_head=4))
-    model.init_weights(generator=torch.Generator().manual_seed(0))
+    model.init_weights(seed=0)
     state = {k: v.detach().clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     return state
 

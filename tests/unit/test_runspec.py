@@ -209,7 +209,7 @@ def test_bloom_1b1s_init_std_reaches_the_model_config() -> None:
 
 def test_the_plans_init_std_is_the_std_of_the_initial_weights() -> None:
     shape = replace(load_model_shape("bloom-micro-test"), init_std=0.0123)
-    model = BloomForCausalLM(config_for_shape(shape, 512), generator=torch.Generator().manual_seed(7))
+    model = BloomForCausalLM(config_for_shape(shape, 512), seed=7)
     weights = torch.cat([p.detach().flatten() for p in model.parameters() if p.ndim == 2])
     # n = 512 x 64 embedding + 2 blocks x 12 x 64^2 = 131,072 draws: the sample std of n normal draws has a standard
     # error of std / sqrt(2n) = 0.2% of it; 5 standard errors is 1%, far from the 0.02 every run used before.
