@@ -165,7 +165,7 @@ def _run_stages(req: RunRequest, spec: RunSpec, run_dir: RunDir, stages: Stages,
     from appliance.data.prep import prepare_corpus
     from appliance.data.tokenize_corpus import build_indexed_datasets
     from appliance.tokenizer.bpe import train_tokenizer
-    from appliance.train.launch import check_precision_for_plan, last_rank_errors, run_plan
+    from appliance.train.launch import check_plan_runs_here, last_rank_errors, run_plan
 
     # The plan is fixed once written: a rerun of the same run directory keeps its plan and resumes.
     if run_dir.plan.exists():
@@ -178,8 +178,10 @@ def _run_stages(req: RunRequest, spec: RunSpec, run_dir: RunDir, stages: Stages,
         write_atomic(run_dir.plan, spec.dumps())
         events.emit("plan", **{k: plan[k] for k in ("hardware", "model", "layout", "estimate", "run")})
 
-    # Before the plan is fixed: a rerun with the `--set dtype=...` the refusal names then applies.
-    check_precision_for_plan(spec, str(run_dir.plan))
+    # Before the plan is fixed and before any stage: a rerun with the `--set` the refusal names then applies. A
+    # --prepare-only run trains elsewhere (a SLURM job's nodes, whose ranks check their own).
+    if not req.prepare_only:
+        check_plan_runs_here(spec, str(run_dir.plan), ranks_here=spec.layout.world_size)
     stages.run("plan", key=settings_key(plan=plan), outputs=[run_dir.plan], work=write_plan)
     layout, train, workers = spec.layout, spec.train, spec.data_workers(os.cpu_count())
 

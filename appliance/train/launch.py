@@ -170,13 +170,21 @@ def run_agent(run_dir: RunDir, *, nproc_per_node: int, max_restarts: int, worker
             signal.signal(sig, handler)
 
 
-def check_precision_for_plan(spec: RunSpec, source: str) -> None:
-    """BadInput, naming the device and the fix, when the plan trains in fp16 on CPU ranks whose DeepSpeed
-    accelerator (this machine's) cannot. GPU ranks ask their own accelerator (worker.py): asking here would hold a
-    CUDA context on GPU 0 in this process for the whole run, and every GPU of the specs table has fp16 (V100 on)."""
+def check_plan_runs_here(spec: RunSpec, source: str, *, ranks_here: int, in_rank: bool = False) -> None:
+    """BadInput, naming the fix, when this node's torch and DeepSpeed cannot train the plan with `ranks_here` ranks:
+    a CPU-only torch, or fewer visible GPUs than ranks, for a GPU plan (hardware/torch_build.py); fp16 where the
+    accelerator has none (parallel/precision.py).
+
+    The head asks before the plan is fixed (so no stage runs for a plan that cannot train here, and a rerun with the
+    `--set` the refusal names applies) and again before launching; every rank asks for its own node (`in_rank`),
+    since under SLURM no head runs on the training nodes. The head asks the fp16 question of CPU plans only: for a
+    GPU plan it would hold a CUDA context on GPU 0 in the head for the whole run, and every GPU of the specs table
+    has fp16 (V100 on); the ranks ask their own accelerator."""
+    from appliance.hardware.torch_build import check_torch_for_plan
     from appliance.parallel.precision import check_fp16_supported
 
-    if spec.hardware.gpus_per_node == 0:
+    check_torch_for_plan(spec.hardware.gpus_per_node, spec.hardware.gpu, ranks_here, source)
+    if in_rank or spec.hardware.gpus_per_node == 0:
         check_fp16_supported(spec.train.dtype, source)
 
 
@@ -186,11 +194,8 @@ def run_plan(run_dir: RunDir, *, worker_args: tuple[str, ...] = ()) -> int:
     Preempted and failed markers left by an earlier launch are cleared first, so they only ever describe this one.
     A plan the ranks could not read fails here, before any rank starts (BadInput naming plan.json and the key).
     """
-    from appliance.hardware.torch_build import check_torch_for_plan
-
     spec = load_spec(run_dir.plan)
-    check_torch_for_plan(spec.hardware.gpus_per_node, spec.hardware.gpu, spec.layout.world_size, str(run_dir.plan))
-    check_precision_for_plan(spec, str(run_dir.plan))
+    check_plan_runs_here(spec, str(run_dir.plan), ranks_here=spec.layout.world_size)
     run_dir.preempted_marker.unlink(missing_ok=True)
     run_dir.failed_marker.unlink(missing_ok=True)
     return run_agent(

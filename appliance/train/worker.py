@@ -91,12 +91,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from appliance.data.blend import build_datasets
     from appliance.data.sampler import PretrainingSampler
-    from appliance.hardware.torch_build import check_torch_for_plan
     from appliance.parallel.deepspeed_comm import init_deepspeed_comm
-    from appliance.parallel.precision import check_fp16_supported
     from appliance.parallel.topology import ParallelTopology
     from appliance.train.faults import FaultInjector
     from appliance.train.from_spec import engine_for, model_config
+    from appliance.train.launch import check_plan_runs_here
     from appliance.train.metrics import peak_flops_per_device, step_flops
     from appliance.train.trainer import Trainer
 
@@ -107,10 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     vocab_size = tokenizer_vocab_size(run_dir.tokenizer_json)
     layout = spec.layout
     try:
-        # The head checked this before launching; under SLURM there is no head, so every node checks its own torch.
+        # This node's torch and accelerator, before DeepSpeed would fail inside initialize (under SLURM no head
+        # process checked first).
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        check_torch_for_plan(spec.hardware.gpus_per_node, spec.hardware.gpu, local_ranks, str(run_dir.plan))
-        check_fp16_supported(settings.dtype, str(run_dir.plan))  # this rank's accelerator, before DeepSpeed asks it
+        check_plan_runs_here(spec, str(run_dir.plan), ranks_here=local_ranks, in_rank=True)
         config = model_config(spec, vocab_size)
         # Every broken rule at once, each factor named: tp * pp * dp against the world, heads % tp, the blocks
         # over pp. The process groups are built once, here, TP innermost, then DP, then PP.

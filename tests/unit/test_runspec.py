@@ -92,6 +92,16 @@ def test_a_missing_key_names_the_file_and_the_key(
     assert str(path) in str(e.value) and repr(f"{section}.{key}" if section else key) in str(e.value)
 
 
+def assert_refused(tmp_path: Path, plan: dict[str, Any], section: str, key: str, value: Any, why: str) -> None:
+    """The plan with plan[section][key] = value is refused with `why`, the message starting with the file's path."""
+    plan = json.loads(json.dumps(plan))
+    plan[section][key] = value
+    path = _write(tmp_path, plan)
+    with pytest.raises(BadInput, match=why) as e:
+        load_spec(path)
+    assert str(e.value).startswith(str(path))
+
+
 @pytest.mark.parametrize(
     ("section", "key", "value", "why"),
     [
@@ -107,12 +117,7 @@ def test_a_missing_key_names_the_file_and_the_key(
 def test_a_bad_value_names_the_file_and_the_key(
     tmp_path: Path, default_plan: dict[str, Any], section: str, key: str, value: Any, why: str
 ) -> None:
-    plan = json.loads(json.dumps(default_plan))
-    plan[section][key] = value
-    path = _write(tmp_path, plan)
-    with pytest.raises(BadInput, match=why) as e:
-        load_spec(path)
-    assert str(e.value).startswith(str(path))
+    assert_refused(tmp_path, default_plan, section, key, value, why)
 
 
 def test_the_optional_keys_take_their_documented_defaults(tmp_path: Path, default_plan: dict[str, Any]) -> None:
@@ -153,12 +158,7 @@ def test_an_older_plans_train_init_std_must_agree_with_the_models(tmp_path: Path
 def test_facts_stated_twice_must_agree(
     tmp_path: Path, default_plan: dict[str, Any], section: str, key: str, value: int, why: str
 ) -> None:
-    plan = json.loads(json.dumps(default_plan))
-    plan[section][key] = value
-    path = _write(tmp_path, plan)
-    with pytest.raises(BadInput, match=why) as e:
-        load_spec(path)
-    assert str(e.value).startswith(str(path))
+    assert_refused(tmp_path, default_plan, section, key, value, why)
 
 
 def test_derived_figures_are_rewritten_not_read(tmp_path: Path, default_plan: dict[str, Any]) -> None:

@@ -53,3 +53,17 @@ def test_launching_a_gpu_plan_with_this_cpu_torch_stops_before_spawning(tmp_path
     with pytest.raises(BadInput, match="CPU-only build"):
         run_plan(run_dir)
     assert not run_dir.logs.exists()
+
+
+def test_run_refuses_a_gpu_plan_before_any_stage(tmp_path: Path) -> None:
+    """The head asks before the plan is fixed: a GPU node with a CPU-only torch must not spend its corpus preparation,
+    tokenizer and data stages on a plan whose training it then refuses. Nothing is planned or prepared."""
+    from appliance.data.sample_corpus import SAMPLE_CORPUS_DIR
+    from appliance.head_run import RunRequest, run
+
+    if installed_torch().has_gpu_support:
+        pytest.skip("this machine's torch has CUDA: the refusal needs a CPU-only torch")
+    run_dir = RunDir(tmp_path / "run")
+    with pytest.raises(BadInput, match="CPU-only build"):
+        run(RunRequest(corpus=[SAMPLE_CORPUS_DIR], run_dir=run_dir.root, hardware="h100-sxm5-x1"))
+    assert not run_dir.plan.exists() and not run_dir.corpus.exists()
