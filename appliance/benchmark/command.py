@@ -19,11 +19,19 @@ from typing import Any
 import torch
 
 from appliance.benchmark.ceilings import Timer, machine_ceilings
-from appliance.benchmark.hf_peers import compile_backend, measure_hf
+from appliance.benchmark.hf_peers import compile_backend, hf_contender
 from appliance.benchmark.kernel_table import KernelCases, RankShapes, kernel_records
 from appliance.benchmark.report import FLOP_CONVENTION, format_table, write_json
-from appliance.benchmark.trainer_speed import measure_trainer
-from appliance.benchmark.workload import Progress, Workload, plan_workload
+from appliance.benchmark.trainer_speed import TrainerContender, one_rank_group
+from appliance.benchmark.workload import (
+    Batch,
+    Progress,
+    StepFn,
+    StepTimes,
+    Workload,
+    plan_workload,
+    time_contenders,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -75,9 +83,7 @@ def run_bench(model: str | None, out: Path | None, *, quick: bool = False, progr
         ceiling = machine_ceilings(timer, work.device, dtype, small=quick)
         progress(f"  ceilings: copy {ceiling['copy_gbps']:.1f} GB/s, matmul {ceiling['matmul_tflops']:.3f} TFLOP/s")
         batches = work.batches()
-        ours = measure_trainer(work, batches, progress)
-        eager, attention = measure_hf(work, ours.weights, batches, compiled=False, progress=progress)
-        compiled, _ = measure_hf(work, ours.weights, batches, compiled=True, progress=progress)
+        times, ours, hf_attention = _run_contenders(work, batches, progress)
         shapes = RankShapes(batch=train.micro_batch_size, seq=train.seq_len, hidden=spec.model.hidden,
                             heads=spec.model.heads, ffn=spec.model.ffn_hidden, vocab=spec.model.padded_vocab(),
                             dtype=dtype)  # fmt: skip
@@ -86,9 +92,8 @@ def run_bench(model: str | None, out: Path | None, *, quick: bool = False, progr
                                  progress=lambda line: progress("    " + line))  # fmt: skip
     finally:
         torch.set_num_threads(previous_threads)
-    result = _result(work, device_name, ceiling, ours.times.to_json(), eager.to_json(), compiled.to_json(), kernels)
-    result["workload"]["hf_attention"] = attention
-    result["workload"]["hf_compile_backend"] = compile_backend(work)
+    result = _result(work, device_name, ceiling, {name: t.to_json() for name, t in times.items()}, kernels)
+    result["workload"]["hf_attention"] = hf_attention
     result["first_loss"] = ours.first_loss
     result["calls_per_step"] = dict(ours.calls_per_step)
     result["load_average_1min"] = {"start": load_before[0], "end": os.getloadavg()[0]}
@@ -99,9 +104,42 @@ def run_bench(model: str | None, out: Path | None, *, quick: bool = False, progr
     return result
 
 
-def _result(work: Workload, device_name: str, ceiling: dict[str, Any], ours: dict[str, Any], eager: dict[str, Any],
-            compiled: dict[str, Any], kernels: list[dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
+def _run_contenders(
+    work: Workload, batches: list[list[Batch]], progress: Progress
+) -> tuple[dict[str, StepTimes], TrainerContender, str]:
+    """(each contender's step times, the trainer contender, the attention implementation transformers chose)."""
+    built: dict[str, Any] = {}
+
+    def trainer() -> StepFn:
+        built["trainer"] = TrainerContender(work)
+        return built["trainer"]
+
+    def peer(compiled: bool) -> StepFn:
+        ours = built["trainer"]
+        if not work.interleaved:
+            ours.release()  # its steps are done; its weights stay
+        step, built["hf_attention"] = hf_contender(work, ours.weights, compiled=compiled)
+        return step
+
+    names = contender_names(work)
+    makers = {names[0]: trainer, names[1]: lambda: peer(False), names[2]: lambda: peer(True)}
+    with one_rank_group("nccl" if work.device.type == "cuda" else "gloo"):
+        times = time_contenders(makers, work, batches, progress)
+    return times, built["trainer"], built["hf_attention"]
+
+
+def contender_names(work: Workload) -> tuple[str, str, str]:
+    return (
+        "trainer (DeepSpeed engine)",
+        "transformers eager",
+        f"transformers torch.compile ({compile_backend(work)})",
+    )
+
+
+def _result(work: Workload, device_name: str, ceiling: dict[str, Any], contenders: dict[str, dict[str, Any]],
+            kernels: list[dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
     spec, train = work.spec, work.spec.train
+    ours, eager, compiled = (contenders[name] for name in contender_names(work))
     flops_per_token = spec.model.flops_per_token(train.seq_len)
     peak = spec.device.peak_tflops  # the plan's per-rank peak: dense bf16 on GPUs, fp32 FMA of the cores on CPU
     tflops = ours["tokens_per_s"] * flops_per_token / 1e12
@@ -123,6 +161,8 @@ def _result(work: Workload, device_name: str, ceiling: dict[str, Any], ours: dic
             "steps": work.steps,
             "planned_layout": work.planned,
             "quick": work.quick,
+            "interleaved": work.interleaved,
+            "hf_compile_backend": compile_backend(work),
         },
         "flop_convention": FLOP_CONVENTION,
         "model_flops_per_token": flops_per_token,
@@ -134,11 +174,7 @@ def _result(work: Workload, device_name: str, ceiling: dict[str, Any], ours: dic
         "ratio_vs_hf_compile": ours["tokens_per_s"] / compiled["tokens_per_s"],
         "tflops_per_device": tflops,
         "mfu": tflops / peak if peak else None,
-        "contenders": {
-            "trainer (DeepSpeed engine)": ours,
-            "transformers eager": eager,
-            "transformers torch.compile": compiled,
-        },
+        "contenders": contenders,
         "ceilings": ceiling,
         "kernels": kernels,
     }

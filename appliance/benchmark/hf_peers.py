@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from appliance.benchmark.workload import Batch, Progress, StepTimes, Workload, time_steps
+from appliance.benchmark.workload import Batch, StepFn, Workload
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -87,16 +87,11 @@ def training_step(model: Any, work: Workload) -> Callable[[list[Batch]], float]:
     return step
 
 
-def measure_hf(
-    work: Workload, weights: dict[str, torch.Tensor], batches: list[list[Batch]], *, compiled: bool, progress: Progress
-) -> tuple[StepTimes, str]:
-    """(step times, the attention implementation transformers chose)."""
+def hf_contender(work: Workload, weights: dict[str, torch.Tensor], *, compiled: bool) -> tuple[StepFn, str]:
+    """(one training step of transformers' Bloom on the trainer's first weights, the attention implementation
+    transformers chose for it)."""
     model = hf_model(work, weights)
     attention = str(model.config._attn_implementation)
     if compiled:
         model = torch.compile(model, backend=compile_backend(work))
-    how = f"torch.compile {compile_backend(work)}" if compiled else "eager"
-    label = f"transformers {how} ({attention} attention)"
-    if compiled:
-        progress(f"  {label}: the warm-up step compiles (tens of seconds on a CPU)")
-    return time_steps(training_step(model, work), work, batches, label, progress), attention
+    return training_step(model, work), attention

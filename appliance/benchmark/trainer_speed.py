@@ -1,8 +1,8 @@
 """The trainer's own tokens/s: its real engine (train/from_spec.py builds it from the run spec, as every rank does),
 one rank in this process, in a one-rank process group (gloo on CPU, NCCL on a GPU).
 
-The measurement also hands back the engine's first weights (Hugging Face names, fp32), which the peers start from,
-and which kernels.registry ops one training step called.
+The contender also keeps the engine's first weights (Hugging Face names, fp32), which the peers start from, and
+which kernels.registry ops one training step called.
 """
 
 from __future__ import annotations
@@ -12,23 +12,14 @@ import socket
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from appliance.benchmark.kernel_table import count_registry_calls
-from appliance.benchmark.workload import Batch, Progress, StepTimes, Workload, time_steps
+from appliance.benchmark.workload import Batch, Workload
 
 ONE_RANK_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-
-
-@dataclass(frozen=True)
-class TrainerRun:
-    times: StepTimes
-    weights: dict[str, torch.Tensor]  # before the first step
-    calls_per_step: Counter[str]
-    first_loss: float
 
 
 def _free_loopback_port() -> int:
@@ -60,28 +51,34 @@ def one_rank_group(backend: str) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def measure_trainer(work: Workload, batches: list[list[Batch]], progress: Progress) -> TrainerRun:
-    from appliance.parallel.topology import ParallelTopology
-    from appliance.train.from_spec import engine_for, model_config
+class TrainerContender:
+    """The trainer's engine for the workload, built in the one-rank group (one_rank_group must be open), called
+    once per step like the peers. It keeps the engine's first weights, the first step's loss and the registry ops
+    that step called."""
 
-    spec = work.spec
-    with one_rank_group("nccl" if work.device.type == "cuda" else "gloo"):
+    def __init__(self, work: Workload) -> None:
+        from appliance.parallel.topology import ParallelTopology
+        from appliance.train.from_spec import engine_for, model_config
+
+        spec = work.spec
         # The vocabulary the plan states (a run would read the tokenizer's; both are padded the same way).
-        config = model_config(spec, spec.model.vocab_size)
-        engine = engine_for(spec, config, ParallelTopology(tp=1, pp=1, dp=1, world_size=1))
-        weights = engine.model_shard()
-        losses: list[float] = []
-        calls: Counter[str] = Counter()
+        self.engine = engine_for(
+            spec, model_config(spec, spec.model.vocab_size), ParallelTopology(tp=1, pp=1, dp=1, world_size=1)
+        )
+        self.weights: dict[str, torch.Tensor] = self.engine.model_shard()
+        self.calls_per_step: Counter[str] = Counter()
+        self.first_loss: float | None = None
 
-        def step(micro_batches: list[Batch]) -> None:
-            if losses:
-                losses.append(engine.train_batch(micro_batches).loss)
-                return
-            # The first (warm-up) step counts the registry ops training calls; the counting wrappers add a Python
-            # call per op, so the timed steps run without them.
-            with count_registry_calls() as counted:
-                losses.append(engine.train_batch(micro_batches).loss)
-            calls.update(counted)
+    def release(self) -> None:
+        """Drop the engine (its device memory), keeping weights, calls and loss: the peers run next."""
+        del self.engine
 
-        times = time_steps(step, work, batches, "trainer (DeepSpeed engine)", progress)
-    return TrainerRun(times=times, weights=weights, calls_per_step=calls, first_loss=losses[0])
+    def __call__(self, micro_batches: list[Batch]) -> None:
+        if self.first_loss is not None:
+            self.engine.train_batch(micro_batches)
+            return
+        # The first (warm-up) step counts the registry ops training calls; the counting wrappers add a Python call
+        # per op, so the timed steps run without them.
+        with count_registry_calls() as counted:
+            self.first_loss = self.engine.train_batch(micro_batches).loss
+        self.calls_per_step.update(counted)

@@ -10,7 +10,8 @@ the peak the MFU divides by, the plan's per-rank peak, is that of the cores in u
 
 Timing: `warmup_steps` steps first (not timed: allocator, compile, first-touch), then `steps` steps, each timed on
 its own (synchronised on GPUs); tokens/s is tokens per step over the median step time, robust to a neighbour's
-burst on a shared machine, with the mean recorded beside it.
+burst on a shared machine, with the mean recorded beside it. On CPU the contenders take turns, one step each
+(time_contenders), so they all see the same load.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from appliance.planner.runspec import RunSpec
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (input ids, next-token labels), each [micro_batch, seq]
 Progress = Callable[[str], None]
+StepFn = Callable[[list[Batch]], Any]
 QUICK_MODEL = "bloom-micro-test"  # --quick: the tests' model, a few seconds for the whole bench
 
 
@@ -42,6 +44,12 @@ class Workload:
     steps: int
     device: torch.device
     quick: bool
+
+    @property
+    def interleaved(self) -> bool:
+        """CPU: the contenders take turns step by step (all three fit in memory, and the machine may be shared).
+        GPU: one after the other (three copies of a model with its optimizer state may not fit one device)."""
+        return self.device.type == "cpu"
 
     @property
     def tokens_per_step(self) -> int:
@@ -117,23 +125,54 @@ class StepTimes:
         }
 
 
-def time_steps(step: Callable[[list[Batch]], Any], work: Workload, batches: list[list[Batch]], label: str,
-               progress: Progress) -> StepTimes:  # fmt: skip
-    """Runs every step of `batches`; times those after the warm-up (see the module docstring)."""
+def _timed(step: StepFn, micro_batches: list[Batch], cuda: bool) -> float:
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    step(micro_batches)
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def time_contenders(makers: dict[str, Callable[[], StepFn]], work: Workload, batches: list[list[Batch]],
+                    progress: Progress) -> dict[str, StepTimes]:  # fmt: skip
+    """Builds each contender (in order: a later maker may use what an earlier one built) and runs every step of
+    `batches` on it, timing those after the warm-up. Interleaved (work.interleaved): the contenders take turns,
+    one step each, so a neighbour's burst on a shared machine slows them alike; else one contender after the
+    other, each dropped before the next is built."""
     cuda = work.device.type == "cuda"
-    seconds = []
-    for i, micro_batches in enumerate(batches):
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        step(micro_batches)
-        if cuda:
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
-        timed = i >= work.warmup_steps
-        if timed:
-            seconds.append(elapsed)
-        if not timed or (i - work.warmup_steps + 1) % 5 == 0 or i == len(batches) - 1:
-            what = "warm-up" if not timed else f"{i - work.warmup_steps + 1}/{work.steps}"
-            progress(f"  {label}: step {what} {elapsed:.3f} s")
-    return StepTimes(seconds, work.tokens_per_step)
+    seconds: dict[str, list[float]] = {name: [] for name in makers}
+
+    def record(i: int, name: str, elapsed: float) -> None:
+        if i >= work.warmup_steps:
+            seconds[name].append(elapsed)
+
+    def report(i: int, names: list[str]) -> None:
+        n = i - work.warmup_steps + 1
+        if n <= 0 or n % 5 == 0 or i == len(batches) - 1:
+            what = "warm-up" if n <= 0 else f"{n}/{work.steps}"
+            progress(f"  step {what}: " + ", ".join(f"{name} {last[name]:.3f} s" for name in names))
+
+    last: dict[str, float] = {}  # each contender's latest step
+
+    if work.interleaved:
+        steps = {}
+        for name, make in makers.items():
+            progress(f"  building {name}")
+            steps[name] = make()
+        for i, micro_batches in enumerate(batches):
+            for name, step in steps.items():
+                last[name] = _timed(step, micro_batches, cuda)
+                record(i, name, last[name])
+            report(i, list(steps))
+    else:
+        for name, make in makers.items():
+            progress(f"  building {name}")
+            step = make()
+            for i, micro_batches in enumerate(batches):
+                last[name] = _timed(step, micro_batches, cuda)
+                record(i, name, last[name])
+                report(i, [name])
+            del step
+    return {name: StepTimes(times, work.tokens_per_step) for name, times in seconds.items()}
