@@ -1,8 +1,9 @@
 """`./bloom_appliance.py bench`: the contenders, the kernel table and the ceilings, measured in one run.
 
-Order: the machine's ceilings; the trainer (its first weights seed the peers); transformers eager; transformers
-compiled; the kernel table at the trained model's rank shapes. Everything runs in this process, one contender at a
-time, on the device the plan targets (workload.py says what every contender shares, hf_peers.py what is equal).
+Order: the machine's ceilings; the contenders, built in this order: the trainer (its first weights seed the peers),
+transformers eager, transformers compiled (taking turns step by step on CPU, one after the other on a GPU); the
+kernel table at the trained model's rank shapes. Everything runs in this process, on the device the plan targets
+(workload.py says what every contender shares, hf_peers.py what is equal).
 MFU = model FLOPs per token (report.FLOP_CONVENTION) x tokens/s / the plan's peak per device.
 """
 

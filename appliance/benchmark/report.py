@@ -43,7 +43,7 @@ def format_table(result: dict[str, Any]) -> str:
         f"ceilings: copy {ceiling['copy_gbps']:.1f} GB/s, {ceiling['matmul_dtype']} matmul"
         f" {ceiling['matmul_tflops']:.3f} TFLOP/s; peak per device (plan) {result['peak_tflops_per_device']} TFLOP/s",
         "",
-        f"{'contender':34s} {'tokens/s':>10s} {'step s':>8s} {'TFLOP/s':>8s} {'MFU':>7s} {'ours / it':>9s}",
+        f"{'contender':38s} {'tokens/s':>10s} {'step s':>8s} {'TFLOP/s':>8s} {'MFU':>7s} {'ours / it':>9s}",
     ]
     flops_per_token = result["model_flops_per_token"]
     peak = result["peak_tflops_per_device"]
@@ -51,7 +51,7 @@ def format_table(result: dict[str, Any]) -> str:
         tflops = c["tokens_per_s"] * flops_per_token / 1e12
         mfu = f"{tflops / peak:7.1%}" if peak else "    n/a"
         ratio = result["tokens_per_s"] / c["tokens_per_s"]
-        lines.append(f"{name:34s} {c['tokens_per_s']:10.1f} {c['median_step_s']:8.4f} {tflops:8.4f} {mfu} {ratio:9.2f}")
+        lines.append(f"{name:38s} {c['tokens_per_s']:10.1f} {c['median_step_s']:8.4f} {tflops:8.4f} {mfu} {ratio:9.2f}")
     lines += [
         "",
         f"{'op':22s} {'pass':8s} {'calls':>5s} {'ms':>9s} {'achieved':>16s} {'ceiling':>7s}  peers (x: ours faster)",
