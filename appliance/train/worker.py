@@ -196,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         from appliance.eval.final import write_final_eval
 
         write_final_eval(trainer, run_dir, vocab_size=vocab_size, is_writer=rank == 0)
+    engine.close()  # the last step's weights may still be in flight over DP (overlap_param_gather)
     dist.barrier()
     watchdog.stop()
     if sampler is not None:
