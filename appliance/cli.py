@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from appliance import __version__
+from appliance.planner.train_settings import DTYPES
 from appliance.rundir import RunDir
 from appliance.train.runlock import own_run_dir, refuse_if_live
 
@@ -108,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch-size", type=int, help="samples per optimizer step (default: the model's recipe)")
     p.add_argument("--seq-len", type=int, help="tokens per sample (default: the model's)")
     p.add_argument("--layout", help="evaluate this layout, e.g. tp=4,pp=12,dp=8,mbs=2[,zero=1][,recompute=full]")
+    p.add_argument(
+        "--precision",
+        choices=DTYPES,
+        help="plan in this precision (default: bf16 on GPUs that have it, fp16 on V100-class, fp32 on CPU)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object: layout, estimate, rejected alternatives")
 
     p = sub.add_parser("prep", help="clean, filter, deduplicate and redact a corpus")
@@ -294,7 +300,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     hw = load_hardware(args.hardware) if args.hardware else detect()
     shape = load_model_shape(args.model) if args.model else None
     layout = parse_layout(args.layout) if args.layout else None
-    plan = make_plan(hw, shape, global_batch_size=args.global_batch_size, seq_len=args.seq_len, layout=layout)
+    plan = make_plan(
+        hw,
+        shape,
+        global_batch_size=args.global_batch_size,
+        seq_len=args.seq_len,
+        layout=layout,
+        precision=args.precision,
+    )
     print(json.dumps(plan.to_json(), indent=1) if args.json else format_plan(plan))
     return 0
 

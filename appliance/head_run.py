@@ -54,7 +54,7 @@ def make_run_plan(req: RunRequest) -> RunSpec:
 
     hardware = load_hardware(req.hardware) if req.hardware else detect()
     shape = load_model_shape(req.model) if req.model else None
-    plan = make_plan(hardware, shape)
+    plan = make_plan(hardware, shape, precision=req.overrides.get("dtype"))  # --set precision= (or dtype=)
     if not plan.feasible:
         reasons = "; ".join(plan.reasons) or "see `plan`"
         raise BadInput(f"--model {req.model}: does not fit this hardware: {reasons}")

@@ -1,8 +1,9 @@
 """Planner: model shapes, the parallel layout, the memory and time cost model, the search, and the plan."""
 
 from appliance.planner.comm import communication_bytes_per_rank
+from appliance.planner.kernel_path import KernelPath, kernels_for
 from appliance.planner.ladder import DEFAULT_TIME_BUDGET_DAYS, LADDER, ModelChoice, choose_model
-from appliance.planner.layout import Layout, Partition, fused_softmax_error, parse_layout, pipeline_partition
+from appliance.planner.layout import Layout, Partition, parse_layout, pipeline_partition
 from appliance.planner.memory import MemoryEstimate, activation_bytes_per_layer, memory_per_gpu, state_bytes
 from appliance.planner.model_shape import ModelShape, Rampup, TrainRecipe, load_model_shape, model_from_table
 from appliance.planner.plan import Plan, make_plan
@@ -14,6 +15,7 @@ from appliance.planner.timing import StepTime, step_time
 __all__ = [
     "DEFAULT_TIME_BUDGET_DAYS",
     "LADDER",
+    "KernelPath",
     "Layout",
     "MemoryEstimate",
     "ModelChoice",
@@ -29,7 +31,7 @@ __all__ = [
     "choose_model",
     "communication_bytes_per_rank",
     "format_plan",
-    "fused_softmax_error",
+    "kernels_for",
     "load_model_shape",
     "load_reference",
     "load_spec",

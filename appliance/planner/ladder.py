@@ -47,13 +47,14 @@ def choose_model(
     seq_len: int | None = None,
     train_tokens: int | None = None,
     time_budget_days: float = DEFAULT_TIME_BUDGET_DAYS,
+    precision: str | None = None,
 ) -> ModelChoice:
     """Walk the ladder from the largest shape down; the first that fits and finishes within budget wins."""
     lines: list[str] = []
     if not hardware.has_gpus:
         tiny = load_model_shape(CPU_MODEL).with_seq_len(seq_len)
         smallest = load_model_shape(LADDER[-1]).with_seq_len(seq_len)
-        result = search_layouts(hardware, smallest, default_global_batch_size(smallest, hardware))
+        result = search_layouts(hardware, smallest, default_global_batch_size(smallest, hardware), precision)
         if result.best is not None:
             lines.append(
                 f"{smallest.name}: {_tokens(smallest, train_tokens)} would take"
@@ -66,7 +67,7 @@ def choose_model(
     for name in LADDER:
         model = load_model_shape(name).with_seq_len(seq_len)
         gbs = global_batch_size or default_global_batch_size(model, hardware)
-        result = search_layouts(hardware, model, gbs)
+        result = search_layouts(hardware, model, gbs, precision)
         if result.best is None:
             least = min((e.memory.total_gb for e in result.evaluated), default=None)
             need = f" (the leanest layout needs {least:.0f} GB per GPU)" if least is not None else ""

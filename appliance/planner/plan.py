@@ -179,10 +179,12 @@ def make_plan(
     layout: Layout | None = None,
     train_tokens: int | None = None,
     time_budget_days: float = DEFAULT_TIME_BUDGET_DAYS,
+    precision: str | None = None,
 ) -> Plan:
     """Plan a run: with `layout`, evaluate it (BadInput if it does not match the hardware or model; feasible=False
     with reasons if it cannot run); without, search for the fastest feasible layout. With model=None, the ladder
-    picks the largest BLOOM shape that trains within the token and time budget."""
+    picks the largest BLOOM shape that trains within the token and time budget. `precision` (bf16, fp16, fp32;
+    `--set precision=`) overrides the hardware's default (device.default_precision)."""
     started = time.perf_counter()
     if seq_len is not None and seq_len < 1:
         raise BadInput(f"--seq-len must be a positive integer, got {seq_len}")
@@ -195,6 +197,7 @@ def make_plan(
             seq_len=seq_len,
             train_tokens=train_tokens,
             time_budget_days=time_budget_days,
+            precision=precision,
         )
         model, choice_lines = choice.model, choice.lines
         search = choice.search if layout is None else None  # same model, batch and sequence: reuse it
@@ -210,13 +213,14 @@ def make_plan(
         notes.append(f"hidden({model.hidden}) is not a multiple of 128: tensor-core GEMMs lose some rate")
 
     if layout is not None:
-        chosen, device, rejected, counts = _evaluate_given(hardware, model, layout, gbs, notes)
+        chosen, device, rejected, counts = _evaluate_given(hardware, model, layout, gbs, notes, precision)
         mode, candidates = "given", 1
     else:
-        search = search or search_layouts(hardware, model, gbs)
-        chosen, device, rejected, counts = _pick_searched(hardware, model, gbs, search, notes)
+        search = search or search_layouts(hardware, model, gbs, precision)
+        chosen, device, rejected, counts = _pick_searched(hardware, model, gbs, search, notes, precision)
         mode, candidates = "searched", search.candidates
     layout = chosen.layout
+    notes.extend(chosen.notes)
 
     train = train_section(model, layout, device, chosen.time.total_s, train_tokens=train_tokens, notes=notes)
     run = run_estimate(hardware, device, layout, chosen.time.total_s, train.steps_at_full_batch)
@@ -244,13 +248,15 @@ def make_plan(
 Outcome = tuple[Evaluated, Device, list[dict[str, Any]], dict[str, int]]
 
 
-def _evaluate_given(hardware: Hardware, model: ModelShape, layout: Layout, gbs: int, notes: list[str]) -> Outcome:
+def _evaluate_given(
+    hardware: Hardware, model: ModelShape, layout: Layout, gbs: int, notes: list[str], precision: str | None
+) -> Outcome:
     """`plan --layout`: shape errors are bad input; a layout that cannot run is a plan with feasible=False."""
     world = _world_for(hardware, layout)
     layout.validate(world, model.heads, model.layers)
     if not layout.global_batch_size:
         layout = replace(layout, global_batch_size=gbs)
-    device = make_device(hardware, world)
+    device = make_device(hardware, world, precision)
     chosen = evaluate(layout, model, hardware, device)
     rejected = [] if chosen.feasible else [{"layout": layout.to_dict(), "reason": "; ".join(chosen.problems)}]
     if hardware.has_gpus and layout.tp > hardware.gpus_per_node:
@@ -261,7 +267,9 @@ def _evaluate_given(hardware: Hardware, model: ModelShape, layout: Layout, gbs: 
     return chosen, device, rejected, {"constraint": 0, "memory": 0, "slower": 0}
 
 
-def _pick_searched(hardware: Hardware, model: ModelShape, gbs: int, search: SearchResult, notes: list[str]) -> Outcome:
+def _pick_searched(
+    hardware: Hardware, model: ModelShape, gbs: int, search: SearchResult, notes: list[str], precision: str | None
+) -> Outcome:
     """The search's best; when nothing fits, the leanest candidate, so the plan shows why."""
     if search.best is not None:
         chosen = search.best
@@ -273,7 +281,7 @@ def _pick_searched(hardware: Hardware, model: ModelShape, gbs: int, search: Sear
         reasons = "; ".join(r for _, r in search.constraint_rejections) or "no candidate layouts"
         raise BadInput(f"no layout can run {model.name} at global batch {gbs} on {hardware.name}: {reasons}")
     rejected, counts = _rejections(search, search.best)
-    return chosen, make_device(hardware, chosen.layout.world_size), rejected, counts
+    return chosen, make_device(hardware, chosen.layout.world_size, precision), rejected, counts
 
 
 def _why(best: Evaluated, search: SearchResult) -> str:
