@@ -17,6 +17,7 @@ RUN_KEYS: dict[str, type] = {
     "carbon_profile": str,  # world-average (default) or bloom-jean-zay: see appliance/hardware/carbon.py
     "grid_g_per_kwh": float,
     "pue": float,
+    "train_tokens": int,  # the training length in tokens: sets train_samples (tokens / seq_len), not sized
 }
 CARBON_KEYS = ("carbon_profile", "grid_g_per_kwh", "pue")
 # User-facing names for plan keys: `precision` is the plan's train.dtype (bf16, fp16 or fp32), which the planner

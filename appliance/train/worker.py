@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     from appliance.data.sampler import PretrainingSampler
     from appliance.parallel.deepspeed_comm import init_deepspeed_comm
     from appliance.parallel.topology import ParallelTopology
+    from appliance.train.budget_watch import BudgetWatch
     from appliance.train.faults import FaultInjector
     from appliance.train.from_spec import engine_for, model_config
     from appliance.train.launch import check_plan_runs_here
@@ -168,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         faults=FaultInjector(rank),
         stop_at_step=args.stop_at_step,
         on_step=watchdog.set_step,
+        budget=BudgetWatch.for_spec(spec) if rank == 0 else None,
     )
 
     def warn(message: str) -> None:

@@ -60,19 +60,23 @@ def test_cpu_ranks_follow_cores(cores: int, dp: int) -> None:
     ("hw_name", "allowed"),
     [
         ("cpu-laptop-2core", {"bloom-tiny-cpu"}),
-        ("a100-80gb-x1", {"bloom-560m", "bloom-1b1"}),
-        ("a100-80gb-x8-node", {"bloom-1b7", "bloom-3b", "bloom-7b1"}),
-        ("jean-zay-a100-48n", {"bloom-176b"}),
+        ("a100-80gb-x1", {"bloom-1b7", "bloom-3b"}),
+        ("a100-80gb-x8-node", {"bloom-3b", "bloom-7b1"}),
+        # 20 tokens per parameter: bloom-176b's 3.5T tokens take years on 384 A100s; bloom-7b1's 141B take days.
+        ("jean-zay-a100-48n", {"bloom-7b1"}),
     ],
 )
 def test_model_ladder(hw_name: str, allowed: set[str]) -> None:
+    """Without a corpus or a budget: the largest shape that fits memory and trains 20 tokens per parameter in 120
+    days."""
     plan = make_plan(load_hardware(hw_name))
     assert plan.model.name in allowed and plan.feasible
     assert plan.model_choice and plan.model_choice[-1].startswith(("chosen", "no GPU"))
 
 
 def test_plan_json_has_the_design_keys() -> None:
-    plan = make_plan(load_hardware("a100-80gb-x1"), load_model_shape("bloom-560m"))
+    # At BLOOM's own length (341B tokens) the recipe's batch ramp-up is kept; a shorter sized run drops it.
+    plan = make_plan(load_hardware("a100-80gb-x1"), load_model_shape("bloom-560m"), train_tokens=341_000_000_000)
     doc = json.loads(json.dumps(plan.to_json()))
     assert {"hardware", "model", "layout", "estimate", "feasible", "rejected", "train"} <= set(doc)
     assert {"tp", "pp", "dp", "micro_batch_size", "global_batch_size", "zero_stage", "recompute"} <= set(doc["layout"])
