@@ -468,9 +468,11 @@ def lm_head_input(
         hidden = gather_from_sequence_parallel_region(
             hidden, group, dim=sequence_dim, tensor_parallel_output_grad=False
         )
-    # A view, not the parameter itself: the pipeline engine keeps a stage's outputs, and under bf16 a parameter
-    # among them lost the last stage's tied-embedding gradient (measured: the pp=2 bf16 losses left the fp32
-    # reference from step 2 on); the view's gradient reaches the parameter through autograd like any other.
+    # A view, not the parameter itself. DeepSpeed's engine (0.19.8, runtime/utils.py register_output_backward_hooks)
+    # runs its backward prologue from hooks on the forward's outputs that have a grad_fn; a leaf parameter among the
+    # outputs has none, so its gradient can reach the parameter outside that bracket. Measured with the parameter
+    # itself: the pp=2 bf16 losses left the fp32 reference from step 2 on (4.5e-2 against a 2.2e-3 bound). The
+    # view's gradient reaches the parameter through autograd like any other.
     return HeadInput(hidden, embedding_weight.view_as(embedding_weight))
 
 
