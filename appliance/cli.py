@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from appliance import __version__
+from appliance.planner.train_settings import DTYPES
 from appliance.rundir import RunDir
 from appliance.train.runlock import own_run_dir, refuse_if_live
 
@@ -27,6 +28,10 @@ DEFAULT_LOG_FORMAT = "text"
 DEBUG_HELP = "on an error, print the full traceback before the one-line message (exit codes stay the same)"
 # Flags of the program itself, accepted before the command (`--debug run ...`) and, for --debug, after it too.
 GLOBAL_FLAGS = ("--debug",)
+BUDGET_HELP = (
+    "wall time, e.g. 45m, 6h or 2d: plan the largest model and token count that finish in it (default: a 10-minute"
+    " smoke run for the sample corpus on GPUs; else 20 tokens per parameter, at most 4 epochs, within 120 days)"
+)
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -75,6 +80,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
         "--log-format", choices=["text", "json"], default=DEFAULT_LOG_FORMAT, help="headless progress lines or events"
     )
     p.add_argument("--max-steps", type=int, help="stop after N optimizer steps")
+    p.add_argument("--budget", help=BUDGET_HELP)
     p.add_argument("--prepare-only", action="store_true", help="stop after plan, prep, tokenizer and data")
     p.add_argument(
         "--set",
@@ -108,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch-size", type=int, help="samples per optimizer step (default: the model's recipe)")
     p.add_argument("--seq-len", type=int, help="tokens per sample (default: the model's)")
     p.add_argument("--layout", help="evaluate this layout, e.g. tp=4,pp=12,dp=8,mbs=2[,zero=1][,recompute=full]")
+    p.add_argument(
+        "--precision",
+        choices=DTYPES,
+        help="plan in this precision (default: bf16 on GPUs that have it, fp16 on V100-class, fp32 on CPU)",
+    )
+    p.add_argument("--budget", help=BUDGET_HELP)
+    p.add_argument("--corpus-tokens", type=int, help="size the plan for a corpus of N tokens (run counts its own)")
     p.add_argument("--json", action="store_true", help="one JSON object: layout, estimate, rejected alternatives")
 
     p = sub.add_parser("prep", help="clean, filter, deduplicate and redact a corpus")
@@ -200,6 +213,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from appliance.data.sample_corpus import SAMPLE_CORPUS_DIR
     from appliance.head_run import RunRequest, default_run_dir, make_run_plan, run
     from appliance.overrides import parse_overrides
+    from appliance.planner.sizing import parse_duration
 
     req = RunRequest(
         corpus=args.corpus or [SAMPLE_CORPUS_DIR],
@@ -209,6 +223,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         max_steps=args.max_steps,
         overrides=parse_overrides(args.overrides),
         prepare_only=args.prepare_only,
+        budget_s=parse_duration(args.budget) if args.budget else None,
     )
     headless = args.headless or not sys.stdout.isatty()
     if not headless:
@@ -294,12 +309,23 @@ def cmd_detect(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from appliance.hardware import detect, load_hardware
-    from appliance.planner import format_plan, load_model_shape, make_plan, parse_layout
+    from appliance.planner import Budget, format_plan, load_model_shape, make_plan, parse_duration, parse_layout
 
+    if args.corpus_tokens is not None and args.corpus_tokens < 1:
+        raise BadInput(f"--corpus-tokens {args.corpus_tokens}: must be a positive token count")
     hw = load_hardware(args.hardware) if args.hardware else detect()
     shape = load_model_shape(args.model) if args.model else None
     layout = parse_layout(args.layout) if args.layout else None
-    plan = make_plan(hw, shape, global_batch_size=args.global_batch_size, seq_len=args.seq_len, layout=layout)
+    budget = Budget(seconds=parse_duration(args.budget) if args.budget else None, corpus_tokens=args.corpus_tokens)
+    plan = make_plan(
+        hw,
+        shape,
+        global_batch_size=args.global_batch_size,
+        seq_len=args.seq_len,
+        layout=layout,
+        budget=budget,
+        precision=args.precision,
+    )
     print(json.dumps(plan.to_json(), indent=1) if args.json else format_plan(plan))
     return 0
 

@@ -18,10 +18,13 @@ from appliance.hardware.carbon import carbon_kg, resolve_profile
 from appliance.monitor.events import EventWriter
 from appliance.overrides import CARBON_KEYS, RUN_KEYS
 from appliance.planner.runspec import RunSection, RunSpec, load_spec
+from appliance.planner.sizing import retime
 from appliance.rundir import RunDir, point_latest
 from appliance.stages import Stages, fingerprint, settings_key
 from appliance.train.atomic import write_atomic
 from appliance.train.runlock import own_run_dir
+
+PLAN_EVENT_KEYS = ("hardware", "model", "layout", "estimate", "run", "sizing")
 
 
 @dataclass
@@ -33,6 +36,7 @@ class RunRequest:
     max_steps: int | None = None
     overrides: dict[str, Any] = field(default_factory=dict)
     prepare_only: bool = False  # stop after the data stages (a SLURM job then trains; see train/slurm.py)
+    budget_s: float | None = None  # --budget: wall time for the whole run; None: default_budget_s
 
 
 def default_run_dir(model_name: str) -> Path:
@@ -47,14 +51,33 @@ def check_inputs(paths: list[Path]) -> None:
             raise BadInput(f"--corpus {p}: no such file or directory")
 
 
-def make_run_plan(req: RunRequest) -> RunSpec:
-    """The plan for this run, with --max-steps and --set applied. Validates the model and hardware names."""
-    from appliance.hardware import detect, load_hardware
-    from appliance.planner import load_model_shape, make_plan
+def default_budget_s(has_gpus: bool, corpus: list[Path]) -> float | None:
+    """The sample corpus on GPUs, without --budget: a smoke run of at most 10 minutes. Otherwise none: the data and
+    compute-optimal sizing decide (CPU ranks run their smoke recipe)."""
+    from appliance.data.sample_corpus import SAMPLE_CORPUS_DIR
+    from appliance.planner.sizing import SMOKE_BUDGET_S
 
+    sample = [Path(p).resolve() for p in corpus] == [Path(SAMPLE_CORPUS_DIR).resolve()]
+    return SMOKE_BUDGET_S if has_gpus and sample else None
+
+
+def make_run_plan(req: RunRequest) -> RunSpec:
+    """The plan for this run, with --max-steps and --set applied. Validates the model and hardware names. Sized to
+    the budget; the corpus is not counted yet (size_to_corpus re-fixes the plan after the data stage)."""
+    from appliance.hardware import detect, load_hardware
+    from appliance.planner import Budget, load_model_shape, make_plan
+
+    if req.budget_s is not None and req.budget_s <= 0:
+        raise BadInput(f"--budget {req.budget_s}: must be positive")
     hardware = load_hardware(req.hardware) if req.hardware else detect()
     shape = load_model_shape(req.model) if req.model else None
-    plan = make_plan(hardware, shape)
+    seconds = req.budget_s if req.budget_s is not None else default_budget_s(hardware.has_gpus, req.corpus)
+    plan = make_plan(
+        hardware,
+        shape,
+        budget=Budget(seconds=seconds, train_tokens=req.overrides.get("train_tokens")),
+        precision=req.overrides.get("dtype"),  # --set precision= (or dtype=)
+    )
     if not plan.feasible:
         reasons = "; ".join(plan.reasons) or "see `plan`"
         raise BadInput(f"--model {req.model}: does not fit this hardware: {reasons}")
@@ -81,6 +104,8 @@ def apply_request(spec: RunSpec, req: RunRequest) -> RunSpec:
         layout = replace(spec.layout, **{k: sets[k] for k in ("global_batch_size", "micro_batch_size") if k in sets})
         run = replace(spec.run, **{k: sets[k] for k in ("max_restarts", "workers") if k in sets})
         train = replace(spec.train, **{k: v for k, v in sets.items() if k not in RUN_KEYS})
+        if "train_tokens" in sets:
+            train = replace(train, train_samples=max(1, sets["train_tokens"] // train.seq_len))
         if req.max_steps is not None:
             train = replace(train, train_samples=req.max_steps * train.global_batch_size)
         # A shortened run keeps its schedule's shape: warmup and decay fit inside the samples it will see.
@@ -91,6 +116,8 @@ def apply_request(spec: RunSpec, req: RunRequest) -> RunSpec:
             warmup_samples=min(train.warmup_samples, decay // 2),
             eval_interval=max(1, min(train.eval_interval, train.train_samples // train.global_batch_size)),
         )
+        if train.train_samples != spec.train.train_samples or train.global_batch_size != spec.train.global_batch_size:
+            run = retime(run, train, spec.report.estimate["step_time_s"])  # the user's length: time it, limit "user"
         return replace(
             spec,
             model=model.with_seq_len(sets.get("seq_len")),
@@ -176,7 +203,7 @@ def _run_stages(req: RunRequest, spec: RunSpec, run_dir: RunDir, stages: Stages,
 
     def write_plan(progress: Any) -> None:
         write_atomic(run_dir.plan, spec.dumps())
-        events.emit("plan", **{k: plan[k] for k in ("hardware", "model", "layout", "estimate", "run")})
+        events.emit("plan", **{k: plan[k] for k in PLAN_EVENT_KEYS})
 
     # Before the plan is fixed and before any stage: a rerun with the `--set` the refusal names then applies. A
     # --prepare-only run trains elsewhere (a SLURM job's nodes, whose ranks check their own).
@@ -205,7 +232,7 @@ def _run_stages(req: RunRequest, spec: RunSpec, run_dir: RunDir, stages: Stages,
     else:
         stages.run(
             "tokenizer",
-            key=settings_key(corpus=fingerprint([run_dir.corpus]), vocab=spec.model.vocab_size, tp=layout.tp),
+            key=_tokenizer_key(run_dir, spec),
             outputs=[run_dir.tokenizer],
             work=lambda progress: train_tokenizer(
                 run_dir.corpus,
@@ -225,6 +252,17 @@ def _run_stages(req: RunRequest, spec: RunSpec, run_dir: RunDir, stages: Stages,
             run_dir.corpus, run_dir.tokenizer_json, run_dir.data, workers=workers, on_progress=progress
         ),
     )
+
+    sized = size_to_corpus(spec, req, run_dir, stages)
+    if sized is not None:
+        spec, plan = sized, sized.to_json()
+        write_atomic(run_dir.plan, spec.dumps())
+        events.emit("plan", **{k: plan[k] for k in PLAN_EVENT_KEYS})
+        # The plan and the tokenizer stage keys follow the plan: re-record them so a rerun skips both. A tokenizer
+        # padded for another TP still serves: the model pads its rows to 128 x tp (train/from_spec.py).
+        stages.refix("plan", key=settings_key(plan=plan), outputs=[run_dir.plan])
+        if spec.init is None:
+            stages.refix("tokenizer", key=_tokenizer_key(run_dir, spec), outputs=[run_dir.tokenizer])
 
     if req.prepare_only:
         return "prepared"
@@ -250,6 +288,42 @@ def _run_stages(req: RunRequest, spec: RunSpec, run_dir: RunDir, stages: Stages,
 
     stages.run("export", key=settings_key(eval=fingerprint([run_dir.eval])), outputs=[run_dir.export], work=export_work)
     return "done"
+
+
+def _tokenizer_key(run_dir: RunDir, spec: RunSpec) -> str:
+    return settings_key(corpus=fingerprint([run_dir.corpus]), vocab=spec.model.vocab_size, tp=spec.layout.tp)
+
+
+def size_to_corpus(spec: RunSpec, req: RunRequest, run_dir: RunDir, stages: Stages) -> RunSpec | None:
+    """After the data stage, the plan re-fixed from the corpus's token count (planner/sizing.py): the model (when the
+    ladder chose it and the new choice shares the tokenizer's vocabulary), the layout, the tokens and the schedule,
+    with the time the data stages took taken off the budget. None when the plan is fixed already: sized before, or
+    a run has trained under it (a resume never re-plans under its checkpoints)."""
+    from appliance.data.blend import read_datasets_json
+    from appliance.planner import Budget, make_plan
+
+    if spec.run.corpus_tokens is not None or "train" in stages.records or _has_checkpoints(run_dir):
+        return None
+    entries = read_datasets_json(run_dir.data)
+    spent = sum(stages.seconds().get(name, 0.0) for name in ("prep", "tokenizer", "data"))
+    budget = Budget(
+        seconds=None if spec.run.budget_s is None else max(0.0, spec.run.budget_s - spent),
+        corpus_tokens=sum(int(e["tokens"]) for e in entries.values()),
+        train_tokens=req.overrides.get("train_tokens"),
+        languages=len(entries),
+    )
+    ladder_chose = bool(spec.report.model_choice) and spec.init is None and spec.hardware.has_gpus
+    seq_len = spec.model.seq_len
+    plan = make_plan(spec.hardware, None, seq_len=seq_len, budget=budget) if ladder_chose else None
+    if plan is None or plan.model.vocab_size != spec.model.vocab_size:
+        plan = make_plan(spec.hardware, spec.model, seq_len=seq_len, budget=budget)
+    if not plan.feasible:
+        return None  # the plan that passed the checks stays
+    return apply_request(replace(plan.spec(), init=spec.init), req)
+
+
+def _has_checkpoints(run_dir: RunDir) -> bool:
+    return run_dir.checkpoints.is_dir() and any(run_dir.checkpoints.iterdir())
 
 
 def write_summary(run_dir: RunDir, stages: Stages, started: float, *, state: str) -> dict[str, Any]:

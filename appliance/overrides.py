@@ -6,6 +6,7 @@ from dataclasses import fields
 from typing import Any
 
 from appliance.errors import BadInput
+from appliance.planner.train_settings import DTYPES
 from appliance.train.settings import TrainSettings
 
 # Keys outside the plan's "train" section that a user may still set.
@@ -16,8 +17,12 @@ RUN_KEYS: dict[str, type] = {
     "carbon_profile": str,  # world-average (default) or bloom-jean-zay: see appliance/hardware/carbon.py
     "grid_g_per_kwh": float,
     "pue": float,
+    "train_tokens": int,  # the training length in tokens: sets train_samples (tokens / seq_len), not sized
 }
 CARBON_KEYS = ("carbon_profile", "grid_g_per_kwh", "pue")
+# User-facing names for plan keys: `precision` is the plan's train.dtype (bf16, fp16 or fp32), which the planner
+# picks from the hardware and plans memory and time for (make_run_plan passes it to make_plan).
+ALIASES = {"precision": "dtype"}
 
 
 def known_keys() -> dict[str, type]:
@@ -27,7 +32,7 @@ def known_keys() -> dict[str, type]:
         name = str(f.type).split("|")[0].strip()
         if name in types:
             keys[f.name] = types[name]
-    return {**keys, **RUN_KEYS}
+    return {**keys, **RUN_KEYS, **{alias: keys[key] for alias, key in ALIASES.items()}}
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
@@ -46,4 +51,12 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
             raise BadInput(f"--set {key}={raw}: expected {known[key].__name__}") from None
         if known[key] in (int, float) and out[key] < 0:
             raise BadInput(f"--set {key}={raw}: must not be negative")
+    for alias, key in ALIASES.items():
+        if alias in out:
+            value = out.pop(alias)
+            if out.get(key, value) != value:
+                raise BadInput(f"--set {alias}={value} contradicts --set {key}={out[key]} (the same setting)")
+            out[key] = value
+    if "dtype" in out and out["dtype"] not in DTYPES:
+        raise BadInput(f"--set precision={out['dtype']}: must be one of {', '.join(DTYPES)}")
     return out

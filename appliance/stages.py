@@ -92,5 +92,12 @@ class Stages:
         self.events.emit("stage", name=name, state="done", progress=1.0, seconds=time.time() - started)
         return True
 
+    def refix(self, name: str, *, key: str, outputs: list[Path]) -> None:
+        """Record a completed stage's new key and outputs after a later step rewrote them on purpose (the plan, once
+        the corpus has sized it), so that a rerun skips the stage instead of redoing it under the new settings."""
+        if name in self.records:
+            self.records[name] = {**self.records[name], "key": key, "outputs": fingerprint(outputs)}
+            write_atomic(self.manifest, json.dumps(self.records, indent=1, sort_keys=True).encode())
+
     def seconds(self) -> dict[str, float]:
         return {name: rec.get("seconds", 0.0) for name, rec in self.records.items()}

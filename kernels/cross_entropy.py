@@ -6,7 +6,8 @@ do the fp32 work on them in place:
   `_ce_grad_kernel`:  per row, overwrites the logits with d loss / d logits = (softmax - onehot) / count.
 Launchers `ce_row_stats` / `ce_row_grad_` plug into the chunk driver and autograd function shared with the torch
 twin (`kernels.reference.chunked_vocab_ce`, `VocabCrossEntropyFunction`), which also does the tensor-parallel
-all-reduces. Only the per-row arithmetic differs between the two backends.
+all-reduces, the reductions (mean for training, sum and per-token for evaluation) and the greedy argmax that
+scoring needs. Only the per-row arithmetic differs between the two backends.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels.launch import compute_capability, launch
-from kernels.reference import apply_vocab_cross_entropy
+from kernels.reference import apply_vocab_cross_entropy, apply_vocab_scores
 
 
 @triton.jit
@@ -118,9 +119,22 @@ def vocab_cross_entropy(
     chunk_size: int | None = None,
     ignore_index: int = -100,
     tp_group: dist.ProcessGroup | None = None,
+    reduction: str = "mean",
 ) -> torch.Tensor:
-    """Mean CE of hidden @ weight.T against labels, chunked over tokens; see `kernels.reference.chunked_vocab_ce`
+    """CE of hidden @ weight.T against labels, chunked over tokens; see `kernels.reference.chunked_vocab_ce`
     for the tensor-parallel contract (weight = this rank's vocab shard, hidden replicated)."""
     return apply_vocab_cross_entropy(
-        hidden, weight, labels, chunk_size, ignore_index, tp_group, ce_row_stats, ce_row_grad_
+        hidden, weight, labels, chunk_size, ignore_index, tp_group, ce_row_stats, ce_row_grad_, reduction
     )
+
+
+def vocab_scores(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor | None,
+    *,
+    chunk_size: int | None = None,
+    tp_group: dist.ProcessGroup | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Target log-probabilities and greedy tokens, chunked; see `kernels.reference.apply_vocab_scores`."""
+    return apply_vocab_scores(hidden, weight, targets, chunk_size, tp_group, ce_row_stats)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -147,6 +147,18 @@ def auto_chunk_size(tokens: int, hidden: int, vocab_local: int) -> int:
     return max(1, min(chunk, tokens))
 
 
+REDUCTIONS = ("mean", "sum", "none")
+
+
+class ChunkedCE(NamedTuple):
+    """What one pass over the chunks gives (fp32 losses; gradients and argmax only when asked for)."""
+
+    losses: torch.Tensor  # [tokens] fp32, lse - target logit, 0 where the label is ignored
+    grad_hidden: torch.Tensor | None  # d(reduced loss)/d hidden [tokens, H], summed over tp_group
+    grad_weight: torch.Tensor | None  # d(reduced loss)/d weight [V_local, H]
+    argmax: torch.Tensor | None  # [tokens] int64 global token id of the largest logit (lowest id on a tie)
+
+
 def chunked_vocab_ce(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -156,62 +168,88 @@ def chunked_vocab_ce(
     ignore_index: int,
     tp_group: dist.ProcessGroup | None,
     want_grad: tuple[bool, bool],
+    reduction: str = "mean",
+    want_argmax: bool = False,
     row_stats: RowStats = ce_row_stats,
     row_grad: RowGrad = ce_row_grad_,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Mean CE of (hidden @ weight.T, labels) without the full logits; returns (loss, d loss/d hidden, d loss/d weight).
+) -> ChunkedCE:
+    """Per-token CE of (hidden @ weight.T, labels) without the full logits, and what training and scoring need.
 
-    want_grad says which of the two gradients to compute (both come out of the same pass over the chunks).
+    want_grad says which of the two gradients to compute (both come out of the same pass over the chunks), for
+    `reduction` "mean" (scale 1 / non-ignored tokens; all ignored: 0, never NaN) or "sum" (scale 1). want_argmax
+    adds the greedy token of every row (evaluation: greedy match and next-token generation).
 
     hidden: [tokens, H], replicated over tp_group; weight: [V_local, H], this rank's contiguous vocab shard
     (rank r holds rows r*V_local .. (r+1)*V_local - 1 of the full vocab, as Megatron's VocabParallelEmbedding).
     Vocab-parallel math (Megatron): global max = all-reduce(MAX) of the shard maxima; the shard sums exp(x - max)
-    are rescaled to the global max and summed; the target logit comes from the one rank that owns it (SUM).
+    are rescaled to the global max and summed; the target logit comes from the one rank that owns it (SUM); the
+    argmax is the lowest global id among the shards whose maximum is the global one (MIN), as torch.argmax picks.
     The hidden gradient is a sum over shards, so it is all-reduced here: callers must not all-reduce it again.
     """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    want_hidden, want_weight = want_grad
+    if reduction == "none" and (want_hidden or want_weight):
+        raise ValueError("reduction='none' gives per-token losses for evaluation: run it under torch.no_grad()")
     tokens = hidden.shape[0]
     rank = dist.get_rank(tp_group) if tp_group is not None else 0
     vocab_start = rank * weight.shape[0]
     chunk = chunk_size or auto_chunk_size(tokens, hidden.shape[1], weight.shape[0])
     valid = labels != ignore_index
-    count = int(valid.sum())
-    inv_count = 1.0 / max(count, 1)  # all tokens ignored -> loss 0 and zero gradients, never NaN
-    want_hidden, want_weight = want_grad
+    # "mean" divides by the count of real labels, which the host must know before the first chunk's gradient.
+    scale = 1.0 / max(int(valid.sum()), 1) if reduction == "mean" else 1.0
     # every row of grad_hidden is written by its chunk; grad_weight accumulates over chunks
     grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if want_hidden else None
     grad_weight = torch.zeros_like(weight) if want_weight else None
-    loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    losses = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
+    argmax = torch.empty(tokens, dtype=torch.int64, device=hidden.device) if want_argmax else None
     for start in range(0, tokens, chunk):
-        h, lab, ok = hidden[start : start + chunk], labels[start : start + chunk], valid[start : start + chunk]
+        rows = slice(start, start + chunk)
+        h, lab = hidden[rows], labels[rows]
         logits = h @ weight.t()  # [chunk, V_local] in the input dtype: the only logits ever alive
         row_max, sum_exp, target = row_stats(logits, lab, vocab_start)
+        local_arg = logits.argmax(dim=-1) + vocab_start if argmax is not None else None
         if tp_group is not None:
             global_max = row_max.clone()
             dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
             packed = torch.stack([sum_exp * torch.exp(row_max - global_max), target])
             dist.all_reduce(packed, group=tp_group)
+            if local_arg is not None:
+                local_arg = torch.where(row_max == global_max, local_arg, torch.iinfo(torch.int64).max)
+                dist.all_reduce(local_arg, op=dist.ReduceOp.MIN, group=tp_group)
             row_max, sum_exp, target = global_max, packed[0], packed[1]
+        if argmax is not None and local_arg is not None:
+            argmax[rows] = local_arg
         lse = row_max + torch.log(sum_exp)
-        loss_sum += torch.where(ok, lse - target, torch.zeros_like(lse)).sum()
+        losses[rows] = torch.where(valid[rows], lse - target, torch.zeros_like(lse))
         if want_hidden or want_weight:
-            row_grad(logits, lab, vocab_start, lse, inv_count, ignore_index)
+            row_grad(logits, lab, vocab_start, lse, scale, ignore_index)
         if grad_hidden is not None:
-            torch.mm(logits, weight, out=grad_hidden[start : start + chunk])
+            torch.mm(logits, weight, out=grad_hidden[rows])
         if grad_weight is not None:
             # accumulated in the GEMM epilogue (fp32 inside, one rounding per chunk): no [V, H] temporary
             grad_weight.addmm_(logits.t(), h)
     if tp_group is not None and grad_hidden is not None:
         dist.all_reduce(grad_hidden, group=tp_group)
-    return loss_sum * inv_count, grad_hidden, grad_weight
+    return ChunkedCE(losses, grad_hidden, grad_weight, argmax)
+
+
+def reduce_losses(losses: torch.Tensor, valid: torch.Tensor, reduction: str) -> torch.Tensor:
+    """Per-token losses (0 where ignored) -> the mean over the valid tokens (0 when none), their sum, or as is."""
+    if reduction == "none":
+        return losses
+    total = losses.sum()
+    return total / max(int(valid.sum()), 1) if reduction == "mean" else total
 
 
 class VocabCrossEntropyFunction(torch.autograd.Function):
     """Chunked vocab-parallel CE whose gradients are computed during the forward pass (no logits kept).
 
-    Backward math: with p = softmax(logits) and y the one-hot target, d mean_loss / d logits = (p - y) / count
-    for every non-ignored row. Then d/d hidden = (p - y) @ W and d/d W = (p - y)^T @ hidden, both scaled by the
-    incoming scalar gradient in backward. Memory: the two gradient buffers (hidden- and weight-sized, which
-    backward would allocate anyway) live from forward to backward instead of any logits.
+    Backward math: with p = softmax(logits) and y the one-hot target, d loss / d logits = (p - y) * s for every
+    non-ignored row, s = 1 / count for the mean and 1 for the sum. Then d/d hidden = (p - y) @ W * s and
+    d/d W = (p - y)^T @ hidden * s, both scaled by the incoming scalar gradient in backward. Memory: the two
+    gradient buffers (hidden- and weight-sized, which backward would allocate anyway) live from forward to
+    backward instead of any logits.
     """
 
     @staticmethod
@@ -224,10 +262,11 @@ class VocabCrossEntropyFunction(torch.autograd.Function):
         ignore_index: int,
         tp_group: dist.ProcessGroup | None,
         want_grad: tuple[bool, bool],
+        reduction: str,
         row_stats: RowStats,
         row_grad: RowGrad,
     ) -> torch.Tensor:
-        loss, grad_hidden, grad_weight = chunked_vocab_ce(
+        result = chunked_vocab_ce(
             hidden,
             weight,
             labels,
@@ -235,18 +274,19 @@ class VocabCrossEntropyFunction(torch.autograd.Function):
             ignore_index=ignore_index,
             tp_group=tp_group,
             want_grad=want_grad,
+            reduction=reduction,
             row_stats=row_stats,
             row_grad=row_grad,
         )
-        ctx.save_for_backward(grad_hidden, grad_weight)
-        return loss
+        ctx.save_for_backward(result.grad_hidden, result.grad_weight)
+        return reduce_losses(result.losses, labels != ignore_index, reduction)
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_hidden, grad_weight = ctx.saved_tensors
         dh = grad_hidden * grad_loss.to(grad_hidden.dtype) if grad_hidden is not None else None
         dw = grad_weight * grad_loss.to(grad_weight.dtype) if grad_weight is not None else None
-        return dh, dw, None, None, None, None, None, None, None
+        return dh, dw, None, None, None, None, None, None, None, None
 
 
 def apply_vocab_cross_entropy(
@@ -258,15 +298,51 @@ def apply_vocab_cross_entropy(
     tp_group: dist.ProcessGroup | None,
     row_stats: RowStats,
     row_grad: RowGrad,
+    reduction: str = "mean",
 ) -> torch.Tensor:
-    """Flatten tokens and run VocabCrossEntropyFunction, computing only the gradients autograd will ask for."""
+    """Flatten tokens and run VocabCrossEntropyFunction, computing only the gradients autograd will ask for.
+    reduction "none" returns per-token losses shaped like labels (no gradient)."""
     grad_on = torch.is_grad_enabled()  # forward runs with grad off, so decide here (no_grad eval skips grads)
     want_grad = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad)
     h = hidden.reshape(-1, hidden.shape[-1])
     flat_labels = labels.reshape(-1).contiguous()
+    if reduction == "none":
+        with torch.no_grad():
+            result = chunked_vocab_ce(
+                h, weight, flat_labels, chunk_size=chunk_size, ignore_index=ignore_index, tp_group=tp_group,
+                want_grad=want_grad, reduction=reduction,
+                row_stats=row_stats, row_grad=row_grad,
+            )  # fmt: skip
+        return result.losses.view(labels.shape)
     return VocabCrossEntropyFunction.apply(
-        h, weight, flat_labels, chunk_size, ignore_index, tp_group, want_grad, row_stats, row_grad
+        h, weight, flat_labels, chunk_size, ignore_index, tp_group, want_grad, reduction, row_stats, row_grad
     )
+
+
+@torch.no_grad()
+def apply_vocab_scores(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor | None,
+    chunk_size: int | None,
+    tp_group: dist.ProcessGroup | None,
+    row_stats: RowStats,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(log p(target) [...] fp32 or None without targets, greedy token id [...] int64) for hidden [..., H]."""
+    lead = hidden.shape[:-1]
+    h = hidden.reshape(-1, hidden.shape[-1])
+    ignore = -1  # no token id is negative: without targets every row is "ignored" and only the argmax is kept
+    if targets is None:
+        labels = torch.full((h.shape[0],), ignore, dtype=torch.int64, device=h.device)
+    else:
+        labels = targets.reshape(-1).contiguous()
+    result = chunked_vocab_ce(
+        h, weight, labels, chunk_size=chunk_size, ignore_index=ignore, tp_group=tp_group, want_grad=(False, False),
+        reduction="none", want_argmax=True, row_stats=row_stats,
+    )  # fmt: skip
+    assert result.argmax is not None
+    logprobs = -result.losses.view(lead) if targets is not None else None
+    return logprobs, result.argmax.view(lead)
 
 
 def vocab_cross_entropy(
@@ -277,8 +353,21 @@ def vocab_cross_entropy(
     chunk_size: int | None = None,
     ignore_index: int = -100,
     tp_group: dist.ProcessGroup | None = None,
+    reduction: str = "mean",
 ) -> torch.Tensor:
-    """Mean cross-entropy of hidden @ weight.T against labels (torch twin of kernels.cross_entropy)."""
+    """Cross-entropy of hidden @ weight.T against labels (torch twin of kernels.cross_entropy)."""
     return apply_vocab_cross_entropy(
-        hidden, weight, labels, chunk_size, ignore_index, tp_group, ce_row_stats, ce_row_grad_
+        hidden, weight, labels, chunk_size, ignore_index, tp_group, ce_row_stats, ce_row_grad_, reduction
     )
+
+
+def vocab_scores(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor | None,
+    *,
+    chunk_size: int | None = None,
+    tp_group: dist.ProcessGroup | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Target log-probabilities and greedy tokens of hidden @ weight.T (torch twin of kernels.cross_entropy)."""
+    return apply_vocab_scores(hidden, weight, targets, chunk_size, tp_group, ce_row_stats)

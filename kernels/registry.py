@@ -7,6 +7,9 @@ The model calls only the functions below. Each picks its backend per call from t
   BLOOM_KERNELS=reference: always the torch twins.
 Triton modules are imported on first use, so a machine without Triton still runs the reference path.
 
+Every call is counted by (op, backend that ran it): `call_counts()` / `reset_call_counts()`. One dict increment
+per call, so it stays on in training; the tests read it to prove which kernels a model really ran.
+
 NVIDIA apex's fused LayerNorm replaces ours only when `use_apex_layer_norm(True)` was called (or
 BLOOM_APEX_LAYER_NORM=1 is set) and NVIDIA's apex with its CUDA extension is importable; bench/kernels.py measures
 both and reports whether apex is faster, which is the reason to turn it on.
@@ -17,10 +20,11 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+from collections import Counter
 from collections.abc import Callable
 from functools import cache
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -36,13 +40,18 @@ __all__ = [
     "alibi_slopes",
     "alibi_softmax",
     "bias_gelu",
+    "call_counts",
     "flash_alibi_attention",
     "get_backend",
     "layer_norm",
     "nvidia_apex_layer_norm",
+    "reset_call_counts",
     "use_apex_layer_norm",
     "vocab_cross_entropy",
+    "vocab_scores",
 ]
+
+_T = TypeVar("_T")
 
 BACKEND_ENV = "BLOOM_KERNELS"
 APEX_ENV = "BLOOM_APEX_LAYER_NORM"
@@ -104,12 +113,30 @@ def _fused(module: str, tensor: torch.Tensor) -> ModuleType | None:
     return loaded
 
 
-def _on_device(tensor: torch.Tensor, fn: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor:
+def _on_device(tensor: torch.Tensor, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
     # Triton launches on the current CUDA device: make it the tensor's (autograd already does so for backward).
     if not tensor.is_cuda:
         return fn(*args, **kwargs)
     with torch.cuda.device(tensor.device):
         return fn(*args, **kwargs)
+
+
+# ----- which backend ran each op ------------------------------------------------------------------------------------
+_calls: Counter[tuple[str, str]] = Counter()
+
+
+def _count(op: str, backend: str) -> None:
+    _calls[(op, backend)] += 1
+
+
+def call_counts() -> dict[tuple[str, str], int]:
+    """{(op, backend): calls} since the last reset; backend is "triton", "reference" or "apex". Forward calls only
+    (a backward runs the kernels of its forward)."""
+    return dict(_calls)
+
+
+def reset_call_counts() -> None:
+    _calls.clear()
 
 
 # ----- NVIDIA apex LayerNorm (opt-in) -----------------------------------------------------------------------------
@@ -148,10 +175,13 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     """LayerNorm over the last dim, fp32 statistics, output in x's dtype (rows wider than 16384: torch twin)."""
     fused = _fused("layer_norm", x)
     if fused is None or x.shape[-1] > fused.MAX_ROW:  # wider rows than the kernel holds in registers
+        _count("layer_norm", "reference")
         return reference.layer_norm(x, weight, bias, eps)
     apex = _apex_for(x, weight)
     if apex is not None:
+        _count("layer_norm", "apex")
         return apex(x, weight, bias, (x.shape[-1],), eps)
+    _count("layer_norm", "triton")
     return _on_device(x, fused.layer_norm, x, weight, bias, eps)
 
 
@@ -159,7 +189,9 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(x + bias), bias over the last dim; output in x's dtype."""
     fused = _fused("bias_gelu", x)
     if fused is None:
+        _count("bias_gelu", "reference")
         return reference.bias_gelu(x, bias)
+    _count("bias_gelu", "triton")
     return _on_device(x, fused.bias_gelu, x, bias)
 
 
@@ -178,7 +210,9 @@ def alibi_softmax(
     """
     fused = _fused("softmax", scores)
     if fused is None or scores.shape[-1] > fused.MAX_KEYS:  # longer rows than the kernel holds in registers
+        _count("alibi_softmax", "reference")
         return reference.alibi_softmax(scores, slopes, padding_mask, scale, causal)
+    _count("alibi_softmax", "triton")
     return _on_device(scores, fused.alibi_softmax, scores, slopes, padding_mask, scale, causal)
 
 
@@ -197,7 +231,9 @@ def flash_alibi_attention(
     """
     fused = _fused("flash_attention", q)
     if fused is None or q.shape[-1] > fused.MAX_HEAD_DIM:
+        _count("flash_alibi_attention", "reference")
         return reference.flash_alibi_attention(q, k, v, slopes, causal, scale)
+    _count("flash_alibi_attention", "triton")
     return _on_device(q, fused.flash_alibi_attention, q, k, v, slopes, causal, scale)
 
 
@@ -209,17 +245,37 @@ def vocab_cross_entropy(
     chunk_size: int | None = None,
     ignore_index: int = -100,
     tp_group: dist.ProcessGroup | None = None,
+    reduction: str = "mean",
 ) -> torch.Tensor:
-    """Mean CE of hidden @ weight.T vs labels over non-ignored tokens, without the full fp32 logits.
+    """CE of hidden @ weight.T vs labels over non-ignored tokens, without the full fp32 logits.
 
     hidden [..., H] (replicated across tp_group), weight [V_local, H] (this rank's contiguous vocab shard, or the
     whole vocab without TP), labels [...] global token ids. chunk_size: tokens per chunk (None: logits chunk about
     the size of hidden). With tp_group the loss is the full-vocab loss on every rank and the hidden gradient is
-    already summed over the group. All labels ignored gives loss 0.
+    already summed over the group. reduction: "mean" (all labels ignored gives 0), "sum" (padded evaluation
+    micro-batches), "none" (per-token fp32 losses shaped like labels, 0 where ignored; no gradient).
     """
     fused = _fused("cross_entropy", hidden)
+    _count("vocab_cross_entropy", "reference" if fused is None else "triton")
     module = reference if fused is None else fused
     return _on_device(
         hidden, module.vocab_cross_entropy, hidden, weight, labels,
-        chunk_size=chunk_size, ignore_index=ignore_index, tp_group=tp_group,
+        chunk_size=chunk_size, ignore_index=ignore_index, tp_group=tp_group, reduction=reduction,
     )  # fmt: skip
+
+
+def vocab_scores(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor | None,
+    *,
+    chunk_size: int | None = None,
+    tp_group: dist.ProcessGroup | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Evaluation's view of the same chunked pass: (log p(target) [...] fp32, or None when targets is None;
+    greedy token [...] int64, the lowest global id of the largest logit) for hidden [..., H] and this rank's
+    vocab shard weight [V_local, H]; the same on every rank of tp_group. No gradient."""
+    fused = _fused("cross_entropy", hidden)
+    _count("vocab_scores", "reference" if fused is None else "triton")
+    module = reference if fused is None else fused
+    return _on_device(hidden, module.vocab_scores, hidden, weight, targets, chunk_size=chunk_size, tp_group=tp_group)

@@ -7,8 +7,8 @@ model on one rank:
     next_tokens(input_ids [B, S], attention_mask [B, S]) -> argmax next token [B]      (left-padded rows)
 
 `ModelScorer` provides both over a whole model held by this rank (one process, or data parallelism). A tensor-
-or pipeline-parallel engine provides its own (vocabulary-parallel log-softmax, the last stage broadcasting its
-result), and every rank of one data-parallel replica passes the same requests.
+or pipeline-parallel engine provides its own (parallel/scoring.py: the same chunked vocabulary-parallel pass, the
+last stage broadcasting its result), and every rank of one data-parallel replica passes the same requests.
 
 Requests are split across the ranks of `group` (the data-parallel group; None = the default group): rank r takes
 requests r, r + size, ... Every rank is padded to the same number of requests (copies of a real one, whose
@@ -27,6 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from appliance.model import ops
+from appliance.model.bloom import BloomForCausalLM
 from appliance.parallel.mappings import collective_device
 
 TargetLogprobs = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -34,38 +36,46 @@ NextTokens = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class ModelScorer:
-    """target_logprobs and next_tokens over a model that returns logits [B, S, V] (ours, or transformers')."""
+    """target_logprobs and next_tokens over a model that returns logits [B, S, V] (transformers', say), or over our
+    BloomForCausalLM, whose final hidden states go through the chunked scoring pass (ops.vocab_scores, the loss's
+    own) so its [B, S, V] logits are never formed."""
 
     def __init__(self, model: nn.Module, device: torch.device | None = None) -> None:
         self.model = model
         self.device = device or next(model.parameters()).device
 
-    def _logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        out = self.model(input_ids.to(self.device), attention_mask=attention_mask)
-        logits = out.logits if hasattr(out, "logits") else out
-        return logits.float()  # scores in float32 whatever the training precision
+    def _run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """Our model: its final hidden states [B, S, H]; another: its logits [B, S, V] in float32."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            ids = input_ids.to(self.device)
+            if isinstance(self.model, BloomForCausalLM):
+                return self.model.final_hidden(ids, attention_mask)
+            out = self.model(ids, attention_mask=attention_mask)
+            logits = out.logits if hasattr(out, "logits") else out
+            return logits.float()  # scores in float32 whatever the training precision
+        finally:
+            self.model.train(was_training)
 
     @torch.no_grad()
     def target_logprobs(self, input_ids: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            logits = self._logits(input_ids, None)
-        finally:
-            self.model.train(was_training)
-        targets = targets.to(logits.device)
-        logprobs = F.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
-        return logprobs.cpu(), (logits.argmax(dim=-1) == targets).cpu()
+        out = self._run(input_ids, None)
+        targets = targets.to(out.device)
+        if isinstance(self.model, BloomForCausalLM):
+            logprobs, argmax = ops.vocab_scores(out, self.model.lm_head.weight, targets)
+            assert logprobs is not None
+        else:
+            logprobs = F.log_softmax(out, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+            argmax = out.argmax(dim=-1)
+        return logprobs.cpu(), (argmax == targets).cpu()
 
     @torch.no_grad()
     def next_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            logits = self._logits(input_ids, attention_mask.to(self.device))
-        finally:
-            self.model.train(was_training)
-        return logits[:, -1, :].argmax(dim=-1).cpu()
+        out = self._run(input_ids, attention_mask.to(self.device))
+        if isinstance(self.model, BloomForCausalLM):
+            return ops.vocab_scores(out[:, -1], self.model.lm_head.weight, None)[1].cpu()
+        return out[:, -1, :].argmax(dim=-1).cpu()
 
 
 # ---- splitting and gathering ---------------------------------------------------------------------------------

@@ -76,3 +76,47 @@ def alibi_bias(
     else:
         positions = key_positions(attention_mask.to(slopes.device)).to(torch.float32)
     return slopes[None, :, None, None] * positions[:, None, None, :]
+
+
+@lru_cache(maxsize=16)
+def _unpadded_inputs(
+    n_head: int, tp_rank: int, tp_size: int, seq_len: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    slopes = alibi_slopes_for_rank(n_head, tp_rank, tp_size).to(device)
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()[None, None]
+    return alibi_bias(slopes, None, seq_len), causal
+
+
+class RankAlibi:
+    """ALiBi for the heads one tensor-parallel rank owns: the slopes (all the fused flash attention needs), and the
+    bias and causal-and-padding mask that only the materialized attention path needs, built when it asks.
+
+    An unpadded batch's bias [1, H, 1, S] and mask [1, 1, S, S] depend only on (heads, rank, length, device), so
+    they are built once and shared by every block and step (a small LRU cache: evaluation and generation bring a
+    few lengths). A padded batch's depend on its mask and are built per call. Not a module and not buffers: the
+    slopes stay out of the state_dict and out of .to(dtype) (bf16 slopes would shift every ALiBi bias).
+    """
+
+    def __init__(self, n_head: int, tp_rank: int = 0, tp_size: int = 1) -> None:
+        self.n_head, self.tp_rank, self.tp_size = n_head, tp_rank, tp_size
+        self._slopes = {torch.device("cpu"): alibi_slopes_for_rank(n_head, tp_rank, tp_size)}
+
+    def slopes(self, device: torch.device) -> torch.Tensor:
+        """This rank's slopes, float32 [H], on device (copied there once)."""
+        if device not in self._slopes:
+            self._slopes[device] = self._slopes[torch.device("cpu")].to(device)
+        return self._slopes[device]
+
+    def bias_and_mask(
+        self, attention_mask: torch.Tensor | None, seq_len: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """ALiBi bias [B or 1, H, 1, S] (float32) and the causal-and-padding mask [B or 1, 1, S, S] (bool)."""
+        if attention_mask is None:
+            return _unpadded_inputs(self.n_head, self.tp_rank, self.tp_size, seq_len, device)
+        if attention_mask.shape[-1] != seq_len:
+            raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} positions, the input {seq_len}")
+        attention_mask = attention_mask.to(device)
+        causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()[None, None]
+        return alibi_bias(self.slopes(device), attention_mask, seq_len), causal & attention_mask.bool()[
+            :, None, None, :
+        ]

@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from appliance.model import ops
-from appliance.model.alibi import alibi_bias, alibi_slopes_for_rank
+from appliance.model.alibi import RankAlibi
 from appliance.model.config import BloomConfig
 from appliance.model.initial_weights import Seed, empty_module, init_parameter_
 
@@ -82,10 +82,11 @@ class BloomAttention(nn.Module):
         self.dense = linear_factory(h, h, True, "attn_out")
 
     def forward(
-        self, x: torch.Tensor, alibi: torch.Tensor, mask: torch.Tensor | None, slopes: torch.Tensor | None = None
+        self, x: torch.Tensor, alibi: RankAlibi, attention_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """slopes: this rank's ALiBi slopes when the batch has no padding (then the causal mask is all there is
-        and the fused flash-attention kernel can take it, without materializing [S, S] scores)."""
+        """Without padding (attention_mask None) the causal mask is all there is, so the fused flash-attention
+        kernel takes the slopes alone, without [S, S] scores; only the materialized path asks `alibi` for the
+        bias and mask."""
         fused, qkv_bias = _project(self.query_key_value, x)
         if qkv_bias is not None:
             fused = fused + qkv_bias
@@ -95,15 +96,17 @@ class BloomAttention(nn.Module):
         # [B, S, H*3*D] -> [B, S, H, 3, D]: per head, the rows are q then k then v.
         fused = fused.view(batch, seq, self.local_heads, 3, self.head_dim)
         q, k, v = (fused[..., i, :].transpose(1, 2) for i in range(3))  # each [B, H, S, D]
-        core_args = (q, k, v, alibi, mask, self.inv_norm_factor, self.attention_dropout, self.training)
         no_dropout = not (self.training and self.attention_dropout > 0)
-        if slopes is not None and no_dropout and ops.flash_attention_available(q):
+        if attention_mask is None and no_dropout and ops.flash_attention_available(q):
             # No [S, S] activations to keep, so selective recompute has nothing to save here.
-            context = ops.flash_attention(q, k, v, slopes, self.inv_norm_factor)
-        elif self.recompute_core and torch.is_grad_enabled():
-            context = checkpoint(ops.attention_core, *core_args, use_reentrant=False)
+            context = ops.flash_attention(q, k, v, alibi.slopes(q.device), self.inv_norm_factor)
         else:
-            context = ops.attention_core(*core_args)
+            bias, mask = alibi.bias_and_mask(attention_mask, seq, q.device)
+            core_args = (q, k, v, bias, mask, self.inv_norm_factor, self.attention_dropout, self.training)
+            if self.recompute_core and torch.is_grad_enabled():
+                context = checkpoint(ops.attention_core, *core_args, use_reentrant=False)
+            else:
+                context = ops.attention_core(*core_args)
         context = context.transpose(1, 2).reshape(batch, seq, self.local_heads * self.head_dim)
         return _project(self.dense, context)
 
@@ -159,31 +162,16 @@ class BloomBlock(nn.Module):
         self.self_attention = BloomAttention(config, factory, tp_size)
         self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
         self.mlp = BloomMLP(config, factory)
-        # Slopes stay out of the state_dict and out of .to(dtype): bf16 slopes would shift every ALiBi bias.
-        self._slopes = alibi_slopes_for_rank(config.n_head, tp_rank, tp_size)
+        self.alibi = RankAlibi(config.n_head, tp_rank, tp_size)
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden: [B, S, hidden]; attention_mask: [B, S] with 1 for tokens and 0 for padding, or None."""
-        alibi, mask = self.attention_inputs(attention_mask, hidden.shape[1], hidden.device)
-        slopes = self._slopes if attention_mask is None else None
-        attn_out, attn_bias = self.self_attention(_norm(self.input_layernorm, hidden), alibi, mask, slopes)
+        """hidden: [B, S, hidden] (with sequence parallelism, this rank's chunk of the sequence: attention runs over
+        the whole sequence the QKV projection gathers); attention_mask: [B, S] with 1 for tokens and 0 for padding,
+        or None."""
+        attn_out, attn_bias = self.self_attention(_norm(self.input_layernorm, hidden), self.alibi, attention_mask)
         hidden = ops.bias_dropout_add(attn_out, attn_bias, hidden, self.hidden_dropout, self.training)
         mlp_out, mlp_bias = self.mlp(_norm(self.post_attention_layernorm, hidden))
         return ops.bias_dropout_add(mlp_out, mlp_bias, hidden, self.hidden_dropout, self.training)
-
-    def attention_inputs(
-        self, attention_mask: torch.Tensor | None, seq_len: int, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """ALiBi bias [B or 1, H, 1, S] (float32) and the causal-and-padding mask [B or 1, 1, S, S] (bool)."""
-        if self._slopes.device != device:
-            self._slopes = self._slopes.to(device)
-        mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()[None, None]
-        if attention_mask is not None:
-            if attention_mask.shape[-1] != seq_len:
-                raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} positions, the input {seq_len}")
-            attention_mask = attention_mask.to(device)
-            mask = mask & attention_mask.bool()[:, None, None, :]
-        return alibi_bias(self._slopes, attention_mask, seq_len), mask
 
 
 class BloomFinal(nn.Module):
@@ -194,7 +182,11 @@ class BloomFinal(nn.Module):
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
 
     def forward(self, hidden: torch.Tensor, embedding_weight: torch.Tensor) -> torch.Tensor:
-        return F.linear(_norm(self.ln_f, hidden), embedding_weight)
+        return F.linear(self.norm(hidden), embedding_weight)
+
+    def norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """ln_f alone: the hidden states the chunked loss and scoring take with the head's weight."""
+        return _norm(self.ln_f, hidden)
 
 
 class BloomTransformer(nn.Module):
@@ -267,6 +259,10 @@ class BloomForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids: [B, S] int64; attention_mask: [B, S] of 1 (token) / 0 (padding) or None. -> [B, S, vocab]."""
+        return F.linear(self.final_hidden(input_ids, attention_mask), self.lm_head.weight)
+
+    def final_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The hidden states after ln_f, [B, S, hidden]: what the tied head (lm_head.weight) turns into logits."""
         if attention_mask is not None and attention_mask.shape != input_ids.shape:
             raise ValueError(
                 f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
@@ -278,13 +274,15 @@ class BloomForCausalLM(nn.Module):
                 hidden = checkpoint(block, hidden, attention_mask, use_reentrant=False)
             else:
                 hidden = block(hidden, attention_mask)
-        return self.transformer.final(hidden, self.lm_head.weight)
+        return self.transformer.final.norm(hidden)
 
     def loss(
         self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Mean next-token cross-entropy; labels as input_ids (shifted inside), -100 where no loss is wanted."""
-        return causal_lm_loss(self(input_ids, attention_mask), labels)
+        """Mean next-token cross-entropy; labels as input_ids (shifted inside), -100 where no loss is wanted (all
+        ignored: 0). Chunked over tokens against the head's weight: the [B, S, vocab] logits are never formed."""
+        hidden = self.final_hidden(input_ids, attention_mask)
+        return ops.vocab_cross_entropy(hidden[:, :-1], self.lm_head.weight, labels[:, 1:])
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:

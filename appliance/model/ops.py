@@ -1,6 +1,6 @@
 """The numerically hot operations of the BLOOM model, one thin function each.
 
-The model calls only these for LayerNorm, bias+GeLU, bias+dropout+residual, the attention softmax and the loss,
+The model calls only these for LayerNorm, bias+GeLU, bias+dropout+residual, the attention and the loss,
 so a fused kernel can replace any one of them without touching model code. Each function is tensor-in tensor-out
 with the shapes written in its docstring; the bodies here are the pure-torch definitions the kernels are tested
 against.
@@ -12,6 +12,7 @@ V vocabulary (of this rank), N any number of leading dimensions.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from kernels import registry as fused  # Triton kernels on GPU tensors, their torch twins on CPU (BLOOM_KERNELS)
@@ -99,10 +100,46 @@ def flash_attention(
     return fused.flash_alibi_attention(q, k, v, slopes, causal=True, scale=inv_norm_factor)
 
 
+def vocab_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    tp_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Token cross-entropy of the logits hidden @ weight^T, float32, computed in chunks of tokens so the full
+    [N..., V] logits never exist. hidden: [N..., C]; weight: [V, C] (with tp_group, this rank's vocabulary shard
+    [V / tp, C], hidden replicated over the group); labels: [N...] aligned with hidden, global token ids.
+
+    reduction "mean" averages over the labels that are not ignore_index (0 when all are), "sum" adds them, "none"
+    returns [N...] with 0 at ignored positions (evaluation: no gradient). With tp_group the hidden gradient is
+    already summed over the group.
+    """
+    return fused.vocab_cross_entropy(
+        hidden, weight, labels, ignore_index=ignore_index, tp_group=tp_group, reduction=reduction
+    )
+
+
+def vocab_scores(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor | None,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """What evaluation reads from the same chunked logits: (log p(targets) [N...] float32, or None when targets is
+    None; greedy token [N...] int64, the lowest id of the largest logit). Shapes and tp_group as
+    vocab_cross_entropy; no gradient."""
+    return fused.vocab_scores(hidden, weight, targets, tp_group=tp_group)
+
+
 def cross_entropy(
     logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100, reduction: str = "mean"
 ) -> torch.Tensor:
-    """Token cross-entropy in float32. logits: [N..., V]; labels: [N...] (already aligned with logits, no shift).
+    """Token cross-entropy in float32 of logits already formed (another model's, or a test's reference). logits:
+    [N..., V]; labels: [N...] (already aligned with logits, no shift). Our model's loss is vocab_cross_entropy.
 
     reduction "mean" averages over the labels that are not ignore_index (NaN when all are ignored), "sum" adds
     them, "none" returns [N...] with 0 at ignored positions. The result is float32 whatever the logits' dtype.

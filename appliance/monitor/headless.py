@@ -195,6 +195,8 @@ def plan_line(e: dict[str, Any]) -> str:
             f"{fmt_float(run.get('energy_kwh'))} kWh, {fmt_float(run.get('co2_kg'))} kg CO2eq, "
             f"${run.get('cost_usd', 0.0):,.2f}"
         )
+        if run.get("limit"):
+            line += f"; limit {run['limit']}"
     return line
 
 

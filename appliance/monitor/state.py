@@ -192,6 +192,7 @@ class RunState:
     sample_prompt: str | None = None
     sample_text: str | None = None
     plan: dict[str, Any] = field(default_factory=dict)
+    budget: dict[str, Any] | None = None  # the newest budget warning's object (appliance/train/budget_watch.py)
     # Control requests still waiting for the trainer (the file exists); set by the reader, not by events.
     checkpoint_requested: bool = False
     stop_requested: bool = False
@@ -345,6 +346,9 @@ class RunState:
     def _on_warning(self, e: dict[str, Any], t: float) -> None:
         self.warnings.append((t, str(e.get("message", ""))))
         self.changed.add("timeline")
+        if isinstance(e.get("budget"), dict):
+            self.budget = dict(e["budget"])
+            self.changed.add("throughput")
 
     def _on_eval(self, e: dict[str, Any], t: float) -> None:
         results: dict[str, Any] = {}

@@ -42,7 +42,13 @@ def deepspeed_config(
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": accumulation,
         "gradient_clipping": grad_clip,
-        "zero_optimization": {"stage": zero_stage},
+        # overlap_comm stays off (DeepSpeed 0.19.8's default below stage 3, written out so the planner and this
+        # file say the same; planner/timing.py asks this config before crediting any overlap). bf16 at stage 1 runs
+        # the BF16_Optimizer, which has no overlap_comm at all; where ZeRO's own optimizer runs (fp16, bf16 ZeRO-2)
+        # it reduces gradient buckets on a side CUDA stream during backward, at extra bucket memory. Nothing here
+        # can measure that: gloo ranks have no CUDA streams, so a CPU run would show equal numbers and no overlap.
+        # What hides communication instead is the engine's cross-step parameter all-gather.
+        "zero_optimization": {"stage": zero_stage, "overlap_comm": False},
         # We log our own step events; DeepSpeed's periodic prints would interleave with them.
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,

@@ -12,7 +12,12 @@ How the layout maps onto DeepSpeed, in the order it is applied:
    pp = 1: the same layers in a BloomStack under DeepSpeed's plain engine, ZeRO 0/1/2.
 3. Data parallel and the optimizer: DeepSpeed's (bf16: BF16_Optimizer with fp32 accumulation and master weights;
    fp16: ZeRO's optimizer with fp32 master weights and dynamic loss scaling, see precision.py; fp32: ZeRO stage
-   as planned), with our topology as its model-parallel unit so the clipping norm is global.
+   as planned), with our topology as its model-parallel unit so the clipping norm is global. Inside it, torch's
+   AdamW with the kernel ``adamw_kernel`` picks (fused where the device has one).
+4. With ZeRO over dp > 1 and ``overlap_param_gather``, the all-gather of the updated weights that ends each step
+   runs per layer in the background, each layer's next forward waiting for its own (param_gather.py). Everything
+   here that reads or writes parameters outside the training forward waits for all of it first
+   (``wait_for_parameters``).
 Every layout starts from the weights a single process draws from the same seed, each weight matrix and the word
 embedding from N(0, config.initializer_range), the plan's model.init_std: the layers are built without values on
 the engine's device, and each rank draws only its own shards there (shards.init_shards_: every element is a
@@ -48,6 +53,7 @@ from appliance.parallel.optimizer_state import (
     optimizer_files,
     optimizer_state,
 )
+from appliance.parallel.param_gather import DeepSpeedStructureError, OverlappedParamGather, build_overlap
 from appliance.parallel.pipeline_parallel import (
     BloomStack,
     VocabParallelLoss,
@@ -66,6 +72,7 @@ from appliance.parallel.shards import (
     shard_file_name,
 )
 from appliance.parallel.topology import ParallelTopology
+from appliance.planner.train_settings import TrainSettings
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (input ids, labels), each [micro_batch, seq]
 IGNORE_INDEX = -100
@@ -88,6 +95,19 @@ def param_groups(named_params: Sequence[tuple[str, torch.nn.Parameter]], weight_
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+# torch's fused AdamW does the whole update of a group in one kernel per (device, dtype), where foreach makes about
+# a dozen multi-tensor passes over the parameters and both moments; it exists for CPU and CUDA tensors of floating
+# dtypes. The tensors it steps here are always fp32 on the engine's device: DeepSpeed's bf16 and ZeRO optimizers
+# hand it their fp32 master partitions, and fp32 at ZeRO 0 its own fp32 parameters. On any other device
+# (DeepSpeed's XPU, HPU, ... accelerators) torch has no fused kernel to promise, so foreach, torch's own default.
+FUSED_ADAMW_DEVICES = ("cpu", "cuda")
+
+
+def adamw_kernel(device: torch.device) -> dict[str, bool]:
+    """The AdamW implementation for parameters on ``device``, as torch.optim.AdamW keyword arguments."""
+    return {"fused": True} if device.type in FUSED_ADAMW_DEVICES else {"foreach": True}
+
+
 def build_engine(
     config: BloomConfig,
     topology: ParallelTopology,
@@ -104,6 +124,7 @@ def build_engine(
     betas: tuple[float, float],
     eps: float,
     seed: int,
+    overlap_param_gather: bool = TrainSettings.overlap_param_gather,
 ) -> ParallelEngine:
     """Build this rank's part of the model and its DeepSpeed engine. Collective: every rank calls it."""
     import deepspeed
@@ -145,7 +166,9 @@ def build_engine(
     init_shards_(named, config, seed, topology.tp_rank(dist.get_rank()), topology.tp)
     if sequence_parallel:
         register_sequence_parallel_grad_hooks(module, topology.tp_group)
-    optimizer = torch.optim.AdamW(param_groups(named, weight_decay), lr=lr, betas=betas, eps=eps)
+    optimizer = torch.optim.AdamW(
+        param_groups(named, weight_decay), lr=lr, betas=betas, eps=eps, **adamw_kernel(device)
+    )
     ds_config = deepspeed_config(
         global_batch_size=global_batch_size,
         micro_batch_size=micro_batch_size,
@@ -163,8 +186,15 @@ def build_engine(
     if not (engine.bfloat16_enabled() or engine.zero_optimization()):
         install_global_norm_clipping(engine, topology)
     min_loss_scale = keep_training_at_the_minimum_scale(engine.optimizer) if engine.fp16_enabled() else None
+    gather = build_overlap(engine.optimizer, module, topology.dp_groups(), overlap_param_gather)
     return ParallelEngine(
-        engine, topology, config, micro_batch_size=micro_batch_size, loss_fn=loss_fn, min_loss_scale=min_loss_scale
+        engine,
+        topology,
+        config,
+        micro_batch_size=micro_batch_size,
+        loss_fn=loss_fn,
+        min_loss_scale=min_loss_scale,
+        param_gather=gather,
     )
 
 
@@ -180,8 +210,10 @@ class ParallelEngine:
         micro_batch_size: int,
         loss_fn: VocabParallelLoss,
         min_loss_scale: float | None = None,
+        param_gather: OverlappedParamGather | None = None,
     ) -> None:
         self.engine = engine
+        self.param_gather = param_gather  # None: DeepSpeed gathers the updated weights inside its step
         self.min_loss_scale = min_loss_scale  # fp16 only: the smallest scale the loss scaler may reach
         self.topology = topology
         self.config = config
@@ -201,8 +233,21 @@ class ParallelEngine:
         return dict(self.engine.config)
 
     # ---- parameters ---------------------------------------------------------------------------------------
+    def wait_for_parameters(self) -> None:
+        """Wait for the last step's weights still in flight over DP (overlap_param_gather): call it before
+        reading or writing parameters outside the training forward. Every method here that does calls it."""
+        if self.param_gather is not None:
+            self.param_gather.wait_all()
+
+    def close(self) -> None:
+        """Finish what is in flight and restore DeepSpeed's own gather; before the process group goes away."""
+        if self.param_gather is not None:
+            self.param_gather.close()
+            self.param_gather = None
+
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
-        """This rank's parameters under their Hugging Face names (TP slices where split)."""
+        """This rank's parameters under their Hugging Face names (TP slices where split), current on every rank."""
+        self.wait_for_parameters()
         return [(hf_parameter_name(n, self.config.n_layer), p) for n, p in self.engine.module.named_parameters()]
 
     def set_lr(self, lr: float) -> None:
@@ -222,10 +267,16 @@ class ParallelEngine:
         if count != self.engine.gradient_accumulation_steps():
             self.engine.set_train_batch_size(count * self.micro_batch_size * self.topology.dp)
         scale = self.loss_scale
+        issued = self.param_gather.issued if self.param_gather is not None else 0
         if self.pipelined:
             loss = float(self.engine.train_batch(iter(micro_batches)))
         else:
             loss = self._train_batch_plain(micro_batches)
+        if self.param_gather is not None and self.engine.was_step_applied() and self.param_gather.issued == issued:
+            raise DeepSpeedStructureError(
+                "the optimizer step did not go through the overlapped parameter gather: DeepSpeed's step no "
+                "longer ends with all_gather_dp_groups (read from 0.19.8); set train.overlap_param_gather to false"
+            )
         norm = self.engine.get_global_grad_norm()
         # ZeRO's overflow verdict is all-reduced over DP and the model-parallel group, so every rank agrees. At the
         # minimum scale it is no scaling accident (precision.keep_training_at_the_minimum_scale).
@@ -257,17 +308,22 @@ class ParallelEngine:
     def _train_batch_plain(self, micro_batches: Sequence[Batch]) -> float:
         self.engine.train()
         losses = []
+        mean = torch.zeros(())
         for i, (inputs, labels) in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
             # The caller owns the step boundary, so a change in the number of micro-batches is always honoured.
-            self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
+            self.engine.set_gradient_accumulation_boundary(last)
             loss = self.engine(inputs.to(self.engine.device), labels.to(self.engine.device))
             self.engine.backward(loss)  # scaled by 1 / micro-batches
-            self.engine.step()  # updates only at the boundary
             losses.append(loss.detach().float())
-        mean = torch.stack(losses).mean()
-        if self.topology.dp > 1:
-            dist.all_reduce(mean, group=self.topology.dp_group)
-            mean /= self.topology.dp
+            if last:
+                # Before the step: the step ends by starting the weights' broadcasts (overlap_param_gather), which
+                # the next step's forward, not this step's loss, should wait for.
+                mean = torch.stack(losses).mean()
+                if self.topology.dp > 1:
+                    dist.all_reduce(mean, group=self.topology.dp_group)
+                    mean /= self.topology.dp
+            self.engine.step()  # updates only at the boundary
         return float(mean)
 
     @torch.no_grad()
@@ -277,6 +333,7 @@ class ParallelEngine:
         of the world must call it with the same number of micro-batches of micro_batch_size samples each."""
         if not micro_batches:
             return 0.0, 0.0
+        self.wait_for_parameters()
         self.loss_fn.reduction = "sum"
         try:
             if self.pipelined:
@@ -385,6 +442,7 @@ class ParallelEngine:
     def task_model(self) -> ParallelScorer:
         """The evaluation harness's TaskModel: scoring and greedy decoding through this layout (collective over
         the TP x PP ranks of this replica, which must all pass the same batches)."""
+        self.wait_for_parameters()
         return ParallelScorer(self.engine.module, self.topology, self.engine.device)
 
     @property

@@ -74,9 +74,17 @@ def _is_partitioned(optimizer: Any) -> bool:
     return isinstance(optimizer, BF16_Optimizer | DeepSpeedZeroOptimizer)
 
 
-def _scalar_dtype() -> torch.dtype:
+def _step_tensor(step: int, param: torch.Tensor, optimizer: Any) -> torch.Tensor:
+    """Adam's step count as torch keeps it for ``param``: a CPU scalar, except that a fused (or capturable) AdamW
+    keeps it as fp32 on the parameter's device, where its kernel reads it (torch.optim.Optimizer's
+    _process_value_according_to_param_policy, "special device hosting for step")."""
+    group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
+    if group.get("fused") or group.get("capturable"):
+        return torch.tensor(float(step), dtype=torch.float32, device=param.device)
     # The dtype torch's Adam gives a fresh "step" (torch.optim.optimizer._get_scalar_dtype).
-    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    return torch.tensor(
+        float(step), dtype=torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    )
 
 
 def _flat_groups(optimizer: Any) -> list[torch.Tensor]:
@@ -181,7 +189,7 @@ def _load_partitioned(named_params: NamedParams, optimizer: Any, keys: Collectio
             # partition, where a trained optimizer holds zeros too (padding gradients are zero).
             state.setdefault(kind, torch.zeros_like(flat))
         if step is not None:
-            state[STEP] = torch.tensor(float(step), dtype=_scalar_dtype())
+            state[STEP] = _step_tensor(step, flat, inner)
     for group in inner.param_groups:
         if step is not None and STEP in group:  # optimizers that count steps per group
             group[STEP] = step
@@ -211,7 +219,7 @@ def _load_plain(named_params: NamedParams, optimizer: Any, keys: Collection[str]
             else:
                 state[kind] = value.clone(memory_format=torch.preserve_format)
         if step is not None:
-            state[STEP] = torch.tensor(float(step), dtype=_scalar_dtype())
+            state[STEP] = _step_tensor(step, param, optimizer)
         if f"{name}.{MASTER}" in keys:
             param.copy_(read(f"{name}.{MASTER}", name))
     return bool(kinds) or step is not None

@@ -6,18 +6,21 @@ The sequence every pipeline runs, as BLOOM-176B ran it:
     1      LayerSpec(EmbedLayerNormPipe)                         BLOOM's embedding LayerNorm
     2..L+1 LayerSpec(TransformerLayerPipe) x L                   the blocks (ALiBi slopes of this TP rank's heads)
     L+2    LayerSpec(FinalLayerNormPipe)                         ln_f
-    L+3    TiedLayerSpec("embed", WordEmbeddingPipe, lm_head)    hidden -> this rank's vocabulary slice of logits
-    loss   VocabParallelLoss                                     cross-entropy without gathering the logits
+    L+3    TiedLayerSpec("embed", WordEmbeddingPipe, lm_head)    hidden -> HeadInput(hidden, embedding shard)
+    loss   VocabParallelLoss                                     chunked vocab-parallel cross-entropy: no logits
 
 The first and last entries share one module under the key "embed": with pp > 1 the first and the last stage
 each build a copy, DeepSpeed broadcasts the first stage's weight at start and all-reduces the two gradients
-after every backward (``ReduceTiedGrads``), so the copies stay equal. Stages are cut by
-``partition_method="type:transformer|embedding"``: each class whose name matches counts one unit, the others
-(the two LayerNorms, weight 0) ride along, so 70 blocks + 2 embeddings over 12 stages gives 6 units per stage,
-BLOOM-176B's split; the planner's ``pipeline_partition`` predicts it and ``build_pipeline_module`` checks it.
+after every backward (``ReduceTiedGrads``), so the copies stay equal. The last stage's copy gets its gradient
+from the loss, which takes the hidden states and that copy's weight and computes the logits chunk by chunk.
+Stages are cut by ``partition_method="type:transformer|embedding"``: each class whose name matches counts one
+unit, the others (the two LayerNorms, weight 0) ride along, so 70 blocks + 2 embeddings over 12 stages gives 6
+units per stage, BLOOM-176B's split; the planner's ``pipeline_partition`` predicts it and
+``build_pipeline_module`` checks it.
 
 Activations between layers are [batch, seq, hidden] (the transformers layout); with sequence parallelism each
-TP rank holds [batch, seq / tp, hidden] between the tensor-parallel regions (sequence dimension 1).
+TP rank holds [batch, seq / tp, hidden] between the tensor-parallel regions (sequence dimension 1), and the blocks
+still take the fused flash attention (its slopes are all the ALiBi it needs).
 Parameter names map to the Hugging Face ones with ``hf_parameter_name``.
 
 Every spec builds its layer on the meta device and then allocates its parameters on the rank's device, without
@@ -43,10 +46,11 @@ from appliance.model.config import BloomConfig
 from appliance.model.initial_weights import empty_module
 from appliance.parallel.mappings import Group
 from appliance.parallel.tensor_parallel import (
+    HeadInput,
     VocabParallelEmbedding,
-    parallel_lm_logits,
+    lm_head_input,
     tp_linear_factory,
-    vocab_parallel_cross_entropy,
+    vocab_parallel_loss,
 )
 from appliance.parallel.topology import ParallelTopology
 
@@ -73,9 +77,9 @@ class WordEmbeddingPipe(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.word_embeddings(input_ids)
 
-    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[batch, seq(/tp), hidden] -> this rank's logits [batch, seq, vocab / tp]."""
-        return parallel_lm_logits(
+    def head_input(self, hidden: torch.Tensor) -> HeadInput:
+        """[batch, seq(/tp), hidden] -> the whole sequence's hidden states and this rank's embedding rows."""
+        return lm_head_input(
             hidden,
             self.word_embeddings.weight,
             self.tp_group,
@@ -84,9 +88,10 @@ class WordEmbeddingPipe(nn.Module):
         )
 
 
-def lm_head(embedding: WordEmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
-    """``forward_fn`` of the last stage's tied spec: the embedding matrix used as the output layer."""
-    return embedding.lm_logits(hidden)
+def lm_head(embedding: WordEmbeddingPipe, hidden: torch.Tensor) -> HeadInput:
+    """``forward_fn`` of the last stage's tied spec: the embedding matrix as the output layer, handed to the loss
+    (or to scoring) with the hidden states rather than multiplied here."""
+    return embedding.head_input(hidden)
 
 
 class EmbedLayerNormPipe(nn.Module):
@@ -113,9 +118,8 @@ class TransformerLayerPipe(BloomBlock):
     """A BloomBlock that takes hidden states only (the pipeline passes one tensor between layers).
 
     With sequence parallelism the input is this rank's sequence chunk while attention runs over the whole
-    sequence (the QKV projection gathers it), so the ALiBi bias and causal mask are built for seq * tp positions;
-    otherwise this is BloomBlock's own forward. ``recompute_core`` turns on selective recompute (the attention
-    core only).
+    sequence (the QKV projection gathers it); BloomBlock's forward serves both. ``recompute_core`` turns on
+    selective recompute (the materialized attention core only).
     """
 
     def __init__(
@@ -126,25 +130,16 @@ class TransformerLayerPipe(BloomBlock):
         tp_rank: int,
         tp_size: int,
         *,
-        sequence_parallel: bool = False,
         recompute_core: bool = False,
     ) -> None:
+        # Sequence parallelism lives in linear_factory's layers (they gather and reduce-scatter the chunks).
         super().__init__(config, layer_number, linear_factory, tp_rank, tp_size)
-        self.sequence_parallel = sequence_parallel
-        self.tp_size = tp_size
         self.self_attention.recompute_core = recompute_core
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         if attention_mask is not None:
             raise ValueError("pipeline blocks train on unpadded samples: attention_mask must be None")
-        if not self.sequence_parallel:
-            return super().forward(hidden)
-        alibi, mask = self.attention_inputs(None, hidden.shape[SEQUENCE_DIM] * self.tp_size, hidden.device)
-        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        attn_out, attn_bias = self.self_attention(ops.layer_norm(hidden, ln1.weight, ln1.bias, ln1.eps), alibi, mask)
-        hidden = ops.bias_dropout_add(attn_out, attn_bias, hidden, self.hidden_dropout, self.training)
-        mlp_out, mlp_bias = self.mlp(ops.layer_norm(hidden, ln2.weight, ln2.bias, ln2.eps))
-        return ops.bias_dropout_add(mlp_out, mlp_bias, hidden, self.hidden_dropout, self.training)
+        return super().forward(hidden)
 
 
 class EmptyLayerSpec(LayerSpec):
@@ -174,16 +169,18 @@ class EmptyTiedLayerSpec(TiedLayerSpec):
 
 
 class VocabParallelLoss:
-    """loss_fn(logits shard, labels): mean token cross-entropy for training; ``reduction = "sum"`` for evaluation
-    (a padded evaluation micro-batch may hold no token at all, whose mean would be 0 / 0)."""
+    """loss_fn(HeadInput, labels): mean token cross-entropy for training; ``reduction = "sum"`` for evaluation
+    (a padded evaluation micro-batch may hold no token at all). Chunked and vocabulary-parallel
+    (tensor_parallel.vocab_parallel_loss): the logits are computed chunk by chunk against the tied embedding
+    shard, whose gradient comes out of the same pass."""
 
     def __init__(self, tp_group: Group) -> None:
         self.tp_group = tp_group
         self.reduction = "mean"
         self.inject_nan = False  # a recovery drill's non-finite loss (appliance/train/faults.py)
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = vocab_parallel_cross_entropy(logits, labels, self.tp_group, reduction=self.reduction)
+    def __call__(self, head: HeadInput, labels: torch.Tensor) -> torch.Tensor:
+        loss = vocab_parallel_loss(head, labels, self.tp_group, reduction=self.reduction)
         return loss * float("nan") if self.inject_nan else loss
 
 
@@ -219,7 +216,6 @@ def bloom_layer_specs(
             tp_rank,
             topology.tp,
             device=device,
-            sequence_parallel=sequence_parallel,
             recompute_core=recompute_core,
         )
         for i in range(config.n_layer)
@@ -291,7 +287,7 @@ def build_pipeline_module(
 class BloomStack(nn.Module):
     """The same layers in one process, for pp = 1 under DeepSpeed's plain engine (which, unlike the pipeline
     engine, supports ZeRO-2). Modules are registered under the PipelineModule's names, so ``hf_parameter_name``
-    serves both. forward(ids) -> logits shard; forward(ids, labels) -> loss."""
+    serves both. forward(ids) -> HeadInput (what scoring reads); forward(ids, labels) -> loss."""
 
     def __init__(self, specs: Sequence[LayerSpec], loss_fn: VocabParallelLoss, *, recompute_blocks: bool) -> None:
         super().__init__()
@@ -310,8 +306,8 @@ class BloomStack(nn.Module):
                 self.add_module(str(index), layer)
                 self._layers.append(layer)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        x = input_ids
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+        x: Any = input_ids  # tensors between the layers, the HeadInput after the last
         recompute = self.recompute_blocks and torch.is_grad_enabled()
         for layer in self._layers:
             x = _recompute(layer, x) if recompute and isinstance(layer, TransformerLayerPipe) else layer(x)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from appliance.parallel.tensor_parallel import HeadInput, vocab_parallel_scores
 from appliance.parallel.topology import ParallelTopology
 
 
@@ -33,8 +34,8 @@ class ParallelScorer:
     def _peer(self, stage: int) -> int:
         return self.topology.global_rank(pp=stage, dp=self.dp_rank, tp=self.tp_rank)
 
-    def _logit_shard(self, input_ids: torch.Tensor) -> torch.Tensor | None:
-        """This TP rank's logits [B, S, V / tp] (float32) on the last stage, None on the others."""
+    def _head(self, input_ids: torch.Tensor) -> HeadInput | None:
+        """The last stage's final hidden states [B, S, H] and embedding shard (no logits); None on the others."""
         seq = input_ids.shape[1]
         padded = -(-seq // self.topology.tp) * self.topology.tp
         x = torch.nn.functional.pad(input_ids, (0, padded - seq)).to(self.device)
@@ -53,47 +54,23 @@ class ParallelScorer:
             dist.send(torch.tensor(out.shape, dtype=torch.int64, device=self.device), self._peer(self.pp_rank + 1))
             dist.send(out.contiguous(), self._peer(self.pp_rank + 1))
             return None
-        return out[:, :seq].float()
+        return HeadInput(out.hidden[:, :seq], out.weight)
 
     def _from_last_stage(self, result: torch.Tensor) -> torch.Tensor:
         if self.topology.pp > 1:
             dist.broadcast(result, src=self._peer(self.topology.pp - 1), group=self.topology.pp_group)
         return result.cpu()
 
-    def _vocab_stats(
-        self, z: torch.Tensor, targets: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(log-sum-exp [..], global argmax [..], target logit [..] or None) over the whole vocabulary."""
-        group, tp = self.topology.tp_group, self.topology.tp
-        start = self.tp_rank * z.shape[-1]
-        local_max, local_arg = z.max(dim=-1)
-        global_max = local_max.clone()
-        if tp > 1:
-            dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
-        # The argmax: the lowest global index holding the maximum (what torch.argmax picks on one process).
-        candidate = torch.where(local_max == global_max, local_arg + start, torch.iinfo(torch.int64).max)
-        sums = [(z - global_max.unsqueeze(-1)).exp().sum(dim=-1)]
-        if targets is not None:
-            mine = (targets >= start) & (targets < start + z.shape[-1])
-            local = (targets - start).clamp(0, z.shape[-1] - 1)
-            sums.append(z.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0))
-        stacked = torch.stack(sums)
-        if tp > 1:
-            dist.all_reduce(candidate, op=dist.ReduceOp.MIN, group=group)
-            dist.all_reduce(stacked, group=group)
-        logsumexp = stacked[0].log() + global_max
-        return logsumexp, candidate, stacked[1] if targets is not None else None
-
     @torch.no_grad()
     def target_logprobs(self, input_ids: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(log p(target) [B, S], target == greedy argmax [B, S]) for right-padded rows."""
-        z = self._logit_shard(input_ids)
+        head = self._head(input_ids)
         result = torch.empty(2, *input_ids.shape, dtype=torch.float32, device=self.device)
-        if z is not None:
+        if head is not None:
             targets = targets.to(self.device)
-            logsumexp, argmax, target_logit = self._vocab_stats(z, targets)
-            assert target_logit is not None
-            result[0], result[1] = target_logit - logsumexp, (argmax == targets).float()
+            logprobs, argmax = vocab_parallel_scores(head, targets, self.topology.tp_group)
+            assert logprobs is not None
+            result[0], result[1] = logprobs, (argmax == targets).float()
         result = self._from_last_stage(result)
         return result[0], result[1].bool()
 
@@ -104,8 +81,9 @@ class ParallelScorer:
         out = torch.empty(input_ids.shape[0], dtype=torch.int64, device=self.device)
         for length in sorted(set(lengths.tolist())):
             rows = (lengths == length).nonzero().squeeze(1)
-            z = self._logit_shard(input_ids[rows, input_ids.shape[1] - length :])
-            if z is not None:
-                _, argmax, _ = self._vocab_stats(z[:, -1], None)
+            head = self._head(input_ids[rows, input_ids.shape[1] - length :])
+            if head is not None:
+                last = HeadInput(head.hidden[:, -1], head.weight)
+                _, argmax = vocab_parallel_scores(last, None, self.topology.tp_group)
                 out[rows.to(self.device)] = argmax
         return self._from_last_stage(out)

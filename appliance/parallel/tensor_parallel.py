@@ -2,8 +2,13 @@
 
 A transformer layer needs two all-reduces forward and two backward (Megatron-LM, Shoeybi et al. 2019):
 
-    x -> ColumnParallelLinear (QKV, MLP in: each rank owns out/tp output rows) -> local heads / local GeLU
-      -> RowParallelLinear (attention out, MLP out: each rank owns in/tp input columns) -> all-reduce -> + bias
+    x -> ColumnParallelLinear (QKV, MLP in: each rank owns out/tp output rows) -> local heads / local bias+GeLU
+      -> RowParallelLinear (attention out, MLP out: each rank owns in/tp input columns) -> all-reduce
+      -> bias+dropout+residual
+
+The loss never forms logits: the last stage hands the final hidden states and its tied-embedding shard to one
+chunked vocabulary-parallel cross-entropy (kernels/, through ops.vocab_cross_entropy), which evaluation scoring
+shares (vocab_parallel_scores).
 
 Sharded parameters carry ``tensor_model_parallel = True`` and ``partition_dim``: the attribute names Megatron
 uses and DeepSpeed reads (``deepspeed.runtime.utils.is_model_parallel_parameter``), so DeepSpeed's global
@@ -21,13 +26,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from appliance.model import ops
+from appliance.model.bloom import default_linear_factory
 from appliance.parallel.mappings import (
     Group,
     copy_to_tensor_parallel_region,
@@ -258,7 +265,8 @@ class ColumnParallelLinear(_ParallelLinear):
 
     Input: the full activation (replicated), or with ``sequence_parallel`` this rank's sequence chunk, which
     is all-gathered first (its gradient reduce-scattered back). Output: this rank's slice of the features,
-    or all of them with ``gather_output``.
+    or all of them with ``gather_output``. With ``skip_bias_add`` (Megatron's convention) the bias slice is left
+    to the caller, which adds it inside the next fused op (bias+GeLU).
     """
 
     shard_role = "qkv"
@@ -272,12 +280,18 @@ class ColumnParallelLinear(_ParallelLinear):
         gather_output: bool = False,
         sequence_parallel: bool = False,
         sequence_dim: int = 0,
+        skip_bias_add: bool = False,
         group: Group = None,
         full_weight: torch.Tensor | None = None,
         full_bias: torch.Tensor | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
+        if skip_bias_add and gather_output:
+            raise ValueError(
+                "ColumnParallelLinear: skip_bias_add leaves this rank's bias slice to the caller, "
+                "which gather_output would not match"
+            )
         super().__init__(
             in_features,
             out_features,
@@ -291,13 +305,14 @@ class ColumnParallelLinear(_ParallelLinear):
             device=device,
         )
         self.gather_output = gather_output
+        self.skip_bias_add = skip_bias_add
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, self.group, dim=self.sequence_dim)
         else:
             x = copy_to_tensor_parallel_region(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, None if self.skip_bias_add else self.bias)
         return gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
 
 
@@ -305,7 +320,10 @@ class RowParallelLinear(_ParallelLinear):
     """y = sum over ranks of x_r W_r^T, then + b: W split by input columns; the bias is replicated and added
     once, after the all-reduce (adding it on every rank before the sum would count it tp times).
 
-    With ``sequence_parallel`` the sum is a reduce-scatter, leaving this rank's sequence chunk.
+    With ``sequence_parallel`` the sum is a reduce-scatter, leaving this rank's sequence chunk. With
+    ``skip_bias_add`` the caller adds the bias (inside bias+dropout+residual), after the sum all the same; with
+    sequence parallelism it then still meets only this rank's chunk, so it stays marked ``sequence_parallel``
+    (its gradient is partial until summed over TP).
     """
 
     shard_role = "attn_out"
@@ -319,6 +337,7 @@ class RowParallelLinear(_ParallelLinear):
         input_is_parallel: bool = True,
         sequence_parallel: bool = False,
         sequence_dim: int = 0,
+        skip_bias_add: bool = False,
         group: Group = None,
         full_weight: torch.Tensor | None = None,
         full_bias: torch.Tensor | None = None,
@@ -340,6 +359,7 @@ class RowParallelLinear(_ParallelLinear):
             device=device,
         )
         self.input_is_parallel = input_is_parallel
+        self.skip_bias_add = skip_bias_add
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -349,7 +369,7 @@ class RowParallelLinear(_ParallelLinear):
             y = reduce_scatter_to_sequence_parallel_region(y, self.group, dim=self.sequence_dim)
         else:
             y = reduce_from_tensor_parallel_region(y, self.group)
-        return y if self.bias is None else y + self.bias
+        return y if self.bias is None or self.skip_bias_add else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -423,93 +443,71 @@ class VocabParallelEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp_size}, rows={rows}"
 
 
-def parallel_lm_logits(
+class HeadInput(NamedTuple):
+    """What the last pipeline stage hands the loss (and scoring): the final hidden states of the whole sequence,
+    replicated over TP, and the tied word-embedding shard the logits are taken against. No logits yet."""
+
+    hidden: torch.Tensor  # [batch, seq, hidden]
+    weight: torch.Tensor  # [vocab / tp, hidden], this TP rank's rows of the tied embedding
+
+
+def lm_head_input(
     hidden: torch.Tensor,
     embedding_weight: torch.Tensor,
     group: Group = None,
     *,
     sequence_parallel: bool = False,
     sequence_dim: int = 0,
-) -> torch.Tensor:
-    """This rank's vocabulary slice of the logits with tied embeddings: hidden @ E_r^T, [..., vocab / tp].
+) -> HeadInput:
+    """The tied LM head's input on this rank: with sequence parallelism the sequence chunks are all-gathered.
 
-    Feed the result to ``vocab_parallel_cross_entropy``; the full logits are never formed.
+    The chunked loss all-reduces the hidden gradient over TP itself (each rank's vocabulary shard contributes a
+    part), so the gather's backward only keeps this rank's chunk of that full gradient.
     """
     if sequence_parallel:
-        hidden = gather_from_sequence_parallel_region(hidden, group, dim=sequence_dim)
-    else:
-        hidden = copy_to_tensor_parallel_region(hidden, group)
-    return F.linear(hidden, embedding_weight)
+        hidden = gather_from_sequence_parallel_region(
+            hidden, group, dim=sequence_dim, tensor_parallel_output_grad=False
+        )
+    # A view, not the parameter itself. DeepSpeed's engine (0.19.8, runtime/utils.py register_output_backward_hooks)
+    # runs its backward prologue from hooks on the forward's outputs that have a grad_fn; a leaf parameter among the
+    # outputs has none, so its gradient can reach the parameter outside that bracket. Measured with the parameter
+    # itself: the pp=2 bf16 losses left the fp32 reference from step 2 on (4.5e-2 against a 2.2e-3 bound). The
+    # view's gradient reaches the parameter through autograd like any other.
+    return HeadInput(hidden, embedding_weight.view_as(embedding_weight))
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy over vocabulary-split logits, in fp32, without gathering the logits.
-
-    With m = max_v z_v over all ranks and S = sum_v exp(z_v - m) over all ranks, the loss of label y is
-    log S - (z_y - m); only the rank owning y has z_y, the others add 0. Three numbers per token cross the
-    wire (the max, then S and z_y - m in one all-reduce), not vocab / tp of them.
-    Backward: d loss / d z_v = softmax_v - [v == y], each rank for its own slice of v.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, group: Group, ignore_index: int) -> torch.Tensor:
-        z = logits.float()
-        per_rank = z.shape[-1]
-        start = group_rank(group) * per_rank
-        # m only shifts the exponent for range safety; its value does not change the loss or its gradient.
-        z_max = z.max(dim=-1).values
-        if group_size(group) > 1:
-            dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = z - z_max.unsqueeze(-1)
-        outside = (labels < start) | (labels >= start + per_rank)
-        local_labels = (labels - start).masked_fill(outside, 0)
-        target = shifted.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        exp = shifted.exp()
-        sums = torch.stack([exp.sum(dim=-1), target])
-        if group_size(group) > 1:
-            dist.all_reduce(sums, group=group)
-        sum_exp, target = sums[0], sums[1]
-        ignored = labels == ignore_index
-        loss = (sum_exp.log() - target).masked_fill(ignored, 0.0)
-        exp.div_(sum_exp.unsqueeze(-1))  # now the softmax over the full vocabulary, this rank's slice
-        ctx.save_for_backward(exp, local_labels, outside | ignored, ignored)
-        ctx.logits_dtype = logits.dtype
-        return loss
-
-    @staticmethod
-    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        softmax, local_labels, not_mine, ignored = ctx.saved_tensors
-        grad = softmax.clone()
-        one_hot = (~not_mine).to(grad.dtype)  # 1 where this rank owns the (not ignored) label
-        grad.scatter_add_(-1, local_labels.unsqueeze(-1), -one_hot.unsqueeze(-1))
-        grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
-        return grad.to(ctx.logits_dtype), None, None, None
+def _loss_group(group: Group) -> dist.ProcessGroup | None:
+    # The chunked loss reads None as "no tensor parallelism"; for the mappings None is the world group.
+    if group_size(group) == 1:
+        return None
+    return group if group is not None else dist.group.WORLD
 
 
-def vocab_parallel_cross_entropy(
-    logits_shard: torch.Tensor,
+def vocab_parallel_loss(
+    head: HeadInput,
     labels: torch.Tensor,
     group: Group = None,
     *,
     ignore_index: int = -100,
     reduction: str = "mean",
 ) -> torch.Tensor:
-    """Cross-entropy of logits split along the vocabulary (this rank holds [..., vocab / tp]).
+    """Cross-entropy of the tied head's logits against labels [batch, seq], chunked over tokens and split over
+    the vocabulary (kernels.registry.vocab_cross_entropy): neither the full nor this rank's [tokens, vocab / tp]
+    logits are ever formed at once. The same contract as ``F.cross_entropy(full_logits.view(-1, V),
+    labels.view(-1), reduction=...)``, in fp32, except that a mean over no token is 0, not NaN."""
+    if head.hidden.shape[:-1] != labels.shape:
+        raise ValueError(f"hidden states {tuple(head.hidden.shape)} and labels {tuple(labels.shape)} do not match")
+    return ops.vocab_cross_entropy(
+        head.hidden, head.weight, labels, ignore_index=ignore_index, reduction=reduction, tp_group=_loss_group(group)
+    )
 
-    Same contract as ``F.cross_entropy(full_logits.view(-1, V), labels.view(-1))``: the mean over tokens
-    whose label is not ``ignore_index`` ("mean"), their sum ("sum") or per-token losses shaped like
-    ``labels`` ("none"). The loss is computed in fp32 whatever the logits' dtype.
-    """
-    if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    if logits_shard.shape[:-1] != labels.shape:
-        raise ValueError(f"logits {tuple(logits_shard.shape)} and labels {tuple(labels.shape)} do not match")
-    losses = _VocabParallelCrossEntropy.apply(logits_shard, labels, group, ignore_index)
-    if reduction == "none":
-        return losses
-    if reduction == "sum":
-        return losses.sum()
-    return losses.sum() / (labels != ignore_index).sum()
+
+def vocab_parallel_scores(
+    head: HeadInput, targets: torch.Tensor | None, group: Group = None
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(log p(targets) or None, greedy token) per position of the head's hidden states, over the whole vocabulary
+    (ops.vocab_scores; the same on every TP rank)."""
+    return ops.vocab_scores(head.hidden, head.weight, targets, tp_group=_loss_group(group))
 
 
 def tp_linear_factory(
@@ -518,7 +516,9 @@ def tp_linear_factory(
     """The model's linear-layer injection point: ``BloomForCausalLM(config, linear_factory=...)``.
 
     qkv and mlp_in become column-parallel (outputs stay split: each rank runs its own heads / GeLU slice),
-    attn_out and mlp_out row-parallel (inputs arrive split). With tp=1 it returns plain ``nn.Linear``.
+    attn_out and mlp_out row-parallel (inputs arrive split). With tp=1 it returns the single-device layers
+    (``model.bloom.default_linear_factory``). At every tp, mlp_in, attn_out and mlp_out skip their bias add
+    (``skip_bias_add``): the model folds it into bias+GeLU and bias+dropout+residual.
     With ``sequence_parallel`` the activations between the layers are sequence chunks; ``sequence_dim`` says
     where the sequence axis is: 0 for Megatron's [s, b, h], 1 for the [b, s, h] layout of transformers.
     """
@@ -528,19 +528,16 @@ def tp_linear_factory(
         if role not in COLUMN_ROLES + ROW_ROLES:
             raise ValueError(f"unknown linear role {role!r}: expected one of {COLUMN_ROLES + ROW_ROLES}")
         if tp == 1:
-            return nn.Linear(in_features, out_features, bias=bias)
-        group = topology.tp_group
-        if role in COLUMN_ROLES:
-            return ColumnParallelLinear(
-                in_features,
-                out_features,
-                bias,
-                sequence_parallel=sequence_parallel,
-                sequence_dim=sequence_dim,
-                group=group,
-            )
-        return RowParallelLinear(
-            in_features, out_features, bias, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim, group=group
+            return default_linear_factory(in_features, out_features, bias, role)
+        layer = ColumnParallelLinear if role in COLUMN_ROLES else RowParallelLinear
+        return layer(
+            in_features,
+            out_features,
+            bias,
+            sequence_parallel=sequence_parallel,
+            sequence_dim=sequence_dim,
+            skip_bias_add=role != "qkv",
+            group=topology.tp_group,
         )
 
     return make

@@ -46,18 +46,41 @@ MISALIGNED_GEMM_FACTOR = 0.85
 # bias+GeLU on the TP-split width. Backward moves about twice as much.
 ELEMENTWISE_FULL_WIDTH = 16.0
 ELEMENTWISE_SPLIT_FFN = 2.0  # per element of s*b*f/t
-SOFTMAX_BYTES_PER_SCORE = 6.0  # forward: read bf16 scores, write bf16 probabilities, 1-byte dropout mask, and more
-CROSS_ENTROPY_BYTES_PER_LOGIT = 16.0  # fp32 upcast, max, exp, sum, and the gradient written back
+# Megatron's fused causal softmax (BLOOM-176B's run): read bf16 scores, write bf16 probabilities, 1-byte dropout
+# mask, and more. Fitted with the rest against that run.
+SOFTMAX_BYTES_PER_SCORE = 6.0
+# Our materialised torch attention (model/ops.py attention_probs), forward, per score: the upcast to fp32 (act
+# read + 4 written; nothing for fp32 inputs), the scale (4 + 4), the ALiBi add (4 + 4), the causal mask fill
+# (4 + 4 + 1-byte mask), the softmax (4 + 4), the cast back (4 + act; nothing for fp32). Flash attention moves
+# no [s, s] bytes at all: its online softmax lives in registers, inside the attention term.
+TORCH_SOFTMAX_BYTES_PER_SCORE = 33.0  # before the two casts
+# Megatron's vocab-parallel cross entropy over full logits: fp32 upcast, max, exp, sum, gradient written back.
+CROSS_ENTROPY_BYTES_PER_LOGIT = 16.0
+# The chunked cross entropy moves, per logit of a chunk: with the Triton row kernels (fp32 in registers) one read
+# for the statistics and a read + write for the in-place gradient: 3 x act bytes. With the torch twin (CPU,
+# fp32 logits) the count is 83 bytes: statistics 24 (max 4, subtract 8, exp 8, sum 4), gradient 59 (subtract 8,
+# exp 8, one-hot compare 1, its cast 5, subtract 12, scale 8, mask 9, copy back 8). Measured on one core of the
+# 2-core VM (kernels.reference.chunked_vocab_ce at 1024 tokens x 8192 vocab, hidden 128, minus its three GEMMs):
+# 12.5 to 15.6 ns per logit on quiet runs, 100 to 125 bytes at the 8 GB/s a core gets here (the exps are compute-
+# bound), so the lower measured figure stands.
+TORCH_CHUNKED_CE_BYTES_PER_LOGIT = 100.0
 
 # Collectives and point-to-point: NCCL reaches ~80% of the link rate on large messages; each ring step costs a
 # latency. gloo on loopback for CPU ranks: a larger latency.
 LINK_EFFICIENCY = 0.80
 RING_STEP_LATENCY_S = {"nvlink": 8e-6, "pcie": 15e-6, "fabric": 20e-6, "loopback": 60e-6}
 
-# With pp == 1 and ZeRO >= 1, DeepSpeed overlaps the gradient reduce-scatter with the last micro-batch's backward
-# (overlap_comm); this fraction of that backward can hide communication. The pipeline engine reduces after the
-# last backward, so nothing overlaps when pp > 1.
+# Where the DeepSpeed config turns overlap_comm on (pp == 1, ZeRO >= 1), the gradient reduce overlaps the last
+# micro-batch's backward; this fraction of that backward can hide communication. The pipeline engine reduces after
+# the last backward, so nothing overlaps when pp > 1. parallel/deepspeed_config.py leaves overlap_comm off today,
+# so the credit is not taken (timing.py asks that config).
 DP_OVERLAP_FRACTION = 0.8
+
+# GPUs training in fp32: torch leaves TF32 off for matmuls, so GEMMs run on the CUDA cores' fp32 peak, a fraction
+# of the bf16/fp16 tensor peak in the specs table: A100 19.5 of 312 TFLOPs, H100 SXM 67 of 989 (datasheets);
+# V100 15.7 of 125.
+GPU_FP32_PEAK_FRACTION = {"A100": 19.5 / 312, "H100": 67 / 989, "H200": 67 / 989, "V100": 15.7 / 125}
+DEFAULT_GPU_FP32_PEAK_FRACTION = 1 / 16
 
 # Memory beyond the tensors the model counts: CUDA context, cuBLAS workspaces and NCCL communicator buffers
 # (a fixed amount per GPU), and the caching allocator's fragmentation (a fraction of everything allocated).

@@ -47,7 +47,8 @@ def communication_bytes_per_rank(
 ) -> dict[str, float]:
     """Bytes one rank sends per step: {"tp_allreduce", "pp_p2p", "dp_reduce", "tied_embedding", "total"}.
     `stage` picks the pipeline stage (None: the stage that sends the most). CPU fp32 runs pass act_bytes=4,
-    param_bytes=4; gradients are reduced in fp32 (grad_bytes=4) either way."""
+    param_bytes=4; gradients are reduced in fp32 (grad_bytes=4) under bf16 and fp32, in fp16 under fp16
+    (grad_bytes=2: Device.grad_comm_bytes, as the time model counts them)."""
     stages = [stage] if stage is not None else list(range(layout.pp))
     counts = [_stage_bytes(layout, model, s, seq_len, act_bytes, grad_bytes, param_bytes) for s in stages]
     return max(counts, key=lambda c: c["total"])

@@ -15,6 +15,7 @@ from appliance.hardware.profile import Hardware
 from appliance.hardware.specs import CPU_SPEC, FABRIC_GBPS, GENERIC_GPU, LOOPBACK_GBPS, gpu_spec
 from appliance.planner import calibration as cal
 from appliance.planner.calibration import Efficiency
+from appliance.planner.train_settings import DTYPES
 
 GIB = 2**30
 
@@ -23,7 +24,8 @@ GIB = 2**30
 class Device:
     kind: str  # "gpu" or "cpu"
     name: str
-    peak_flops: float  # per rank, FLOP/s (dense bf16/fp16 tensor peak on GPUs, fp32 FMA peak on CPU ranks)
+    peak_flops: float  # per rank, FLOP/s: dense bf16/fp16 tensor peak on GPUs (their fp32 peak when training in
+    # fp32), fp32 FMA peak on CPU ranks
     memory_bw: float  # per rank, bytes/s
     capacity_gb: float  # memory a rank may fill, GiB
     dtype: str  # "bf16", "fp16" or "fp32"
@@ -40,20 +42,49 @@ class Device:
     def act_bytes(self) -> int:
         return 4 if self.dtype == "fp32" else 2
 
+    @property
+    def grad_comm_bytes(self) -> int:
+        """Bytes per gradient element in the DP reduce and the tied-embedding all-reduce: bf16 sums the fp32
+        accumulation buffers in fp32 (deepspeed_config: communication_data_type), fp16 reduces its fp16
+        gradients as they are, fp32 is fp32."""
+        return 2 if self.dtype == "fp16" else 4
 
-def make_device(hw: Hardware, world_size: int) -> Device:
-    """The per-rank device for `world_size` ranks on this hardware."""
+
+def default_precision(hw: Hardware) -> str:
+    """bf16 where the GPU has bf16 tensor cores (BLOOM's choice), fp16 on V100-class GPUs, fp32 on CPU ranks."""
+    if not hw.has_gpus:
+        return "fp32"
+    spec = gpu_spec(hw.gpu) or GENERIC_GPU
+    return "bf16" if spec.bf16 else "fp16"
+
+
+def check_precision(hw: Hardware, precision: str) -> None:
+    """BadInput naming the setting when `precision` is unknown or the GPU has no bf16 tensor cores for it."""
+    if precision not in DTYPES:
+        raise BadInput(f"--set precision={precision}: must be one of {', '.join(DTYPES)}")
+    if precision == "bf16" and hw.has_gpus:
+        spec = gpu_spec(hw.gpu) or GENERIC_GPU
+        if not spec.bf16:
+            raise BadInput(f"--set precision=bf16: {spec.name} has no bf16 tensor cores; use fp16 or fp32")
+
+
+def make_device(hw: Hardware, world_size: int, precision: str | None = None) -> Device:
+    """The per-rank device for `world_size` ranks on this hardware, training in `precision` (None: the hardware's
+    default_precision)."""
+    dtype = precision or default_precision(hw)
+    check_precision(hw, dtype)
     if hw.has_gpus:
         spec = gpu_spec(hw.gpu) or GENERIC_GPU  # detection can meet GPUs the table lacks; make_plan notes it
         if hw.gpu_memory_gb <= 0:
             raise BadInput(f"hardware {hw.name or 'profile'}: gpu {hw.gpu!r} has no memory size (gpu_memory_gb)")
+        fp32_share = cal.GPU_FP32_PEAK_FRACTION.get(spec.family, cal.DEFAULT_GPU_FP32_PEAK_FRACTION)
         return Device(
             kind="gpu",
             name=spec.name,
-            peak_flops=spec.peak_tflops * 1e12,
+            peak_flops=spec.peak_tflops * 1e12 * (fp32_share if dtype == "fp32" else 1.0),
             memory_bw=spec.memory_bw_gbs * 1e9,
             capacity_gb=hw.gpu_memory_gb,
-            dtype="bf16" if spec.bf16 else "fp16",
+            dtype=dtype,
             efficiency=cal.gpu_efficiency(spec.family),
             fixed_overhead_gb=cal.GPU_FIXED_OVERHEAD_GB,
             watts=spec.tdp_w * cal.GPU_POWER_FRACTION + cal.HOST_WATTS_PER_GPU,
@@ -67,7 +98,7 @@ def make_device(hw: Hardware, world_size: int) -> Device:
         peak_flops=cores * CPU_SPEC.peak_gflops_per_core * 1e9,
         memory_bw=cores * CPU_SPEC.memory_bw_gbs_per_core * 1e9,
         capacity_gb=hw.ram_gb * cal.CPU_RAM_USABLE_FRACTION / ranks_per_node,
-        dtype="fp32",
+        dtype=dtype,  # the fp32 FMA peak whatever the dtype: no bf16/fp16 matrix units assumed on CPU
         efficiency=cal.CPU_EFFICIENCY,
         fixed_overhead_gb=cal.CPU_FIXED_OVERHEAD_GB,
         watts=cores * CPU_SPEC.watts_per_core + CPU_SPEC.base_watts / ranks_per_node,

@@ -1,9 +1,10 @@
-"""The model ladder: with no --model, the largest BLOOM shape that trains its token budget within the time budget
-on this hardware, and the reason for each size passed over.
+"""The model ladder: with no --model, the largest BLOOM shape that the data and the time can train compute-optimally
+on this hardware (planner/sizing.py), and the reason for each size passed over.
 
-Budget: BLOOM's own recipe (each shape's [train] tokens: 341B, 366B for 176B) within 120 days, about the wall time
-of BLOOM-176B's training (March 11 to early July 2022). When no size finishes in time, the smallest that fits is
-taken and the plan says so. A machine without GPUs gets the CPU smoke model.
+From bloom-176b down, each at its published batch: a size is passed over when no layout fits its memory, or when
+its target tokens (20 per parameter, or the user's train_tokens) do not fit the time budget or 4 epochs of the
+corpus. When none qualifies, the smallest that fits memory is taken and trains what the data and time allow. A
+machine without GPUs gets the CPU smoke model.
 """
 
 from __future__ import annotations
@@ -12,12 +13,22 @@ from dataclasses import dataclass, field
 
 from appliance.hardware.profile import Hardware
 from appliance.planner.model_shape import ModelShape, load_model_shape
-from appliance.planner.recipe import default_global_batch_size, train_samples_for
+from appliance.planner.recipe import default_global_batch_size
 from appliance.planner.search import SearchResult, search_layouts
+from appliance.planner.sizing import (
+    DEFAULT_TIME_BUDGET_DAYS,
+    MEMORY,
+    TIME,
+    Budget,
+    duration_text,
+    fits_optimally,
+    optimal_tokens,
+    overheads,
+    tokens_text,
+)
 
 LADDER = ("bloom-176b", "bloom-7b1", "bloom-3b", "bloom-1b7", "bloom-1b1", "bloom-560m")
 CPU_MODEL = "bloom-tiny-cpu"
-DEFAULT_TIME_BUDGET_DAYS = 120.0
 
 
 @dataclass
@@ -26,18 +37,13 @@ class ModelChoice:
     lines: list[str] = field(default_factory=list)  # one line per size considered, then the verdict
     search: SearchResult | None = None  # the chosen model's search, reused by make_plan
     global_batch_size: int = 0
+    bound: str | None = None  # why the next larger size was passed over: memory, data, time; None: none was
 
 
-def _days(model: ModelShape, result: SearchResult, train_tokens: int | None) -> float:
-    assert result.best is not None
-    layout = result.best.layout
-    samples = train_samples_for(model, train_tokens)
-    return samples / layout.global_batch_size * result.best.time.total_s / 86400
-
-
-def _tokens(model: ModelShape, train_tokens: int | None) -> str:
-    tokens = train_samples_for(model, train_tokens) * model.seq_len
-    return f"{tokens / 1e9:.0f}B tokens" if tokens >= 1e9 else f"{tokens / 1e6:.1f}M tokens"
+def _budget_text(budget: Budget) -> str:
+    if budget.seconds is None:
+        return f"the {DEFAULT_TIME_BUDGET_DAYS:.0f}-day budget"
+    return f"the {duration_text(budget.seconds)} budget"
 
 
 def choose_model(
@@ -45,47 +51,60 @@ def choose_model(
     *,
     global_batch_size: int | None = None,
     seq_len: int | None = None,
-    train_tokens: int | None = None,
-    time_budget_days: float = DEFAULT_TIME_BUDGET_DAYS,
+    budget: Budget | None = None,
+    precision: str | None = None,
 ) -> ModelChoice:
-    """Walk the ladder from the largest shape down; the first that fits and finishes within budget wins."""
+    """Walk the ladder from the largest shape down; the first that fits memory and trains its target tokens within
+    the time and the data wins."""
+    budget = budget or Budget()
     lines: list[str] = []
     if not hardware.has_gpus:
         tiny = load_model_shape(CPU_MODEL).with_seq_len(seq_len)
-        smallest = load_model_shape(LADDER[-1]).with_seq_len(seq_len)
-        result = search_layouts(hardware, smallest, default_global_batch_size(smallest, hardware))
-        if result.best is not None:
-            lines.append(
-                f"{smallest.name}: {_tokens(smallest, train_tokens)} would take"
-                f" {_days(smallest, result, train_tokens) / 365:.0f} years on these CPU ranks"
-            )
         lines.append(f"no GPU: the CPU smoke model {tiny.name} ({tiny.parameters() / 1e6:.1f}M parameters)")
-        return ModelChoice(tiny, lines, None, global_batch_size or default_global_batch_size(tiny, hardware))
+        return ModelChoice(tiny, lines, None, global_batch_size or default_global_batch_size(tiny, hardware), MEMORY)
 
     fitting: list[tuple[ModelShape, SearchResult, int]] = []
+    bound: str | None = None
     for name in LADDER:
         model = load_model_shape(name).with_seq_len(seq_len)
         gbs = global_batch_size or default_global_batch_size(model, hardware)
-        result = search_layouts(hardware, model, gbs)
+        result = search_layouts(hardware, model, gbs, precision)
         if result.best is None:
             least = min((e.memory.total_gb for e in result.evaluated), default=None)
             need = f" (the leanest layout needs {least:.0f} GB per GPU)" if least is not None else ""
             lines.append(f"{name}: does not fit on {hardware.world_gpus} x {hardware.gpu}{need}")
+            bound = MEMORY
             continue
-        days = _days(model, result, train_tokens)
-        verdict = "within" if days <= time_budget_days else "over"
-        lines.append(
-            f"{name}: {_tokens(model, train_tokens)} in {days:.0f} days ({verdict} the"
-            f" {time_budget_days:.0f}-day budget)"
-        )
-        if days <= time_budget_days:
-            lines.append(f"chosen: {name}, the largest BLOOM shape that trains within budget here")
-            return ModelChoice(model, lines, result, gbs)
+        best = result.best
+        eval_samples = min(model.recipe.eval_samples or gbs, gbs)
+        ov = overheads(model, best.layout, hardware, best.time.total_s, eval_samples, budget.languages)
+        ok, failed, seconds = fits_optimally(model, best.layout, best.time.total_s, ov, budget)
+        target = budget.train_tokens if budget.train_tokens is not None else optimal_tokens(model)
+        what = f"{tokens_text(target)} in {duration_text(seconds)}"
+        if ok:
+            lines.append(f"{name}: {what}, within {_budget_text(budget)}" + _data_text(budget, target))
+            lines.append(f"chosen: {name}, the largest BLOOM shape that trains its tokens within the limits here")
+            return ModelChoice(model, lines, result, gbs, bound)
+        if failed == TIME:
+            lines.append(f"{name}: {what}, over {_budget_text(budget)}")
+        else:
+            assert budget.corpus_tokens is not None
+            lines.append(
+                f"{name}: {what}, but the corpus gives at most {tokens_text(budget.data_cap_tokens or 0)}"
+                f" (4 epochs of {tokens_text(budget.corpus_tokens)})"
+            )
+        bound = failed
         fitting.append((model, result, gbs))
     if fitting:
         model, result, gbs = fitting[-1]
-        lines.append(f"chosen: {model.name}, the smallest BLOOM shape; none finishes within the time budget")
-        return ModelChoice(model, lines, result, gbs)
+        lines.append(f"chosen: {model.name}, the smallest BLOOM shape; it trains what the data and time allow")
+        return ModelChoice(model, lines, result, gbs, bound)
     tiny = load_model_shape(CPU_MODEL).with_seq_len(seq_len)
     lines.append(f"chosen: {tiny.name}; no BLOOM shape fits this GPU memory")
-    return ModelChoice(tiny, lines, None, global_batch_size or default_global_batch_size(tiny, hardware))
+    return ModelChoice(tiny, lines, None, global_batch_size or default_global_batch_size(tiny, hardware), MEMORY)
+
+
+def _data_text(budget: Budget, target: int) -> str:
+    if budget.corpus_tokens is None:
+        return " (corpus size not known yet)"
+    return f" and {target / budget.corpus_tokens:.2g} epochs of the corpus"

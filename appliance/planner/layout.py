@@ -131,26 +131,6 @@ def partition_error(layers: int, pp: int) -> str | None:
     return None
 
 
-def fused_softmax_error(seq_len: int, heads: int, tp: int, micro_batch_size: int) -> str | None:
-    """Megatron's fused causal softmax (scaled_upper_triang_masked_softmax, which BLOOM ran with
-    --abort-on-unmet-fused-kernel-constraints) takes 16 < seq <= 4096, seq % 4 == 0, and a number of attention
-    batches (mbs x heads per TP rank) divisible by 4 and by its rows per thread block: 8 when seq <= 128 (two rows
-    per warp), else 4. Source: bigscience-workshop/Megatron-DeepSpeed megatron/model/fused_softmax.py
-    (is_kernel_available) and its CUDA header's get_batch_per_block."""
-    batches = micro_batch_size * heads // tp
-    per_block = 8 if seq_len <= 128 else 4
-    if not 16 < seq_len <= 4096:
-        return f"fused softmax needs 16 < seq_len <= 4096, got seq_len({seq_len})"
-    if seq_len % 4:
-        return f"fused softmax needs seq_len % 4 == 0, got seq_len({seq_len})"
-    if batches % per_block:
-        return (
-            f"fused softmax needs mbs({micro_batch_size}) * heads({heads}) / tp({tp}) = {batches} divisible by"
-            f" {per_block} at seq_len {seq_len}"
-        )
-    return None
-
-
 @functools.lru_cache(maxsize=512)
 def pipeline_partition(layers: int, pp: int) -> Partition:
     """BLOOM's balance: count the two tied-embedding ends as blocks ('type:transformer|embedding') when that

@@ -1,11 +1,12 @@
 """Memory per GPU (or per CPU rank), stage by stage; the plan reports the fullest stage.
 
-Per stage and rank: model states (weights, gradients, the bf16 optimizer's fp32 gradient buffer, fp32 master
-weights and Adam moments, sharded by the ZeRO stage), stored activations for every micro-batch the 1F1B schedule
-keeps in flight, DeepSpeed's pipe output buffers, the workspace of the block being recomputed or differentiated,
-the logits on the last stage, then a stated allocator margin and fixed per-process overhead.
+Per stage and rank: model states (weights, gradients, bf16's fp32 gradient-accumulation buffer, fp32 master weights
+and Adam moments, sharded by the ZeRO stage; by precision), stored activations for every micro-batch the 1F1B
+schedule keeps in flight, DeepSpeed's pipe output buffers, the workspace of the block being recomputed or
+differentiated, the loss's logits on the last stage, then a stated allocator margin and fixed per-process overhead.
 Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
-section 4), written for any f and element size below.
+section 4), written for any f and element size below, with the attention and loss terms of the kernels that run
+(kernel_path.py: no [s, s] tensors under flash attention, one logits chunk under the chunked cross entropy).
 """
 
 from __future__ import annotations
@@ -15,6 +16,14 @@ from dataclasses import dataclass, field
 from appliance.hardware.profile import Hardware
 from appliance.planner import calibration as cal
 from appliance.planner.device import GIB, Device, make_device
+from appliance.planner.kernel_path import (
+    FLASH,
+    FULL_LOGITS_CE,
+    MEGATRON_SOFTMAX,
+    KernelPath,
+    kernels_for,
+    loss_chunk_tokens,
+)
 from appliance.planner.layout import Layout, Partition, pipeline_partition
 from appliance.planner.model_shape import ModelShape
 
@@ -53,20 +62,50 @@ def stage_parameters(model: ModelShape, layout: Layout, stage: int, partition: P
     return params
 
 
-def state_bytes(params: float, zero_stage: int, dp: int, mixed_precision: bool) -> dict[str, float]:
-    """Model-state bytes for `params` parameters on one rank.
-    Mixed precision (bf16/fp16): bf16 weights 2, bf16 gradients 2, the fp32 gradient-accumulation buffer 4 (BLOOM's
+def state_bytes(params: float, zero_stage: int, dp: int, precision: str) -> dict[str, float]:
+    """Model-state bytes for `params` parameters on one rank, training in `precision`.
+    bf16 (BLOOM's recipe): bf16 weights 2, bf16 gradients 2, the fp32 gradient-accumulation buffer 4 (BLOOM's
     BF16_Optimizer keeps it whole: "4 bytes * params of additional memory"), fp32 master weights + Adam m and v 12.
     ZeRO-1 shards the 12 over DP; ZeRO-2 also the fp32 gradients (and keeps one reduce bucket of bf16 gradients).
+    fp16 (DeepSpeed's ZeRO fp16 optimizer, dynamic loss scaling): the gradients accumulate in fp16 in place, so
+    there is no 4-byte buffer: weights 2, gradients 2 (ZeRO-2: its fp16 partition 2/d plus one reduce bucket),
+    master + Adam 12 sharded as above. The step's fp32 copy of the gradient partition (4/d) lives only after the
+    last backward has freed the activations, so it never adds to the peak counted here.
     fp32 (CPU ranks): weights 4, gradients 4, Adam m and v 8, no master copy and no separate buffer."""
-    if mixed_precision:
-        grads = 2.0 * (params if zero_stage < 2 else min(params, ZERO2_BUCKET_ELEMENTS))
+    optimizer_shards = dp if zero_stage >= 1 else 1
+    bucket = min(params, ZERO2_BUCKET_ELEMENTS)
+    if precision == "bf16":
+        grads = 2.0 * (params if zero_stage < 2 else bucket)
         accumulation = 4.0 * params / (dp if zero_stage >= 2 else 1)
-        optimizer = 12.0 * params / (dp if zero_stage >= 1 else 1)
-        return {"weights": 2.0 * params, "gradients": grads, "grad_accumulation": accumulation, "optimizer": optimizer}
+        return {
+            "weights": 2.0 * params,
+            "gradients": grads,
+            "grad_accumulation": accumulation,
+            "optimizer": 12.0 * params / optimizer_shards,
+        }
+    if precision == "fp16":
+        grads = 2.0 * (params if zero_stage < 2 else params / dp + bucket)
+        return {
+            "weights": 2.0 * params,
+            "gradients": grads,
+            "grad_accumulation": 0.0,
+            "optimizer": 12.0 * params / optimizer_shards,
+        }
     grads = 4.0 * params / (dp if zero_stage >= 2 else 1)
-    optimizer = 8.0 * params / (dp if zero_stage >= 1 else 1)
+    optimizer = 8.0 * params / optimizer_shards
     return {"weights": 4.0 * params, "gradients": grads, "grad_accumulation": 0.0, "optimizer": optimizer}
+
+
+def score_bytes_per_element(kernels: KernelPath, act_bytes: int) -> float:
+    """Bytes one attention score (one head, one query, one key) keeps for backward, or 0 when none exist.
+    Megatron's fused softmax (Korthikanti's counts): softmax output and dropout output in the compute dtype plus a
+    1-byte dropout mask. Our materialised path (attention dropout 0): the fp32 softmax output, plus its cast to
+    the compute dtype that the AV product keeps (none for fp32, where the cast is the same tensor). Flash: none."""
+    if kernels.attention == FLASH:
+        return 0.0
+    if kernels.attention == MEGATRON_SOFTMAX:
+        return 2.0 * act_bytes + (1 if kernels.dropout_masks else 0)
+    return 4.0 + (act_bytes if act_bytes != 4 else 0)
 
 
 def activation_bytes_per_layer(
@@ -77,71 +116,110 @@ def activation_bytes_per_layer(
     sequence_parallel: bool,
     act_bytes: int = 2,
     seq_len: int | None = None,
+    *,
+    kernels: KernelPath,
 ) -> float:
-    """Bytes one block keeps for backward, per micro-batch and TP rank (Korthikanti et al., Table 2):
+    """Bytes one block keeps for backward, per micro-batch and TP rank (Korthikanti et al., Table 2, for
+    Megatron's kernels with dropout):
     none:      s b h (10 + 24/t + 5 a s/(h t))   (with SP: s b h/t (34 + 5 a s/h))
     selective: s b h (10 + 24/t)                 (with SP: 34 s b h/t)
     full:      2 s b h                           (with SP: 2 s b h/t; only the block input is kept)
     The 10 are LayerNorm and matmul inputs outside the TP regions (8) plus two 1-byte dropout masks (2); the 24 are
-    QKV/score/context/output inputs (8) and the MLP's GeLU and fc2 inputs (16 = 4f/h for f = 4h); 5as/h are the
-    softmax output (2), its dropout mask (1) and dropout output (2). For 4-byte activations the tensors double and
-    the masks stay 1 byte."""
+    Q, K, V, context and attention-output input (8) and the MLP's GeLU and fc2 inputs (16 = 4f/h for f = 4h); 5as/h
+    are the scores (score_bytes_per_element). For 4-byte activations the tensors double and the masks stay 1 byte.
+    Our kernels keep no dropout masks (BLOOM's dropout is 0) and their own score bytes; flash keeps instead one fp32
+    logsumexp per query row and head (4 b a s / t), and selective recompute changes nothing under it."""
     s = model.seq_len if seq_len is None else seq_len
     b, h, a, f = micro_batch_size, model.hidden, model.heads, model.ffn_hidden
     scale = act_bytes / 2
     sbh = s * b * h
     if recompute == "full":
         return act_bytes * sbh / (tp if sequence_parallel else 1)
-    outside_tp = 8 * scale + 2  # LN inputs, QKV and fc1 inputs, two dropout masks
+    masks = 2 if kernels.dropout_masks else 0
+    outside_tp = 8 * scale + masks  # LN inputs, QKV and fc1 inputs, two dropout masks
     inside_tp = (8 + 4 * f / h) * scale  # Q, K, V, context, attention-output input; GeLU and fc2 inputs
-    scores = (4 * scale + 1) * a * s / h  # softmax output, dropout output, 1-byte dropout mask
     per_sbh = (outside_tp / tp if sequence_parallel else outside_tp) + inside_tp / tp
-    if recompute == "none":
-        per_sbh += scores / tp
+    if kernels.attention == FLASH:
+        per_sbh += 4 * a / (h * tp)  # the fp32 logsumexp: 4 b a s / t bytes
+    elif recompute == "none" or not kernels.selective_recompute_helps:
+        per_sbh += score_bytes_per_element(kernels, act_bytes) * a * s / (h * tp)
     return sbh * per_sbh
 
 
-def _block_workspace(model: ModelShape, layout: Layout, act_bytes: int, s: int) -> float:
+def _block_workspace(model: ModelShape, layout: Layout, act_bytes: int, s: int, kernels: KernelPath) -> float:
     """Transient bytes while one block runs backward: its recomputed activations (all of them under full recompute,
-    the attention scores under selective), the gradients flowing in and out (2 s b h), and the gradient of the
-    s x s scores (one tensor of them)."""
+    the [s, s] scores under a selective recompute that has some to rebuild), the gradients flowing in and out
+    (2 s b h), and the attention core's own backward scratch:
+    Megatron: the score gradient (one [s, s] tensor in the compute dtype, as calibrated);
+    materialised: two fp32 [s, s] gradients live at once inside the fp32 softmax backward, plus dQ, dK, dV;
+    flash: dQ, dK, dV (3 s b h / t) and one fp32 row statistic per query (4 b a s / t), nothing [s, s]."""
     b, h, a, t = layout.micro_batch_size, model.hidden, model.heads, layout.tp
-    grads = 2 * act_bytes * s * b * h
-    score_grad = act_bytes * b * a * s * s / t
+    sbh = s * b * h
+    grads = 2 * act_bytes * sbh
+    scores = b * a * s * s / t  # [s, s] elements of one block on this TP rank
     if layout.recompute == "full":
-        rebuilt = activation_bytes_per_layer(model, b, t, "none", layout.sequence_parallel, act_bytes, s)
-    elif layout.recompute == "selective":
-        rebuilt = (4 * act_bytes / 2 + 1) * b * a * s * s / t
+        rebuilt = activation_bytes_per_layer(
+            model, b, t, "none", layout.sequence_parallel, act_bytes, s, kernels=kernels
+        )
+    elif layout.recompute == "selective" and kernels.selective_recompute_helps:
+        rebuilt = score_bytes_per_element(kernels, act_bytes) * scores
     else:
         rebuilt = 0.0
-    return rebuilt + grads + score_grad
+    if kernels.attention == MEGATRON_SOFTMAX:
+        core = act_bytes * scores
+    elif kernels.attention == FLASH:
+        core = 3 * act_bytes * sbh / t + 4 * b * a * s / t
+    else:
+        core = 8 * scores + 3 * act_bytes * sbh / t
+    return rebuilt + grads + core
 
 
-def memory_for_device(layout: Layout, model: ModelShape, device: Device, seq_len: int | None = None) -> MemoryEstimate:
-    """memory_per_gpu with the device already built (the search calls this in its loop)."""
+def logits_bytes(model: ModelShape, layout: Layout, act_bytes: int, s: int, kernels: KernelPath) -> float:
+    """What the loss holds on the last stage for one micro-batch.
+    Full logits (Megatron's vocab-parallel cross entropy): the logits plus the fp32 softmax, (act + 4) s b V / t.
+    Chunked (ours): one chunk of logits (loss_chunk_tokens x V/t, about s b h elements), two fp32 temporaries of it
+    in the torch twin (none in the Triton row kernels), and the hidden-state gradient it computes in the forward
+    and keeps for backward (act s b h). Its weight-gradient buffer is the LM head's gradient, which the model
+    states already count."""
+    tokens = s * layout.micro_batch_size
+    vocab_local = model.padded_vocab(layout.tp) / layout.tp
+    if kernels.loss == FULL_LOGITS_CE:
+        return (act_bytes + 4) * tokens * vocab_local
+    chunk = loss_chunk_tokens(tokens, model.hidden, int(vocab_local))
+    per_logit = act_bytes + (0 if kernels.triton else 8)
+    return chunk * vocab_local * per_logit + act_bytes * tokens * model.hidden
+
+
+def memory_for_device(
+    layout: Layout, model: ModelShape, device: Device, seq_len: int | None = None, kernels: KernelPath | None = None
+) -> MemoryEstimate:
+    """memory_per_gpu with the device already built (the search calls this in its loop). `kernels`: what the run
+    executes (default: what our appliance runs on this device, kernel_path.kernels_for)."""
+    kernels = kernels or kernels_for(device, model)
     s = model.seq_len if seq_len is None else seq_len
     partition = pipeline_partition(model.layers, layout.pp)
     p, b, h, t = layout.pp, layout.micro_batch_size, model.hidden, layout.tp
     act = device.act_bytes
     m = max(1, layout.micro_batches)
-    per_layer = activation_bytes_per_layer(model, b, t, layout.recompute, layout.sequence_parallel, act, s)
+    per_layer = activation_bytes_per_layer(
+        model, b, t, layout.recompute, layout.sequence_parallel, act, s, kernels=kernels
+    )
     sp_div = t if layout.sequence_parallel else 1
-    workspace = _block_workspace(model, layout, act, s)
+    workspace = _block_workspace(model, layout, act, s, kernels)
+    mask = 1 if kernels.dropout_masks else 0
     best: MemoryEstimate | None = None
     for stage in sorted({0, min(1, p - 1), p - 1}):  # middle stages hold less in flight than stage 1
         in_flight = min(p - stage, m) if p > 1 else 1  # 1F1B: stage i holds p - i micro-batches
         states = state_bytes(
-            stage_parameters(model, layout, stage, partition), layout.zero_stage, layout.dp, device.mixed_precision
+            stage_parameters(model, layout, stage, partition), layout.zero_stage, layout.dp, device.dtype
         )
         stored = partition.layers_per_stage[stage] * per_layer
         if stage == 0:
-            stored += (act + 1) * s * b * h / sp_div  # embedding LayerNorm input and embedding dropout mask
+            stored += (act + mask) * s * b * h / sp_div  # embedding LayerNorm input (and embedding dropout mask)
         if stage == p - 1:
             stored += act * s * b * h / sp_div  # final LayerNorm input
         pipe_buffers = act * s * b * h * in_flight if stage < p - 1 else 0.0  # DeepSpeed keeps each stage output
-        logits = 0.0
-        if stage == p - 1:  # low-precision logits plus the fp32 softmax the vocab-parallel cross entropy keeps
-            logits = (act + 4) * s * b * model.padded_vocab(t) / t
+        logits = logits_bytes(model, layout, act, s, kernels) if stage == p - 1 else 0.0
         breakdown = {
             **states,
             "activations": stored * in_flight,
@@ -161,7 +239,15 @@ def memory_for_device(layout: Layout, model: ModelShape, device: Device, seq_len
 
 
 def memory_per_gpu(
-    layout: Layout, model: ModelShape, hardware: Hardware, *, seq_len: int | None = None
+    layout: Layout,
+    model: ModelShape,
+    hardware: Hardware,
+    *,
+    seq_len: int | None = None,
+    precision: str | None = None,
+    kernels: KernelPath | None = None,
 ) -> MemoryEstimate:
-    """Memory per GPU (per rank on CPU) of `layout` training `model` on `hardware`, on the fullest pipeline stage."""
-    return memory_for_device(layout, model, make_device(hardware, layout.world_size), seq_len)
+    """Memory per GPU (per rank on CPU) of `layout` training `model` on `hardware` in `precision` (None: the
+    hardware's default) with `kernels` (None: ours), on the fullest pipeline stage."""
+    device = make_device(hardware, layout.world_size, precision)
+    return memory_for_device(layout, model, device, seq_len, kernels)

@@ -10,13 +10,24 @@ from appliance.errors import BadInput
 from appliance.hardware.profile import Hardware
 from appliance.hardware.specs import GENERIC_GPU, gpu_spec
 from appliance.planner.device import Device, make_device
-from appliance.planner.ladder import DEFAULT_TIME_BUDGET_DAYS, choose_model
+from appliance.planner.ladder import choose_model
 from appliance.planner.layout import Layout
 from appliance.planner.memory import MemoryEstimate
 from appliance.planner.model_shape import ModelShape
 from appliance.planner.recipe import default_global_batch_size, run_estimate, train_section
 from appliance.planner.runspec import PlanDevice, PlanReport, RunSection, RunSpec
 from appliance.planner.search import Evaluated, SearchResult, evaluate, search_layouts
+from appliance.planner.sizing import (
+    COMPUTE_OPTIMAL,
+    MIN_STEPS,
+    Budget,
+    Sized,
+    explain,
+    overheads,
+    run_seconds,
+    size_tokens,
+    tokens_text,
+)
 from appliance.planner.timing import StepTime
 from appliance.planner.train_settings import TrainSettings
 
@@ -53,6 +64,7 @@ class Plan:
     rejected_counts: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     model_choice: list[str] = field(default_factory=list)  # the ladder's reasoning when no model was named
+    sizing: list[str] = field(default_factory=list)  # the token count, the limit that bound it, what more would buy
     candidates: int = 0
     search_seconds: float = 0.0
 
@@ -106,6 +118,7 @@ class Plan:
                 search_seconds=self.search_seconds,
                 notes=list(self.notes),
                 model_choice=list(self.model_choice),
+                sizing=list(self.sizing),
             ),
         )
 
@@ -179,25 +192,28 @@ def make_plan(
     seq_len: int | None = None,
     layout: Layout | None = None,
     train_tokens: int | None = None,
-    time_budget_days: float = DEFAULT_TIME_BUDGET_DAYS,
+    budget: Budget | None = None,
+    precision: str | None = None,
 ) -> Plan:
     """Plan a run: with `layout`, evaluate it (BadInput if it does not match the hardware or model; feasible=False
     with reasons if it cannot run); without, search for the fastest feasible layout. With model=None, the ladder
-    picks the largest BLOOM shape that trains within the token and time budget."""
+    picks the largest BLOOM shape the budget's time and data train compute-optimally; the budget then fixes the
+    token count (planner/sizing.py). `precision` (bf16, fp16, fp32; `--set precision=`) overrides the hardware's
+    default (device.default_precision)."""
     started = time.perf_counter()
+    budget = budget or Budget()
+    if train_tokens is not None:
+        budget = replace(budget, train_tokens=train_tokens)
     if seq_len is not None and seq_len < 1:
         raise BadInput(f"--seq-len must be a positive integer, got {seq_len}")
     choice_lines: list[str] = []
     search: SearchResult | None = None
+    model_bound: str | None = None
     if model is None:
         choice = choose_model(
-            hardware,
-            global_batch_size=global_batch_size,
-            seq_len=seq_len,
-            train_tokens=train_tokens,
-            time_budget_days=time_budget_days,
+            hardware, global_batch_size=global_batch_size, seq_len=seq_len, budget=budget, precision=precision
         )
-        model, choice_lines = choice.model, choice.lines
+        model, choice_lines, model_bound = choice.model, choice.lines, choice.bound
         search = choice.search if layout is None else None  # same model, batch and sequence: reuse it
     model = model.with_seq_len(seq_len)
     gbs = _resolve_batch(layout, global_batch_size, default_global_batch_size(model, hardware))
@@ -209,18 +225,39 @@ def make_plan(
         )
     if hardware.has_gpus and model.hidden % 128:
         notes.append(f"hidden({model.hidden}) is not a multiple of 128: tensor-core GEMMs lose some rate")
+    smoke = not hardware.has_gpus  # CPU ranks run the model's smoke recipe unless data or a budget cut it
 
     if layout is not None:
-        chosen, device, rejected, counts = _evaluate_given(hardware, model, layout, gbs, notes)
+        chosen, device, rejected, counts = _evaluate_given(hardware, model, layout, gbs, notes, precision)
         mode, candidates = "given", 1
     else:
-        search = search or search_layouts(hardware, model, gbs)
-        chosen, device, rejected, counts = _pick_searched(hardware, model, gbs, search, notes)
+        search = search or search_layouts(hardware, model, gbs, precision)
+        if global_batch_size is None:
+            gbs, search = _batch_for_few_tokens(hardware, model, gbs, search, budget, smoke, notes, precision)
+        chosen, device, rejected, counts = _pick_searched(hardware, model, gbs, search, notes, precision)
         mode, candidates = "searched", search.candidates
     layout = chosen.layout
+    notes.extend(chosen.notes)
+    step_s = chosen.time.total_s
 
-    train = train_section(model, layout, device, chosen.time.total_s, train_tokens=train_tokens, notes=notes)
-    run = run_estimate(hardware, device, layout, chosen.time.total_s, train.steps_at_full_batch)
+    sized = _size(model, layout, hardware, step_s, budget, smoke)
+    train = train_section(model, layout, device, step_s, train_tokens=sized.tokens, notes=notes)
+    ov = overheads(model, layout, hardware, step_s, train.eval_samples, budget.languages)
+    steps = train.steps_at_full_batch
+    seconds = run_seconds(steps, step_s, ov, train.eval_interval, train.save_interval)
+    limit = model_bound if sized.bound == COMPUTE_OPTIMAL and model_bound else sized.bound
+    run = replace(
+        run_estimate(hardware, device, layout, step_s, steps, seconds - steps * step_s),
+        eval_s=ov.eval_s,
+        checkpoint_s=ov.checkpoint_s,
+        budget_s=budget.seconds,
+        corpus_tokens=budget.corpus_tokens,
+        limit=limit,
+    )
+    tokens = train.train_samples * train.seq_len
+    sizing = explain(
+        model, sized, budget, tokens=tokens, steps=steps, step_s=step_s, ov=ov, seconds=seconds, limit=limit
+    )
     return Plan(
         hardware=hardware,
         model=model,
@@ -235,6 +272,7 @@ def make_plan(
         rejected_counts=counts,
         notes=notes,
         model_choice=choice_lines,
+        sizing=sizing,
         train=train,
         run=run,
         candidates=candidates,
@@ -242,16 +280,56 @@ def make_plan(
     )
 
 
+def _size(model: ModelShape, layout: Layout, hardware: Hardware, step_s: float, budget: Budget, smoke: bool) -> Sized:
+    eval_samples = min(model.recipe.eval_samples or layout.global_batch_size, layout.global_batch_size)
+    ov = overheads(model, layout, hardware, step_s, eval_samples, budget.languages)
+    return size_tokens(model, layout, step_s, ov, budget, smoke=smoke)
+
+
+def _batch_for_few_tokens(
+    hardware: Hardware,
+    model: ModelShape,
+    gbs: int,
+    search: SearchResult,
+    budget: Budget,
+    smoke: bool,
+    notes: list[str],
+    precision: str | None,
+) -> tuple[int, SearchResult]:
+    """When the tokens make fewer than MIN_STEPS steps at the default batch, the largest power-of-two batch that
+    gives MIN_STEPS (at least 1), if a layout fits it: a schedule needs steps to warm up and decay over. The time
+    limit is re-applied at the new batch's step time."""
+    if search.best is None:
+        return gbs, search
+    sized = _size(model, search.best.layout, hardware, search.best.time.total_s, budget, smoke)
+    samples = (sized.tokens or 0) // model.seq_len
+    if sized.tokens is None or samples // gbs >= MIN_STEPS:
+        return gbs, search
+    small = 1 << max(0, (samples // MIN_STEPS).bit_length() - 1) if samples >= MIN_STEPS else 1
+    if small >= gbs:
+        return gbs, search
+    retry = search_layouts(hardware, model, small, precision)
+    if retry.best is None:
+        return gbs, search
+    notes.append(
+        f"global batch {gbs} -> {small}: {tokens_text(sized.tokens)} make {samples // gbs} steps at {gbs};"
+        f" at least {MIN_STEPS} give the schedule room to warm up and decay"
+    )
+    return small, retry
+
+
 Outcome = tuple[Evaluated, Device, list[dict[str, Any]], dict[str, int]]
 
 
-def _evaluate_given(hardware: Hardware, model: ModelShape, layout: Layout, gbs: int, notes: list[str]) -> Outcome:
+def _evaluate_given(
+    hardware: Hardware, model: ModelShape, layout: Layout, gbs: int, notes: list[str], precision: str | None
+) -> Outcome:
     """`plan --layout`: shape errors are bad input; a layout that cannot run is a plan with feasible=False."""
     world = _world_for(hardware, layout)
     layout.validate(world, model.heads, model.layers)
     if not layout.global_batch_size:
         layout = replace(layout, global_batch_size=gbs)
-    device = make_device(hardware, world)
+    device = make_device(hardware, world, precision)
     chosen = evaluate(layout, model, hardware, device)
     rejected = [] if chosen.feasible else [{"layout": layout.to_dict(), "reason": "; ".join(chosen.problems)}]
     if hardware.has_gpus and layout.tp > hardware.gpus_per_node:
@@ -262,7 +340,9 @@ def _evaluate_given(hardware: Hardware, model: ModelShape, layout: Layout, gbs: 
     return chosen, device, rejected, {"constraint": 0, "memory": 0, "slower": 0}
 
 
-def _pick_searched(hardware: Hardware, model: ModelShape, gbs: int, search: SearchResult, notes: list[str]) -> Outcome:
+def _pick_searched(
+    hardware: Hardware, model: ModelShape, gbs: int, search: SearchResult, notes: list[str], precision: str | None
+) -> Outcome:
     """The search's best; when nothing fits, the leanest candidate, so the plan shows why."""
     if search.best is not None:
         chosen = search.best
@@ -274,7 +354,7 @@ def _pick_searched(hardware: Hardware, model: ModelShape, gbs: int, search: Sear
         reasons = "; ".join(r for _, r in search.constraint_rejections) or "no candidate layouts"
         raise BadInput(f"no layout can run {model.name} at global batch {gbs} on {hardware.name}: {reasons}")
     rejected, counts = _rejections(search, search.best)
-    return chosen, make_device(hardware, chosen.layout.world_size), rejected, counts
+    return chosen, make_device(hardware, chosen.layout.world_size, precision), rejected, counts
 
 
 def _why(best: Evaluated, search: SearchResult) -> str:

@@ -56,11 +56,28 @@ def train_samples_for(model: ModelShape, train_tokens: int | None = None) -> int
     return max(1, CHINCHILLA_TOKENS_PER_PARAM * model.parameters() // model.seq_len)
 
 
-def _rampup(model: ModelShape, layout: Layout, notes: list[str]) -> dict[str, int] | None:
-    """BLOOM's ramp-up where it applies: same global batch as the recipe, every step a multiple of mbs x dp."""
+def eval_interval_for(steps: int, recipe_interval: int | None = None) -> int:
+    """About 20 evaluations over the run, and at least as often as the recipe's interval (BLOOM's 1,000 steps
+    were set for runs of 100,000s of steps)."""
+    derived = max(1, steps // 20)
+    return min(recipe_interval, derived) if recipe_interval else derived
+
+
+def save_interval_for(steps: int, step_time_s: float, recipe_interval: int | None = None) -> int:
+    """About hourly (and at least once, at the end), and at least as often as the recipe's interval."""
+    derived = max(1, min(steps, round(3600 / max(step_time_s, 1e-9))))
+    return min(recipe_interval, derived) if recipe_interval else derived
+
+
+def _rampup(model: ModelShape, layout: Layout, samples: int, notes: list[str]) -> dict[str, int] | None:
+    """BLOOM's ramp-up where it applies: same global batch as the recipe, every step a multiple of mbs x dp, and a
+    run at least twice as long as the ramp-up (BLOOM-176B ramped over 5% of its samples)."""
     ramp = model.recipe.rampup
     gbs = layout.global_batch_size
     if ramp is None or model.recipe.global_batch_size != gbs:
+        return None
+    if ramp.samples > samples // 2:
+        notes.append(f"batch ramp-up over {ramp.samples:,} samples dropped: the run trains {samples:,}")
         return None
     unit = layout.micro_batch_size * layout.dp
     start, increment = math.ceil(ramp.start / unit) * unit, math.ceil(ramp.increment / unit) * unit
@@ -93,7 +110,13 @@ def train_section(
     warmup = warmup if own_budget else min(warmup, max(1, samples // 10))  # at most 10% of a shorter run
     decay = r.decay_samples if (own_budget and r.decay_samples) else samples
     steps = max(1, samples // gbs)
-    save_default = max(1, min(steps, round(3600 / max(step_time_s, 1e-9))))  # about hourly
+    # A run of the recipe's own length keeps its intervals and evaluation size; a sized run gets its own, and an
+    # evaluation of at most one global batch per language (the recipe's "--eval-iters 1" at its batch).
+    eval_interval = r.eval_interval if (own_budget and r.eval_interval) else eval_interval_for(steps, r.eval_interval)
+    save_interval = (
+        r.save_interval if (own_budget and r.save_interval) else save_interval_for(steps, step_time_s, r.save_interval)
+    )
+    eval_samples = r.eval_samples if (own_budget and r.eval_samples) else min(r.eval_samples or gbs, gbs)
     optimizer: dict[str, float] = {
         k: getattr(r, k) if getattr(r, k) is not None else v for k, v in BLOOM_OPTIMIZER.items()
     }
@@ -107,24 +130,27 @@ def train_section(
         lr_decay_style="cosine",
         warmup_samples=warmup,
         decay_samples=decay,
-        rampup=_rampup(model, layout, notes),
+        rampup=_rampup(model, layout, samples, notes),
         weight_decay=optimizer["weight_decay"],
         grad_clip=optimizer["grad_clip"],
         adam_beta1=optimizer["adam_beta1"],
         adam_beta2=optimizer["adam_beta2"],
         adam_eps=optimizer["adam_eps"],
-        eval_interval=r.eval_interval or max(1, steps // 20),
-        eval_samples=r.eval_samples or gbs,
-        save_interval=r.save_interval or save_default,
+        eval_interval=eval_interval,
+        eval_samples=eval_samples,
+        save_interval=save_interval,
         dtype=device.dtype,
         seed=r.seed if r.seed is not None else BLOOM_SEED,
     )
 
 
-def run_estimate(hardware: Hardware, device: Device, layout: Layout, step_time_s: float, steps: int) -> RunSection:
-    """Wall time, energy, carbon and cost of `steps` steps at full batch (a ramp-up's slower start not counted)."""
+def run_estimate(
+    hardware: Hardware, device: Device, layout: Layout, step_time_s: float, steps: int, overhead_s: float = 0.0
+) -> RunSection:
+    """Wall time, energy, carbon and cost of `steps` steps at full batch (a ramp-up's slower start not counted) and
+    `overhead_s` of evaluations and checkpoints (planner/sizing.py estimates them)."""
     ranks = layout.world_size
-    seconds = steps * step_time_s
+    seconds = steps * step_time_s + overhead_s
     hours = seconds / 3600
     energy_kwh = hours * ranks * device.watts / 1000  # IT energy, as the meters measure it
     carbon = resolve_profile(site=site_profile(hardware.name, hardware.pue, hardware.kg_co2_per_kwh))
@@ -148,4 +174,5 @@ def run_estimate(hardware: Hardware, device: Device, layout: Layout, step_time_s
         kg_co2_per_kwh=carbon.grid_g_per_kwh / 1000.0,
         carbon=carbon,
         usd_per_gpu_hour=price if hardware.has_gpus else 0.0,
+        overhead_s=overhead_s,
     )

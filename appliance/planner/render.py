@@ -87,6 +87,9 @@ def format_plan(plan: Plan) -> str:
         f" ({t.adam_beta1}, {t.adam_beta2}), wd {t.weight_decay}, clip {t.grad_clip}, {t.dtype}, seed {t.seed},"
         f" init std {plan.model.init_std:g}"
     )
+    if plan.sizing:
+        out.append("Sizing:")
+        out += [f"  {line}" for line in plan.sizing]
     r = plan.run
     cost = f", ${r.cost_usd:,.0f} at ${r.usd_per_gpu_hour:.2f} per GPU-hour" if hw.has_gpus else ""
     gpu_hours = f", {r.gpu_hours:,.0f} GPU-hours" if hw.has_gpus else ""

@@ -36,7 +36,7 @@ from appliance.hardware.profile import Hardware
 from appliance.planner.layout import Layout, pipeline_partition
 from appliance.planner.model_shape import DEFAULT_INIT_STD, ModelShape
 from appliance.planner.train_settings import TrainSettings
-from appliance.planner.typed_json import check_keys, dotted, from_json, to_json
+from appliance.planner.typed_json import check_keys, dotted, from_json, required_fields, to_json
 
 DEFAULT_MAX_RESTARTS = 3  # elastic-agent restarts of the worker group after a rank failure
 MAX_DATA_WORKERS = 8  # data-stage processes when the plan leaves `workers` unset: min(CPU count, 8)
@@ -73,6 +73,13 @@ class RunSection:
     usd_per_gpu_hour: float
     max_restarts: int = DEFAULT_MAX_RESTARTS
     workers: int | None = None  # data-stage processes; None: min(CPU count, MAX_DATA_WORKERS)
+    # Sizing (planner/sizing.py). time_s includes overhead_s: eval_s per evaluation and checkpoint_s per checkpoint.
+    overhead_s: float = 0.0
+    eval_s: float = 0.0
+    checkpoint_s: float = 0.0
+    budget_s: float | None = None  # wall time training was given (the user's budget less the data stages); None: none
+    corpus_tokens: int | None = None  # the corpus the plan was sized on; None: not yet known (before the data stage)
+    limit: str | None = None  # what bound the plan: compute-optimal, data, time, memory, recipe or user
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0:
@@ -123,10 +130,12 @@ class PlanReport:
     search_seconds: float
     notes: list[str]
     model_choice: list[str]
+    sizing: list[str] = dataclasses.field(default_factory=list)  # absent from plans written before sizing
 
 
 SECTIONS = ("hardware", "model", "layout", "train", "run", "device", "init")
 REPORT_KEYS = tuple(f.name for f in dataclasses.fields(PlanReport))
+REQUIRED_REPORT_KEYS = tuple(required_fields(PlanReport))
 
 
 @dataclass(frozen=True)
@@ -161,7 +170,11 @@ class RunSpec:
     def from_json(cls, data: Any, source: str = "plan") -> RunSpec:
         """Parse plan.json's object; BadInput naming `source` (the file) and the key on anything unexpected."""
         data = check_keys(
-            data, where="", source=source, known={*SECTIONS, *REPORT_KEYS}, required=[*SECTIONS[:-1], *REPORT_KEYS]
+            data,
+            where="",
+            source=source,
+            known={*SECTIONS, *REPORT_KEYS},
+            required=[*SECTIONS[:-1], *REQUIRED_REPORT_KEYS],
         )
         model_json = data["model"]
         if isinstance(model_json, dict) and "init_std" in model_json and model_json["init_std"] is None:
@@ -179,7 +192,7 @@ class RunSpec:
             "layout": _section(Layout, data["layout"], "layout", source),
             "run": _section(RunSection, data["run"], "run", source),
             "device": _section(PlanDevice, data["device"], "device", source),
-            "report": from_json(PlanReport, {k: data[k] for k in REPORT_KEYS}, where="", source=source),
+            "report": from_json(PlanReport, {k: data[k] for k in REPORT_KEYS if k in data}, where="", source=source),
             "init": None if data.get("init") is None else _imported(data["init"], source),
         }
         try:

@@ -1,9 +1,11 @@
 """Search over TP (inside a node), PP, DP, micro-batch, ZeRO stage, recompute and sequence parallelism for the
 feasible layout with the best predicted step time; keep why each alternative lost.
 
-A candidate is rejected for a hard constraint (heads % tp, pipeline balance, batch divisibility, fused-softmax
-shape limits), for memory (it does not fit), or for speed (it fits but is slower). Ties go to the simpler layout:
-lower ZeRO stage, less recompute, no sequence parallelism, smaller TP and PP.
+A candidate is rejected for a hard constraint (heads % tp, pipeline balance, batch divisibility), for memory (it
+does not fit), or for speed (it fits but is slower). Ties go to the simpler layout: lower ZeRO stage, less
+recompute, no sequence parallelism, smaller TP and PP. The kernels that run (kernel_path.py) impose no shape limit
+of their own: heads wider than flash attention takes fall back to the materialised path, which the cost model then
+charges. Selective recompute is searched only where it drops something (not under flash attention).
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from dataclasses import dataclass, field
 
 from appliance.hardware.profile import Hardware
 from appliance.planner.device import Device, make_device
-from appliance.planner.layout import Layout, fused_softmax_error, partition_error
+from appliance.planner.kernel_path import KernelPath, kernels_for
+from appliance.planner.layout import Layout, partition_error
 from appliance.planner.memory import MemoryEstimate, memory_for_device
 from appliance.planner.model_shape import RECOMPUTE_MODES, ModelShape
 from appliance.planner.timing import StepTime, step_time_for_device
@@ -27,6 +30,7 @@ class Evaluated:
     memory: MemoryEstimate
     time: StepTime
     problems: tuple[str, ...] = ()  # hard-constraint or memory reasons; empty when feasible
+    notes: tuple[str, ...] = ()  # what the estimate assumed (the kernels), and what a layout asks that does nothing
 
     @property
     def feasible(self) -> bool:
@@ -53,22 +57,32 @@ class SearchResult:
     candidates: int = 0
 
 
-def evaluate(layout: Layout, model: ModelShape, hardware: Hardware, device: Device | None = None) -> Evaluated:
-    """Memory, time and any reason the layout cannot run (the shape checks of Layout.validate are the caller's)."""
+def evaluate(
+    layout: Layout,
+    model: ModelShape,
+    hardware: Hardware,
+    device: Device | None = None,
+    kernels: KernelPath | None = None,
+) -> Evaluated:
+    """Memory, time and any reason the layout cannot run (the shape checks of Layout.validate are the caller's).
+    `kernels`: what the run executes (default: what our appliance runs on this device)."""
     device = device or make_device(hardware, layout.world_size)
-    memory = memory_for_device(layout, model, device)
-    time = step_time_for_device(layout, model, device, hardware)
+    kernels = kernels or kernels_for(device, model)
+    memory = memory_for_device(layout, model, device, kernels=kernels)
+    time = step_time_for_device(layout, model, device, hardware, kernels=kernels)
     problems = []
-    if device.kind == "gpu":
-        softmax = fused_softmax_error(model.seq_len, model.heads, layout.tp, layout.micro_batch_size)
-        if softmax:
-            problems.append(softmax)
     if not memory.fits:
         unit = "GPU" if device.kind == "gpu" else "rank"
         problems.append(
             f"needs {memory.total_gb:.1f} GB per {unit} (stage {memory.stage}) > {memory.capacity_gb:.1f} GB available"
         )
-    return Evaluated(layout, memory, time, tuple(problems))
+    notes = [f"kernels: {kernels.describe()}"]
+    if layout.recompute == "selective" and not kernels.selective_recompute_helps:
+        notes.append(
+            "recompute=selective does nothing under flash attention (no [s, s] scores to drop):"
+            " estimated as recompute=none"
+        )
+    return Evaluated(layout, memory, time, tuple(problems), tuple(notes))
 
 
 def world_size_for(hardware: Hardware) -> int:
@@ -86,10 +100,14 @@ def _powers_of_two(limit: int) -> list[int]:
     return out
 
 
-def search_layouts(hardware: Hardware, model: ModelShape, global_batch_size: int) -> SearchResult:
-    """Every candidate layout for `model` at `global_batch_size` on `hardware`, the best feasible one first."""
+def search_layouts(
+    hardware: Hardware, model: ModelShape, global_batch_size: int, precision: str | None = None
+) -> SearchResult:
+    """Every candidate layout for `model` at `global_batch_size` on `hardware` in `precision` (None: the hardware's
+    default), the best feasible one first."""
     world = world_size_for(hardware)
-    device = make_device(hardware, world)
+    device = make_device(hardware, world, precision)
+    kernels = kernels_for(device, model)
     result = SearchResult(best=None)
     gbs = global_batch_size
     if hardware.has_gpus:
@@ -101,6 +119,8 @@ def search_layouts(hardware: Hardware, model: ModelShape, global_batch_size: int
         # reduce-scatter and ZeRO's overlap needs CUDA streams. Recompute stays available for big shapes.
         tps = [1]
         recomputes, zeros = RECOMPUTE_MODES, (0,)
+    # Selective recompute only where it drops [s, s] tensors: under flash it would be recompute=none by another name.
+    recomputes = tuple(r for r in recomputes if r != "selective" or kernels.selective_recompute_helps)
     seen_reasons: set[str] = set()
 
     def reject(where: dict[str, int], reason: str) -> None:
@@ -133,7 +153,7 @@ def search_layouts(hardware: Hardware, model: ModelShape, global_batch_size: int
                         for zero in (z for z in zeros if pp == 1 or z < 2) if dp > 1 else (0,):
                             layout = Layout(tp, pp, dp, mbs, gbs, zero, recompute, sp)
                             result.candidates += 1
-                            result.evaluated.append(evaluate(layout, model, hardware, device))
+                            result.evaluated.append(evaluate(layout, model, hardware, device, kernels))
     feasible = [e for e in result.evaluated if e.feasible]
     result.best = min(feasible, key=Evaluated.rank_key) if feasible else None
     return result

@@ -1,24 +1,30 @@
 """Time per training step, with its breakdown.
 
 Per micro-batch, each pipeline stage spends: GEMMs (forward 1x, backward 2x) at the calibrated efficiency for
-their shape; the attention score/context products likewise; elementwise kernels at memory bandwidth; recompute
-(full: the blocks' forward again, selective: the attention core again); TP all-reduces on the node's links
-(Megatron does not overlap them); pipeline sends; and the bf16 optimizer's accumulation into its fp32 buffer.
-1F1B runs (m + p - 1) slots of the slowest stage, m of them useful: the bubble is (p - 1)/m of the work. After the
-last micro-batch: the DP gradient reduce (overlapped with the last backward only when pp == 1 and ZeRO >= 1),
-the tied-embedding all-reduce, and the optimizer step at memory bandwidth.
+their shape; the attention products likewise (flash attention: only the causal half, and a backward of 2.5x its
+forward); elementwise kernels at memory bandwidth (the [s, s] softmax traffic only where scores are materialised);
+recompute (full: the blocks' forward again, selective: the attention core again, and nothing under flash, where
+there is no core to drop); TP all-reduces on the node's links (Megatron does not overlap them); pipeline sends;
+and the gradient accumulation of the precision (bf16: into its fp32 buffer). 1F1B runs (m + p - 1) slots of the
+slowest stage, m of them useful: the bubble is (p - 1)/m of the work. After the last micro-batch: the DP gradient
+reduce (overlapped with the last backward only when the DeepSpeed config turns overlap_comm on, pp == 1),
+the parameter all-gather of ZeRO >= 1 (issued after the step, per layer, and hidden under the next step's forward
+except where a layer's forward would wait for its own parameters), the tied-embedding all-reduce, and the
+optimizer step at memory bandwidth.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import appliance.parallel.deepspeed_config as ds_config  # a module: it imports the planner's train settings
 from appliance.hardware.profile import Hardware
 from appliance.planner import calibration as cal
 from appliance.planner.comm import allreduce_sent, gather_sent, tp_allreduces_per_layer
 from appliance.planner.device import Device, Link, dp_link, make_device, pp_link, tied_link, tp_link
-from appliance.planner.layout import Layout, pipeline_partition
-from appliance.planner.memory import stage_parameters
+from appliance.planner.kernel_path import FLASH, FULL_LOGITS_CE, MEGATRON_SOFTMAX, KernelPath, kernels_for
+from appliance.planner.layout import Layout, Partition, pipeline_partition
+from appliance.planner.memory import layer_parameters_per_rank, stage_parameters
 from appliance.planner.model_shape import ModelShape
 
 BREAKDOWN_KEYS = (
@@ -31,9 +37,14 @@ BREAKDOWN_KEYS = (
     "grad_accumulation",
     "bubble",
     "dp_reduce",
+    "param_gather",
     "tied_embedding",
     "optimizer",
 )
+
+
+FLASH_QUERY_BLOCK = 128  # kernels/flash_attention.py forward tiles: key blocks past a query block's diagonal skip
+FLASH_BACKWARD_FACTOR = 2.5  # FlashAttention-2's backward: QK^T again, dV, dP, dQ, dK: 5 products against 2
 
 
 @dataclass(frozen=True)
@@ -54,107 +65,248 @@ def _ring_time(sent: float, steps: int, link: Link) -> float:
     return sent / link.bandwidth + steps * link.latency if sent > 0 else 0.0
 
 
-def _stage_microbatch(
-    model: ModelShape, layout: Layout, device: Device, hw: Hardware, stage: int, layers: int, s: int
-) -> dict[str, float]:
-    """Seconds one micro-batch costs on one stage, by component."""
-    b, h, a, f, t, p = layout.micro_batch_size, model.hidden, model.heads, model.ffn_hidden, layout.tp, layout.pp
+def _softmax_bytes_per_score(kernels: KernelPath, act: int) -> float:
+    """Forward memory traffic per [s, s] score: Megatron's fused softmax as calibrated, our torch path's fp32
+    chain (calibration.TORCH_SOFTMAX_BYTES_PER_SCORE, plus the two casts unless it runs in fp32), none for flash."""
+    if kernels.attention == FLASH:
+        return 0.0
+    if kernels.attention == MEGATRON_SOFTMAX:
+        return cal.SOFTMAX_BYTES_PER_SCORE * act / 2
+    return cal.TORCH_SOFTMAX_BYTES_PER_SCORE + (2 * (act + 4) if act != 4 else 0)
+
+
+def _cross_entropy_bytes_per_logit(kernels: KernelPath, act: int) -> float:
+    if kernels.loss == FULL_LOGITS_CE:
+        return cal.CROSS_ENTROPY_BYTES_PER_LOGIT
+    return 3.0 * act if kernels.triton else cal.TORCH_CHUNKED_CE_BYTES_PER_LOGIT
+
+
+@dataclass(frozen=True)
+class _Block:
+    """One block's forward pieces for one micro-batch on one TP rank, in seconds."""
+
+    gemm: float
+    attention: float  # forward; backward is attention_backward
+    attention_backward: float
+    elementwise: float  # forward; backward moves twice as much
+    softmax: float  # the [s, s] part of elementwise, what selective recompute repeats
+    tp_allreduce: float  # one all-reduce of the s b h activation
+
+    @property
+    def forward(self) -> float:
+        return self.gemm + self.attention + self.elementwise + 2 * self.tp_allreduce
+
+
+def _block(model: ModelShape, layout: Layout, device: Device, hw: Hardware, s: int, kernels: KernelPath) -> _Block:
+    b, h, a, f, t = layout.micro_batch_size, model.hidden, model.heads, model.ffn_hidden, layout.tp
     act = device.act_bytes
     tokens = b * s
     mem_rate = device.memory_bw * device.efficiency.memory
-
     aligned = (h // t) % 128 == 0 and (f // t) % 128 == 0 and h % t == 0
-    block_rate = _gemm_rate(device, min(tokens, h / t), aligned)
-    block_gemm = 2 * tokens * (4 * h * h + 2 * h * f) / t / block_rate  # forward
+    gemm = 2 * tokens * (4 * h * h + 2 * h * f) / t / _gemm_rate(device, min(tokens, h / t), aligned)
     # Batched QK^T and AV: K = head_dim is short, so they run below the block GEMMs; `attention` is their rate at
     # head_dim 128 relative to a large GEMM, scaled by 2d/(d + 128) for other head sizes.
     d = model.head_dim
     attn_rate = _gemm_rate(device, s, True) * device.efficiency.attention * min(1.0, 2 * d / (d + 128))
-    attn = 4 * b * s * s * h / t / attn_rate  # QK^T and AV, forward
+    attention = 4 * b * s * s * h / t / attn_rate  # QK^T and AV over the whole square, forward
+    backward = 2 * attention
+    if kernels.attention == FLASH:
+        # Causal: key blocks past each 128-query block's diagonal are skipped, (s + 128) / 2s of the square.
+        attention *= min(1.0, (s + FLASH_QUERY_BLOCK) / (2 * s))
+        backward = FLASH_BACKWARD_FACTOR * attention
     sp_div = t if layout.sequence_parallel else 1
     ew_bytes = (cal.ELEMENTWISE_FULL_WIDTH * tokens * h / sp_div + cal.ELEMENTWISE_SPLIT_FFN * tokens * f / t) * act
-    softmax_bytes = cal.SOFTMAX_BYTES_PER_SCORE * (act / 2) * b * (a / t) * s * s
-    ew = (ew_bytes + softmax_bytes) / mem_rate  # forward
+    softmax = _softmax_bytes_per_score(kernels, act) * b * (a / t) * s * s / mem_rate
+    link = tp_link(hw, device, t)
+    allreduce = _ring_time(allreduce_sent(act * tokens * h, t), 2 * (t - 1), link)
+    return _Block(gemm, attention, backward, ew_bytes / mem_rate + softmax, softmax, allreduce)
 
-    out = {"gemm": 3 * layers * block_gemm, "attention": 3 * layers * attn, "elementwise": 3 * layers * ew}
+
+def _stage_microbatch(
+    model: ModelShape,
+    layout: Layout,
+    device: Device,
+    hw: Hardware,
+    stage: int,
+    layers: int,
+    s: int,
+    kernels: KernelPath,
+) -> dict[str, float]:
+    """Seconds one micro-batch costs on one stage, by component."""
+    b, h, t, p = layout.micro_batch_size, model.hidden, layout.tp, layout.pp
+    act = device.act_bytes
+    tokens = b * s
+    mem_rate = device.memory_bw * device.efficiency.memory
+    blk = _block(model, layout, device, hw, s, kernels)
+
+    out = {
+        "gemm": 3 * layers * blk.gemm,
+        "attention": layers * (blk.attention + blk.attention_backward),
+        "elementwise": 3 * layers * blk.elementwise,
+    }
     if layout.recompute == "full":
-        out["recompute"] = layers * (block_gemm + attn + ew)
-    elif layout.recompute == "selective":
-        out["recompute"] = layers * (attn + softmax_bytes / mem_rate)
+        out["recompute"] = layers * (blk.gemm + blk.attention + blk.elementwise)
+    elif layout.recompute == "selective" and kernels.selective_recompute_helps:
+        out["recompute"] = layers * (blk.attention + blk.softmax)
     else:
-        out["recompute"] = 0.0
+        out["recompute"] = 0.0  # flash: model/bloom.py runs no selective recompute; there is nothing to drop
 
     vocab = model.padded_vocab(t)
     if stage == 0:  # embedding gather and its LayerNorm, forward and backward
         out["elementwise"] += 3 * 4 * tokens * h * act / mem_rate
     if stage == p - 1:  # LM head GEMM (forward + 2x backward) and the vocab-parallel cross entropy
         out["gemm"] += 3 * 2 * tokens * h * vocab / t / _gemm_rate(device, min(tokens, h), h % 128 == 0)
-        out["elementwise"] += cal.CROSS_ENTROPY_BYTES_PER_LOGIT * tokens * vocab / t / mem_rate
+        out["elementwise"] += _cross_entropy_bytes_per_logit(kernels, act) * tokens * vocab / t / mem_rate
 
-    activation = act * tokens * h
-    link = tp_link(hw, device, t)
     allreduces = layers * tp_allreduces_per_layer(layout.recompute) + (stage == 0) + (stage == p - 1)
-    out["tp_comm"] = allreduces * _ring_time(allreduce_sent(activation, t), 2 * (t - 1), link)
+    out["tp_comm"] = allreduces * blk.tp_allreduce
 
     sends = (stage < p - 1) + (stage > 0)
     p2p = pp_link(hw, device, t, layout.dp, p)
-    out["pp_p2p"] = sends * _ring_time(activation / sp_div, 1, p2p)
+    sp_div = t if layout.sequence_parallel else 1
+    out["pp_p2p"] = sends * _ring_time(act * tokens * h / sp_div, 1, p2p)
 
     params = stage_parameters(model, layout, stage)
-    # Mixed precision: read the bf16 gradient, read and write the fp32 buffer; fp32: torch's in-place .grad add.
-    bytes_per_param = 10 if device.mixed_precision else 12
+    # Accumulating each micro-batch's gradients: bf16 reads its bf16 gradient and reads and writes the fp32 buffer
+    # (2 + 4 + 4); fp16 and fp32 add in place into .grad (3 x 2, 3 x 4).
+    bytes_per_param = {"bf16": 10, "fp16": 6, "fp32": 12}[device.dtype]
     out["grad_accumulation"] = params * bytes_per_param / mem_rate if layout.micro_batches > 1 else 0.0
     return out
 
 
+def overlap_comm_configured(layout: Layout, dtype: str) -> bool:
+    """Whether the DeepSpeed config the run gets (parallel/deepspeed_config.py) turns overlap_comm on."""
+    config = ds_config.deepspeed_config(
+        global_batch_size=layout.micro_batch_size * layout.dp,
+        micro_batch_size=layout.micro_batch_size,
+        dp=layout.dp,
+        zero_stage=layout.zero_stage,
+        dtype=dtype,
+        grad_clip=1.0,
+        pipeline=layout.pp > 1,
+    )
+    return bool(config["zero_optimization"].get("overlap_comm", False))
+
+
+def _exposed_gather(gathers: list[float], forwards: list[float]) -> float:
+    """Seconds the next step's forward waits on the parameter all-gather: the gathers run back to back from the
+    end of the step, one per layer in forward order, and layer i's forward starts when both layer i - 1's forward
+    and its own gather are done. With gathers shorter than forwards only the first layer's gather shows."""
+    gathered = finished = 0.0
+    for gather, forward in zip(gathers, forwards, strict=True):
+        gathered += gather
+        finished = max(finished, gathered) + forward
+    return finished - sum(forwards)
+
+
+def _param_gather(
+    model: ModelShape,
+    layout: Layout,
+    device: Device,
+    hw: Hardware,
+    stage: int,
+    partition: Partition,
+    blk: _Block,
+    kernels: KernelPath,
+) -> float:
+    """Seconds of ZeRO's post-step parameter all-gather this stage's next step waits for."""
+    t, d, p = layout.tp, layout.dp, layout.pp
+    link = dp_link(hw, device, t, d)
+    units: list[tuple[float, float]] = []  # (parameters, first micro-batch's forward seconds), forward order
+    end = 2 * model.hidden + model.padded_vocab(t) * model.hidden / t  # embedding or tied head, and a LayerNorm
+    if stage == 0:
+        units.append((end, 0.0))
+    units += [(layer_parameters_per_rank(model, t), blk.forward)] * partition.layers_per_stage[stage]
+    if stage == p - 1:
+        units.append((end if p > 1 else 2 * model.hidden, 0.0))
+    gathers = [_ring_time(gather_sent(device.act_bytes * n, d), d - 1, link) for n, _ in units]
+    if not kernels.overlap_param_gather:
+        return sum(gathers)
+    return _exposed_gather(gathers, [f for _, f in units])
+
+
 def step_time_for_device(
-    layout: Layout, model: ModelShape, device: Device, hw: Hardware, seq_len: int | None = None
+    layout: Layout,
+    model: ModelShape,
+    device: Device,
+    hw: Hardware,
+    seq_len: int | None = None,
+    kernels: KernelPath | None = None,
 ) -> StepTime:
-    """step_time with the device already built (the search calls this in its loop)."""
+    """step_time with the device already built (the search calls this in its loop). `kernels`: what the run
+    executes (default: what our appliance runs on this device, kernel_path.kernels_for)."""
+    kernels = kernels or kernels_for(device, model)
     s = model.seq_len if seq_len is None else seq_len
     partition = pipeline_partition(model.layers, layout.pp)
     p, t, d = layout.pp, layout.tp, layout.dp
     m = max(1, layout.micro_batches)
     stages = sorted({0, min(1, p - 1), p - 1})
     per_stage = {
-        st: _stage_microbatch(model, layout, device, hw, st, partition.layers_per_stage[st], s) for st in stages
+        st: _stage_microbatch(model, layout, device, hw, st, partition.layers_per_stage[st], s, kernels)
+        for st in stages
     }
     slowest = max(per_stage, key=lambda st: sum(per_stage[st].values()))
     slot = sum(per_stage[slowest].values())
     breakdown = {k: m * v for k, v in per_stage[slowest].items()}
     breakdown["bubble"] = (p - 1) * slot
 
-    grad_bytes, param_bytes = 4, device.act_bytes
+    grad_bytes = device.grad_comm_bytes
     mem_rate = device.memory_bw * device.efficiency.memory
-    params = max(stage_parameters(model, layout, st, partition) for st in stages)
     link = dp_link(hw, device, t, d)
-    if layout.zero_stage == 0:
-        dp_time = _ring_time(allreduce_sent(grad_bytes * params, d), 2 * (d - 1), link)
-    else:
-        grads = allreduce_sent if layout.zero_stage == 1 else gather_sent
-        steps = 2 * (d - 1) if layout.zero_stage == 1 else d - 1
-        dp_time = _ring_time(grads(grad_bytes * params, d), steps, link)
-        dp_time += _ring_time(gather_sent(param_bytes * params, d), d - 1, link)
-    if p == 1 and layout.zero_stage >= 1:  # overlap_comm hides part of it under the last backward
-        last_backward = 2 * (per_stage[0]["gemm"] + per_stage[0]["attention"]) / 3
-        dp_time = max(0.0, dp_time - cal.DP_OVERLAP_FRACTION * last_backward)
-    breakdown["dp_reduce"] = dp_time
+    overlap = p == 1 and layout.zero_stage >= 1 and overlap_comm_configured(layout, device.dtype)
+    blk = _block(model, layout, device, hw, s, kernels)
+    dp_parts: list[tuple[float, float]] = []  # (gradient reduce, exposed parameter gather) per stage
+    for st in stages:
+        params = stage_parameters(model, layout, st, partition)
+        if layout.zero_stage == 0:
+            reduce = _ring_time(allreduce_sent(grad_bytes * params, d), 2 * (d - 1), link)
+            gather = 0.0
+        else:
+            grads = allreduce_sent if layout.zero_stage == 1 else gather_sent
+            steps = 2 * (d - 1) if layout.zero_stage == 1 else d - 1
+            reduce = _ring_time(grads(grad_bytes * params, d), steps, link)
+            gather = _param_gather(model, layout, device, hw, st, partition, blk, kernels) if d > 1 else 0.0
+        if overlap:  # overlap_comm hides part of the reduce under the last backward
+            last_backward = 2 * (per_stage[st]["gemm"] + per_stage[st]["attention"]) / 3
+            reduce = max(0.0, reduce - cal.DP_OVERLAP_FRACTION * last_backward)
+        dp_parts.append((reduce, gather))
+    breakdown["dp_reduce"], breakdown["param_gather"] = max(dp_parts, key=sum)
 
+    params = max(stage_parameters(model, layout, st, partition) for st in stages)
     tied = 0.0
-    if p > 1:
-        size = param_bytes * model.padded_vocab(t) * model.hidden / t
+    if p > 1:  # the two copies' gradients, as the precision reduces them
+        size = grad_bytes * model.padded_vocab(t) * model.hidden / t
         tied = _ring_time(allreduce_sent(size, 2), 2, tied_link(hw, device, t, d, p))
     breakdown["tied_embedding"] = tied
-
-    # Adam on this rank's shard: grad read 4, master r/w 8, m and v r/w 16, low-precision weight write 2
-    # (fp32: no master copy, weights r/w 8); plus zeroing the whole fp32 buffer (4) and the norm for clipping (4).
-    shard = params / (d if layout.zero_stage >= 1 else 1)
-    per_param = 30 if device.mixed_precision else 28
-    breakdown["optimizer"] = (shard * (per_param + 4) + params * 4) / mem_rate
+    breakdown["optimizer"] = _optimizer_bytes(params, layout, device.dtype) / mem_rate
     total = sum(breakdown.values())
     return StepTime(total, slowest, {k: breakdown[k] for k in BREAKDOWN_KEYS})
 
 
-def step_time(layout: Layout, model: ModelShape, hardware: Hardware, *, seq_len: int | None = None) -> StepTime:
-    """Seconds per training step of `layout` on `hardware`, with a breakdown that sums to the total."""
-    return step_time_for_device(layout, model, make_device(hardware, layout.world_size), hardware, seq_len)
+def _optimizer_bytes(params: float, layout: Layout, dtype: str) -> float:
+    """Bytes the optimizer step moves (divided by the memory rate by the caller), Adam on this rank's shard.
+    bf16: grad read 4, master r/w 8, m and v r/w 16, bf16 weight write 2, norm for clipping 4; plus zeroing the
+    whole fp32 buffer (4 per parameter). fp16: the fp16 gradient partition read 2 and cast to an fp32 copy (4 + 4),
+    overflow check 2, norm 4, master r/w 8, m and v r/w 16, fp16 weight write 2; plus zeroing the fp16 gradients
+    (2). fp32: grad read 4, weights r/w 8, m and v r/w 16, norm 4; plus zeroing the gradients (4)."""
+    shard = params / (layout.dp if layout.zero_stage >= 1 else 1)
+    if dtype == "bf16":
+        return shard * 34 + params * 4
+    if dtype == "fp16":
+        return shard * 42 + params * 2
+    return shard * 32 + params * 4
+
+
+def step_time(
+    layout: Layout,
+    model: ModelShape,
+    hardware: Hardware,
+    *,
+    seq_len: int | None = None,
+    precision: str | None = None,
+    kernels: KernelPath | None = None,
+) -> StepTime:
+    """Seconds per training step of `layout` on `hardware` in `precision` (None: the hardware's default) with
+    `kernels` (None: ours), with a breakdown that sums to the total."""
+    device = make_device(hardware, layout.world_size, precision)
+    return step_time_for_device(layout, model, device, hardware, seq_len, kernels)

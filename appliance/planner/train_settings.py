@@ -42,6 +42,9 @@ class TrainSettings:
     keep_last: int = 3
     eval_task_limit: int | None = None  # documents per evaluation task (0: all; None: 32 on CPU, all on GPUs)
     drift_check_interval: int = DRIFT_CHECK_INTERVAL  # 0 turns the check off
+    # ZeRO's all-gather of the updated weights, per layer in the background of the next step's forward rather than
+    # at the end of the step (appliance/parallel/param_gather.py). Acts only with dp > 1 and ZeRO >= 1.
+    overlap_param_gather: bool = True
     # Recovery. A rank silent for hang_timeout_s is killed and the group restarts (appliance/train/watchdog.py); the
     # same timeout bounds every collective. After nan_rollback_after skipped steps in a row the run goes back to
     # its newest checkpoint and skips the data of those steps, at most max_rollbacks times.

@@ -48,6 +48,7 @@ def engine_for(
         betas=(train.adam_beta1, train.adam_beta2),
         eps=train.adam_eps,
         seed=train.seed,
+        overlap_param_gather=train.overlap_param_gather,
     )
     if run_dir is not None and dist.get_rank() == 0:
         write_ds_config(run_dir, engine.ds_config)

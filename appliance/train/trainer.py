@@ -27,6 +27,7 @@ from appliance.parallel.engine import ParallelEngine
 from appliance.planner.train_settings import DRIFT_CHECK_INTERVAL
 from appliance.rundir import RunDir
 from appliance.train import checkpoint as ckpt
+from appliance.train.budget_watch import BudgetWatch, budget_message
 from appliance.train.control import ControlChannel
 from appliance.train.faults import FaultInjector
 from appliance.train.metrics import StepFlops
@@ -94,6 +95,7 @@ class Trainer:
         faults: FaultInjector | None = None,
         stop_at_step: int | None = None,
         on_step: Callable[[int], None] | None = None,
+        budget: BudgetWatch | None = None,
     ) -> None:
         self.engine = engine
         self.s = settings
@@ -118,6 +120,7 @@ class Trainer:
         self.faults = faults or FaultInjector(rank, faults=[])
         self.stop_at_step = stop_at_step  # train up to this step, save, and stop as if preempted
         self.on_step = on_step  # told each step number as it starts (the watchdog's heartbeat shows it)
+        self.budget = budget  # re-checks the planned time against the measured one (rank 0 only: it emits)
         # Steps whose data is consumed but not trained on: windows that produced non-finite losses, skipped after a
         # rollback (inclusive step ranges, saved in every checkpoint's manifest).
         self.skip_windows: list[tuple[int, int]] = []
@@ -276,6 +279,13 @@ class Trainer:
         losses["all"] = sum(reduced[0::2]) / max(total_tokens, 1.0)
         return losses
 
+    def _timed_evaluate(self) -> dict[str, float]:
+        started = time.time()
+        losses = self.evaluate()
+        if self.budget is not None:
+            self.budget.observe_eval(time.time() - started)
+        return losses
+
     # ---- checkpoints -------------------------------------------------------------------------------------
     def save(self) -> Path:
         started = time.time()
@@ -340,7 +350,10 @@ class Trainer:
             ckpt.prune(root, self.s.keep_last)
         self._barrier()
         size = sum(r.bytes for recs in gathered for r in recs)
-        self._emit("checkpoint", step=self.pos.step, path=str(step_dir), seconds=time.time() - started, bytes=size)
+        seconds = time.time() - started
+        if self.budget is not None:
+            self.budget.observe_checkpoint(seconds)
+        self._emit("checkpoint", step=self.pos.step, path=str(step_dir), seconds=seconds, bytes=size)
         return step_dir
 
     def load(self, step_dir: Path) -> None:
@@ -385,7 +398,7 @@ class Trainer:
         batches = self.micro_batches(self.pos.consumed_samples)
         last_save_time = time.time()
         if self.pos.step == 0:
-            self._record_eval(self.evaluate())
+            self._record_eval(self._timed_evaluate())
         while self.pos.step < total_steps:
             started = time.time()
             out = self.train_step(batches)
@@ -396,6 +409,7 @@ class Trainer:
                 if outcome == OVERFLOW:
                     self.overflow_steps += 1
                 self._emit_step(out, time.time() - started, total_steps, outcome=outcome)
+                self._check_budget(time.time() - started, total_steps)
                 if outcome == NONFINITE:
                     self.nonfinite_streak += 1
                     self._emit(
@@ -413,7 +427,7 @@ class Trainer:
             if self.drift_check_interval > 0 and self.pos.step % self.drift_check_interval == 0:
                 self.check_drift()
             if self.pos.step % self.s.eval_interval == 0 or self.pos.step == total_steps:
-                self._record_eval(self.evaluate())
+                self._record_eval(self._timed_evaluate())
             requests = self.control.poll()
             # Every rank computes the same decision from the all-reduced inputs: wall time is agreed on too.
             (elapsed,) = self._all_reduce([time.time() - last_save_time], dist.ReduceOp.MAX)
@@ -468,6 +482,13 @@ class Trainer:
         if self.last_eval is not None and self.last_eval[0] == self.pos.step:
             return self.last_eval[1]
         return self.evaluate()
+
+    def _check_budget(self, seconds: float, total_steps: int) -> None:
+        if self.budget is None:
+            return
+        over = self.budget.after_step(self.pos.step, seconds, total_steps)
+        if over is not None:
+            self._emit("warning", message=budget_message(over), budget=over)
 
     def _record_eval(self, losses: dict[str, float]) -> None:
         self.last_eval = (self.pos.step, losses)

@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     from appliance.data.sampler import PretrainingSampler
     from appliance.parallel.deepspeed_comm import init_deepspeed_comm
     from appliance.parallel.topology import ParallelTopology
+    from appliance.train.budget_watch import BudgetWatch
     from appliance.train.faults import FaultInjector
     from appliance.train.from_spec import engine_for, model_config
     from appliance.train.launch import check_plan_runs_here
@@ -171,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         faults=FaultInjector(rank),
         stop_at_step=args.stop_at_step,
         on_step=watchdog.set_step,
+        budget=BudgetWatch.for_spec(spec) if rank == 0 else None,
     )
 
     def warn(message: str) -> None:
@@ -199,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         from appliance.eval.final import write_final_eval
 
         write_final_eval(trainer, run_dir, vocab_size=vocab_size, is_writer=rank == 0)
+    engine.close()  # the last step's weights may still be in flight over DP (overlap_param_gather)
     dist.barrier()
     watchdog.stop()
     if sampler is not None:

@@ -23,16 +23,18 @@ from torch import nn
 from appliance.parallel.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
 from appliance.parallel.tensor_parallel import (
     ColumnParallelLinear,
+    HeadInput,
     RowParallelLinear,
     VocabParallelEmbedding,
     allreduce_sequence_parallel_grads,
     gather_state_dicts,
-    parallel_lm_logits,
+    lm_head_input,
     role_of_parameter,
     shard_from_full,
     shard_state_dict,
     tp_linear_factory,
-    vocab_parallel_cross_entropy,
+    vocab_parallel_loss,
+    vocab_parallel_scores,
 )
 from appliance.parallel.testing import WrongDeviceError, collective_guard, run_distributed
 from appliance.parallel.topology import ParallelTopology
@@ -167,46 +169,101 @@ def _vocab(topology: ParallelTopology) -> dict[str, float]:
     y_dense, y_tp = dense(ids), embedding(ids)
     (y_dense * probe).sum().backward()
     (y_tp * probe).sum().backward()
-    # Tied head: logits from the same shard, then the loss without the full logits.
-    hidden = torch.randn(SEQ, BATCH, HIDDEN)
-    labels = torch.randint(0, VOCAB, (SEQ, BATCH))
-    labels[2, 1] = -100
-    logits_dense = F.linear(hidden, dense.weight.detach())
-    logits_shard = parallel_lm_logits(hidden, embedding.weight.detach(), group)
-    loss_dense = F.cross_entropy(logits_dense.view(-1, VOCAB), labels.view(-1))
-    loss_tp = vocab_parallel_cross_entropy(logits_shard, labels, group)
-    return {
+    # Tied head: the loss against the same shard, without any logits, and its gradients.
+    hidden = torch.randn(BATCH, SEQ, HIDDEN)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ))
+    labels[1, 2] = -100
+    weight_dense, weight_shard = dense.weight.detach().clone(), embedding.weight.detach().clone()
+    results = {
         "init": _exact(embedding.weight, dense.weight.chunk(2)[rank]),
         "output": _relative(y_tp, y_dense),
         "weight grad": _relative(embedding.weight.grad, dense.weight.grad.chunk(2)[rank]),
-        "tied logits": _relative(logits_shard, logits_dense.chunk(2, dim=-1)[rank]),
-        "tied loss": _relative(loss_tp, loss_dense),
     }
+    for sequence_parallel in (False, True):
+        tag = "sequence-parallel " if sequence_parallel else ""
+        h_dense, w_dense = hidden.clone().requires_grad_(), weight_dense.clone().requires_grad_()
+        loss_dense = F.cross_entropy(F.linear(h_dense, w_dense).view(-1, VOCAB), labels.view(-1))
+        loss_dense.backward()
+        h_tp, w_tp = hidden.clone().requires_grad_(), weight_shard.clone().requires_grad_()
+        h_in = scatter_to_sequence_parallel_region(h_tp, group, dim=1) if sequence_parallel else h_tp
+        head = lm_head_input(h_in, w_tp, group, sequence_parallel=sequence_parallel, sequence_dim=1)
+        loss_tp = vocab_parallel_loss(head, labels, group)
+        loss_tp.backward()
+        results[f"{tag}tied loss"] = _relative(loss_tp, loss_dense)
+        results[f"{tag}tied hidden grad"] = _relative(h_tp.grad, h_dense.grad)
+        results[f"{tag}tied weight grad"] = _relative(w_tp.grad, w_dense.grad.chunk(2)[rank])
+    return results
 
 
 def _cross_entropy(topology: ParallelTopology) -> dict[str, float]:
+    """The chunked vocabulary-parallel loss and scores against F.cross_entropy / log_softmax / argmax on the full
+    logits, for every reduction (gradients of the two that train)."""
     group, rank = topology.tp_group, topology.tp_rank(torch.distributed.get_rank())
     torch.manual_seed(3)
-    logits = torch.randn(SEQ, BATCH, VOCAB) * 4
+    hidden = torch.randn(SEQ, BATCH, HIDDEN)
+    weight = torch.randn(VOCAB, HIDDEN)
     labels = torch.randint(0, VOCAB, (SEQ, BATCH))
     labels[0, 0], labels[0, 1], labels[3, 1] = 0, VOCAB - 1, -100  # both ends, and one ignored position
     results = {}
     for reduction in ("mean", "sum", "none"):
-        full = logits.clone().requires_grad_()
-        shard = logits.chunk(2, dim=-1)[rank].clone().requires_grad_()
-        dense = F.cross_entropy(full.view(-1, VOCAB), labels.view(-1), reduction=reduction)
-        parallel = vocab_parallel_cross_entropy(shard, labels, group, reduction=reduction)
-        weights = torch.arange(1.0, dense.numel() + 1).view(dense.shape)  # distinct upstream gradient per token
-        (dense * weights).sum().backward()
-        (parallel * weights.view(parallel.shape)).sum().backward()
+        h_dense, w_dense = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        dense = F.cross_entropy(F.linear(h_dense, w_dense).view(-1, VOCAB), labels.view(-1), reduction=reduction)
+        train = reduction != "none"
+        h_tp = hidden.clone().requires_grad_(train)
+        w_tp = weight.chunk(2)[rank].clone().requires_grad_(train)
+        parallel = vocab_parallel_loss(HeadInput(h_tp, w_tp), labels, group, reduction=reduction)
         results[f"loss {reduction}"] = _relative(parallel.reshape(-1), dense.reshape(-1))
-        results[f"logits grad {reduction}"] = _relative(shard.grad, full.grad.chunk(2, dim=-1)[rank])
-    # bf16 logits: the loss is still computed in fp32, and the gradient comes back in bf16.
-    shard16 = logits.chunk(2, dim=-1)[rank].to(torch.bfloat16).requires_grad_()
-    loss16 = vocab_parallel_cross_entropy(shard16, labels, group)
+        if train:
+            dense.backward()
+            parallel.backward()
+            results[f"hidden grad {reduction}"] = _relative(h_tp.grad, h_dense.grad)
+            results[f"weight grad {reduction}"] = _relative(w_tp.grad, w_dense.grad.chunk(2)[rank])
+    logits = F.linear(hidden, weight)
+    logprobs, argmax = vocab_parallel_scores(HeadInput(hidden, weight.chunk(2)[rank]), labels.clamp(min=0), group)
+    assert logprobs is not None
+    dense_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)
+    results["target log-probabilities"] = _relative(logprobs, dense_logprobs)
+    results["greedy tokens"] = 0.0 if torch.equal(argmax, logits.argmax(dim=-1)) else math.inf
+    # bf16: the loss is still computed in fp32, and the gradient comes back in bf16.
+    h16 = hidden.to(torch.bfloat16).requires_grad_()
+    loss16 = vocab_parallel_loss(HeadInput(h16, weight.chunk(2)[rank].to(torch.bfloat16)), labels, group)
     loss16.backward()
-    results["bf16 logits: loss not fp32"] = math.inf if loss16.dtype != torch.float32 else 0.0
-    results["bf16 logits: grad not bf16"] = math.inf if shard16.grad.dtype != torch.bfloat16 else 0.0
+    results["bf16: loss not fp32"] = math.inf if loss16.dtype != torch.float32 else 0.0
+    results["bf16: grad not bf16"] = math.inf if h16.grad.dtype != torch.bfloat16 else 0.0
+    return results
+
+
+def _deepspeed_oracle(topology: ParallelTopology) -> dict[str, float]:
+    """Our chunked vocabulary-parallel loss against DeepSpeed's own (deepspeed.sequence.cross_entropy, which takes
+    this rank's logits shard and its vocab_start/vocab_end): loss, hidden gradient (its logits gradient through
+    the head, summed over TP as the logits' input needs) and the embedding shard's gradient, mean and sum."""
+    from deepspeed.sequence.cross_entropy import vocab_parallel_cross_entropy
+
+    from appliance.parallel.deepspeed_comm import init_deepspeed_comm
+
+    init_deepspeed_comm("gloo")
+    group, rank = topology.tp_group, topology.tp_rank(torch.distributed.get_rank())
+    torch.manual_seed(8)
+    hidden, weight = torch.randn(BATCH, SEQ + 3, HIDDEN), torch.randn(VOCAB, HIDDEN)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ + 3))
+    labels[0, 0], labels[1, 1], labels[1, 4] = 0, VOCAB - 1, -100
+    shard = weight.chunk(2)[rank]
+    per_rank = VOCAB // 2
+    results = {}
+    for reduction in ("mean", "sum"):
+        h_ds, w_ds = hidden.clone().requires_grad_(), shard.clone().requires_grad_()
+        oracle = vocab_parallel_cross_entropy(
+            F.linear(h_ds, w_ds), labels, tp_group=group, vocab_start_index=rank * per_rank,
+            vocab_end_index=(rank + 1) * per_rank, reduction=reduction,
+        )  # fmt: skip
+        oracle.backward()
+        torch.distributed.all_reduce(h_ds.grad, group=group)  # each rank's logits slice gives part of it
+        h_ours, w_ours = hidden.clone().requires_grad_(), shard.clone().requires_grad_()
+        ours = vocab_parallel_loss(HeadInput(h_ours, w_ours), labels, group, reduction=reduction)
+        ours.backward()
+        results[f"loss {reduction}"] = _relative(ours, oracle)
+        results[f"hidden grad {reduction}"] = _relative(h_ours.grad, h_ds.grad)
+        results[f"weight grad {reduction}"] = _relative(w_ours.grad, w_ds.grad)
     return results
 
 
@@ -241,7 +298,7 @@ class Block(nn.Module):
                 norm.bias.add_(0.1 * torch.randn(HIDDEN, generator=generator))
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
-        fused = self.self_attention["query_key_value"](x)  # [s, b, 3 * hidden / tp], whole heads of this rank
+        fused = _linear(self.self_attention["query_key_value"], x)  # [s, b, 3 * hidden / tp], whole heads of this rank
         seq, batch, _ = fused.shape
         head_dim = HIDDEN // HEADS
         q, k, v = fused.view(seq, batch, self.local_heads, 3, head_dim).unbind(dim=3)
@@ -250,12 +307,20 @@ class Block(nn.Module):
         scores = scores + self.slopes.view(1, -1, 1, 1) * distance.clamp(max=0)
         scores = scores.masked_fill(distance > 0, float("-inf"))
         context = torch.einsum("bhst,tbhd->sbhd", scores.softmax(dim=-1), v)
-        return self.self_attention["dense"](context.reshape(seq, batch, self.local_heads * head_dim))
+        return _linear(self.self_attention["dense"], context.reshape(seq, batch, self.local_heads * head_dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.input_layernorm(x))
         mlp = self.mlp
-        return x + mlp["dense_4h_to_h"](F.gelu(mlp["dense_h_to_4h"](self.post_attention_layernorm(x))))
+        return x + _linear(
+            mlp["dense_4h_to_h"], F.gelu(_linear(mlp["dense_h_to_4h"], self.post_attention_layernorm(x)))
+        )
+
+
+def _linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A factory linear's full output: its bias added here when it leaves it to the caller (skip_bias_add)."""
+    out = layer(x)
+    return out + layer.bias if getattr(layer, "skip_bias_add", False) else out
 
 
 def _dense_factory(in_features: int, out_features: int, bias: bool, role: str) -> nn.Module:
@@ -335,6 +400,7 @@ def _all_checks(topology: ParallelTopology) -> dict[str, Any]:
         "batch-first sequence parallel": _batch_first_sequence_parallel(topology),
         "vocab": _vocab(topology),
         "cross_entropy": _cross_entropy(topology),
+        "deepspeed oracle": _deepspeed_oracle(topology),
         "block": _block(topology),
         "teeth": _missing_all_reduce(topology),
     }
@@ -406,6 +472,11 @@ def test_vocab_parallel_cross_entropy_equals_dense(tp2_results: list[dict[str, A
     _assert_close(tp2_results, "cross_entropy")
 
 
+def test_vocab_parallel_cross_entropy_equals_deepspeeds(tp2_results: list[dict[str, Any]]) -> None:
+    """Pass: loss and gradients equal those of DeepSpeed's vocabulary-parallel cross-entropy at tp=2."""
+    _assert_close(tp2_results, "deepspeed oracle")
+
+
 def test_block_with_and_without_sequence_parallel_equals_dense(tp2_results: list[dict[str, Any]]) -> None:
     _assert_close(tp2_results, "block")
 
@@ -459,10 +530,16 @@ def test_state_dict_shards_round_trip_with_transformers_names() -> None:
         gather_state_dicts(shards)
 
 
-def test_factory_returns_plain_linear_at_tp1() -> None:
+def test_factory_returns_single_device_linears_at_tp1_and_skips_the_fused_biases() -> None:
+    """Pass: at tp=1 the factory gives the single-device layers, and at every tp the three linears whose bias goes
+    into bias+GeLU or bias+dropout+residual leave it to the model (the layers of tp=2 are built in _block)."""
     make = tp_linear_factory(ParallelTopology(tp=1, pp=1, dp=1, world_size=1))
     layer = make(8, 24, True, "qkv")
     assert type(layer) is nn.Linear and layer.weight.shape == (24, 8)
+    for role in ("mlp_in", "attn_out", "mlp_out"):
+        skipping = make(8, 8, True, role)
+        x = torch.randn(2, 8)
+        assert skipping.skip_bias_add and torch.equal(skipping(x), F.linear(x, skipping.weight)), role
     with pytest.raises(ValueError, match="unknown linear role"):
         make(8, 8, True, "lm_head")
 
@@ -474,11 +551,12 @@ def test_layers_and_loss_run_in_one_process_without_a_process_group(local_bound:
     column = ColumnParallelLinear(HIDDEN, 12)
     x = torch.randn(SEQ, BATCH, HIDDEN)
     assert torch.equal(column(x), dense(x))
-    logits = torch.randn(SEQ, BATCH, VOCAB, requires_grad=True)
+    hidden = torch.randn(SEQ, BATCH, HIDDEN, requires_grad=True)
+    weight = torch.randn(VOCAB, HIDDEN)
     labels = torch.randint(0, VOCAB, (SEQ, BATCH))
-    loss = vocab_parallel_cross_entropy(logits, labels)
-    (grad,) = torch.autograd.grad(loss, logits)
-    reference = F.cross_entropy(logits.view(-1, VOCAB), labels.view(-1))
-    (reference_grad,) = torch.autograd.grad(reference, logits)
+    loss = vocab_parallel_loss(HeadInput(hidden, weight), labels)
+    (grad,) = torch.autograd.grad(loss, hidden)
+    reference = F.cross_entropy(F.linear(hidden, weight).view(-1, VOCAB), labels.view(-1))
+    (reference_grad,) = torch.autograd.grad(reference, hidden)
     assert _relative(loss, reference) <= local_bound
     assert _relative(grad, reference_grad) <= local_bound

@@ -64,6 +64,38 @@ def test_batched_input_all_ignored_and_no_grad(device, triton_backend, monkeypat
     assert nothing.item() == 0.0 and w_dev.grad.abs().sum() == 0
 
 
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_sum_per_token_and_scores_match_full_logits(backend, device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Evaluation's reductions and scores from the same chunks: sum (with its gradient), per-token losses, target
+    log-probabilities and the greedy token (a tie broken towards the lower id, as torch.argmax does)."""
+    monkeypatch.setenv("BLOOM_KERNELS", backend)
+    h, w, labels = _problem(13, 16, 50, seed=14)
+    w[3] = w[7] = 2.0  # tokens 3 and 7 tie on every row ...
+    h[4] = 1.0  # ... and lead row 4 by far (32 against about N(0, 2^2) for the others)
+    h, w, labels = h.to(device), w.to(device), labels.to(device)
+    logits = (h @ w.t()).float()
+    h_sum = h.clone().requires_grad_()
+    total = registry.vocab_cross_entropy(h_sum, w, labels, chunk_size=5, reduction="sum")
+    total.backward()
+    h_ref = h.clone().requires_grad_()
+    expected = F.cross_entropy(h_ref @ w.t(), labels, reduction="sum")
+    expected.backward()
+    torch.testing.assert_close(total, expected, atol=1e-4, rtol=2e-5)
+    torch.testing.assert_close(h_sum.grad, h_ref.grad, atol=2e-5, rtol=2e-5)
+    with torch.no_grad():
+        per_token = registry.vocab_cross_entropy(h, w, labels.view(1, 13), chunk_size=5, reduction="none")
+        logprobs, greedy = registry.vocab_scores(h, w, labels.clamp(min=0), chunk_size=5)
+        _, next_token = registry.vocab_scores(h[-2:], w, None)
+    full = F.cross_entropy(logits, labels, reduction="none")
+    torch.testing.assert_close(per_token, full.view(1, 13), atol=2e-5, rtol=2e-5)
+    log_softmax = torch.log_softmax(logits, dim=-1)
+    torch.testing.assert_close(logprobs, log_softmax.gather(1, labels.clamp(min=0)[:, None]).squeeze(1))
+    assert torch.equal(greedy, logits.argmax(dim=-1)) and greedy[4] == 3
+    assert torch.equal(next_token, logits[-2:].argmax(dim=-1))
+    with pytest.raises(ValueError, match="reduction='none'"):
+        registry.vocab_cross_entropy(h.clone().requires_grad_(), w, labels, reduction="none")
+
+
 def test_auto_chunk_size_bounds_logits() -> None:
     # BLOOM-176B head, tp=4: 4096 tokens, hidden 14336, 62720 vocab rows per rank -> the logits chunk of 1024
     # tokens holds about as many elements as the hidden states

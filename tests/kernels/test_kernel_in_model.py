@@ -40,3 +40,24 @@ def test_fused_path_matches_reference_logits_and_grads(monkeypatch: pytest.Monke
     assert fused_grads.keys() == ref_grads.keys()
     for name, grad in ref_grads.items():
         torch.testing.assert_close(fused_grads[name], grad, rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_alibi_bias_is_built_only_for_the_materialized_path_and_shared(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pass: the flash path never builds the ALiBi bias and mask; the materialized path builds them once per
+    length and device, the same tensors for every block (and every step)."""
+    from appliance.model.alibi import RankAlibi
+
+    built: list[tuple[torch.Tensor, torch.Tensor]] = []
+    original = RankAlibi.bias_and_mask
+
+    def spy(self: RankAlibi, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        built.append(original(self, *args))  # type: ignore[arg-type]
+        return built[-1]
+
+    monkeypatch.setattr(RankAlibi, "bias_and_mask", spy)
+    _run(monkeypatch, "triton")
+    assert built == []
+    _run(monkeypatch, "reference")
+    _run(monkeypatch, "reference")
+    assert len(built) == 4  # two blocks, two runs
+    assert all(bias is built[0][0] and mask is built[0][1] for bias, mask in built)

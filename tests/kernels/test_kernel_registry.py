@@ -79,3 +79,15 @@ def test_apex_layer_norm_is_opt_in_and_cuda_only(monkeypatch: pytest.MonkeyPatch
         monkeypatch.setattr(registry, "nvidia_apex_layer_norm", lambda: pytest.fail("apex looked up for CPU"))
         y = registry.layer_norm(torch.randn(2, 4, requires_grad=True), torch.ones(4), torch.zeros(4))
         assert type(y.grad_fn).__name__ == "LayerNormFunctionBackward"
+
+
+def test_call_counts_name_each_op_and_the_backend_that_ran_it(
+    monkeypatch: pytest.MonkeyPatch, device: torch.device
+) -> None:
+    registry.reset_call_counts()
+    _grad_fn_names(monkeypatch, "reference", device)
+    _grad_fn_names(monkeypatch, "triton", device)
+    ops = ("layer_norm", "bias_gelu", "alibi_softmax", "flash_alibi_attention", "vocab_cross_entropy")
+    assert registry.call_counts() == {(op, backend): 1 for op in ops for backend in ("reference", "triton")}
+    registry.reset_call_counts()
+    assert registry.call_counts() == {}

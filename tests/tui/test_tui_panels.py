@@ -185,3 +185,31 @@ def test_plot_of_a_long_run_stays_fast(finished_run: RunDir) -> None:
         assert "step 0" in rendered and "199999" in rendered
 
     drive(finished_run.root, check)
+
+
+def test_a_run_over_its_budget_says_so_in_the_throughput_panel(tmp_path: Path) -> None:
+    from tui_support import write_run
+
+    from appliance.monitor.events import make_event
+
+    over = {
+        "state": "over",
+        "step": 600,
+        "total_steps": 1000,
+        "fits_steps": 812,
+        "limit_s": 100_000.0,
+        "has_budget": True,
+        "projected_s": 123_000.0,
+        "planned_s": 99_000.0,
+        "measured_step_s": 123.0,
+        "planned_step_s": 99.0,
+    }
+    events = synthetic_events(last_step=600, finished=False)
+    events.append(make_event("warning", t=events[-1]["t"] + 1, message="over budget", budget=over))
+    run_dir = write_run(tmp_path / "over", events)
+
+    async def check(app: DashboardApp, pilot: Pilot[int]) -> None:
+        throughput = text(app, "#throughput")
+        assert "OVER budget" in throughput and "+23%" in throughput and "812" in throughput
+
+    drive(run_dir.root, check)

@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 
 from appliance.errors import BadInput
@@ -56,3 +58,25 @@ def test_unknown_carbon_profile_is_bad_input():
 
     with pytest.raises(BadInput, match="carbon profile 'mars'"):
         make_run_plan(RunRequest(corpus=[], overrides=parse_overrides(["carbon_profile=mars"])))
+
+
+def test_precision_is_the_plans_dtype():
+    assert parse_overrides(["precision=fp16"]) == {"dtype": "fp16"}
+    assert parse_overrides(["precision=bf16", "dtype=bf16"]) == {"dtype": "bf16"}
+    with pytest.raises(BadInput, match="precision=fp8: must be one of bf16, fp16, fp32"):
+        parse_overrides(["precision=fp8"])
+    with pytest.raises(BadInput, match="precision=fp16 contradicts --set dtype=bf16"):
+        parse_overrides(["dtype=bf16", "precision=fp16"])
+
+
+def test_precision_override_reaches_the_plans_cost_model():
+    """--set precision=fp16 on an A100 plans fp16 (no fp32 accumulation buffer), not bf16 relabelled afterwards."""
+    from appliance.head_run import RunRequest, make_run_plan
+
+    request = RunRequest(corpus=[], hardware="a100-80gb-x1", model="bloom-560m")
+    default = make_run_plan(request)
+    fp16 = make_run_plan(replace(request, overrides=parse_overrides(["precision=fp16"])))
+    assert (default.train.dtype, default.device.dtype) == ("bf16", "bf16")
+    assert (fp16.train.dtype, fp16.device.dtype) == ("fp16", "fp16")
+    assert default.report.memory_breakdown_gb["grad_accumulation"] > 0
+    assert fp16.report.memory_breakdown_gb["grad_accumulation"] == 0

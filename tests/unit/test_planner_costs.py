@@ -15,6 +15,7 @@ from appliance.planner import (
     step_time,
 )
 from appliance.planner import calibration as cal
+from appliance.planner.kernel_path import MEGATRON_DEEPSPEED
 
 GIB = 2**30
 SBH = 2048 * 1 * 1024  # bloom-560m at micro-batch 1: s * b * h
@@ -36,45 +37,77 @@ SBH = 2048 * 1 * 1024  # bloom-560m at micro-batch 1: s * b * h
     ],
 )
 def test_activations_match_korthikanti(recompute: str, sp: bool, act_bytes: int, expected: float) -> None:
+    """Korthikanti's counts are those of Megatron's kernels (with dropout), which BLOOM-176B ran."""
     model = load_model_shape("bloom-560m")
-    assert activation_bytes_per_layer(model, 1, 2, recompute, sp, act_bytes) == pytest.approx(expected, rel=1e-12)
+    got = activation_bytes_per_layer(model, 1, 2, recompute, sp, act_bytes, kernels=MEGATRON_DEEPSPEED)
+    assert got == pytest.approx(expected, rel=1e-12)
 
 
 def test_state_bytes_per_zero_stage() -> None:
     p = 1e9
-    assert state_bytes(p, 0, 8, True) == {"weights": 2e9, "gradients": 2e9, "grad_accumulation": 4e9, "optimizer": 12e9}
+    assert state_bytes(p, 0, 8, "bf16") == {
+        "weights": 2e9,
+        "gradients": 2e9,
+        "grad_accumulation": 4e9,
+        "optimizer": 12e9,
+    }
     # BLOOM's bf16 optimizer (ZeRO-1): 2 + 2 + 4 + 12/dp bytes per parameter.
-    assert state_bytes(p, 1, 8, True) == {
+    assert state_bytes(p, 1, 8, "bf16") == {
         "weights": 2e9,
         "gradients": 2e9,
         "grad_accumulation": 4e9,
         "optimizer": 1.5e9,
     }
     # ZeRO-2: fp32 gradients sharded, one 5e8-element bucket of bf16 gradients.
-    assert state_bytes(p, 2, 8, True) == {
+    assert state_bytes(p, 2, 8, "bf16") == {
         "weights": 2e9,
         "gradients": 1e9,
         "grad_accumulation": 0.5e9,
         "optimizer": 1.5e9,
     }
-    assert state_bytes(p, 0, 2, False) == {"weights": 4e9, "gradients": 4e9, "grad_accumulation": 0.0, "optimizer": 8e9}
+    assert state_bytes(p, 0, 2, "fp32") == {
+        "weights": 4e9,
+        "gradients": 4e9,
+        "grad_accumulation": 0.0,
+        "optimizer": 8e9,
+    }
 
 
 def test_memory_of_one_gpu_by_hand() -> None:
-    """bloom-560m, one A100, micro-batch 1, full recompute: every term written out."""
+    """bloom-560m, one A100, micro-batch 1, full recompute, our kernels (flash attention, chunked cross entropy,
+    no dropout): every term written out. Nothing in it grows with s x s."""
     model = load_model_shape("bloom-560m")
     layout = Layout(tp=1, pp=1, dp=1, micro_batch_size=1, global_batch_size=8, zero_stage=0, recompute="full")
     s, b, h, a, v = 2048, 1, 1024, 16, 250880
     sbh = s * b * h
     states = 20 * 559_214_592  # bf16 weights 2 + bf16 grads 2 + fp32 buffer 4 + fp32 master and Adam 12
-    stored = 24 * 2 * sbh + (2 + 1) * sbh + 2 * sbh  # block inputs, embedding LN input + mask, final LN input
-    workspace = sbh * (10 + 24 + 5 * a * s / h) + 2 * 2 * sbh + 2 * b * a * s * s  # one block rebuilt + grads
-    logits = (2 + 4) * s * b * v  # bf16 logits and the fp32 softmax
+    stored = 24 * 2 * sbh + 2 * sbh + 2 * sbh  # block inputs, embedding LN input, final LN input
+    rebuilt = sbh * (8 + 24) + 4 * b * a * s  # one block without recompute: no masks, no scores; fp32 logsumexp
+    workspace = rebuilt + 2 * 2 * sbh + 3 * 2 * sbh + 4 * b * a * s  # + grads in/out, dQ dK dV, fp32 row delta
+    # Chunks of 2048 / ceil(250880 / 1024) = 2048 / 245 -> 9 -> 16 tokens (a power of two) of bf16 logits, and the
+    # hidden-state gradient the loss keeps from forward to backward.
+    logits = 16 * v * 2 + 2 * sbh
     expected = (states + stored + workspace + logits) * (1 + cal.ALLOCATOR_MARGIN) / GIB + cal.GPU_FIXED_OVERHEAD_GB
     estimate = memory_per_gpu(layout, model, load_hardware("a100-80gb-x1"))
     assert estimate.total_gb == pytest.approx(expected, rel=1e-12)
     assert sum(estimate.breakdown_gb.values()) == pytest.approx(estimate.total_gb)
     assert estimate.fits
+
+
+def test_memory_of_one_gpu_by_hand_with_megatrons_kernels() -> None:
+    """The same layout as BLOOM-176B's kernels would run it: Korthikanti's block with its [s, s] scores and
+    dropout masks, the score gradient, the full logits with their fp32 softmax."""
+    model = load_model_shape("bloom-560m")
+    layout = Layout(tp=1, pp=1, dp=1, micro_batch_size=1, global_batch_size=8, zero_stage=0, recompute="full")
+    s, b, h, a, v = 2048, 1, 1024, 16, 250880
+    sbh = s * b * h
+    states = 20 * 559_214_592
+    stored = 24 * 2 * sbh + (2 + 1) * sbh + 2 * sbh  # block inputs, embedding LN input + mask, final LN input
+    workspace = sbh * (10 + 24 + 5 * a * s / h) + 2 * 2 * sbh + 2 * b * a * s * s  # one block rebuilt + grads
+    logits = (2 + 4) * s * b * v  # bf16 logits and the fp32 softmax
+    expected = (states + stored + workspace + logits) * (1 + cal.ALLOCATOR_MARGIN) / GIB + cal.GPU_FIXED_OVERHEAD_GB
+    estimate = memory_per_gpu(layout, model, load_hardware("a100-80gb-x1"), kernels=MEGATRON_DEEPSPEED)
+    assert estimate.total_gb == pytest.approx(expected, rel=1e-12)
 
 
 def test_bloom_stage_zero_is_fullest() -> None:
@@ -95,15 +128,23 @@ MONOTONIC_CASES = [
 
 @pytest.mark.parametrize(("hw_name", "model_name", "dims"), MONOTONIC_CASES)
 def test_more_recompute_means_less_memory_and_more_time(hw_name: str, model_name: str, dims: tuple) -> None:
+    """With [s, s] scores (CPU ranks; Megatron's kernels anywhere) each recompute level trades time for memory.
+    Under flash attention selective recompute has nothing to drop: it costs and saves nothing."""
     hw, model = load_hardware(hw_name), load_model_shape(model_name)
-    for sp in (False, True) if dims[0] > 1 else (False,):
-        layouts = [
-            Layout(*dims, zero_stage=1, recompute=r, sequence_parallel=sp) for r in ("none", "selective", "full")
-        ]
-        memory = [memory_per_gpu(lay, model, hw).total_gb for lay in layouts]
-        times = [step_time(lay, model, hw).total_s for lay in layouts]
-        assert memory[0] > memory[1] > memory[2], memory
-        assert times[0] < times[1] < times[2], times
+    for kernels in (None, MEGATRON_DEEPSPEED):
+        flash = hw.has_gpus and kernels is None
+        for sp in (False, True) if dims[0] > 1 else (False,):
+            layouts = [
+                Layout(*dims, zero_stage=1, recompute=r, sequence_parallel=sp) for r in ("none", "selective", "full")
+            ]
+            memory = [memory_per_gpu(lay, model, hw, kernels=kernels).total_gb for lay in layouts]
+            times = [step_time(lay, model, hw, kernels=kernels).total_s for lay in layouts]
+            if flash:
+                assert memory[0] == memory[1] > memory[2], memory
+                assert times[0] == times[1] < times[2], times
+            else:
+                assert memory[0] > memory[1] > memory[2], memory
+                assert times[0] < times[1] < times[2], times
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from rich.console import Group
 from rich.table import Table
@@ -17,6 +17,21 @@ from appliance.tui.widgets.plot import sparkline
 
 def _plan(value: str) -> str:
     return f"plan {value}" if value != "-" else ""
+
+
+def _budget_rows(budget: dict[str, Any] | None) -> list[tuple[str, str, str]]:
+    """A run projected over its budget (or its planned time): by how much, and how many steps would fit."""
+    if not budget:
+        return []
+    what = "budget" if budget.get("has_budget") else "planned time"
+    try:
+        over = budget["projected_s"] / budget["limit_s"] - 1
+        return [
+            (f"OVER {what}", f"+{over:.0%}", f"{fmt_duration(budget['projected_s'])} projected"),
+            ("steps that fit", f"{budget['fits_steps']:,}", f"of {budget['total_steps']:,}"),
+        ]
+    except (KeyError, TypeError, ZeroDivisionError):
+        return [(f"OVER {what}", "?", "")]
 
 
 class ThroughputPanel(Panel):
@@ -34,6 +49,7 @@ class ThroughputPanel(Panel):
         total = f"/ {state.total_steps}" if state.total_steps else ""
         grid = kv_grid(
             [
+                *_budget_rows(state.budget),
                 ("tokens/s", fmt_si(state.tokens_per_s), _plan(fmt_si(est.get("tokens_per_s")))),
                 ("samples/s", fmt_float(state.samples_per_s, ".3g"), ""),
                 ("TFLOPs/GPU", fmt_float(state.tflops_per_gpu, ".4g"), _plan(fmt_float(est.get("tflops_per_gpu")))),
