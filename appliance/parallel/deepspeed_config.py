@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from appliance.planner.train_settings import DTYPES
+from appliance.planner.train_settings import DTYPES, overlap_comm
 
 # Dynamic loss scaling for fp16, as BigScience's fp16 runs configured it (bigscience-workshop/bigscience,
 # train/tr1-13B-base/tr1-13B-round1.slurm: 13B on Jean Zay's V100-32GB, ZeRO stage 1): start at 2^12, halve
@@ -42,13 +42,8 @@ def deepspeed_config(
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": accumulation,
         "gradient_clipping": grad_clip,
-        # overlap_comm stays off (DeepSpeed 0.19.8's default below stage 3, written out so the planner and this
-        # file say the same; planner/timing.py asks this config before crediting any overlap). bf16 at stage 1 runs
-        # the BF16_Optimizer, which has no overlap_comm at all; where ZeRO's own optimizer runs (fp16, bf16 ZeRO-2)
-        # it reduces gradient buckets on a side CUDA stream during backward, at extra bucket memory. Nothing here
-        # can measure that: gloo ranks have no CUDA streams, so a CPU run would show equal numbers and no overlap.
-        # What hides communication instead is the engine's cross-step parameter all-gather.
-        "zero_optimization": {"stage": zero_stage, "overlap_comm": False},
+        # train_settings.overlap_comm says why it stays off; the planner credits overlap from the same function.
+        "zero_optimization": {"stage": zero_stage, "overlap_comm": overlap_comm(zero_stage, dtype)},
         # We log our own step events; DeepSpeed's periodic prints would interleave with them.
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,

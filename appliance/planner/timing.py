@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import appliance.parallel.deepspeed_config as ds_config  # a module: it imports the planner's train settings
 from appliance.hardware.profile import Hardware
 from appliance.planner import calibration as cal
+from appliance.planner import train_settings
 from appliance.planner.comm import allreduce_sent, gather_sent, tp_allreduces_per_layer
 from appliance.planner.device import Device, Link, dp_link, make_device, pp_link, tied_link, tp_link
 from appliance.planner.kernel_path import FLASH, FULL_LOGITS_CE, MEGATRON_SOFTMAX, KernelPath, kernels_for
@@ -175,17 +175,9 @@ def _stage_microbatch(
 
 
 def overlap_comm_configured(layout: Layout, dtype: str) -> bool:
-    """Whether the DeepSpeed config the run gets (parallel/deepspeed_config.py) turns overlap_comm on."""
-    config = ds_config.deepspeed_config(
-        global_batch_size=layout.micro_batch_size * layout.dp,
-        micro_batch_size=layout.micro_batch_size,
-        dp=layout.dp,
-        zero_stage=layout.zero_stage,
-        dtype=dtype,
-        grad_clip=1.0,
-        pipeline=layout.pp > 1,
-    )
-    return bool(config["zero_optimization"].get("overlap_comm", False))
+    """Whether the DeepSpeed config the run gets turns overlap_comm on (train_settings.overlap_comm decides it for
+    parallel/deepspeed_config.py too)."""
+    return train_settings.overlap_comm(layout.zero_stage, dtype)
 
 
 def _exposed_gather(gathers: list[float], forwards: list[float]) -> float:

@@ -16,6 +16,20 @@ RAMPUP_KEYS = ("start", "increment", "samples")  # Megatron --rampup-batch-size 
 DRIFT_CHECK_INTERVAL = 50  # steps between TP-replica drift checks (appliance/parallel/drift.py)
 
 
+def overlap_comm(zero_stage: int, dtype: str) -> bool:
+    """Whether the run's DeepSpeed config turns ZeRO's overlap_comm on: never, for now. parallel/deepspeed_config.py
+    writes this into the config and planner/timing.py credits overlap only where it is on, so both say the same.
+
+    Off is DeepSpeed 0.19.8's default below stage 3. bf16 at stage 1 runs the BF16_Optimizer, which has no
+    overlap_comm at all; where ZeRO's own optimizer runs (fp16, bf16 ZeRO-2) it would reduce gradient buckets on a
+    side CUDA stream during backward, at extra bucket memory. Nothing here can measure that: gloo ranks have no CUDA
+    streams, so a CPU run would show equal numbers and no overlap. What hides communication instead is the
+    engine's cross-step parameter all-gather (parallel/param_gather.py).
+    """
+    del zero_stage, dtype  # the arguments a measured GPU policy would decide on
+    return False
+
+
 @dataclass(frozen=True)
 class TrainSettings:
     seq_len: int

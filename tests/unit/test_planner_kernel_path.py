@@ -12,7 +12,6 @@ import pytest
 
 from appliance.errors import BadInput
 from appliance.hardware import load_hardware
-from appliance.parallel import deepspeed_config as ds_config
 from appliance.parallel.deepspeed_config import deepspeed_config
 from appliance.planner import (
     Layout,
@@ -25,6 +24,7 @@ from appliance.planner import (
     state_bytes,
     step_time,
     timing,
+    train_settings,
 )
 from appliance.planner import calibration as cal
 from appliance.planner.device import make_device
@@ -155,12 +155,7 @@ def test_overlap_comm_is_credited_only_when_the_config_turns_it_on(monkeypatch: 
     assert not timing.overlap_comm_configured(layout, "bf16")
     plain = step_time(layout, model, hw).breakdown_s["dp_reduce"]
 
-    def with_overlap(**kwargs: object) -> dict:
-        config = deepspeed_config(**kwargs)  # type: ignore[arg-type]
-        config["zero_optimization"]["overlap_comm"] = True
-        return config
-
-    monkeypatch.setattr(ds_config, "deepspeed_config", with_overlap)
+    monkeypatch.setattr(train_settings, "overlap_comm", lambda zero_stage, dtype: True)
     assert timing.overlap_comm_configured(layout, "bf16")
     assert step_time(layout, model, hw).breakdown_s["dp_reduce"] < plain
 
