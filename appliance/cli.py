@@ -178,6 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hardware", help="plan for a hardware profile instead of the detected machine")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sample for the continued training")
 
+    p = sub.add_parser("bench", help="tokens/s and MFU of the trainer against transformers eager and compiled; kernels")
+    p.add_argument("--model", help="model preset name or TOML file (default: what the plan picks for this machine)")
+    p.add_argument("--out", type=Path, help="JSON result file (default: runs/bench/<date>-<device>.json)")
+    p.add_argument("--quick", action="store_true", help="a few steps of bloom-micro-test (default model): a smoke run")
+
     p = sub.add_parser("sbatch", help="write a SLURM batch script that trains the plan on an allocation")
     p.add_argument("--run-dir", type=Path, required=True, help="the run directory the job will use")
     p.add_argument("--hardware", help="hardware profile name or TOML file (default: detect)")
@@ -448,6 +453,13 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from appliance.benchmark.command import run_bench
+
+    run_bench(args.model, args.out, quick=args.quick)
+    return 0
+
+
 def cmd_sbatch(args: argparse.Namespace) -> int:
     from appliance.data.sample_corpus import SAMPLE_CORPUS_DIR
     from appliance.head_run import RunRequest, check_inputs, make_run_plan
@@ -495,6 +507,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "tui": cmd_tui,
     "sbatch": cmd_sbatch,
     "import": cmd_import,
+    "bench": cmd_bench,
 }
 
 

@@ -1,13 +1,17 @@
 """Model shapes (presets/models/*.toml) with their parameter and FLOP counts.
 
 FLOP conventions (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
-Megatron-LM", appendix; the formula Megatron-DeepSpeed's throughput log uses):
-- model FLOPs per token = 6 N + 12 L s h, where N = L (4h^2 + 2 h f) + V h are the weights that take part in
-  matrix multiplies (the tied LM head counted once) and 12 L s h is the attention score and context product
-  (QK^T and AV), forward and backward, counted over the full s x s square as Megatron does. MFU uses these.
+Megatron-LM", appendix), with causal attention counted as it is computed:
+- model FLOPs per token = 6 N + 6 L s h, where N = L (4h^2 + 2 h f) + V h are the weights that take part in
+  matrix multiplies (the tied LM head counted once) and 6 L s h is the attention score and context product
+  (QK^T and AV), forward and backward. Over the full s x s square they are 12 L s h (4 L s h forward, twice that
+  backward), which is what Megatron counts; under the causal mask a flash kernel computes about half the square
+  (it skips the blocks above the diagonal), so we count half: 2 L s h forward, 6 L s h in all. MFU uses these,
+  and so do the trainer's step events (train/metrics.py) and `bench` (appliance/benchmark/).
 - hardware FLOPs add what recomputation runs again: full recompute repeats every block's forward
-  (+2 L (4h^2 + 2hf) + 4 L s h per token), selective recompute repeats the attention core (+4 L s h).
-  With f = 4h and full recompute this is Megatron-DeepSpeed's 96 B s L h^2 (1 + s/(6h) + V/(16 L h)).
+  (+2 L (4h^2 + 2hf) + 2 L s h per token), selective recompute repeats the attention core (+2 L s h).
+  With f = 4h and full recompute this is Megatron-DeepSpeed's 96 B s L h^2 (1 + s/(6h) + V/(16 L h)) with its
+  attention term halved: 96 B s L h^2 (1 + s/(12h) + V/(16 L h)).
 """
 
 from __future__ import annotations
@@ -113,17 +117,20 @@ class ModelShape:
         return self.layers * (4 * h * h + 2 * h * f) + self.padded_vocab(tp) * h
 
     def flops_per_token(self, seq_len: int | None = None, *, recompute: str = "none", tp: int = 1) -> float:
-        """Training FLOPs per token. recompute="none" gives model FLOPs (6N + 12 L s h, the MFU convention);
-        "selective" or "full" give hardware FLOPs, which include the recomputed forward work."""
+        """Training FLOPs per token, causal attention counted as computed (the module docstring). recompute="none"
+        gives model FLOPs (6N + 6 L s h, the MFU convention); "selective" or "full" give hardware FLOPs, which
+        include the recomputed forward work."""
         if recompute not in RECOMPUTE_MODES:
             raise BadInput(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}")
         s = self.seq_len if seq_len is None else seq_len
         h, f, L = self.hidden, self.ffn_hidden, self.layers
-        flops = 6.0 * self.matmul_parameters(tp) + 12.0 * L * s * h
+        # QK^T and AV forward: 2 s h FLOPs each per token over the full square; the causal half of it is computed.
+        attention_forward = 2.0 * L * s * h
+        flops = 6.0 * self.matmul_parameters(tp) + 3 * attention_forward  # backward is twice the forward
         if recompute == "full":
-            flops += 2.0 * L * (4 * h * h + 2 * h * f) + 4.0 * L * s * h
+            flops += 2.0 * L * (4 * h * h + 2 * h * f) + attention_forward
         elif recompute == "selective":
-            flops += 4.0 * L * s * h
+            flops += attention_forward
         return flops
 
     def with_seq_len(self, seq_len: int | None) -> ModelShape:

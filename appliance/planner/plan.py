@@ -34,8 +34,9 @@ from appliance.planner.train_settings import TrainSettings
 MAX_REJECTED_PER_KIND = 6
 
 CONVENTIONS = {
-    "model_flops": "6N + 12*L*s*h per token (Narayanan et al. 2021): N = weights in matrix multiplies, the tied LM"
-    " head once; attention scores over the full s x s square. mfu and model_tflops_per_gpu use these.",
+    "model_flops": "6N + 6*L*s*h per token (Narayanan et al. 2021, causal attention counted as computed): N ="
+    " weights in matrix multiplies, the tied LM head once; attention over half the s x s square. mfu and"
+    " model_tflops_per_gpu use these, as do the step events and `bench`.",
     "hardware_flops": "model FLOPs plus recomputed work (full: every block's forward again; selective: the"
     " attention core again), as Megatron-DeepSpeed's throughput log counts them. tflops_per_gpu uses these.",
     "peak": "dense (no sparsity) bf16 tensor-core peak from the GPU specs table; fp32 FMA peak for CPU ranks",

@@ -1,7 +1,8 @@
 """FLOPs per step and the peak they are measured against, for the step events' TFLOPs and MFU.
 
-The FLOP formula lives in the planner (one place for the conventions): model FLOPs (no recompute) for MFU, and
-hardware FLOPs (recompute included, as Megatron-DeepSpeed counts them) for the TFLOPs per GPU figure.
+The FLOP formula lives in the planner (ModelShape.flops_per_token, one place for the convention, which `bench`
+uses too): causal attention counted as it is computed (6 L s h per token, half the full square); model FLOPs (no
+recompute) for MFU, and hardware FLOPs (recomputed forward work included) for the TFLOPs per GPU figure.
 """
 
 from __future__ import annotations

@@ -48,6 +48,9 @@ def _device() -> torch.device:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
+    from appliance.train.cpu_memory import keep_freed_memory
+
+    keep_freed_memory()  # the step's large temporaries stay in the heap: no page faults every step
     return torch.device("cpu")
 
 

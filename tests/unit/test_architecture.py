@@ -16,7 +16,7 @@ from appliance.monitor.events import REQUIRED_KEYS
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "ARCHITECTURE.md"
 # The one-way flow, first to last: a layer may import the layers before it, never those after it.
-CHAIN = ("hardware", "planner", "data", "tokenizer", "model", "parallel", "train", "eval")
+CHAIN = ("hardware", "planner", "data", "tokenizer", "model", "parallel", "train", "eval", "benchmark")
 # The documented back edge: the final evaluation runs inside the ranks that hold the model.
 BACK_EDGES = {("train", "eval")}
 

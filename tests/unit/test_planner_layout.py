@@ -25,17 +25,29 @@ def test_bloom_parameter_counts(name: str, count: int) -> None:
     assert load_model_shape(name).parameters() == count
 
 
-def test_flops_match_megatron_formulas() -> None:
+def test_flops_match_megatron_formulas_with_causal_attention() -> None:
     m = load_model_shape("bloom-176b")
     B, s, L, h, V = 2048, 2048, 70, 14336, 250880
-    # Megatron-DeepSpeed's throughput log with --checkpoint-activations: 96 B s L h^2 (1 + s/6h + V/(16 L h)).
+    # Megatron-DeepSpeed's throughput log with --checkpoint-activations: 96 B s L h^2 (1 + s/6h + V/(16 L h)), where
+    # s/6h is the attention over the full s x s square (16 L s h per token). Causal attention computes half of it.
     megatron_hw = 96 * B * s * L * h**2 * (1 + s / (6 * h) + V / (16 * L * h))
-    assert m.flops_per_token(recompute="full") * B * s == pytest.approx(megatron_hw, rel=1e-12)
-    # Narayanan et al. model FLOPs: 72 B s L h^2 (1 + s/6h + V/(12 L h)).
-    narayanan = 72 * B * s * L * h**2 * (1 + s / (6 * h) + V / (12 * L * h))
-    assert m.flops_per_token() * B * s == pytest.approx(narayanan, rel=1e-12)
-    # Selective recompute adds only the attention core's forward: 4 L s h per token.
-    assert m.flops_per_token(recompute="selective") - m.flops_per_token() == pytest.approx(4 * L * s * h)
+    causal_hw = 96 * B * s * L * h**2 * (1 + s / (12 * h) + V / (16 * L * h))
+    assert m.flops_per_token(recompute="full") * B * s == pytest.approx(causal_hw, rel=1e-12)
+    assert megatron_hw - causal_hw == pytest.approx(8 * L * s * h * B * s, rel=1e-12)
+    # Narayanan et al. model FLOPs: 72 B s L h^2 (1 + s/6h + V/(12 L h)); causal: s/12h, 6 L s h per token.
+    causal = 72 * B * s * L * h**2 * (1 + s / (12 * h) + V / (12 * L * h))
+    assert m.flops_per_token() * B * s == pytest.approx(causal, rel=1e-12)
+    # Selective recompute adds only the attention core's causal forward: 2 L s h per token.
+    assert m.flops_per_token(recompute="selective") - m.flops_per_token() == pytest.approx(2 * L * s * h)
+
+
+def test_flops_per_token_of_a_small_shape_by_hand() -> None:
+    """The arithmetic written out for bloom-micro-test: L=2, h=64, f=256, V=512 (padded 512), s=32."""
+    m = load_model_shape("bloom-micro-test")
+    n = 2 * (4 * 64 * 64 + 2 * 64 * 256) + 512 * 64  # 98304 block weights + 32768 LM head = 131072
+    assert n == 131072 and m.matmul_parameters() == n
+    # 6N = 786432; attention: 2 s h forward per layer and token under the causal mask, x3 with backward = 6 L s h
+    assert m.flops_per_token() == 6 * 131072 + 6 * 2 * 32 * 64 == 811008
 
 
 def test_vocab_padding() -> None:

@@ -1,0 +1,84 @@
+"""The trainer's own tokens/s: its real engine (train/from_spec.py builds it from the run spec, as every rank does),
+one rank in this process, in a one-rank process group (gloo on CPU, NCCL on a GPU).
+
+The contender also keeps the engine's first weights (Hugging Face names, fp32), which the peers start from, and
+which kernels.registry ops one training step called.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from appliance.benchmark.kernel_table import count_registry_calls
+from appliance.benchmark.workload import Batch, Workload
+
+ONE_RANK_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+def _free_loopback_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def one_rank_group(backend: str) -> Iterator[None]:
+    """A process group of this process alone, on loopback; the environment is restored afterwards."""
+    from appliance.parallel.deepspeed_comm import init_deepspeed_comm
+
+    if dist.is_initialized():
+        raise RuntimeError("bench: a process group is already running in this process")
+    saved = {key: os.environ.get(key) for key in ONE_RANK_ENV}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_loopback_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")  # fmt: skip
+    try:
+        init_deepspeed_comm(backend)
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+class TrainerContender:
+    """The trainer's engine for the workload, built in the one-rank group (one_rank_group must be open), called
+    once per step like the peers. It keeps the engine's first weights, the first step's loss and the registry ops
+    that step called."""
+
+    def __init__(self, work: Workload) -> None:
+        from appliance.parallel.topology import ParallelTopology
+        from appliance.train.from_spec import engine_for, model_config
+
+        spec = work.spec
+        # The vocabulary the plan states (a run would read the tokenizer's; both are padded the same way).
+        self.engine = engine_for(
+            spec, model_config(spec, spec.model.vocab_size), ParallelTopology(tp=1, pp=1, dp=1, world_size=1)
+        )
+        self.weights: dict[str, torch.Tensor] = self.engine.model_shard()
+        self.calls_per_step: Counter[str] = Counter()
+        self.first_loss: float | None = None
+
+    def release(self) -> None:
+        """Drop the engine (its device memory), keeping weights, calls and loss: the peers run next."""
+        del self.engine
+
+    def __call__(self, micro_batches: list[Batch]) -> None:
+        if self.first_loss is not None:
+            self.engine.train_batch(micro_batches)
+            return
+        # The first (warm-up) step counts the registry ops training calls; the counting wrappers add a Python call
+        # per op, so the timed steps run without them.
+        with count_registry_calls() as counted:
+            self.first_loss = self.engine.train_batch(micro_batches).loss
+        self.calls_per_step.update(counted)
