@@ -119,10 +119,11 @@ RowGrad = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor, float, int], 
 def ce_row_stats(
     logits: torch.Tensor, labels: torch.Tensor, vocab_start: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per row of a [rows, V_local] logits chunk: max, sum(exp(x - max)) and the target logit (0 off-shard), fp32."""
+    """Per row of a [rows, V_local] logits chunk: max, sum(exp(x - max)) and the target logit (0 off-shard), fp32.
+    torch's logsumexp makes one pass without an exp temporary; the sum is recovered as exp(lse - max)."""
     x = logits.float()
-    row_max = x.max(dim=-1).values
-    sum_exp = torch.exp(x - row_max[:, None]).sum(-1)
+    row_max = x.amax(dim=-1)
+    sum_exp = torch.exp(torch.logsumexp(x, dim=-1) - row_max)
     local = labels - vocab_start
     on_shard = (local >= 0) & (local < x.shape[-1])
     target = x.gather(1, local.clamp(0, x.shape[-1] - 1)[:, None]).squeeze(1)
@@ -132,12 +133,19 @@ def ce_row_stats(
 def ce_row_grad_(
     logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, lse: torch.Tensor, inv_count: float, ignore_index: int
 ) -> None:
-    """Overwrite logits with d(mean loss)/d(logits) = (softmax - onehot) / count; ignored rows get 0."""
-    x = logits.float()
+    """Overwrite logits with d(mean loss)/d(logits) = (softmax - onehot) / count; ignored rows get 0.
+    In place (fp32 chunks: no [rows, V_local] temporary): exp(x - lse), minus 1 at each owned target, times 1/count."""
+    x = logits if logits.dtype == torch.float32 else logits.float()
+    x.sub_(lse[:, None]).exp_()
     local = labels - vocab_start
-    cols = torch.arange(x.shape[-1], device=x.device)
-    grad = (torch.exp(x - lse[:, None]) - (cols[None, :] == local[:, None]).float()) * inv_count
-    logits.copy_(grad * (labels != ignore_index)[:, None])
+    owned = ((local >= 0) & (local < x.shape[-1]) & (labels != ignore_index)).nonzero().squeeze(1)
+    x[owned, local[owned]] -= 1.0
+    x.mul_(inv_count)
+    ignored = (labels == ignore_index).nonzero().squeeze(1)
+    if ignored.numel():
+        x.index_fill_(0, ignored, 0.0)
+    if x is not logits:
+        logits.copy_(x)
 
 
 def auto_chunk_size(tokens: int, hidden: int, vocab_local: int) -> int:
