@@ -5,9 +5,12 @@ One launch per layout; each rank trains every case of the layout and returns wha
   overlap on and off: the losses and the weights after STEPS steps, straight and resumed from a checkpoint saved
       at step SAVE_AT, must be bit-identical (a broadcast copies the owner's numbers, as the all-gather does);
   fused and foreach AdamW (dp=2 only): the fp32 master weights after one and after STEPS steps, which differ by the
-      kernels' rounding only, within a multiple of the measured floor (see ``fp32_floor``). fp16 is compared after
-      one step only: after that its fp16 weights round a one-ulp master difference into a 1e-3 one, which AdamW
-      carries on (measured 4e-2 relative after 4 steps, against 4e-5 for fp32 and 4e-8 for bf16 on this model);
+      kernels' rounding only, within a multiple of the measured floor (see ``fp32_floor``). fp16 and bf16 are
+      compared after one step only: after that their 16-bit weights round a one-ulp master difference into a 1e-3
+      (fp16) or 8e-3 (bf16) one, which AdamW carries on. Measured after 4 steps: fp16 4e-2; bf16 4e-8 with the
+      full-logits loss but 7.9e-3 with the chunked one, whose different summation order moved a few weights across
+      a bf16 rounding boundary; fp32 4e-5. Whether a weight lands on one side of a 16-bit boundary is chance, so
+      only fp32 has a multi-step bound from its floor;
   the order of events (dp=2 only): one rank holds back its broadcast of the last layer until the other rank has
       started the next step's first layer, which can only happen if that forward does not wait for everything.
 """
@@ -312,7 +315,7 @@ def test_fused_adamw_steps_as_foreach_does(dp2: dict[str, Any], fp32_floor: dict
     limit = FLOOR_FACTOR[when] * fp32_floor[when]
     kernel = dp2["ranks"][0]["kernel"]
     for dtype, zero in (("bf16", 1), ("fp16", 1), ("fp32", 2)):
-        if dtype == "fp16" and when == "several":
-            continue  # see the module docstring: fp16 weights round a one-ulp master difference into a visible one
+        if dtype in ("fp16", "bf16") and when == "several":
+            continue  # see the module docstring: 16-bit weights round a one-ulp master difference into a visible one
         got = _largest_relative(kernel[(dtype, zero, True)][when], kernel[(dtype, zero, False)][when])
         assert got <= limit, f"{dtype} after {when} step(s): fused vs foreach {got:.3g} > {limit:.3g}"

@@ -62,7 +62,17 @@ def build_on_rank(topology: ParallelTopology, root: str) -> dict[str, Any]:
         "param_dtypes": {str(p.dtype) for p in named.values()},
         "recompute_blocks": module.recompute_blocks,
         "recompute_core": {b.self_attention.recompute_core for b in blocks},
-        "sequence_parallel": {b.sequence_parallel for b in blocks},
+        # sequence parallelism lives in the blocks' tensor-parallel linears (they gather and reduce-scatter chunks)
+        "sequence_parallel": {
+            linear.sequence_parallel
+            for b in blocks
+            for linear in (
+                b.self_attention.query_key_value,
+                b.self_attention.dense,
+                b.mlp.dense_h_to_4h,
+                b.mlp.dense_4h_to_h,
+            )
+        },
         "blocks": len(blocks),
         "layer_norm_eps": {m.eps for m in module.modules() if isinstance(m, torch.nn.LayerNorm)},
         "groups": [{k: v for k, v in g.items() if k != "params"} for g in ds.basic_optimizer.param_groups],
