@@ -30,14 +30,14 @@ RUNTIME=(
   "PyYAML==6.0.3"                  # lm-evaluation-harness task files (imported as yaml)
   "Jinja2==3.1.6"                  # the prompt templates of those task files
   "rich==15.0.0"                   # styled text in the dashboard's widgets (Textual renders with it)
+  "transformers==5.23.0"           # `bench`'s peer (BloomForCausalLM eager and compiled); the tests' reference
 )
 # Build tools for DeepSpeed's --no-build-isolation install and for installing this project (editable).
 BUILD=("setuptools==84.2.1" "wheel==0.48.0")
 # triton ships with CUDA builds of torch; on CPU we install it for the kernel interpreter (TRITON_INTERPRET=1).
 TRITON="triton==3.7.1"
-# Test and lint tools. transformers is the reference implementation our model and export are checked against.
+# Test and lint tools.
 DEV=(
-  "transformers==5.23.0"
   "pytest==8.4.2"
   "pytest-timeout==2.4.0"
   "pytest-textual-snapshot==1.1.0"  # dashboard snapshots at a fixed terminal size

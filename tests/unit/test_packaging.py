@@ -20,8 +20,9 @@ RUNTIME_GROUPS = ("TORCH", "DEEPSPEED", "TRITON", "RUNTIME")
 DEV_GROUPS = ("DEV",)
 BUILD_GROUPS = ("BUILD",)
 # Imported only when present, and never to be installed from the package index: NVIDIA apex is not on it (the
-# index's `apex` is an unrelated project), see kernels/registry.py.
-OPTIONAL_MODULES = {"apex", "fused_layer_norm_cuda"}
+# index's `apex` is an unrelated project), see kernels/registry.py; Dao-AILab's flash-attn, a GPU-only peer in
+# `bench`'s kernel table, needs a CUDA build against the installed torch.
+OPTIONAL_MODULES = {"apex", "fused_layer_norm_cuda", "flash_attn"}
 
 
 def canonical(name: str) -> str:
