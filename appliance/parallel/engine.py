@@ -186,7 +186,7 @@ def build_engine(
     if not (engine.bfloat16_enabled() or engine.zero_optimization()):
         install_global_norm_clipping(engine, topology)
     min_loss_scale = keep_training_at_the_minimum_scale(engine.optimizer) if engine.fp16_enabled() else None
-    gather = build_overlap(engine.optimizer, module, topology.dp_groups(), overlap_param_gather)
+    gather = build_overlap(engine.optimizer, module, topology.groups("dp_cp"), overlap_param_gather)
     return ParallelEngine(
         engine,
         topology,

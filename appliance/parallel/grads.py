@@ -34,9 +34,10 @@ class TopologyMPU:
     """The "mpu" (model-parallel unit) DeepSpeed's engine and optimizers query, answered from our topology.
 
     DeepSpeed's names mean: *model parallel* = every rank of one replica (TP x PP, as its PipelineParallelGrid
-    has it), *tensor/slice parallel* = TP, *data parallel* = DP. The bf16 and ZeRO optimizers sum the squared
-    gradient norm over the model-parallel group and count replicated parameters on tensor rank 0 only, which is
-    the arithmetic in this module's docstring.
+    has it), *tensor/slice parallel* = TP, *data parallel* = the ranks that reduce gradients, DP x CP (the
+    ``dp_cp`` group; the ``dp`` group itself while cp = 1). The bf16 and ZeRO optimizers sum the squared gradient
+    norm over the model-parallel group and count replicated parameters on tensor rank 0 only, which is the
+    arithmetic in this module's docstring. Every answer is a size, coordinate or group of the topology's.
     """
 
     def __init__(self, topology: ParallelTopology) -> None:
@@ -47,7 +48,7 @@ class TopologyMPU:
         return dist.get_rank(self.topology.mp_group)
 
     def get_model_parallel_world_size(self) -> int:
-        return self.topology.tp * self.topology.pp
+        return self.topology.size("mp")
 
     def get_model_parallel_group(self) -> dist.ProcessGroup:
         return self.topology.mp_group
@@ -66,13 +67,14 @@ class TopologyMPU:
     get_slice_parallel_group = get_tensor_model_parallel_group
 
     def get_data_parallel_rank(self) -> int:
-        return self.topology.dp_rank(self._rank)
+        # dp and cp are adjacent in the rank order, so the rank inside dp_cp is dp_rank * cp + cp_rank.
+        return dist.get_rank(self.topology.dp_cp_group)
 
     def get_data_parallel_world_size(self) -> int:
-        return self.topology.dp
+        return self.topology.size("dp_cp")
 
     def get_data_parallel_group(self) -> dist.ProcessGroup:
-        return self.topology.dp_group
+        return self.topology.dp_cp_group
 
     def get_pipe_parallel_rank(self) -> int:
         return self.topology.pp_rank(self._rank)

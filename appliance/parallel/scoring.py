@@ -32,7 +32,7 @@ class ParallelScorer:
         self.dtype = next(module.parameters()).dtype
 
     def _peer(self, stage: int) -> int:
-        return self.topology.global_rank(pp=stage, dp=self.dp_rank, tp=self.tp_rank)
+        return self.topology.rank_with(dist.get_rank(), pp=stage)
 
     def _head(self, input_ids: torch.Tensor) -> HeadInput | None:
         """The last stage's final hidden states [B, S, H] and embedding shard (no logits); None on the others."""

@@ -1,25 +1,61 @@
-"""Where every rank sits in the (pipeline, data, tensor) grid, and the process groups along each axis.
+"""Where every rank sits on the grid of named parallel axes, and the process groups along them.
 
-Rank order, innermost first: tensor parallel (TP), then data parallel (DP), then pipeline parallel (PP):
+The axes are data: ``ParallelTopology.axes`` is an ordered tuple of ``(name, size)``, outermost first,
 
-    global_rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+    (("pp", pp), ("dp", dp), ("cp", cp), ("tp", tp))
 
-TP is innermost because its all-reduces run twice per transformer layer in both passes and must stay on the
-fast links inside a node (consecutive ranks share a node under every launcher). DP comes next so that a DP
-all-reduce of one stage spans as few nodes as possible; PP is outermost because it only sends one activation
-per micro-batch to a neighbour. This is the order BLOOM-176B was trained with (Megatron-DeepSpeed) and the one
-DeepSpeed's ``PipeModelDataParallelTopology(num_pp, num_mp, num_dp)`` lays out: its axes are
-``['pipe', 'data', 'model']`` in row-major order, so the last axis ('model' = TP) varies fastest. Mirroring it
-exactly (``to_deepspeed()`` builds the DeepSpeed object, and a unit test compares both maps rank by rank) lets
-a DeepSpeed ``PipelineModule`` be given the same layout later without any rank landing somewhere else.
+and every coordinate, group and world size is derived from it by one row-major rule, so no axis has code of its own.
+Rank order, innermost first: tensor parallel (TP), then context parallel (CP), then data parallel (DP), then
+pipeline parallel (PP):
+
+    global_rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
+
+With cp = 1 (the default) this is ``pp_rank * (dp * tp) + dp_rank * tp + tp_rank``, the order BLOOM-176B was trained
+with (Megatron-DeepSpeed) and the one DeepSpeed's ``PipeModelDataParallelTopology(num_pp, num_mp, num_dp)`` lays
+out: its axes are ``['pipe', 'data', 'model']`` in row-major order, so the last axis ('model' = TP) varies fastest.
+A unit test compares both maps rank by rank, so checkpoints and shard names keep their meaning.
+
+Why this order. TP is innermost because its all-reduces run twice per transformer layer in both passes and must stay
+on the fast links inside a node (consecutive ranks share a node under every launcher). CP comes next, as in
+Megatron-Core's tp-cp-dp-pp: its all-to-all or ring exchanges of keys and values run in every attention layer, more
+often than anything but TP. DP follows so that one stage's gradient all-reduce spans as few nodes as possible; PP is
+outermost because it only sends one activation per micro-batch to a neighbour.
+
+Data-parallel gradient reduction runs over dp x cp. CP ranks hold the same weights and each sees a slice of every
+sequence, so their gradients are partial sums exactly like DP ranks': the group that averages gradients is
+``dp_cp`` (same pp and tp; dp and cp vary). Because cp sits right inside dp, that group's ranks in row-major order
+are DeepSpeed's 'data' axis of size dp * cp: ``to_deepspeed()`` hands DeepSpeed ``num_dp = dp * cp`` and
+``TopologyMPU`` (``grads.py``) answers DeepSpeed's data-parallel questions from ``dp_cp``. With cp = 1, ``dp_cp``
+is the ``dp`` group itself (the same handle). The model-parallel group ``mp`` stays TP x PP: CP ranks hold
+identical gradients after that reduction, so the global norm needs only one replica's shards.
+
+Expert parallelism (ep) folds inside dp, Megatron/DeepSpeed style, and adds no rank: dp = edp * ep with
+``dp_rank = edp_rank * ep + ep_rank``, so the ep ranks of one expert group are consecutive DP ranks. ``ep`` groups
+(same pp, cp, tp, edp) split the experts; ``edp`` groups (expert-data-parallel, size dp / ep) reduce the experts'
+gradients. ep = 1 makes ``ep`` groups single ranks and ``edp`` the ``dp`` group. Experts are replicated over cp
+too, so once experts and cp > 1 meet, expert gradients reduce over edp x cp: one more ``GROUPS`` entry.
+
+Axes of size 1 cost nothing: a group whose ranks equal an already created group's reuses its handle, and a group of
+one rank is this process's own single-member group, created locally without a collective over the world.
+
+Adding an axis (the seam). Touch three places, not the modules that only use tp, pp and dp:
+1. the planner, which chooses its degree (``planner/layout.py``; a layout key only once the axis works end to end);
+2. this object: a field with default 1, its place in ``axes`` (or ``_grid`` for an axis folded inside another,
+   like ep), and the groups that vary it in ``GROUPS``; ``init_process_groups`` then creates them;
+3. the code that uses the new axis, which asks ``group(name)``, ``coordinate(name, rank)`` and ``size(name)``.
+Code written against ``tp``/``pp``/``dp`` keeps working, because an axis of size 1 changes no rank and no group.
+Still to do when cp lands: the batch arithmetic (engine's train batch, the sampler, the loss mean) counts
+sequences over dp only, and the shards record tp/pp/dp; with cp > 1 the sampler must give every CP rank of a DP
+rank the same sequences and the loss mean must run over ``dp_cp``.
 
 Only the planner chooses the degrees; this object only checks them and answers questions about them.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch.distributed as dist
 
@@ -28,9 +64,27 @@ from appliance.errors import BadInput
 if TYPE_CHECKING:
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
+# Each named group and the grid axes that vary inside it (the others are fixed). Creation order is this order, and
+# ``dist.new_group`` is collective over the world, so the order must be the same on every rank; "dp" stands for
+# the two grid axes edp and ep it is made of.
+GROUPS: dict[str, tuple[str, ...]] = {
+    "tp": ("tp",),
+    "dp": ("dp",),
+    "pp": ("pp",),
+    "mp": ("pp", "tp"),  # one model replica: the global gradient norm is summed over it
+    "cp": ("cp",),
+    "dp_cp": ("dp", "cp"),  # data-parallel gradient reduction, DeepSpeed's data axis
+    "ep": ("ep",),
+    "edp": ("edp",),  # expert-data-parallel: reduces expert gradients
+}
+
 
 class RankCoords(NamedTuple):
-    """Coordinates of one global rank, outermost axis first (the order of DeepSpeed's axes)."""
+    """Coordinates of one global rank on DeepSpeed's axes, outermost first (pipe, data, model).
+
+    ``dp`` is the data-parallel coordinate proper; the cp coordinate and the expert coordinates are in
+    ``ParallelTopology.coordinates()``.
+    """
 
     pp: int
     dp: int
@@ -38,42 +92,35 @@ class RankCoords(NamedTuple):
 
 
 @dataclass
-class _Groups:
-    """This process's handles on the groups it belongs to (one per axis, plus TP x PP)."""
-
-    tp: dist.ProcessGroup
-    dp: dist.ProcessGroup
-    pp: dist.ProcessGroup
-    mp: dist.ProcessGroup
-
-
-@dataclass
 class ParallelTopology:
-    """A validated (tp, pp, dp) layout over ``world_size`` ranks; process groups once ``init_process_groups()`` ran."""
+    """A validated layout over ``world_size`` ranks; process groups once ``init_process_groups()`` ran."""
 
     tp: int
     pp: int
     dp: int
     world_size: int
-    _groups: _Groups | None = field(default=None, init=False, repr=False, compare=False)
+    cp: int = 1
+    ep: int = 1
+    _groups: dict[str, dist.ProcessGroup] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name, value in (("tp", self.tp), ("pp", self.pp), ("dp", self.dp), ("world size", self.world_size)):
+        for name, value in (*self._named_degrees(), ("world size", self.world_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise BadInput(f"parallel layout: {name} must be a positive integer, got {value!r}")
-        product = self.tp * self.pp * self.dp
-        if product != self.world_size:
-            raise BadInput(
-                f"parallel layout: tp({self.tp}) * pp({self.pp}) * dp({self.dp}) = {product} "
-                f"!= world size {self.world_size}"
-            )
+        if self.dp % self.ep != 0:
+            raise BadInput(f"parallel layout: dp({self.dp}) % ep({self.ep}) != 0 (expert parallelism folds inside dp)")
+        if self.product != self.world_size:
+            raise BadInput(f"parallel layout: {self.factors} = {self.product} != world size {self.world_size}")
+
+    def _named_degrees(self) -> tuple[tuple[str, int], ...]:
+        return (("tp", self.tp), ("pp", self.pp), ("dp", self.dp), ("cp", self.cp), ("ep", self.ep))
 
     @classmethod
-    def from_process_group(cls, *, tp: int, pp: int, dp: int) -> ParallelTopology:
+    def from_process_group(cls, *, tp: int, pp: int, dp: int, cp: int = 1, ep: int = 1) -> ParallelTopology:
         """The layout over the already initialized default process group, with its groups created."""
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call init_process_group first")
-        topology = cls(tp=tp, pp=pp, dp=dp, world_size=dist.get_world_size())
+        topology = cls(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, world_size=dist.get_world_size())
         topology.init_process_groups()
         return topology
 
@@ -82,79 +129,162 @@ class ParallelTopology:
         if heads % self.tp != 0:
             raise BadInput(f"parallel layout: heads({heads}) % tp({self.tp}) != 0")
 
+    # ---- the axes ----
+
+    @property
+    def axes(self) -> tuple[tuple[str, int], ...]:
+        """The axes that multiply to the world size, ``(name, size)`` outermost first: the rank order."""
+        return (("pp", self.pp), ("dp", self.dp), ("cp", self.cp), ("tp", self.tp))
+
+    def _grid(self) -> tuple[tuple[str, int], ...]:
+        """``axes`` with dp split into (edp, ep), ep innermost: the finest grid, same rank order."""
+        return (("pp", self.pp), ("edp", self.dp // self.ep), ("ep", self.ep), ("cp", self.cp), ("tp", self.tp))
+
+    @property
+    def product(self) -> int:
+        total = 1
+        for _, size in self.axes:
+            total *= size
+        return total
+
+    @property
+    def factors(self) -> str:
+        """The world size's factors for messages, e.g. ``tp(4) * pp(12) * dp(8)``; cp appears once it is above 1."""
+        shown = [("tp", self.tp), ("pp", self.pp), ("dp", self.dp)] + ([("cp", self.cp)] if self.cp > 1 else [])
+        return " * ".join(f"{name}({size})" for name, size in shown)
+
+    def size(self, name: str) -> int:
+        """The number of ranks in one group ``name`` (an axis or a key of ``GROUPS``)."""
+        if name not in GROUPS:
+            raise ValueError(f"unknown group {name!r}: expected one of {list(GROUPS)}")
+        sizes = dict(self._grid())
+        total = 1
+        for axis in self._varying(name):
+            total *= sizes[axis]
+        return total
+
     # ---- rank arithmetic (no process group needed) ----
 
-    def coords(self, rank: int) -> RankCoords:
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Every coordinate of ``rank``: pp, dp, cp, tp and the expert split of dp (edp, ep)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside world size {self.world_size}")
-        pp_rank, rest = divmod(rank, self.dp * self.tp)
-        dp_rank, tp_rank = divmod(rest, self.tp)
-        return RankCoords(pp=pp_rank, dp=dp_rank, tp=tp_rank)
+        found: dict[str, int] = {}
+        for name, size in reversed(self._grid()):  # innermost first: peel the fastest-varying coordinate off
+            rank, found[name] = divmod(rank, size)
+        found["dp"] = found["edp"] * self.ep + found["ep"]
+        return found
 
-    def global_rank(self, *, pp: int, dp: int, tp: int) -> int:
-        if not (0 <= pp < self.pp and 0 <= dp < self.dp and 0 <= tp < self.tp):
-            raise ValueError(
-                f"coordinates pp={pp} dp={dp} tp={tp} are outside tp({self.tp}) pp({self.pp}) dp({self.dp})"
-            )
-        return (pp * self.dp + dp) * self.tp + tp
+    def coordinate(self, name: str, rank: int) -> int:
+        coordinates = self.coordinates(rank)
+        if name not in coordinates:
+            raise ValueError(f"unknown axis {name!r}: expected one of {sorted(coordinates)}")
+        return coordinates[name]
+
+    def coords(self, rank: int) -> RankCoords:
+        found = self.coordinates(rank)
+        return RankCoords(pp=found["pp"], dp=found["dp"], tp=found["tp"])
+
+    def global_rank(self, **coordinates: int) -> int:
+        """The rank at ``coordinates`` (keywords pp, dp, cp, tp); an axis of size 1 may be left out (it is 0)."""
+        sizes = dict(self.axes)
+        unknown = sorted(set(coordinates) - set(sizes))
+        missing = [name for name, size in self.axes if size > 1 and name not in coordinates]
+        if unknown or missing:
+            raise ValueError(f"coordinates {coordinates}: unknown axes {unknown}, missing axes {missing}")
+        rank = 0
+        for name, size in self.axes:
+            value = coordinates.get(name, 0)
+            if not 0 <= value < size:
+                shown = " ".join(f"{n}={v}" for n, v in coordinates.items())
+                raise ValueError(f"coordinates {shown} are outside {self.factors}")
+            rank = rank * size + value
+        return rank
+
+    def rank_with(self, rank: int, **changes: int) -> int:
+        """The rank that sits where ``rank`` does except on the axes in ``changes`` (e.g. another pipeline stage)."""
+        found = self.coordinates(rank)
+        return self.global_rank(**{name: changes.get(name, found[name]) for name, _ in self.axes})
 
     def tp_rank(self, rank: int) -> int:
-        return self.coords(rank).tp
+        return self.coordinate("tp", rank)
 
     def dp_rank(self, rank: int) -> int:
-        return self.coords(rank).dp
+        return self.coordinate("dp", rank)
 
     def pp_rank(self, rank: int) -> int:
-        return self.coords(rank).pp
+        return self.coordinate("pp", rank)
+
+    def cp_rank(self, rank: int) -> int:
+        return self.coordinate("cp", rank)
+
+    def _varying(self, name: str) -> tuple[str, ...]:
+        return tuple(axis for entry in GROUPS[name] for axis in (("edp", "ep") if entry == "dp" else (entry,)))
+
+    def groups(self, name: str) -> list[list[int]]:
+        """Every group ``name`` (a key of ``GROUPS``) as ascending rank lists, ordered as DeepSpeed's
+        ``get_axis_comm_lists`` orders them: row-major over the fixed axes."""
+        if name not in GROUPS:
+            raise ValueError(f"unknown group {name!r}: expected one of {list(GROUPS)}")
+        varying = set(self._varying(name))
+        grid = self._grid()
+        strides: dict[str, int] = {}
+        stride = 1
+        for axis, size in reversed(grid):
+            strides[axis] = stride
+            stride *= size
+        fixed = [(axis, size) for axis, size in grid if axis not in varying]
+        moving = [(axis, size) for axis, size in grid if axis in varying]
+        lists = []
+        for base in itertools.product(*(range(size) for _, size in fixed)):
+            origin = sum(value * strides[axis] for (axis, _), value in zip(fixed, base, strict=True))
+            lists.append(
+                [
+                    origin + sum(value * strides[axis] for (axis, _), value in zip(moving, offset, strict=True))
+                    for offset in itertools.product(*(range(size) for _, size in moving))
+                ]
+            )
+        return lists
+
+    def group_ranks(self, name: str, rank: int) -> list[int]:
+        """The ranks of ``rank``'s group ``name`` (a key of ``GROUPS``)."""
+        return next(ranks for ranks in self.groups(name) if rank in ranks)
 
     def tp_groups(self) -> list[list[int]]:
-        """Ranks that split one layer's weights: same (pp, dp), consecutive global ranks."""
-        return [
-            [self.global_rank(pp=p, dp=d, tp=t) for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)
-        ]
+        """Ranks that split one layer's weights: consecutive global ranks."""
+        return self.groups("tp")
 
     def dp_groups(self) -> list[list[int]]:
-        """Ranks that hold the same weights and all-reduce their gradients: same (pp, tp), stride tp."""
-        return [
-            [self.global_rank(pp=p, dp=d, tp=t) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)
-        ]
+        """Ranks that hold the same weights and the same sequence slice: stride cp * tp."""
+        return self.groups("dp")
 
     def pp_groups(self) -> list[list[int]]:
-        """One pipeline: same (dp, tp), one rank per stage, stride dp * tp."""
-        return [
-            [self.global_rank(pp=p, dp=d, tp=t) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)
-        ]
+        """One pipeline, one rank per stage: stride dp * cp * tp."""
+        return self.groups("pp")
 
     def mp_groups(self) -> list[list[int]]:
-        """One full model replica (TP x PP) per DP rank. After the DP all-reduce every replica holds the same
-        gradients, so the global gradient norm is the sum of squares over this group only (replicated
-        parameters counted once, on tp rank 0), square-rooted: no collective over the whole world is needed."""
-        return [
-            sorted(self.global_rank(pp=p, dp=d, tp=t) for p in range(self.pp) for t in range(self.tp))
-            for d in range(self.dp)
-        ]
-
-    def group_ranks(self, axis: str, rank: int) -> list[int]:
-        """The ranks of ``rank``'s group along ``axis`` ('tp', 'dp', 'pp' or 'mp')."""
-        lists = {"tp": self.tp_groups, "dp": self.dp_groups, "pp": self.pp_groups, "mp": self.mp_groups}
-        if axis not in lists:
-            raise ValueError(f"unknown axis {axis!r}: expected one of {sorted(lists)}")
-        return next(ranks for ranks in lists[axis]() if rank in ranks)
+        """One full model replica (TP x PP) per (dp, cp) rank. After the gradient reduction over dp x cp every
+        replica holds the same gradients, so the global gradient norm is the sum of squares over this group only
+        (replicated parameters counted once, on tp rank 0), square-rooted: no collective over the world."""
+        return self.groups("mp")
 
     def to_deepspeed(self) -> PipeModelDataParallelTopology:
-        """The same layout as DeepSpeed's topology object, for ``PipelineModule(topology=...)``."""
+        """The same layout as DeepSpeed's topology object, for ``PipelineModule(topology=...)``. DeepSpeed's 'data'
+        axis is dp x cp (its data-parallel groups reduce gradients), which are adjacent in the rank order."""
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-        return PipeModelDataParallelTopology(num_pp=self.pp, num_mp=self.tp, num_dp=self.dp)
+        return PipeModelDataParallelTopology(num_pp=self.pp, num_mp=self.tp, num_dp=self.dp * self.cp)
 
     # ---- process groups ----
 
     def init_process_groups(self) -> None:
-        """Create every TP, DP, PP and TP x PP group, once. Collective: every rank must call it.
+        """Create every group of ``GROUPS``, once. Collective: every rank must call it.
 
-        ``dist.new_group`` is itself collective over the whole world: every rank must create every group, in
-        the same order, even the groups it is not a member of, or the ranks pair up the wrong groups and hang.
-        So each rank walks the same four lists in the same order and keeps the handle of its own group.
+        ``dist.new_group`` is itself collective over the whole world: every rank must create every group, in the
+        same order, even the groups it is not a member of, or the ranks pair up the wrong groups and hang. So each
+        rank walks the same lists in the same order and keeps the handle of its own group. A list of groups equal
+        to one already created reuses its handles; groups of one rank (an axis of size 1) are the process's own
+        single-member group, created locally (``use_local_synchronization`` needs only the members to call it).
         """
         if self._groups is not None:
             return
@@ -162,43 +292,57 @@ class ParallelTopology:
             raise RuntimeError("torch.distributed is not initialized: call init_process_group first")
         if dist.get_world_size() != self.world_size:
             raise BadInput(
-                f"parallel layout: tp({self.tp}) * pp({self.pp}) * dp({self.dp}) = {self.world_size} "
-                f"!= launched world size {dist.get_world_size()}"
+                f"parallel layout: {self.factors} = {self.world_size} != launched world size {dist.get_world_size()}"
             )
         me = dist.get_rank()
-        mine: dict[str, Any] = {}
-        for axis, lists in (
-            ("tp", self.tp_groups()),
-            ("dp", self.dp_groups()),
-            ("pp", self.pp_groups()),
-            ("mp", self.mp_groups()),
-        ):
-            for ranks in lists:
-                group = dist.new_group(ranks=ranks)
-                if me in ranks:
-                    mine[axis] = group
-        self._groups = _Groups(**mine)
+        created: dict[tuple[tuple[int, ...], ...], dist.ProcessGroup] = {}
+        mine: dict[str, dist.ProcessGroup] = {}
+        for name in GROUPS:
+            lists = self.groups(name)
+            key = tuple(tuple(ranks) for ranks in lists)
+            if key not in created:
+                if all(len(ranks) == 1 for ranks in lists):
+                    created[key] = dist.new_group(ranks=[me], use_local_synchronization=True)
+                else:
+                    for ranks in lists:
+                        group = dist.new_group(ranks=ranks)
+                        if me in ranks:
+                            created[key] = group
+            mine[name] = created[key]
+        self._groups = mine
 
-    def _require_groups(self) -> _Groups:
+    def group(self, name: str) -> dist.ProcessGroup:
+        """This process's group ``name`` (a key of ``GROUPS``)."""
         if self._groups is None:
             raise RuntimeError(
                 "process groups are not created: call ParallelTopology.init_process_groups() on every rank"
             )
-        return self._groups
+        if name not in self._groups:
+            raise ValueError(f"unknown group {name!r}: expected one of {list(self._groups)}")
+        return self._groups[name]
 
     @property
     def tp_group(self) -> dist.ProcessGroup:
-        return self._require_groups().tp
+        return self.group("tp")
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
-        return self._require_groups().dp
+        return self.group("dp")
 
     @property
     def pp_group(self) -> dist.ProcessGroup:
-        return self._require_groups().pp
+        return self.group("pp")
 
     @property
     def mp_group(self) -> dist.ProcessGroup:
-        """Model-parallel group (TP x PP of one DP replica), for the global gradient norm."""
-        return self._require_groups().mp
+        """Model-parallel group (TP x PP of one replica), for the global gradient norm."""
+        return self.group("mp")
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup:
+        return self.group("cp")
+
+    @property
+    def dp_cp_group(self) -> dist.ProcessGroup:
+        """The group that reduces gradients over dp x cp: DeepSpeed's data-parallel group."""
+        return self.group("dp_cp")
