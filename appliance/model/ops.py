@@ -46,7 +46,9 @@ def bias_dropout_add(
     """
     if bias is not None:
         x = x + bias
-    return residual + F.dropout(x, p=p, training=training)
+    if training and p > 0:  # BLOOM trained without dropout: no copy and no mask for a no-op
+        x = F.dropout(x, p=p, training=True)
+    return residual + x
 
 
 def attention_probs(
@@ -60,9 +62,11 @@ def attention_probs(
     Returns [B, H, Q, K] in scores' dtype. A fully masked row (a padding query) gets a uniform distribution
     instead of NaN: masked scores are set to float32's lowest finite value, as transformers does.
     """
-    logits = scores.to(torch.float32) * inv_norm_factor + alibi.to(torch.float32)
+    # One fused pass, alibi + factor * scores, promoted to float32 (transformers fuses the same sum into baddbmm);
+    # the mask then writes into that fresh tensor in place.
+    logits = torch.add(alibi.to(torch.float32), scores.to(torch.float32), alpha=inv_norm_factor)
     if mask is not None:
-        logits = logits.masked_fill(~mask, torch.finfo(torch.float32).min)
+        logits.masked_fill_(~mask, torch.finfo(torch.float32).min)
     return torch.softmax(logits, dim=-1).to(scores.dtype)
 
 
@@ -83,7 +87,8 @@ def attention_core(
     """
     scores = torch.matmul(q, k.transpose(-1, -2))
     probs = attention_probs(scores, alibi, mask, inv_norm_factor)
-    probs = F.dropout(probs, p=dropout_p, training=training)
+    if training and dropout_p > 0:
+        probs = F.dropout(probs, p=dropout_p, training=True)
     return torch.matmul(probs, v)
 
 

@@ -101,9 +101,14 @@ def kernels_for(device: Device, model: ModelShape) -> KernelPath:
     )
 
 
+MIN_CHUNK_LOGITS = 1 << 22  # kernels.reference.MIN_CHUNK_LOGITS
+
+
 def loss_chunk_tokens(tokens: int, hidden: int, vocab_local: int) -> int:
     """Tokens per chunk of the chunked cross entropy: a chunk's logits hold about as many elements as the hidden
-    states, rounded up to a power of two (kernels.reference.auto_chunk_size, the rule its callers default to)."""
+    states but at least 2^22, rounded up to a power of two (kernels.reference.auto_chunk_size, the rule its callers
+    default to; a test holds the two equal)."""
     growth = max(1, math.ceil(vocab_local / max(hidden, 1)))
-    chunk = 1 << max(0, math.ceil(math.log2(max(1, math.ceil(tokens / growth)))))
+    wanted = max(math.ceil(tokens / growth), math.ceil(MIN_CHUNK_LOGITS / max(vocab_local, 1)))
+    chunk = 1 << max(0, math.ceil(math.log2(max(1, wanted))))
     return max(1, min(chunk, tokens))

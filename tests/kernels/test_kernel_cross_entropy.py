@@ -100,7 +100,9 @@ def test_auto_chunk_size_bounds_logits() -> None:
     # BLOOM-176B head, tp=4: 4096 tokens, hidden 14336, 62720 vocab rows per rank -> the logits chunk of 1024
     # tokens holds about as many elements as the hidden states
     assert reference.auto_chunk_size(4096, 14336, 62720) == 1024
-    assert reference.auto_chunk_size(3, 16, 50) == 1
+    assert reference.auto_chunk_size(3, 16, 50) == 3  # the floor of 2^22 logits: all three tokens in one chunk
+    # bloom-tiny-cpu's head: Liger's rule alone would give 16-token chunks; the floor makes them 512 (2^22 / 8192)
+    assert reference.auto_chunk_size(1024, 128, 8192) == 512
 
 
 def _tp_worker(rank: int, world: int, init_file: str, device: str) -> None:

@@ -56,7 +56,9 @@ def test_kernel_limits_are_the_kernels_own() -> None:
     assert _constant(ROOT / "kernels/layer_norm.py", "MAX_ROW") == LAYER_NORM_MAX_ROW
     from kernels.reference import auto_chunk_size
 
-    for tokens, hidden, vocab_local in [(2048, 1024, 250880), (4096, 14336, 62720), (1, 64, 512), (7, 3, 100)]:
+    for tokens, hidden, vocab_local in [
+        (2048, 1024, 250880), (4096, 14336, 62720), (1, 64, 512), (7, 3, 100), (1024, 128, 8192), (65536, 64, 512)
+    ]:  # fmt: skip
         assert loss_chunk_tokens(tokens, hidden, vocab_local) == auto_chunk_size(tokens, hidden, vocab_local)
 
 
