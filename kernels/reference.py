@@ -114,6 +114,10 @@ def flash_alibi_attention(
 # The driver below is shared by the torch twin and the Triton path: only the two per-row steps differ.
 RowStats = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 RowGrad = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor, float, int], None]
+# One rank's rows in one step: (lse, target logit, the unscaled gradient chunk or None), see ce_row_single.
+RowSingle = Callable[
+    [torch.Tensor, torch.Tensor, int, int, bool], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+]
 
 
 def ce_row_stats(
@@ -148,6 +152,36 @@ def ce_row_grad_(
         x.index_fill_(0, ignored, 0.0)
     if x is not logits:
         logits.copy_(x)
+
+
+def ce_row_single(
+    logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, ignore_index: int, grad: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Without tensor parallelism nothing is merged between the statistics and the gradient, so both come from one
+    torch softmax p (its fused CPU kernel is the fastest of the row passes; ce_row_stats then ce_row_grad_ would
+    run an exp over the chunk twice, plus two max passes). Returns per row lse = x_t - log p_t (exact where p_t is
+    a normal float; a row whose target probability underflows, or whose label is off the vocabulary, takes
+    logsumexp instead), the target logit x_t (0 off-shard), and with `grad` the unscaled d(loss)/d(logits) = p -
+    onehot (ignored rows 0) in a new fp32 tensor: the caller folds 1 / count into its GEMMs. Logits untouched."""
+    x = logits.float()
+    local = labels - vocab_start
+    owned = (local >= 0) & (local < x.shape[-1])
+    column = local.clamp(0, x.shape[-1] - 1)[:, None]
+    target = torch.where(owned, x.gather(1, column).squeeze(1), torch.zeros(()))
+    probs = torch.softmax(x, dim=-1)
+    p_target = probs.gather(1, column).squeeze(1)
+    lse = target - torch.log(p_target)
+    inexact = ~owned | (p_target < torch.finfo(torch.float32).tiny)
+    if bool(inexact.any()):
+        lse[inexact] = torch.logsumexp(x[inexact], dim=-1)
+    if not grad:
+        return lse, target, None
+    hit = (owned & (labels != ignore_index)).nonzero().squeeze(1)
+    probs[hit, local[hit]] -= 1.0
+    ignored = (labels == ignore_index).nonzero().squeeze(1)
+    if ignored.numel():
+        probs.index_fill_(0, ignored, 0.0)
+    return lse, target, probs
 
 
 # The smallest logits chunk worth a pass (16 MiB in fp32): below it each chunk's dozen small ops cost more than the
@@ -192,6 +226,7 @@ def chunked_vocab_ce(
     want_argmax: bool = False,
     row_stats: RowStats = ce_row_stats,
     row_grad: RowGrad = ce_row_grad_,
+    row_single: RowSingle | None = None,
 ) -> ChunkedCE:
     """Per-token CE of (hidden @ weight.T, labels) without the full logits, and what training and scoring need.
 
@@ -227,6 +262,12 @@ def chunked_vocab_ce(
         rows = slice(start, start + chunk)
         h, lab = hidden[rows], labels[rows]
         logits = h @ weight.t()  # [chunk, V_local] in the input dtype: the only logits ever alive
+        if row_single is not None and tp_group is None and argmax is None:
+            lse, target, grad = row_single(logits, lab, vocab_start, ignore_index, want_hidden or want_weight)
+            losses[rows] = torch.where(valid[rows], lse - target, torch.zeros_like(lse))
+            if grad is not None:  # in the logits' dtype, as the two-step path leaves it; 1 / count in the GEMMs
+                _gradient_gemms(grad.to(logits.dtype), h, weight, grad_hidden, grad_weight, rows, scale)
+            continue
         row_max, sum_exp, target = row_stats(logits, lab, vocab_start)
         local_arg = logits.argmax(dim=-1) + vocab_start if argmax is not None else None
         if tp_group is not None:
@@ -244,14 +285,30 @@ def chunked_vocab_ce(
         losses[rows] = torch.where(valid[rows], lse - target, torch.zeros_like(lse))
         if want_hidden or want_weight:
             row_grad(logits, lab, vocab_start, lse, scale, ignore_index)
-        if grad_hidden is not None:
-            torch.mm(logits, weight, out=grad_hidden[rows])
-        if grad_weight is not None:
-            # accumulated in the GEMM epilogue (fp32 inside, one rounding per chunk): no [V, H] temporary
-            grad_weight.addmm_(logits.t(), h)
+            _gradient_gemms(logits, h, weight, grad_hidden, grad_weight, rows)
     if tp_group is not None and grad_hidden is not None:
         dist.all_reduce(grad_hidden, group=tp_group)
     return ChunkedCE(losses, grad_hidden, grad_weight, argmax)
+
+
+def _gradient_gemms(
+    grad_logits: torch.Tensor,
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    grad_hidden: torch.Tensor | None,
+    grad_weight: torch.Tensor | None,
+    rows: slice,
+    scale: float = 1.0,
+) -> None:
+    """One chunk's share of the two gradients from scale x d(loss)/d(logits) [chunk, V_local] (the scale applied to
+    the [chunk, H] and [V_local, H] results, not to the wider logits)."""
+    if grad_hidden is not None:
+        torch.mm(grad_logits, weight, out=grad_hidden[rows])
+        if scale != 1.0:
+            grad_hidden[rows].mul_(scale)
+    if grad_weight is not None:
+        # accumulated in the GEMM epilogue (fp32 inside, one rounding per chunk): no [V, H] temporary
+        grad_weight.addmm_(grad_logits.t(), h, alpha=scale)
 
 
 def reduce_losses(losses: torch.Tensor, valid: torch.Tensor, reduction: str) -> torch.Tensor:
@@ -285,6 +342,7 @@ class VocabCrossEntropyFunction(torch.autograd.Function):
         reduction: str,
         row_stats: RowStats,
         row_grad: RowGrad,
+        row_single: RowSingle | None,
     ) -> torch.Tensor:
         result = chunked_vocab_ce(
             hidden,
@@ -297,6 +355,7 @@ class VocabCrossEntropyFunction(torch.autograd.Function):
             reduction=reduction,
             row_stats=row_stats,
             row_grad=row_grad,
+            row_single=row_single,
         )
         ctx.save_for_backward(result.grad_hidden, result.grad_weight)
         return reduce_losses(result.losses, labels != ignore_index, reduction)
@@ -306,7 +365,7 @@ class VocabCrossEntropyFunction(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         dh = grad_hidden * grad_loss.to(grad_hidden.dtype) if grad_hidden is not None else None
         dw = grad_weight * grad_loss.to(grad_weight.dtype) if grad_weight is not None else None
-        return dh, dw, None, None, None, None, None, None, None, None
+        return dh, dw, None, None, None, None, None, None, None, None, None
 
 
 def apply_vocab_cross_entropy(
@@ -319,6 +378,7 @@ def apply_vocab_cross_entropy(
     row_stats: RowStats,
     row_grad: RowGrad,
     reduction: str = "mean",
+    row_single: RowSingle | None = None,
 ) -> torch.Tensor:
     """Flatten tokens and run VocabCrossEntropyFunction, computing only the gradients autograd will ask for.
     reduction "none" returns per-token losses shaped like labels (no gradient)."""
@@ -331,12 +391,13 @@ def apply_vocab_cross_entropy(
             result = chunked_vocab_ce(
                 h, weight, flat_labels, chunk_size=chunk_size, ignore_index=ignore_index, tp_group=tp_group,
                 want_grad=want_grad, reduction=reduction,
-                row_stats=row_stats, row_grad=row_grad,
+                row_stats=row_stats, row_grad=row_grad, row_single=row_single,
             )  # fmt: skip
         return result.losses.view(labels.shape)
     return VocabCrossEntropyFunction.apply(
-        h, weight, flat_labels, chunk_size, ignore_index, tp_group, want_grad, reduction, row_stats, row_grad
-    )
+        h, weight, flat_labels, chunk_size, ignore_index, tp_group, want_grad, reduction,
+        row_stats, row_grad, row_single,
+    )  # fmt: skip
 
 
 @torch.no_grad()
@@ -377,7 +438,7 @@ def vocab_cross_entropy(
 ) -> torch.Tensor:
     """Cross-entropy of hidden @ weight.T against labels (torch twin of kernels.cross_entropy)."""
     return apply_vocab_cross_entropy(
-        hidden, weight, labels, chunk_size, ignore_index, tp_group, ce_row_stats, ce_row_grad_, reduction
+        hidden, weight, labels, chunk_size, ignore_index, tp_group, ce_row_stats, ce_row_grad_, reduction, ce_row_single
     )
 
 

@@ -50,6 +50,30 @@ def test_matches_full_logits(backend, dtype, chunk_size, device, assert_matches)
     assert_matches(w.grad, dw32, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_one_rank_single_pass_equals_the_two_step_rows(dtype: torch.dtype, reduction: str) -> None:
+    """The torch twin's one-rank path (ce_row_single: statistics and gradient from one softmax, 1 / count folded
+    into the GEMMs) against the two passes the tensor-parallel path and the Triton kernels share, on the same chunks:
+    losses (x_t - log p_t instead of max + log sum) and gradients equal to fp32 rounding, and in bf16 within one
+    bf16 rounding of the gradient chunk (the paths round it to bf16 before and after the 1 / count scale)."""
+    h, w, labels = _problem(13, 16, 50, seed=21)
+    h, w = h.to(dtype), w.to(dtype)
+    runs = {}
+    for single in (None, reference.ce_row_single):
+        runs[single is None] = reference.chunked_vocab_ce(
+            h, w, labels, chunk_size=5, ignore_index=-100, tp_group=None, want_grad=(True, True),
+            reduction=reduction, row_single=single,
+        )  # fmt: skip
+    two_step, one_pass = runs[True], runs[False]
+    torch.testing.assert_close(one_pass.losses, two_step.losses, rtol=1e-6, atol=1e-6)
+    assert bool((one_pass.losses[labels == -100] == 0).all())
+    tol = {torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]  # bf16: 2^-7 relative, one rounding of the chunk
+    for got, want in ((one_pass.grad_hidden, two_step.grad_hidden), (one_pass.grad_weight, two_step.grad_weight)):
+        assert got is not None and want is not None
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
 def test_batched_input_all_ignored_and_no_grad(device, triton_backend, monkeypatch: pytest.MonkeyPatch) -> None:
     h, w, labels = _problem(12, 8, 20, seed=12)
     h3, lab3 = h.view(3, 4, 8).to(device), labels.view(3, 4).to(device)
