@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from appliance.planner.layout import pipeline_partition
 from appliance.planner.plan import CONVENTIONS, Plan
+from appliance.planner.sizing import duration_text
 
 
 def _si(value: float, unit: str) -> str:
@@ -12,16 +13,6 @@ def _si(value: float, unit: str) -> str:
         if abs(value) >= scale:
             return f"{value / scale:.3g} {prefix}{unit}"
     return f"{value:.3g} {unit}"
-
-
-def _duration(seconds: float) -> str:
-    if seconds >= 2 * 86400:
-        return f"{seconds / 86400:.1f} days"
-    if seconds >= 2 * 3600:
-        return f"{seconds / 3600:.1f} hours"
-    if seconds >= 120:
-        return f"{seconds / 60:.1f} minutes"
-    return f"{seconds:.3g} s"
 
 
 def _layout_line(plan: Plan) -> str:
@@ -92,9 +83,11 @@ def format_plan(plan: Plan) -> str:
         out += [f"  {line}" for line in plan.sizing]
     r = plan.run
     cost = f", ${r.cost_usd:,.0f} at ${r.usd_per_gpu_hour:.2f} per GPU-hour" if hw.has_gpus else ""
-    gpu_hours = f", {r.gpu_hours:,.0f} GPU-hours" if hw.has_gpus else ""
+    # whole GPU-hours for real runs; two digits for the minutes-long runs a small corpus or budget plans
+    hours = f"{r.gpu_hours:,.0f}" if r.gpu_hours >= 10 else f"{r.gpu_hours:.2g}"
+    gpu_hours = f", {hours} GPU-hours" if hw.has_gpus else ""
     out.append(
-        f"Run estimate: {_duration(r.time_s)}{gpu_hours}, {_si(r.energy_kwh * 1000, 'Wh')} (PUE {r.pue:g}),"
+        f"Run estimate: {duration_text(r.time_s)}{gpu_hours}, {_si(r.energy_kwh * 1000, 'Wh')} (PUE {r.pue:g}),"
         f" {r.co2_kg:,.3g} kg CO2 at {r.kg_co2_per_kwh:g} kg/kWh{cost}"
     )
     out.append("FLOP conventions:")
