@@ -1,8 +1,9 @@
 """The parallel layout: one self-checking object (torchtitan's ParallelDims pattern). Only the planner picks degrees;
 everyone else reads them from here.
 
-Rank order is TP innermost (inside a node), then DP, then PP, as DeepSpeed's PipeModelDataParallelTopology lays
-ranks out: rank = tp_rank + tp * (dp_rank + dp * pp_rank).
+Rank order is TP innermost (inside a node), then CP, then DP, then PP (appliance/parallel/topology.py):
+rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank)); with cp = 1 this is DeepSpeed's
+PipeModelDataParallelTopology.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ from appliance.errors import BadInput
 from appliance.planner.model_shape import RECOMPUTE_MODES
 
 ZERO_STAGES = (0, 1, 2)
+# Context (segment) parallelism: how attention sees the whole sequence when each CP rank holds a slice of it.
+# "ulysses": an all-to-all trades the sequence split for a head split (DeepSpeed-Ulysses), so heads per TP rank
+# must divide by cp; "ring": key/value chunks travel a ring of CP ranks, zigzag-ordered to balance causal work.
+CP_MODES = ("ulysses", "ring")
 # parse_layout keys and the field each sets; unnamed fields take BLOOM-176B's settings (ZeRO-1-equivalent bf16
 # optimizer, full activation recompute, no sequence parallelism), so "tp=4,pp=12,dp=8,mbs=2" is BLOOM's layout.
 LAYOUT_KEYS = {
@@ -30,7 +35,11 @@ LAYOUT_KEYS = {
     "recompute": "recompute",
     "sp": "sequence_parallel",
     "sequence_parallel": "sequence_parallel",
+    "cp": "cp",
+    "cp_mode": "cp_mode",
 }
+# Keys a plan.json written before context parallelism lacks; reading one fills in these defaults (runspec.py).
+LATER_LAYOUT_KEYS = ("cp", "cp_mode")
 
 
 @dataclass(frozen=True)
@@ -43,10 +52,12 @@ class Layout:
     zero_stage: int = 1
     recompute: str = "full"
     sequence_parallel: bool = False
+    cp: int = 1  # context-parallel ranks per sequence; they hold the same weights, so batch sizes count over dp
+    cp_mode: str = "ulysses"
 
     def __post_init__(self) -> None:
         problems = []
-        for key in ("tp", "pp", "dp", "micro_batch_size"):
+        for key in ("tp", "pp", "dp", "cp", "micro_batch_size"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 problems.append(f"{key} must be a positive integer, got {value!r}")
@@ -56,6 +67,8 @@ class Layout:
             problems.append(f"zero_stage must be 0, 1 or 2, got {self.zero_stage!r}")
         if self.recompute not in RECOMPUTE_MODES:
             problems.append(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}")
+        if self.cp_mode not in CP_MODES:
+            problems.append(f"cp_mode must be one of {', '.join(CP_MODES)}, got {self.cp_mode!r}")
         if problems:
             raise BadInput(f"layout {self.describe()}: " + "; ".join(problems))
         if self.zero_stage == 2 and self.pp > 1:
@@ -71,22 +84,38 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def factors(self) -> str:
+        """The world size's factors for messages: ``tp(4) * pp(12) * dp(8)``, with ``* cp(C)`` when cp > 1."""
+        shown = [("tp", self.tp), ("pp", self.pp), ("dp", self.dp)] + ([("cp", self.cp)] if self.cp > 1 else [])
+        return " * ".join(f"{name}({size})" for name, size in shown)
 
     @property
     def micro_batches(self) -> int:
         """Micro-batches per step and pipeline (gradient-accumulation steps)."""
         return self.global_batch_size // (self.micro_batch_size * self.dp) if self.global_batch_size else 0
 
-    def validate(self, world_size: int, heads: int, layers: int) -> None:
+    def validate(self, world_size: int, heads: int, layers: int, seq_len: int | None = None) -> None:
         """Check the layout against a world size and a model; BadInput listing every broken rule, every factor named."""
         problems = []
         if self.world_size != world_size:
-            problems.append(
-                f"tp({self.tp}) * pp({self.pp}) * dp({self.dp}) = {self.world_size} != world size {world_size}"
-            )
+            problems.append(f"{self.factors} = {self.world_size} != world size {world_size}")
         if heads % self.tp:
             problems.append(f"heads({heads}) is not divisible by tp({self.tp})")
+        elif self.cp > 1 and self.cp_mode == "ulysses" and (heads // self.tp) % self.cp:
+            # After Ulysses' all-to-all each CP rank attends with (heads / tp) / cp whole heads.
+            problems.append(
+                f"heads({heads}) / tp({self.tp}) = {heads // self.tp} heads per TP rank is not divisible by"
+                f" cp({self.cp}) (cp_mode=ulysses splits them over the CP ranks; cp_mode=ring does not)"
+            )
+        chunks = self.sequence_chunks
+        if seq_len is not None and seq_len % chunks:
+            problems.append(
+                f"seq_len({seq_len}) is not divisible by {chunks} (cp({self.cp}) chunks"
+                + (", two per rank for the zigzag order)" if self.cp_mode == "ring" and self.cp > 1 else ")")
+            )
         partition_problem = partition_error(layers, self.pp)
         if partition_problem:
             problems.append(partition_problem)
@@ -103,14 +132,23 @@ class Layout:
             "zero_stage": self.zero_stage,
             "recompute": self.recompute,
             "sequence_parallel": self.sequence_parallel,
+            "cp": self.cp,
+            "cp_mode": self.cp_mode,
         }
+
+    @property
+    def sequence_chunks(self) -> int:
+        """How many equal pieces each sequence is cut into: cp, or 2 * cp for ring's zigzag order (rank r holds
+        pieces r and 2cp-1-r, so every rank gets the same share of causal attention work)."""
+        return 2 * self.cp if self.cp > 1 and self.cp_mode == "ring" else self.cp
 
     def describe(self) -> str:
         """The layout in parse_layout's syntax."""
         text = f"tp={self.tp},pp={self.pp},dp={self.dp},mbs={self.micro_batch_size}"
         if self.global_batch_size:
             text += f",gbs={self.global_batch_size}"
-        return text + f",zero={self.zero_stage},recompute={self.recompute},sp={int(bool(self.sequence_parallel))}"
+        text += f",zero={self.zero_stage},recompute={self.recompute},sp={int(bool(self.sequence_parallel))}"
+        return text + (f",cp={self.cp},cp_mode={self.cp_mode}" if self.cp > 1 else "")
 
 
 @dataclass(frozen=True)
@@ -150,8 +188,9 @@ def pipeline_partition(layers: int, pp: int) -> Partition:
 
 
 def parse_layout(text: str) -> Layout:
-    """Parse "tp=4,pp=12,dp=8,mbs=2[,gbs=2048][,zero=1][,recompute=full][,sp=1]"; BadInput naming the bad part.
-    tp, pp and dp are required; mbs defaults to 1; zero, recompute and sp default to BLOOM-176B's (1, full, 0)."""
+    """Parse "tp=4,pp=12,dp=8,mbs=2[,gbs=2048][,zero=1][,recompute=full][,sp=1][,cp=2][,cp_mode=ring]"; BadInput
+    naming the bad part. tp, pp and dp are required; mbs defaults to 1; zero, recompute and sp default to
+    BLOOM-176B's (1, full, 0); cp to 1 and cp_mode to ulysses."""
     values: dict[str, int | str | bool] = {}
     parts = [p for p in re.split(r"[,\s]+", text.strip()) if p]
     if not parts:
@@ -163,7 +202,8 @@ def parse_layout(text: str) -> Layout:
             raise BadInput(f"--layout {text!r}: {part!r} is not key=value")
         if key not in LAYOUT_KEYS:
             raise BadInput(
-                f"--layout {text!r}: unknown key {key!r} in {part!r} (known: tp, pp, dp, mbs, gbs, zero, recompute, sp)"
+                f"--layout {text!r}: unknown key {key!r} in {part!r}"
+                " (known: tp, pp, dp, mbs, gbs, zero, recompute, sp, cp, cp_mode)"
             )
         name = LAYOUT_KEYS[key]
         if name in values:
@@ -182,6 +222,10 @@ def _layout_value(name: str, raw: str, part: str, text: str) -> int | str | bool
     if name == "recompute":
         if raw not in RECOMPUTE_MODES:
             raise BadInput(f"--layout {text!r}: {part!r}: recompute must be one of {', '.join(RECOMPUTE_MODES)}")
+        return raw
+    if name == "cp_mode":
+        if raw not in CP_MODES:
+            raise BadInput(f"--layout {text!r}: {part!r}: cp_mode must be one of {', '.join(CP_MODES)}")
         return raw
     if name == "sequence_parallel":
         lowered = raw.lower()

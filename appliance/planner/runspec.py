@@ -33,7 +33,7 @@ from typing import Any
 from appliance.errors import BadInput
 from appliance.hardware.carbon import CarbonProfile
 from appliance.hardware.profile import Hardware
-from appliance.planner.layout import Layout, pipeline_partition
+from appliance.planner.layout import LATER_LAYOUT_KEYS, Layout, pipeline_partition
 from appliance.planner.model_shape import DEFAULT_INIT_STD, ModelShape
 from appliance.planner.train_settings import TrainSettings
 from appliance.planner.typed_json import check_keys, dotted, from_json, required_fields, to_json
@@ -163,7 +163,7 @@ class RunSpec:
         ]
         if problems:
             raise BadInput("; ".join(problems))
-        lay.validate(lay.world_size, self.model.heads, self.model.layers)
+        lay.validate(lay.world_size, self.model.heads, self.model.layers, self.model.seq_len)
 
     # ---- reading -------------------------------------------------------------------------------------------
     @classmethod
@@ -261,7 +261,8 @@ def _section(cls: type[Any], data: Any, where: str, source: str) -> Any:
     accepted = (*DERIVED.get(where, ()), *LEGACY.get(where, ()))
     # Layout's defaults (zero 1, full recompute, no SP: BLOOM-176B's) complete a `--layout` string; a plan states
     # every key, since a default filled in here would silently decide how the ranks run.
-    required = [f.name for f in dataclasses.fields(cls)] if cls is Layout else None
+    # Only the context-parallel keys, which plans written before them lack, default (to cp = 1).
+    required = [f.name for f in dataclasses.fields(cls) if f.name not in LATER_LAYOUT_KEYS] if cls is Layout else None
     return from_json(cls, data, where=where, source=source, accepted=accepted, required=required)
 
 

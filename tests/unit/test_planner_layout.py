@@ -123,7 +123,9 @@ def test_zero2_with_a_pipeline_is_refused_and_never_searched() -> None:
         ("", "--layout is empty"),
         ("tp=4,pp=12", "missing dp"),
         ("tp=4,pp=12,dp=8,mbs=two", "'mbs=two': 'two' is not a non-negative integer"),
-        ("tp=4,pp=12,dp=8,cp=2", "unknown key 'cp' in 'cp=2'"),
+        ("tp=4,pp=12,dp=8,ep=2", "unknown key 'ep' in 'ep=2'"),
+        ("tp=4,pp=12,dp=8,cp=2,cp_mode=flat", "'cp_mode=flat': cp_mode must be one of ulysses, ring"),
+        ("tp=4,pp=12,dp=8,cp=0", "cp must be a positive integer"),
         ("tp=4,pp=12,dp=8,recompute=most", "'recompute=most': recompute must be one of none, selective, full"),
         ("tp=4,pp=12,dp=8,sp=maybe", "'sp=maybe': sp must be 0 or 1"),
         ("tp=4,tp=2,pp=1,dp=1", "'tp' is given twice"),
@@ -147,3 +149,21 @@ def test_pipeline_partition() -> None:
     assert pipeline_partition(70, 8).layers_per_stage == (8, *[9] * 6, 8)
     with pytest.raises(BadInput, match=r"layers\(70\) cannot be balanced over pp\(16\)"):
         pipeline_partition(70, 16)
+
+
+def test_context_parallel_layout() -> None:
+    layout = parse_layout("tp=2,pp=2,dp=2,cp=4,cp_mode=ring")
+    assert (layout.cp, layout.cp_mode, layout.world_size) == (4, "ring", 32)
+    # Ring cuts each sequence into 2 * cp pieces for the zigzag order; Ulysses into cp.
+    assert layout.sequence_chunks == 8 and parse_layout("tp=1,pp=1,dp=1,cp=4").sequence_chunks == 4
+    assert parse_layout(layout.describe()) == layout
+    assert parse_layout("tp=1,pp=1,dp=2").to_dict()["cp"] == 1  # plans state cp even when it is 1
+    layout.validate(32, heads=8, layers=4, seq_len=64)
+    with pytest.raises(BadInput) as err:
+        layout.validate(16, heads=8, layers=4, seq_len=36)
+    message = str(err.value)
+    assert "tp(2) * pp(2) * dp(2) * cp(4) = 32 != world size 16" in message
+    assert "seq_len(36) is not divisible by 8 (cp(4) chunks, two per rank for the zigzag order)" in message
+    # Ulysses gives each CP rank (heads / tp) / cp whole heads after its all-to-all.
+    with pytest.raises(BadInput, match=r"heads\(8\) / tp\(2\) = 4 heads per TP rank is not divisible by cp\(8\)"):
+        parse_layout("tp=2,pp=1,dp=1,cp=8").validate(16, heads=8, layers=4, seq_len=64)

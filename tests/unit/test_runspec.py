@@ -233,3 +233,14 @@ def test_relayout_keeps_the_train_sections_micro_batch_with_the_layouts(tmp_path
     change_layout(run, "tp=1,pp=1,dp=1,mbs=4")
     spec = load_spec(run.plan)
     assert (spec.layout.micro_batch_size, spec.train.micro_batch_size, spec.layout.micro_batches) == (4, 4, 2)
+
+
+def test_a_plan_written_before_context_parallelism_reads_as_cp_1(tmp_path: Path, default_plan: dict[str, Any]) -> None:
+    older = json.loads(json.dumps(default_plan))
+    del older["layout"]["cp"], older["layout"]["cp_mode"]
+    spec = load_spec(_write(tmp_path, older))
+    assert (spec.layout.cp, spec.layout.cp_mode) == (1, "ulysses")
+    # Every other layout key is still required: a default would decide how the ranks run.
+    del older["layout"]["zero_stage"]
+    with pytest.raises(BadInput, match="zero_stage"):
+        load_spec(_write(tmp_path, older))
