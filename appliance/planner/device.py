@@ -1,8 +1,10 @@
 """What one rank runs on, and the links between ranks, as rates the cost model can divide by.
 
 A rank is a GPU, or on a machine without GPUs a CPU process with its share of the cores (gloo ranks). Ranks are
-laid out TP innermost, then DP, then PP, so a TP group is consecutive ranks and sits inside a node whenever
-tp <= ranks per node.
+laid out TP innermost, then CP, then DP, then PP (layout.py), so a TP group is consecutive ranks and sits inside a
+node whenever tp <= ranks per node, a CP group spans tp x cp consecutive ranks, and the gradient-reducing dp x cp
+ranks span tp x cp x dp. The links below take the rank counts that matter to them: callers pass dp x cp as `dp`
+where the group is dp_cp (gradients, ZeRO's gather, what a pipeline stage holds).
 """
 
 from __future__ import annotations
@@ -132,9 +134,16 @@ def tp_link(hw: Hardware, device: Device, tp: int) -> Link:
     return _inter(hw, sharing=1.0)  # every rank of the node is in the same TP group: one ring uses the ports
 
 
+def cp_link(hw: Hardware, device: Device, tp: int, cp: int) -> Link:
+    """CP ranks sit right outside TP, strided by tp: inside a node when tp x cp <= ranks per node, otherwise
+    across nodes, sharing the ports as a DP group of cp ranks would."""
+    return dp_link(hw, device, tp, cp)
+
+
 def dp_link(hw: Hardware, device: Device, tp: int, dp: int) -> Link:
-    """DP groups are strided by tp. Inside a node when tp*dp ranks fit in one; otherwise each node's ports carry
-    one ring per DP group that has members there (ranks_per_node / members-per-node of them)."""
+    """DP groups are strided by tp (`dp`: dp x cp ranks when they reduce gradients over dp_cp). Inside a node when
+    tp*dp ranks fit in one; otherwise each node's ports carry one ring per DP group that has members there
+    (ranks_per_node / members-per-node of them)."""
     if tp * dp <= device.ranks_per_node:
         return _intra(hw)
     members_per_node = max(1, min(dp, device.ranks_per_node // tp))

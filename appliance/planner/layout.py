@@ -93,6 +93,12 @@ class Layout:
         return " * ".join(f"{name}({size})" for name, size in shown)
 
     @property
+    def dp_cp(self) -> int:
+        """Ranks that hold the same weights and reduce their gradients together (the topology's dp_cp group):
+        ZeRO partitions the optimizer states over them."""
+        return self.dp * self.cp
+
+    @property
     def micro_batches(self) -> int:
         """Micro-batches per step and pipeline (gradient-accumulation steps)."""
         return self.global_batch_size // (self.micro_batch_size * self.dp) if self.global_batch_size else 0

@@ -11,10 +11,13 @@ section 4), written for any f and element size below, with the attention and los
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from appliance.hardware.profile import Hardware
 from appliance.planner import calibration as cal
+from appliance.planner import context_parallel
+from appliance.planner.context_parallel import local_tokens
 from appliance.planner.device import GIB, Device, make_device
 from appliance.planner.kernel_path import (
     FLASH,
@@ -118,6 +121,7 @@ def activation_bytes_per_layer(
     seq_len: int | None = None,
     *,
     kernels: KernelPath,
+    cp: int = 1,
 ) -> float:
     """Bytes one block keeps for backward, per micro-batch and TP rank (Korthikanti et al., Table 2, for
     Megatron's kernels with dropout):
@@ -128,11 +132,13 @@ def activation_bytes_per_layer(
     Q, K, V, context and attention-output input (8) and the MLP's GeLU and fc2 inputs (16 = 4f/h for f = 4h); 5as/h
     are the scores (score_bytes_per_element). For 4-byte activations the tensors double and the masks stay 1 byte.
     Our kernels keep no dropout masks (BLOOM's dropout is 0) and their own score bytes; flash keeps instead one fp32
-    logsumexp per query row and head (4 b a s / t), and selective recompute changes nothing under it."""
+    logsumexp per query row and head (4 b a s / t), and selective recompute changes nothing under it.
+    Context parallelism (cp ranks per sequence) keeps s/cp of the tokens on each rank: every s b h term falls by
+    cp, and the scores (s/cp queries against s keys, or a/cp heads over the whole square) too."""
     s = model.seq_len if seq_len is None else seq_len
     b, h, a, f = micro_batch_size, model.hidden, model.heads, model.ffn_hidden
     scale = act_bytes / 2
-    sbh = s * b * h
+    sbh = local_tokens(s, cp) * b * h  # the scores' key length stays s below
     if recompute == "full":
         return act_bytes * sbh / (tp if sequence_parallel else 1)
     masks = 2 if kernels.dropout_masks else 0
@@ -152,14 +158,16 @@ def _block_workspace(model: ModelShape, layout: Layout, act_bytes: int, s: int, 
     (2 s b h), and the attention core's own backward scratch:
     Megatron: the score gradient (one [s, s] tensor in the compute dtype, as calibrated);
     materialised: two fp32 [s, s] gradients live at once inside the fp32 softmax backward, plus dQ, dK, dV;
-    flash: dQ, dK, dV (3 s b h / t) and one fp32 row statistic per query (4 b a s / t), nothing [s, s]."""
-    b, h, a, t = layout.micro_batch_size, model.hidden, model.heads, layout.tp
-    sbh = s * b * h
+    flash: dQ, dK, dV (3 s b h / t) and one fp32 row statistic per query (4 b a s / t), nothing [s, s].
+    With cp ranks per sequence each of them holds s/cp tokens and s^2/cp scores."""
+    b, h, a, t, c = layout.micro_batch_size, model.hidden, model.heads, layout.tp, layout.cp
+    s_local = local_tokens(s, c)
+    sbh = s_local * b * h
     grads = 2 * act_bytes * sbh
-    scores = b * a * s * s / t  # [s, s] elements of one block on this TP rank
+    scores = b * a * s_local * s / t  # [s, s] elements of one block on this TP (and CP) rank
     if layout.recompute == "full":
         rebuilt = activation_bytes_per_layer(
-            model, b, t, "none", layout.sequence_parallel, act_bytes, s, kernels=kernels
+            model, b, t, "none", layout.sequence_parallel, act_bytes, s, kernels=kernels, cp=c
         )
     elif layout.recompute == "selective" and kernels.selective_recompute_helps:
         rebuilt = score_bytes_per_element(kernels, act_bytes) * scores
@@ -168,24 +176,24 @@ def _block_workspace(model: ModelShape, layout: Layout, act_bytes: int, s: int, 
     if kernels.attention == MEGATRON_SOFTMAX:
         core = act_bytes * scores
     elif kernels.attention == FLASH:
-        core = 3 * act_bytes * sbh / t + 4 * b * a * s / t
+        core = 3 * act_bytes * sbh / t + 4 * b * a * s_local / t
     else:
         core = 8 * scores + 3 * act_bytes * sbh / t
     return rebuilt + grads + core
 
 
-def logits_bytes(model: ModelShape, layout: Layout, act_bytes: int, s: int, kernels: KernelPath) -> float:
+def logits_bytes(model: ModelShape, layout: Layout, act_bytes: int, s: float, kernels: KernelPath) -> float:
     """What the loss holds on the last stage for one micro-batch.
     Full logits (Megatron's vocab-parallel cross entropy): the logits plus the fp32 softmax, (act + 4) s b V / t.
     Chunked (ours): one chunk of logits (loss_chunk_tokens x V/t, about s b h elements), two fp32 temporaries of it
     in the torch twin (none in the Triton row kernels), and the hidden-state gradient it computes in the forward
     and keeps for backward (act s b h). Its weight-gradient buffer is the LM head's gradient, which the model
-    states already count."""
+    states already count. `s`: the tokens of a sequence on this rank (s/cp under context parallelism)."""
     tokens = s * layout.micro_batch_size
     vocab_local = model.padded_vocab(layout.tp) / layout.tp
     if kernels.loss == FULL_LOGITS_CE:
         return (act_bytes + 4) * tokens * vocab_local
-    chunk = loss_chunk_tokens(tokens, model.hidden, int(vocab_local))
+    chunk = loss_chunk_tokens(math.ceil(tokens), model.hidden, int(vocab_local))
     per_logit = act_bytes + (0 if kernels.triton else 8)
     return chunk * vocab_local * per_logit + act_bytes * tokens * model.hidden
 
@@ -194,7 +202,9 @@ def memory_for_device(
     layout: Layout, model: ModelShape, device: Device, seq_len: int | None = None, kernels: KernelPath | None = None
 ) -> MemoryEstimate:
     """memory_per_gpu with the device already built (the search calls this in its loop). `kernels`: what the run
-    executes (default: what our appliance runs on this device, kernel_path.kernels_for)."""
+    executes (default: what our appliance runs on this device, kernel_path.kernels_for).
+    Context parallelism: each rank holds s/cp of every sequence (activations, pipe buffers, logits), the exchange
+    buffers of its mode, and whole weights; ZeRO partitions the optimizer over dp x cp (context_parallel.py)."""
     kernels = kernels or kernels_for(device, model)
     s = model.seq_len if seq_len is None else seq_len
     partition = pipeline_partition(model.layers, layout.pp)
@@ -202,29 +212,34 @@ def memory_for_device(
     act = device.act_bytes
     m = max(1, layout.micro_batches)
     per_layer = activation_bytes_per_layer(
-        model, b, t, layout.recompute, layout.sequence_parallel, act, s, kernels=kernels
+        model, b, t, layout.recompute, layout.sequence_parallel, act, s, kernels=kernels, cp=layout.cp
     )
+    per_layer += context_parallel.stored_bytes_per_layer(model, layout, s, act)
     sp_div = t if layout.sequence_parallel else 1
     workspace = _block_workspace(model, layout, act, s, kernels)
+    cp_buffers = context_parallel.buffer_bytes(model, layout, s, act)
+    s_local = local_tokens(s, layout.cp)
     mask = 1 if kernels.dropout_masks else 0
     best: MemoryEstimate | None = None
     for stage in sorted({0, min(1, p - 1), p - 1}):  # middle stages hold less in flight than stage 1
         in_flight = min(p - stage, m) if p > 1 else 1  # 1F1B: stage i holds p - i micro-batches
         states = state_bytes(
-            stage_parameters(model, layout, stage, partition), layout.zero_stage, layout.dp, device.dtype
+            stage_parameters(model, layout, stage, partition), layout.zero_stage, layout.dp_cp, device.dtype
         )
         stored = partition.layers_per_stage[stage] * per_layer
         if stage == 0:
-            stored += (act + mask) * s * b * h / sp_div  # embedding LayerNorm input (and embedding dropout mask)
+            stored += (act + mask) * s_local * b * h / sp_div  # embedding LayerNorm input (and dropout mask)
         if stage == p - 1:
-            stored += act * s * b * h / sp_div  # final LayerNorm input
-        pipe_buffers = act * s * b * h * in_flight if stage < p - 1 else 0.0  # DeepSpeed keeps each stage output
-        logits = logits_bytes(model, layout, act, s, kernels) if stage == p - 1 else 0.0
+            stored += act * s_local * b * h / sp_div  # final LayerNorm input
+        # DeepSpeed keeps each stage output
+        pipe_buffers = act * s_local * b * h * in_flight if stage < p - 1 else 0.0
+        logits = logits_bytes(model, layout, act, s_local, kernels) if stage == p - 1 else 0.0
         breakdown = {
             **states,
             "activations": stored * in_flight,
             "pipe_buffers": pipe_buffers,
             "workspace": workspace,
+            "cp_buffers": cp_buffers,
             "logits": logits,
         }
         allocated = sum(breakdown.values())

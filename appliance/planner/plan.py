@@ -144,25 +144,30 @@ def _resolve_batch(layout: Layout | None, requested: int | None, default: int) -
 
 def _rejections(result: SearchResult, best: Evaluated | None) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """The alternatives worth showing: hard-constraint failures, faster layouts that do not fit, and the best of
-    the layouts that fit but run slower (one per tp/pp/dp/mbs/recompute combination)."""
+    the layouts that fit but run slower (one per tp/pp/dp/cp/mbs/recompute combination); when the best splits
+    sequences (cp > 1), first the layout without CP it beat."""
     out: list[dict[str, Any]] = [{"layout": w, "reason": r} for w, r in result.constraint_rejections]
     out = out[:MAX_REJECTED_PER_KIND]
+    seen: set[tuple[Any, ...]] = set()
+    without_cp = _best_without_cp(result) if best is not None and best.layout.cp > 1 else None
+    if without_cp is not None and best is not None:  # the layout CP beat, first: why the plan splits sequences
+        seen.add(_shown_key(without_cp.layout))
+        out.append({"layout": without_cp.layout.to_dict(), "reason": _lost_to_cp(without_cp, best)})
     infeasible = sorted((e for e in result.evaluated if not e.feasible), key=Evaluated.rank_key)
     feasible = sorted((e for e in result.evaluated if e.feasible and e is not best), key=Evaluated.rank_key)
     best_time = best.time.total_s if best else float("inf")
-    seen: set[tuple[Any, ...]] = set()
     shown = 0
     for e in infeasible:
         if e.time.total_s >= best_time or shown >= MAX_REJECTED_PER_KIND:
             break
-        key = (e.layout.tp, e.layout.pp, e.layout.dp, e.layout.micro_batch_size, e.layout.recompute)
+        key = _shown_key(e.layout)
         if key not in seen:
             seen.add(key)
             shown += 1
             out.append({"layout": e.layout.to_dict(), "reason": "; ".join(e.problems)})
     shown = 0
     for e in feasible:
-        key = (e.layout.tp, e.layout.pp, e.layout.dp, e.layout.micro_batch_size, e.layout.recompute)
+        key = _shown_key(e.layout)
         if key in seen or shown >= MAX_REJECTED_PER_KIND:
             continue
         seen.add(key)
@@ -182,6 +187,36 @@ def _rejections(result: SearchResult, best: Evaluated | None) -> tuple[list[dict
         "slower": len(feasible),
     }
     return out, counts
+
+
+def _shown_key(layout: Layout) -> tuple[Any, ...]:
+    """One rejected alternative is shown per combination of these (the ZeRO stage and SP variants are left out)."""
+    return (layout.tp, layout.pp, layout.dp, layout.cp, layout.cp_mode, layout.micro_batch_size, layout.recompute)
+
+
+def _best_without_cp(result: SearchResult) -> Evaluated | None:
+    """The fastest layout with cp = 1 that fits, else the leanest with cp = 1: what context parallelism beat."""
+    plain = [e for e in result.evaluated if e.layout.cp == 1]
+    fits = [e for e in plain if e.feasible]
+    if fits:
+        return min(fits, key=Evaluated.rank_key)
+    return min(plain, key=lambda e: e.memory.total_gb) if plain else None
+
+
+def _lost_to_cp(plain: Evaluated, best: Evaluated) -> str:
+    """Why `plain` (cp = 1) lost to the chosen CP layout: it does not fit, or it is slower."""
+    if not plain.feasible:
+        mem = plain.memory
+        activations = mem.breakdown_gb.get("activations", 0.0)
+        return (
+            f"needs {mem.total_gb:.1f} GB per GPU > {mem.capacity_gb:.1f} GB available (activations"
+            f" {activations:.1f} GB): the leanest layout without context parallelism"
+        )
+    slower = (plain.time.total_s / best.time.total_s - 1) * 100
+    return (
+        f"fits, but predicted {slower:.1f}% slower ({plain.time.total_s:.3g} s vs {best.time.total_s:.3g} s"
+        " per step): the fastest layout without context parallelism"
+    )
 
 
 def make_plan(
@@ -326,7 +361,7 @@ def _evaluate_given(
 ) -> Outcome:
     """`plan --layout`: shape errors are bad input; a layout that cannot run is a plan with feasible=False."""
     world = _world_for(hardware, layout)
-    layout.validate(world, model.heads, model.layers)
+    layout.validate(world, model.heads, model.layers, model.seq_len)
     if not layout.global_batch_size:
         layout = replace(layout, global_batch_size=gbs)
     device = make_device(hardware, world, precision)
@@ -334,6 +369,11 @@ def _evaluate_given(
     rejected = [] if chosen.feasible else [{"layout": layout.to_dict(), "reason": "; ".join(chosen.problems)}]
     if hardware.has_gpus and layout.tp > hardware.gpus_per_node:
         notes.append(f"tp({layout.tp}) spans nodes: its all-reduces run over {hardware.inter_node}")
+    if hardware.has_gpus and layout.cp > 1 and layout.tp * layout.cp > hardware.gpus_per_node:
+        notes.append(
+            f"tp({layout.tp}) * cp({layout.cp}) = {layout.tp * layout.cp} > {hardware.gpus_per_node} GPUs per node:"
+            f" the {layout.cp_mode} exchange of context parallelism runs over {hardware.inter_node}"
+        )
     cores = hardware.cpu_cores * hardware.nodes
     if not hardware.has_gpus and layout.world_size > cores:
         notes.append(f"{layout.world_size} ranks share {cores} cores: they time-share")
@@ -347,6 +387,9 @@ def _pick_searched(
     if search.best is not None:
         chosen = search.best
         notes.insert(0, _why(chosen, search))
+        plain = _best_without_cp(search) if chosen.layout.cp > 1 else None
+        if plain is not None:
+            notes.insert(1, _cp_note(chosen, plain, model.seq_len))
     elif search.evaluated:
         chosen = min(search.evaluated, key=lambda e: e.memory.total_gb)
         notes.insert(0, f"none of {search.candidates} layouts fits; showing the leanest")
@@ -355,6 +398,26 @@ def _pick_searched(
         raise BadInput(f"no layout can run {model.name} at global batch {gbs} on {hardware.name}: {reasons}")
     rejected, counts = _rejections(search, search.best)
     return chosen, make_device(hardware, chosen.layout.world_size, precision), rejected, counts
+
+
+def _cp_note(best: Evaluated, plain: Evaluated, seq_len: int) -> str:
+    """Why the plan splits sequences: without CP nothing fits, or the best layout without it is slower."""
+    lay = best.layout
+    head = (
+        f"context parallel cp={lay.cp} ({lay.cp_mode}): each rank holds {seq_len // lay.cp:,} of a sequence's"
+        f" {seq_len:,} tokens; "
+    )
+    if not plain.feasible:
+        mem = plain.memory
+        return head + (
+            f"without CP no layout fits: the leanest, {plain.layout.describe()}, needs {mem.total_gb:.1f} GB per"
+            f" GPU > {mem.capacity_gb:.1f} GB (activations {mem.breakdown_gb.get('activations', 0.0):.1f} GB)"
+        )
+    slower = (plain.time.total_s / best.time.total_s - 1) * 100
+    return head + (
+        f"the fastest layout without CP, {plain.layout.describe()}, is predicted {slower:.1f}% slower"
+        f" ({plain.time.total_s:.3g} s vs {best.time.total_s:.3g} s per step, {plain.memory.total_gb:.1f} GB)"
+    )
 
 
 def _why(best: Evaluated, search: SearchResult) -> str:

@@ -17,8 +17,9 @@ def _si(value: float, unit: str) -> str:
 
 def _layout_line(plan: Plan) -> str:
     lay = plan.layout
+    cp = f"cp={lay.cp} ({lay.cp_mode}, {lay.sequence_chunks} pieces per sequence)" if lay.cp > 1 else "cp=1"
     return (
-        f"tp={lay.tp} pp={lay.pp} dp={lay.dp}, micro-batch {lay.micro_batch_size}, global batch"
+        f"tp={lay.tp} pp={lay.pp} dp={lay.dp} {cp}, micro-batch {lay.micro_batch_size}, global batch"
         f" {lay.global_batch_size} ({lay.micro_batches} micro-batch(es) per pipeline), ZeRO-{lay.zero_stage},"
         f" recompute {lay.recompute}, sequence parallel {'on' if lay.sequence_parallel else 'off'}"
     )
@@ -65,7 +66,10 @@ def format_plan(plan: Plan) -> str:
         counts = ", ".join(f"{n} {k}" for k, n in plan.rejected_counts.items() if n)
         out.append(f"Rejected alternatives ({counts or 'see below'}):")
         for item in plan.rejected:
-            layout = ",".join(f"{k}={v}" for k, v in item["layout"].items() if k != "global_batch_size")
+            shown = {k: v for k, v in item["layout"].items() if k != "global_batch_size"}
+            if shown.get("cp", 1) == 1:
+                shown.pop("cp_mode", None)  # no exchange runs: its mode means nothing
+            layout = ",".join(f"{k}={v}" for k, v in shown.items())
             out.append(f"  {layout}: {item['reason']}")
 
     t = plan.train

@@ -1,24 +1,34 @@
-"""Search over TP (inside a node), PP, DP, micro-batch, ZeRO stage, recompute and sequence parallelism for the
-feasible layout with the best predicted step time; keep why each alternative lost.
+"""Search over TP (inside a node), PP, context parallelism (CP degree and mode), DP, micro-batch, ZeRO stage,
+recompute and sequence parallelism for the feasible layout with the best predicted step time; keep why each
+alternative lost.
+
+CP (GPU ranks; CPU ranks run data parallel only): powers of two dividing world / (tp pp), Ulysses where the heads
+per TP rank divide by cp and ring always (the cheaper wins), each only while a sequence piece
+(s / Layout.sequence_chunks) is at least one flash query tile. CP is searched only with micro-batches smaller than
+cp: with mbs >= cp, the layout with dp x cp DP ranks and micro-batch mbs/cp gives every rank the same tokens, work,
+activations and ZeRO partition without the exchange, so a CP layout can only win where it splits a sequence finer
+than one per micro-batch.
 
 A candidate is rejected for a hard constraint (heads % tp, pipeline balance, batch divisibility), for memory (it
 does not fit), or for speed (it fits but is slower). Ties go to the simpler layout: lower ZeRO stage, less
-recompute, no sequence parallelism, smaller TP and PP. The kernels that run (kernel_path.py) impose no shape limit
-of their own: heads wider than flash attention takes fall back to the materialised path, which the cost model then
-charges. Selective recompute is searched only where it drops something (not under flash attention).
+recompute, no sequence parallelism, no (or less) CP, Ulysses before ring, smaller TP and PP. The kernels that
+run (kernel_path.py) impose no shape limit of their own: heads wider than flash attention takes fall back to the
+materialised path, which the cost model then charges. Selective recompute is searched only where it drops
+something (not under flash attention).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from appliance.hardware.profile import Hardware
 from appliance.planner.device import Device, make_device
 from appliance.planner.kernel_path import KernelPath, kernels_for
-from appliance.planner.layout import Layout, partition_error
+from appliance.planner.layout import CP_MODES, Layout, partition_error
 from appliance.planner.memory import MemoryEstimate, memory_for_device
 from appliance.planner.model_shape import RECOMPUTE_MODES, ModelShape
-from appliance.planner.timing import StepTime, step_time_for_device
+from appliance.planner.timing import FLASH_QUERY_BLOCK, StepTime, step_time_for_device
 
 MAX_MICRO_BATCH = 64
 CPU_RANKS_PER_NODE = 2  # the CPU smoke run: data parallel over 2 gloo ranks whenever there are 2+ cores
@@ -43,6 +53,8 @@ class Evaluated:
             lay.zero_stage,
             RECOMPUTE_MODES.index(lay.recompute),
             int(lay.sequence_parallel),
+            lay.cp,
+            CP_MODES.index(lay.cp_mode),
             lay.tp,
             lay.pp,
             self.memory.total_gb,
@@ -100,6 +112,30 @@ def _powers_of_two(limit: int) -> list[int]:
     return out
 
 
+def _cp_modes(
+    model: ModelShape, tp: int, cp: int, where: dict[str, int], reject: Callable[[dict[str, int], str], None]
+) -> list[str]:
+    """The CP modes worth evaluating at this tp and cp (module docstring), rejecting the others with the reason."""
+    if cp == 1:
+        return ["ulysses"]  # the Layout default; no exchange runs
+    s, heads = model.seq_len, model.heads // tp
+    modes = []
+    for mode, pieces in (("ulysses", cp), ("ring", 2 * cp)):
+        if mode == "ulysses" and heads % cp:
+            reject(
+                where,
+                f"cp_mode=ulysses: heads({model.heads}) / tp({tp}) = {heads} heads per TP rank is not divisible by"
+                f" cp({cp}); ring needs no head split",
+            )
+        elif s % pieces:
+            reject(where, f"seq_len({s}) is not divisible by {pieces} ({mode}'s pieces of a sequence at cp({cp}))")
+        elif s // pieces < FLASH_QUERY_BLOCK:
+            continue  # pieces shorter than a flash query tile: more cp only wastes tiles (not listed: expected)
+        else:
+            modes.append(mode)
+    return modes
+
+
 def search_layouts(
     hardware: Hardware, model: ModelShape, global_batch_size: int, precision: str | None = None
 ) -> SearchResult:
@@ -140,20 +176,25 @@ def search_layouts(
             if problem:
                 reject({"tp": tp, "pp": pp}, problem)
                 continue
-            dp = world // (tp * pp)
-            if gbs % dp:
-                reject({"tp": tp, "pp": pp, "dp": dp}, f"global batch({gbs}) is not divisible by dp({dp})")
-                continue
-            for mbs in _powers_of_two(min(MAX_MICRO_BATCH, gbs // dp)):
-                if gbs % (mbs * dp):
+            cps = _powers_of_two(world // (tp * pp)) if hardware.has_gpus else [1]
+            for cp in (c for c in cps if (world // (tp * pp)) % c == 0):
+                dp = world // (tp * pp * cp)
+                where = {"tp": tp, "pp": pp, "dp": dp} | ({"cp": cp} if cp > 1 else {})
+                if gbs % dp:
+                    reject(where, f"global batch({gbs}) is not divisible by dp({dp})")
                     continue
-                for recompute in recomputes:
-                    for sp in (False, True) if tp > 1 else (False,):
-                        # DeepSpeed's pipeline engine stops at ZeRO-1: stage 2 only without a pipeline.
-                        for zero in (z for z in zeros if pp == 1 or z < 2) if dp > 1 else (0,):
-                            layout = Layout(tp, pp, dp, mbs, gbs, zero, recompute, sp)
-                            result.candidates += 1
-                            result.evaluated.append(evaluate(layout, model, hardware, device, kernels))
+                for cp_mode in _cp_modes(model, tp, cp, where, reject):
+                    # mbs >= cp: the same ranks as dp x cp DP ranks at mbs/cp do the same work without the exchange
+                    for mbs in (b for b in _powers_of_two(min(MAX_MICRO_BATCH, gbs // dp)) if cp == 1 or b < cp):
+                        if gbs % (mbs * dp):
+                            continue
+                        for recompute in recomputes:
+                            for sp in (False, True) if tp > 1 else (False,):
+                                # DeepSpeed's pipeline engine stops at ZeRO-1: stage 2 only without a pipeline.
+                                for zero in (z for z in zeros if pp == 1 or z < 2) if dp * cp > 1 else (0,):
+                                    layout = Layout(tp, pp, dp, mbs, gbs, zero, recompute, sp, cp, cp_mode)
+                                    result.candidates += 1
+                                    result.evaluated.append(evaluate(layout, model, hardware, device, kernels))
     feasible = [e for e in result.evaluated if e.feasible]
     result.best = min(feasible, key=Evaluated.rank_key) if feasible else None
     return result

@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 
 from appliance.hardware.profile import Hardware
 from appliance.planner import calibration as cal
-from appliance.planner import train_settings
+from appliance.planner import context_parallel, train_settings
 from appliance.planner.comm import allreduce_sent, gather_sent, tp_allreduces_per_layer
-from appliance.planner.device import Device, Link, dp_link, make_device, pp_link, tied_link, tp_link
+from appliance.planner.context_parallel import local_tokens
+from appliance.planner.device import Device, Link, cp_link, dp_link, make_device, pp_link, tied_link, tp_link
 from appliance.planner.kernel_path import FLASH, FULL_LOGITS_CE, MEGATRON_SOFTMAX, KernelPath, kernels_for
 from appliance.planner.layout import Layout, Partition, pipeline_partition
 from appliance.planner.memory import layer_parameters_per_rank, stage_parameters
@@ -33,6 +34,7 @@ BREAKDOWN_KEYS = (
     "elementwise",
     "recompute",
     "tp_comm",
+    "cp_comm",
     "pp_p2p",
     "grad_accumulation",
     "bubble",
@@ -91,35 +93,71 @@ class _Block:
     elementwise: float  # forward; backward moves twice as much
     softmax: float  # the [s, s] part of elementwise, what selective recompute repeats
     tp_allreduce: float  # one all-reduce of the s b h activation
+    cp_forward: float = 0.0  # the CP exchange's exposed seconds, forward (context_parallel.py)
+    cp_backward: float = 0.0
 
     @property
     def forward(self) -> float:
-        return self.gemm + self.attention + self.elementwise + 2 * self.tp_allreduce
+        return self.gemm + self.attention + self.elementwise + 2 * self.tp_allreduce + self.cp_forward
 
 
 def _block(model: ModelShape, layout: Layout, device: Device, hw: Hardware, s: int, kernels: KernelPath) -> _Block:
-    b, h, a, f, t = layout.micro_batch_size, model.hidden, model.heads, model.ffn_hidden, layout.tp
+    """With cp ranks per sequence (context_parallel.py) the rank runs s/cp tokens through the GEMMs and
+    elementwise kernels and its share of the attention square, then pays the exchange."""
+    b, h, a, f, t, c = layout.micro_batch_size, model.hidden, model.heads, model.ffn_hidden, layout.tp, layout.cp
     act = device.act_bytes
-    tokens = b * s
+    s_local = local_tokens(s, c)
+    tokens = b * s_local
     mem_rate = device.memory_bw * device.efficiency.memory
     aligned = (h // t) % 128 == 0 and (f // t) % 128 == 0 and h % t == 0
     gemm = 2 * tokens * (4 * h * h + 2 * h * f) / t / _gemm_rate(device, min(tokens, h / t), aligned)
     # Batched QK^T and AV: K = head_dim is short, so they run below the block GEMMs; `attention` is their rate at
-    # head_dim 128 relative to a large GEMM, scaled by 2d/(d + 128) for other head sizes.
+    # head_dim 128 relative to a large GEMM, scaled by 2d/(d + 128) for other head sizes. Ring's products run
+    # chunk by chunk (s/cp long), Ulysses' over the whole sequence.
     d = model.head_dim
-    attn_rate = _gemm_rate(device, s, True) * device.efficiency.attention * min(1.0, 2 * d / (d + 128))
+    width = s_local if layout.cp_mode == "ring" else s
+    attn_rate = _gemm_rate(device, width, True) * device.efficiency.attention * min(1.0, 2 * d / (d + 128))
     attention = 4 * b * s * s * h / t / attn_rate  # QK^T and AV over the whole square, forward
-    backward = 2 * attention
     if kernels.attention == FLASH:
-        # Causal: key blocks past each 128-query block's diagonal are skipped, (s + 128) / 2s of the square.
-        attention *= min(1.0, (s + FLASH_QUERY_BLOCK) / (2 * s))
+        # Causal: key blocks past each 128-query block's diagonal are skipped, (s + 128) / 2s of the square,
+        # of which the busiest CP rank does its share (1/cp: both modes balance the causal work).
+        attention *= min(1.0, (s + FLASH_QUERY_BLOCK) / (2 * s)) * context_parallel.attention_share(layout)
         backward = FLASH_BACKWARD_FACTOR * attention
+    else:
+        attention /= c  # the whole square is computed: s/cp query rows (ring) or a/cp heads (Ulysses) of it
+        backward = 2 * attention
     sp_div = t if layout.sequence_parallel else 1
     ew_bytes = (cal.ELEMENTWISE_FULL_WIDTH * tokens * h / sp_div + cal.ELEMENTWISE_SPLIT_FFN * tokens * f / t) * act
-    softmax = _softmax_bytes_per_score(kernels, act) * b * (a / t) * s * s / mem_rate
+    softmax = _softmax_bytes_per_score(kernels, act) * b * (a / t) * s_local * s / mem_rate
     link = tp_link(hw, device, t)
     allreduce = _ring_time(allreduce_sent(act * tokens * h, t), 2 * (t - 1), link)
-    return _Block(gemm, attention, backward, ew_bytes / mem_rate + softmax, softmax, allreduce)
+    cp_forward, cp_backward = _cp_exchange(model, layout, device, hw, s, attention, backward)
+    return _Block(gemm, attention, backward, ew_bytes / mem_rate + softmax, softmax, allreduce, cp_forward, cp_backward)
+
+
+def _cp_exchange(
+    model: ModelShape, layout: Layout, device: Device, hw: Hardware, s: int, attention: float, backward: float
+) -> tuple[float, float]:
+    """Exposed seconds of one block's CP exchange, forward and backward, on the CP link. Ulysses' all-to-alls
+    block the attention that needs them. Ring: c - 1 transfers, each under the attention of the chunk already
+    there (1/c of the rank's attention), so only max(0, transfer - chunk attention) per step shows."""
+    c = layout.cp
+    if c == 1:
+        return 0.0, 0.0
+    moved = context_parallel.exchange(model, layout, s, device.act_bytes)
+    link = cp_link(hw, device, layout.tp, c)
+    if not moved.overlapped:
+        return (
+            _ring_time(moved.forward, moved.forward_steps, link),
+            _ring_time(moved.backward, moved.backward_steps, link),
+        )
+    steps = c - 1
+    forward_step = _ring_time(moved.forward / steps, 1, link)
+    backward_step = _ring_time(moved.backward / steps, 1, link)
+    return (
+        steps * max(0.0, forward_step - attention / c),
+        steps * max(0.0, backward_step - backward / c),
+    )
 
 
 def _stage_microbatch(
@@ -135,7 +173,7 @@ def _stage_microbatch(
     """Seconds one micro-batch costs on one stage, by component."""
     b, h, t, p = layout.micro_batch_size, model.hidden, layout.tp, layout.pp
     act = device.act_bytes
-    tokens = b * s
+    tokens = b * local_tokens(s, layout.cp)
     mem_rate = device.memory_bw * device.efficiency.memory
     blk = _block(model, layout, device, hw, s, kernels)
 
@@ -160,9 +198,11 @@ def _stage_microbatch(
 
     allreduces = layers * tp_allreduces_per_layer(layout.recompute) + (stage == 0) + (stage == p - 1)
     out["tp_comm"] = allreduces * blk.tp_allreduce
+    forwards = 2 if layout.recompute == "full" else 1  # full recompute exchanges again in the repeated forward
+    out["cp_comm"] = layers * (forwards * blk.cp_forward + blk.cp_backward)
 
     sends = (stage < p - 1) + (stage > 0)
-    p2p = pp_link(hw, device, t, layout.dp, p)
+    p2p = pp_link(hw, device, t, layout.dp_cp, p)
     sp_div = t if layout.sequence_parallel else 1
     out["pp_p2p"] = sends * _ring_time(act * tokens * h / sp_div, 1, p2p)
 
@@ -201,8 +241,8 @@ def _param_gather(
     blk: _Block,
     kernels: KernelPath,
 ) -> float:
-    """Seconds of ZeRO's post-step parameter all-gather this stage's next step waits for."""
-    t, d, p = layout.tp, layout.dp, layout.pp
+    """Seconds of ZeRO's post-step parameter all-gather this stage's next step waits for (over dp x cp ranks)."""
+    t, d, p = layout.tp, layout.dp_cp, layout.pp
     link = dp_link(hw, device, t, d)
     units: list[tuple[float, float]] = []  # (parameters, first micro-batch's forward seconds), forward order
     end = 2 * model.hidden + model.padded_vocab(t) * model.hidden / t  # embedding or tied head, and a LayerNorm
@@ -230,7 +270,7 @@ def step_time_for_device(
     kernels = kernels or kernels_for(device, model)
     s = model.seq_len if seq_len is None else seq_len
     partition = pipeline_partition(model.layers, layout.pp)
-    p, t, d = layout.pp, layout.tp, layout.dp
+    p, t, d = layout.pp, layout.tp, layout.dp_cp  # gradients reduce over dp x cp ranks
     m = max(1, layout.micro_batches)
     stages = sorted({0, min(1, p - 1), p - 1})
     per_stage = {
@@ -281,7 +321,7 @@ def _optimizer_bytes(params: float, layout: Layout, dtype: str) -> float:
     whole fp32 buffer (4 per parameter). fp16: the fp16 gradient partition read 2 and cast to an fp32 copy (4 + 4),
     overflow check 2, norm 4, master r/w 8, m and v r/w 16, fp16 weight write 2; plus zeroing the fp16 gradients
     (2). fp32: grad read 4, weights r/w 8, m and v r/w 16, norm 4; plus zeroing the gradients (4)."""
-    shard = params / (layout.dp if layout.zero_stage >= 1 else 1)
+    shard = params / (layout.dp_cp if layout.zero_stage >= 1 else 1)
     if dtype == "bf16":
         return shard * 34 + params * 4
     if dtype == "fp16":
