@@ -9,7 +9,8 @@ from typing import Any
 from appliance.errors import BadInput
 from appliance.hardware.profile import Hardware
 from appliance.hardware.specs import GENERIC_GPU, gpu_spec
-from appliance.planner.device import Device, make_device
+from appliance.planner.comm import communication_bytes_per_rank
+from appliance.planner.device import Device, cp_link, make_device
 from appliance.planner.ladder import choose_model
 from appliance.planner.layout import Layout
 from appliance.planner.memory import MemoryEstimate
@@ -273,6 +274,8 @@ def make_plan(
         mode, candidates = "searched", search.candidates
     layout = chosen.layout
     notes.extend(chosen.notes)
+    if layout.cp > 1:
+        notes.append(_cp_exchange_note(chosen, model, device, hardware))
     step_s = chosen.time.total_s
 
     sized = _size(model, layout, hardware, step_s, budget, smoke)
@@ -398,6 +401,23 @@ def _pick_searched(
         raise BadInput(f"no layout can run {model.name} at global batch {gbs} on {hardware.name}: {reasons}")
     rejected, counts = _rejections(search, search.best)
     return chosen, make_device(hardware, chosen.layout.world_size, precision), rejected, counts
+
+
+def _cp_exchange_note(chosen: Evaluated, model: ModelShape, device: Device, hardware: Hardware) -> str:
+    """What the CP exchange sends per rank and step, over which link, and how much of it the step waits for."""
+    lay = chosen.layout
+    sent = communication_bytes_per_rank(lay, model, act_bytes=device.act_bytes)["cp_exchange"]
+    link = cp_link(hardware, device, lay.tp, lay.cp)
+    exposed = chosen.time.breakdown_s["cp_comm"]
+    how = (
+        "all-to-alls of q, k, v and the attention output, waited for"
+        if lay.cp_mode == "ulysses"
+        else "K, V (and dK, dV) around the ring, each step under the attention of the chunk already there"
+    )
+    return (
+        f"context parallel exchange: {sent / 1e12:.3g} TB sent per rank and step over {link.kind} ({how});"
+        f" {exposed:.3g} s of it not hidden"
+    )
 
 
 def _cp_note(best: Evaluated, plain: Evaluated, seq_len: int) -> str:
