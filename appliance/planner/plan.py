@@ -403,6 +403,13 @@ def _pick_searched(
     return chosen, make_device(hardware, chosen.layout.world_size, precision), rejected, counts
 
 
+def _bytes_text(size: float) -> str:
+    for scale, unit in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+        if size >= scale:
+            return f"{size / scale:.3g} {unit}"
+    return f"{size:.3g} bytes"
+
+
 def _cp_exchange_note(chosen: Evaluated, model: ModelShape, device: Device, hardware: Hardware) -> str:
     """What the CP exchange sends per rank and step, over which link, and how much of it the step waits for."""
     lay = chosen.layout
@@ -415,7 +422,7 @@ def _cp_exchange_note(chosen: Evaluated, model: ModelShape, device: Device, hard
         else "K, V (and dK, dV) around the ring, each step under the attention of the chunk already there"
     )
     return (
-        f"context parallel exchange: {sent / 1e12:.3g} TB sent per rank and step over {link.kind} ({how});"
+        f"context parallel exchange: {_bytes_text(sent)} sent per rank and step over {link.kind} ({how});"
         f" {exposed:.3g} s of it not hidden"
     )
 
