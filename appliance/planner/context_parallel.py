@@ -18,6 +18,7 @@ Shapes per rank and micro-batch (s sequence, b micro-batch, h hidden, a heads, t
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from appliance.planner.layout import Layout
@@ -42,6 +43,7 @@ def piece_work(piece: int) -> float:
     return piece + 0.5
 
 
+@functools.lru_cache(maxsize=64)
 def busiest_attention_share(cp: int, pieces: int, zigzag: bool) -> float:
     """Share of one sequence's causal attention work done by the busiest of `cp` ranks holding `pieces` equal
     pieces of it: zigzag gives rank r pieces r and pieces-1-r, contiguous gives rank r pieces r*k .. r*k+k-1."""
