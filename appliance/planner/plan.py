@@ -9,8 +9,8 @@ from typing import Any
 from appliance.errors import BadInput
 from appliance.hardware.profile import Hardware
 from appliance.hardware.specs import GENERIC_GPU, gpu_spec
-from appliance.planner.comm import communication_bytes_per_rank
-from appliance.planner.device import Device, cp_link, make_device
+from appliance.planner.cp_reasons import best_without_cp, exchange_note, lost_to_cp, why_note
+from appliance.planner.device import Device, make_device
 from appliance.planner.ladder import choose_model
 from appliance.planner.layout import Layout
 from appliance.planner.memory import MemoryEstimate
@@ -150,10 +150,10 @@ def _rejections(result: SearchResult, best: Evaluated | None) -> tuple[list[dict
     out: list[dict[str, Any]] = [{"layout": w, "reason": r} for w, r in result.constraint_rejections]
     out = out[:MAX_REJECTED_PER_KIND]
     seen: set[tuple[Any, ...]] = set()
-    without_cp = _best_without_cp(result) if best is not None and best.layout.cp > 1 else None
+    without_cp = best_without_cp(result) if best is not None and best.layout.cp > 1 else None
     if without_cp is not None and best is not None:  # the layout CP beat, first: why the plan splits sequences
         seen.add(_shown_key(without_cp.layout))
-        out.append({"layout": without_cp.layout.to_dict(), "reason": _lost_to_cp(without_cp, best)})
+        out.append({"layout": without_cp.layout.to_dict(), "reason": lost_to_cp(without_cp, best)})
     infeasible = sorted((e for e in result.evaluated if not e.feasible), key=Evaluated.rank_key)
     feasible = sorted((e for e in result.evaluated if e.feasible and e is not best), key=Evaluated.rank_key)
     best_time = best.time.total_s if best else float("inf")
@@ -193,31 +193,6 @@ def _rejections(result: SearchResult, best: Evaluated | None) -> tuple[list[dict
 def _shown_key(layout: Layout) -> tuple[Any, ...]:
     """One rejected alternative is shown per combination of these (the ZeRO stage and SP variants are left out)."""
     return (layout.tp, layout.pp, layout.dp, layout.cp, layout.cp_mode, layout.micro_batch_size, layout.recompute)
-
-
-def _best_without_cp(result: SearchResult) -> Evaluated | None:
-    """The fastest layout with cp = 1 that fits, else the leanest with cp = 1: what context parallelism beat."""
-    plain = [e for e in result.evaluated if e.layout.cp == 1]
-    fits = [e for e in plain if e.feasible]
-    if fits:
-        return min(fits, key=Evaluated.rank_key)
-    return min(plain, key=lambda e: e.memory.total_gb) if plain else None
-
-
-def _lost_to_cp(plain: Evaluated, best: Evaluated) -> str:
-    """Why `plain` (cp = 1) lost to the chosen CP layout: it does not fit, or it is slower."""
-    if not plain.feasible:
-        mem = plain.memory
-        activations = mem.breakdown_gb.get("activations", 0.0)
-        return (
-            f"needs {mem.total_gb:.1f} GB per GPU > {mem.capacity_gb:.1f} GB available (activations"
-            f" {activations:.1f} GB): the leanest layout without context parallelism"
-        )
-    slower = (plain.time.total_s / best.time.total_s - 1) * 100
-    return (
-        f"fits, but predicted {slower:.1f}% slower ({plain.time.total_s:.3g} s vs {best.time.total_s:.3g} s"
-        " per step): the fastest layout without context parallelism"
-    )
 
 
 def make_plan(
@@ -275,7 +250,7 @@ def make_plan(
     layout = chosen.layout
     notes.extend(chosen.notes)
     if layout.cp > 1:
-        notes.append(_cp_exchange_note(chosen, model, device, hardware))
+        notes.append(exchange_note(chosen, model, device, hardware))
     step_s = chosen.time.total_s
 
     sized = _size(model, layout, hardware, step_s, budget, smoke)
@@ -390,9 +365,9 @@ def _pick_searched(
     if search.best is not None:
         chosen = search.best
         notes.insert(0, _why(chosen, search))
-        plain = _best_without_cp(search) if chosen.layout.cp > 1 else None
+        plain = best_without_cp(search) if chosen.layout.cp > 1 else None
         if plain is not None:
-            notes.insert(1, _cp_note(chosen, plain, model.seq_len))
+            notes.insert(1, why_note(chosen, plain, model.seq_len))
     elif search.evaluated:
         chosen = min(search.evaluated, key=lambda e: e.memory.total_gb)
         notes.insert(0, f"none of {search.candidates} layouts fits; showing the leanest")
@@ -401,50 +376,6 @@ def _pick_searched(
         raise BadInput(f"no layout can run {model.name} at global batch {gbs} on {hardware.name}: {reasons}")
     rejected, counts = _rejections(search, search.best)
     return chosen, make_device(hardware, chosen.layout.world_size, precision), rejected, counts
-
-
-def _bytes_text(size: float) -> str:
-    for scale, unit in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
-        if size >= scale:
-            return f"{size / scale:.3g} {unit}"
-    return f"{size:.3g} bytes"
-
-
-def _cp_exchange_note(chosen: Evaluated, model: ModelShape, device: Device, hardware: Hardware) -> str:
-    """What the CP exchange sends per rank and step, over which link, and how much of it the step waits for."""
-    lay = chosen.layout
-    sent = communication_bytes_per_rank(lay, model, act_bytes=device.act_bytes)["cp_exchange"]
-    link = cp_link(hardware, device, lay.tp, lay.cp)
-    exposed = chosen.time.breakdown_s["cp_comm"]
-    how = (
-        "all-to-alls of q, k, v and the attention output, waited for"
-        if lay.cp_mode == "ulysses"
-        else "K, V (and dK, dV) around the ring, each step under the attention of the chunk already there"
-    )
-    return (
-        f"context parallel exchange: {_bytes_text(sent)} sent per rank and step over {link.kind} ({how});"
-        f" {exposed:.3g} s of it not hidden"
-    )
-
-
-def _cp_note(best: Evaluated, plain: Evaluated, seq_len: int) -> str:
-    """Why the plan splits sequences: without CP nothing fits, or the best layout without it is slower."""
-    lay = best.layout
-    head = (
-        f"context parallel cp={lay.cp} ({lay.cp_mode}): each rank holds {seq_len // lay.cp:,} of a sequence's"
-        f" {seq_len:,} tokens; "
-    )
-    if not plain.feasible:
-        mem = plain.memory
-        return head + (
-            f"without CP no layout fits: the leanest, {plain.layout.describe()}, needs {mem.total_gb:.1f} GB per"
-            f" GPU > {mem.capacity_gb:.1f} GB (activations {mem.breakdown_gb.get('activations', 0.0):.1f} GB)"
-        )
-    slower = (plain.time.total_s / best.time.total_s - 1) * 100
-    return head + (
-        f"the fastest layout without CP, {plain.layout.describe()}, is predicted {slower:.1f}% slower"
-        f" ({plain.time.total_s:.3g} s vs {best.time.total_s:.3g} s per step, {plain.memory.total_gb:.1f} GB)"
-    )
 
 
 def _why(best: Evaluated, search: SearchResult) -> str:
