@@ -231,7 +231,7 @@ def memory_for_device(
             stored += (act + mask) * s_local * b * h / sp_div  # embedding LayerNorm input (and dropout mask)
         if stage == p - 1:
             stored += act * s_local * b * h / sp_div  # final LayerNorm input
-        # DeepSpeed keeps each stage output
+        # DeepSpeed keeps each stage's output for every micro-batch in flight
         pipe_buffers = act * s_local * b * h * in_flight if stage < p - 1 else 0.0
         logits = logits_bytes(model, layout, act, s_local, kernels) if stage == p - 1 else 0.0
         breakdown = {
