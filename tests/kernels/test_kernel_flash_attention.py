@@ -142,3 +142,30 @@ def test_chunk_backward_from_merged_lse(device, assert_matches) -> None:
     got = flash_alibi_attention_backward(*args32, slopes.to(device), d**-0.5, **chunk)
     for actual, expected in zip(got, grads[1], strict=True):
         assert_matches(actual, expected.float(), torch.float32, scale=5)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_packed_flash_attention_equals_the_masked_core(backend, device, monkeypatch, assert_matches) -> None:
+    """ops.flash_attention(doc_ids=) on either backend is the model's materialized core with BLOOM's bias
+    slope * k_pos and the causal mask cut at document borders (ALiBi positions need no reset per document)."""
+    from appliance.model import ops
+    from appliance.model.alibi import alibi_bias
+    from kernels import registry
+
+    monkeypatch.setenv("BLOOM_KERNELS", backend)
+    b, h, s, d = 2, 3, 19, 16
+    gen = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(b, h, s, d, generator=gen).to(device).requires_grad_() for _ in range(3))
+    slopes = reference.alibi_slopes(h, device)
+    docs = _documents(b, s, 0).to(device)
+    registry.reset_call_counts()
+    out = ops.flash_attention(q, k, v, slopes, d**-0.5, doc_ids=docs)
+    assert registry.call_counts() == {("flash_alibi_attention", backend): 1}
+    positions = torch.arange(s, device=device)
+    mask = (positions[None, :] <= positions[:, None]) & (docs[:, None, :, None] == docs[:, None, None, :])
+    want = ops.attention_core(q, k, v, alibi_bias(slopes, None, s), mask, d**-0.5)
+    assert_matches(out, want, torch.float32)  # fp32 math both ways, in another summation order
+    do = torch.randn(b, h, s, d, generator=gen).to(device)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    for got, expected in zip(grads, torch.autograd.grad(want, (q, k, v), do), strict=True):
+        assert_matches(got, expected, torch.float32, scale=5)
