@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from appliance import __version__
+from appliance.planner.runspec import MAX_DATA_WORKERS
 from appliance.planner.train_settings import DTYPES
 from appliance.rundir import RunDir
 from appliance.train.runlock import own_run_dir, refuse_if_live
@@ -138,6 +139,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--partition", help="with --sbatch")
     p.add_argument("--account", help="with --sbatch")
     p.add_argument("--script-dir", type=Path, help="with --sbatch: where to write (default: <out>.prep-slurm)")
+
+    p = sub.add_parser("tokenize", help="Megatron .bin/.idx datasets from a prepared corpus, outside `run`")
+    p.add_argument("--corpus", type=Path, required=True, help="a directory `prep` wrote (shard-*.jsonl)")
+    p.add_argument("--tokenizer", type=Path, required=True, help="a tokenizer.json, or a directory holding one")
+    p.add_argument("--out", type=Path, required=True, help="where <lang>_text_document.bin/.idx and datasets.json go")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=min(os.cpu_count() or 1, MAX_DATA_WORKERS),
+        help="tokenizer processes (default: as `run`'s data stage, min(CPU count, 8))",
+    )
+    p.add_argument(
+        "--force", action="store_true", help="write into a non-empty --out that is not an earlier tokenize output"
+    )
 
     p = sub.add_parser("tokenizer", help="train BLOOM's byte-level BPE tokenizer on a prepared corpus")
     p.add_argument("--corpus", type=Path, required=True, help="a directory `prep` wrote")
@@ -386,6 +401,21 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    from appliance.data.tokenize_command import tokenize_corpus_dir
+
+    result = tokenize_corpus_dir(
+        args.corpus,
+        args.tokenizer,
+        args.out,
+        workers=args.workers,
+        force=args.force,
+        say=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    print(json.dumps(result, indent=1, ensure_ascii=False))
+    return 0
+
+
 def _launch(run_dir_path: Path, worker_args: tuple[str, ...] = ()) -> int:
     from appliance.train.launch import last_rank_errors, run_plan
 
@@ -501,6 +531,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "plan": cmd_plan,
     "prep": cmd_prep,
     "tokenizer": cmd_tokenizer,
+    "tokenize": cmd_tokenize,
     "train": cmd_train,
     "eval": cmd_eval,
     "export": cmd_export,

@@ -154,6 +154,15 @@ def load_tokenizer(tokenizer_json: Path) -> Tokenizer:
     return tokenizer
 
 
+def load_tokenizer_with_eod(tokenizer_json: Path) -> tuple[Tokenizer, int]:
+    """The tokenizer and the id of the </s> that ends every document; BadInput naming the file without one."""
+    tokenizer = load_tokenizer(tokenizer_json)
+    eod_id = tokenizer.token_to_id(EOD_TOKEN)
+    if eod_id is None:
+        raise BadInput(f"{tokenizer_json}: has no {EOD_TOKEN} token to end documents with")
+    return tokenizer, eod_id
+
+
 def build_indexed_datasets(
     corpus_dir: Path,
     tokenizer_json: Path,
@@ -170,11 +179,8 @@ def build_indexed_datasets(
     if workers < 1:
         raise BadInput(f"--workers must be at least 1, got {workers}")
     corpus_dir, out_dir = Path(corpus_dir), Path(out_dir)
-    tokenizer = load_tokenizer(tokenizer_json)
+    tokenizer, eod_id = load_tokenizer_with_eod(tokenizer_json)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-    eod_id = tokenizer.token_to_id(EOD_TOKEN)
-    if eod_id is None:
-        raise BadInput(f"{tokenizer_json}: has no {EOD_TOKEN} token to end documents with")
     dtype = token_dtype(vocab_size)
     total_bytes = sum(p.stat().st_size for p in list_shards(corpus_dir)) or 1
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,206 @@
+"""`tokenize`: a prepared corpus -> Megatron .bin/.idx datasets outside `run`, as Megatron's preprocess_data.py.
+
+The datasets are built by tokenize_corpus.build_indexed_datasets, the code of the `run` pipeline's data stage, so
+the output directory holds exactly what a run's data/ holds: <lang>_text_document.bin/.idx and datasets.json.
+
+The output directory is protected. A non-empty --out is written only when it is an earlier `tokenize` output of
+the same inputs (tokenize.json, written beside the datasets, says so), or with --force:
+- same inputs and every dataset complete: nothing to do ("up to date"), the files are left untouched;
+- same inputs but an interrupted or damaged output: built again;
+- anything else (other files, another corpus or tokenizer): refused with exit 2, unless --force.
+"Same inputs" means the same tokenizer bytes (SHA-256: a tokenizer file is a few MB) and the same shard files by
+name, size and modification time (hashing a terabyte corpus to decide whether to skip would cost as much as
+tokenizing it; make and rsync decide the same way).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from appliance.data.indexed import IndexedDataset
+from appliance.data.tokenize_corpus import (
+    DATASETS_JSON,
+    SHARD_GLOB,
+    build_indexed_datasets,
+    list_shards,
+    load_tokenizer_with_eod,
+)
+from appliance.errors import BadInput
+
+SayFn = Callable[[str], None]
+TOKENIZER_JSON = "tokenizer.json"
+# Written at the start (state "started") and rewritten at the end (state "done"): an interrupted tokenize is then
+# recognised as ours and may be redone without --force.
+MANIFEST = "tokenize.json"
+# One progress line at most this often: a 1 TB corpus prints a few thousand lines, a small one only the last.
+PROGRESS_EVERY_S = 10.0
+
+
+def resolve_tokenizer(path: Path) -> Path:
+    """--tokenizer: a tokenizer.json file, or a directory holding one (what `tokenizer --out` writes)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / TOKENIZER_JSON
+        if not path.is_file():
+            raise BadInput(f"--tokenizer {path.parent}: no {TOKENIZER_JSON} in this directory")
+        return path
+    if not path.is_file():
+        raise BadInput(f"--tokenizer {path}: no such file or directory")
+    return path
+
+
+def check_corpus(corpus: Path) -> list[Path]:
+    """The corpus's shards; a raw file or a directory without shards is refused with the `prep` to run first."""
+    corpus = Path(corpus)
+    if corpus.is_file():
+        raise BadInput(
+            f"--corpus {corpus}: a file; tokenize reads a prepared corpus directory ({SHARD_GLOB}):"
+            f" run `prep --input {corpus} --out D` first"
+        )
+    return list_shards(corpus)
+
+
+def inputs_key(shards: list[Path], tokenizer_json: Path, *, append_eod: bool) -> str:
+    digest = hashlib.sha256(f"append_eod={append_eod}\n".encode())
+    digest.update(hashlib.sha256(tokenizer_json.read_bytes()).digest())
+    for shard in shards:
+        st = shard.stat()
+        digest.update(f"{shard.name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+def _read_manifest(out_dir: Path) -> dict[str, Any] | None:
+    try:
+        manifest = json.loads((out_dir / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def _complete(out_dir: Path) -> dict | None:
+    """datasets.json, when every dataset it lists opens (its .idx agrees with its .bin) with the counts it states."""
+    try:
+        summary = json.loads((out_dir / DATASETS_JSON).read_text(encoding="utf-8"))
+        for entry in summary.values():
+            ds = IndexedDataset(out_dir / entry["prefix"])
+            if (len(ds), ds.num_tokens) != (entry["documents"], entry["tokens"]):
+                return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, BadInput):
+        return None
+    return dict(summary)
+
+
+def _refusal(out_dir: Path, manifest: dict[str, Any] | None) -> str:
+    if manifest is None:
+        entries = sorted(p.name for p in out_dir.iterdir())
+        shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
+        why = f"holds {shown} and no {MANIFEST}, so it is not an earlier tokenize output"
+    else:
+        why = (
+            f"an earlier tokenize output of other inputs (corpus {manifest.get('corpus')}, tokenizer"
+            f" {manifest.get('tokenizer')}; the shards or the tokenizer differ)"
+        )
+    return f"--out {out_dir}: {why}; choose an empty directory, or add --force to write over it"
+
+
+def _remove_stale(out_dir: Path, previous: dict[str, Any] | None) -> None:
+    """Before a rebuild: the temporary files of an interrupted build, and the datasets of languages an earlier
+    tokenize wrote here (the new build writes the ones it finds again; a language gone from the corpus must not
+    linger beside the new datasets.json)."""
+    for tmp in out_dir.glob("*_text_document.*.tmp-*"):
+        tmp.unlink()
+    for prefix in (previous or {}).get("prefixes", []):
+        if isinstance(prefix, str) and "/" not in prefix and prefix.endswith("_text_document"):
+            for suffix in (".bin", ".idx"):
+                (out_dir / f"{prefix}{suffix}").unlink(missing_ok=True)
+
+
+def _write_manifest(out_dir: Path, manifest: dict[str, Any]) -> None:
+    tmp = out_dir / f"{MANIFEST}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, out_dir / MANIFEST)
+
+
+def _progress_printer(say: SayFn, every_s: float) -> Callable[[float, str], None]:
+    started = time.monotonic()
+    last = [started]
+
+    def progress(fraction: float, message: str) -> None:
+        now = time.monotonic()
+        if fraction < 1.0 and now - last[0] < every_s:
+            return
+        last[0] = now
+        elapsed = now - started
+        # Time left by the rate so far: bytes done / elapsed is the throughput; no estimate before 1 %.
+        left = f", about {elapsed * (1 - fraction) / fraction:.0f} s left" if 0.01 <= fraction < 1.0 else ""
+        say(f"tokenize: {fraction:6.1%}  {message}  ({elapsed:.0f} s{left})")
+
+    return progress
+
+
+def tokenize_corpus_dir(
+    corpus: Path,
+    tokenizer: Path,
+    out_dir: Path,
+    *,
+    workers: int = 1,
+    force: bool = False,
+    say: SayFn = print,
+    progress_every_s: float = PROGRESS_EVERY_S,
+) -> dict[str, Any]:
+    """Build out_dir's datasets from corpus's shards; return {"state": "built" | "up to date", "datasets": ...}.
+
+    Every input is checked (exit 2 naming the file) before out_dir is touched.
+    """
+    corpus, out_dir = Path(corpus), Path(out_dir)
+    if workers < 1:
+        raise BadInput(f"--workers must be at least 1, got {workers}")
+    shards = check_corpus(corpus)
+    tokenizer_json = resolve_tokenizer(tokenizer)
+    load_tokenizer_with_eod(tokenizer_json)  # a bad tokenizer fails here, before out_dir is touched
+    if out_dir.exists() and not out_dir.is_dir():
+        raise BadInput(f"--out {out_dir}: a file, not a directory")
+    key = inputs_key(shards, tokenizer_json, append_eod=True)
+
+    previous = _read_manifest(out_dir) if out_dir.is_dir() else None
+    ours = previous is not None and previous.get("inputs") == key
+    if ours and previous is not None and previous.get("state") == "done":
+        summary = _complete(out_dir)
+        if summary is not None:
+            say(f"tokenize: {out_dir} is up to date with {corpus} and {tokenizer_json}; nothing to do")
+            return {"state": "up to date", "datasets": summary}
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (ours or force):
+        raise BadInput(_refusal(out_dir, previous))
+
+    was_empty = not out_dir.is_dir() or not any(out_dir.iterdir())
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _remove_stale(out_dir, previous)
+    manifest = {"corpus": str(corpus.resolve()), "tokenizer": str(tokenizer_json.resolve()), "inputs": key}
+    _write_manifest(out_dir, {**manifest, "state": "started"})
+    total_mb = sum(s.stat().st_size for s in shards) / 1e6
+    say(f"tokenize: {len(shards)} shards ({total_mb:.1f} MB) with {tokenizer_json} -> {out_dir}, {workers} workers")
+    try:
+        summary = build_indexed_datasets(
+            corpus,
+            tokenizer_json,
+            out_dir,
+            workers=workers,
+            on_progress=_progress_printer(say, progress_every_s),
+        )
+    except BaseException:
+        # A bad shard line or a Ctrl-C: an --out that was empty is left empty (the writers removed their
+        # temporary files), so the rerun after the fix is not refused as "another tokenize's output".
+        if was_empty and sorted(p.name for p in out_dir.iterdir()) == [MANIFEST]:
+            (out_dir / MANIFEST).unlink()
+        raise
+    prefixes = sorted(entry["prefix"] for entry in summary.values())
+    _write_manifest(out_dir, {**manifest, "state": "done", "prefixes": prefixes})
+    for lang, entry in summary.items():
+        say(f"tokenize: {lang}: {entry['documents']} documents, {entry['tokens']} tokens ({entry['dtype']})")
+    return {"state": "built", "datasets": summary}
