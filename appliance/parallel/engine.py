@@ -53,6 +53,7 @@ from appliance.parallel.optimizer_state import (
     optimizer_files,
     optimizer_state,
 )
+from appliance.parallel.parallelize import Parallelism
 from appliance.parallel.param_gather import DeepSpeedStructureError, OverlappedParamGather, build_overlap
 from appliance.parallel.pipeline_parallel import (
     BloomStack,
@@ -138,6 +139,8 @@ def build_engine(
     # before deepspeed.initialize would set it up).
     init_deepspeed_comm(dist.get_backend())
     loss_fn = VocabParallelLoss(topology.tp_group)
+    # What each rank's layers become (tensor/sequence parallel, recompute), decided in one place.
+    parallelism = Parallelism(topology, sequence_parallel=sequence_parallel, recompute=recompute)
     # Where DeepSpeed keeps the module (cuda:<current device>, or cpu): the layers are allocated and drawn there.
     device = torch.device(get_accelerator().current_device_name())
     module: torch.nn.Module
@@ -145,23 +148,15 @@ def build_engine(
         partition = pipeline_partition(config.n_layer, topology.pp)
         module = build_pipeline_module(
             config,
-            topology,
+            parallelism,
             partition_method=partition.method,
             blocks_per_stage=partition.layers_per_stage,
             loss_fn=loss_fn,
             device=device,
-            recompute=recompute,
-            sequence_parallel=sequence_parallel,
         )
     else:
-        specs = bloom_layer_specs(
-            config,
-            topology,
-            device=device,
-            sequence_parallel=sequence_parallel,
-            recompute_core=recompute == "selective",
-        )
-        module = BloomStack(specs, loss_fn, recompute_blocks=recompute == "full")
+        specs = bloom_layer_specs(config, parallelism, device=device)
+        module = BloomStack(specs, loss_fn, recompute_blocks=parallelism.full_recompute)
     named = [(hf_parameter_name(n, config.n_layer), p) for n, p in module.named_parameters()]
     init_shards_(named, config, seed, topology.tp_rank(dist.get_rank()), topology.tp)
     if sequence_parallel:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from appliance.parallel.tensor_parallel import HeadInput, vocab_parallel_scores
+from appliance.parallel.cross_entropy import HeadInput, vocab_parallel_scores
 from appliance.parallel.topology import ParallelTopology
 
 
