@@ -43,12 +43,14 @@ from appliance.model import ops
 from appliance.model.bloom import BloomBlock
 from appliance.model.config import BloomConfig
 from appliance.model.initial_weights import empty_module
+from appliance.parallel.context_parallel import token_weighted_loss
 from appliance.parallel.cross_entropy import HeadInput, lm_head_input, vocab_parallel_loss
 from appliance.parallel.layers import VocabParallelEmbedding
-from appliance.parallel.mappings import Group
+from appliance.parallel.mappings import Group, group_size
 from appliance.parallel.parallelize import SEQUENCE_DIM, Parallelism
 
 EMBED_KEY = "embed"
+IGNORE_INDEX = -100  # labels that count no loss (vocab_parallel_loss's default)
 BLOCK_OFFSET = 2  # pipeline index of block 0: the word embedding and its LayerNorm come first
 CHECKPOINTED_LAYERS = ["TransformerLayerPipe"]
 
@@ -152,15 +154,21 @@ class VocabParallelLoss:
     """loss_fn(HeadInput, labels): mean token cross-entropy for training; ``reduction = "sum"`` for evaluation
     (a padded evaluation micro-batch may hold no token at all). Chunked and vocabulary-parallel
     (cross_entropy.vocab_parallel_loss): the logits are computed chunk by chunk against the tied embedding
-    shard, whose gradient comes out of the same pass."""
+    shard, whose gradient comes out of the same pass. With context parallelism (a ``cp_group`` of more than one
+    rank) the training loss is this rank's token-weighted share of the micro-batch mean
+    (context_parallel.token_weighted_loss); the evaluation sum is its slice's sum."""
 
-    def __init__(self, tp_group: Group) -> None:
-        self.tp_group = tp_group
+    def __init__(self, tp_group: Group, cp_group: Group | None = None) -> None:
+        self.tp_group, self.cp_group = tp_group, cp_group
         self.reduction = "mean"
         self.inject_nan = False  # a recovery drill's non-finite loss (appliance/train/faults.py)
 
     def __call__(self, head: HeadInput, labels: torch.Tensor) -> torch.Tensor:
-        loss = vocab_parallel_loss(head, labels, self.tp_group, reduction=self.reduction)
+        if self.reduction == "mean" and self.cp_group is not None and group_size(self.cp_group) > 1:
+            loss_sum = vocab_parallel_loss(head, labels, self.tp_group, reduction="sum")
+            loss = token_weighted_loss(loss_sum, labels, self.cp_group, IGNORE_INDEX)
+        else:
+            loss = vocab_parallel_loss(head, labels, self.tp_group, reduction=self.reduction)
         return loss * float("nan") if self.inject_nan else loss
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from appliance.parallel.context_parallel import whole_sequences
 from appliance.parallel.cross_entropy import HeadInput, vocab_parallel_scores
 from appliance.parallel.topology import ParallelTopology
 
@@ -47,7 +48,8 @@ class ParallelScorer:
         was_training = self.module.training
         self.module.eval()
         try:
-            out = self.module(x)
+            with whole_sequences(self.module):  # every CP rank scores alone (context_parallel.py says why)
+                out = self.module(x)
         finally:
             self.module.train(was_training)
         if not self.last:
