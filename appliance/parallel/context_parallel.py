@@ -47,17 +47,24 @@ def local_batch(batch: Batch, cp: int, cp_rank: int, mode: str) -> Batch:
 
 class ContextParallelCore:
     """A BloomAttention core over a sequence split across the ``group``'s ranks: (q, k, v [B, H, S/cp, D], this TP
-    rank's ALiBi slopes [H], scale) -> context [B, H, S/cp, D]. Set on each block by parallelize.py."""
+    rank's ALiBi slopes [H], scale[, doc_ids [B, S/cp] of packed documents]) -> context [B, H, S/cp, D]. Set on each
+    block by parallelize.py."""
 
     def __init__(self, group: Group, mode: str) -> None:
         self.group, self.mode = group, mode
         self.cp = group_size(group)
 
     def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor, scale: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slopes: torch.Tensor,
+        scale: float,
+        doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return context_parallel_attention(
-            q, k, v, slopes, scale, group=self.group, mode=self.mode, seq_len=q.shape[2] * self.cp
+            q, k, v, slopes, scale, group=self.group, mode=self.mode, seq_len=q.shape[2] * self.cp, doc_ids=doc_ids
         )
 
     def __repr__(self) -> str:

@@ -6,14 +6,16 @@
     result = engine.train_batch([(inputs, labels), ...])   # this DP rank's micro-batches of one step
 
 How the layout maps onto DeepSpeed, in the order it is applied:
-1. Tensor parallel lives inside the layers (pipeline_parallel.py: column/row-parallel linears, vocab-parallel embedding,
-   logits and cross-entropy, ALiBi slopes per rank), identical in both engines below.
+1. Tensor parallel lives inside the layers (parallelize.py applies it: column/row-parallel linears, vocab-parallel
+   embedding, logits and cross-entropy, ALiBi slopes per rank), identical in both engines below; so does context
+   parallel (cp > 1: each block's attention core exchanges keys and values over the cp group, and ``local_batches``
+   keeps this rank's slice of every micro-batch; context_parallel.py).
 2. pp > 1: a PipelineModule under DeepSpeed's PipelineEngine, 1F1B (TrainSchedule), ZeRO 0/1.
    pp = 1: the same layers in a BloomStack under DeepSpeed's plain engine, ZeRO 0/1/2.
-3. Data parallel and the optimizer: DeepSpeed's (bf16: BF16_Optimizer with fp32 accumulation and master weights;
-   fp16: ZeRO's optimizer with fp32 master weights and dynamic loss scaling, see precision.py; fp32: ZeRO stage
-   as planned), with our topology as its model-parallel unit so the clipping norm is global. Inside it, torch's
-   AdamW with the kernel ``adamw_kernel`` picks (fused where the device has one).
+3. Data parallel and the optimizer: DeepSpeed's, over dp x cp (bf16: BF16_Optimizer with fp32 accumulation and
+   master weights; fp16: ZeRO's optimizer with fp32 master weights and dynamic loss scaling, see precision.py; fp32:
+   ZeRO stage as planned), with our topology as its model-parallel unit so the clipping norm is global. Inside it,
+   torch's AdamW with the kernel ``adamw_kernel`` picks (fused where the device has one).
 4. With ZeRO over dp > 1 and ``overlap_param_gather``, the all-gather of the updated weights that ends each step
    runs per layer in the background, each layer's next forward waiting for its own (param_gather.py). Everything
    here that reads or writes parameters outside the training forward waits for all of it first

@@ -308,6 +308,8 @@ def test_train_with_a_cp_layout_continues_the_run(cli_runs: dict[str, Any]) -> N
     assert [e["resumed_step"] for e in events(moved, "recovery")] == [CLI_MOVED_AT]
     plan = json.loads(moved.plan.read_text())["layout"]
     assert (plan["cp"], plan["cp_mode"], plan["dp"]) == (2, "ring", 1)
+    final = [e for e in events(moved, "eval") if "tasks" in e]
+    assert [e["step"] for e in final] == [CLI_STEPS] and final[0]["tasks"], final  # the final evaluation, at cp=2
     manifest = json.loads((moved.checkpoints / f"step-{CLI_STEPS:08d}" / "manifest.json").read_text())
     assert manifest["consumed_samples"] == 8 * CLI_STEPS and manifest["layout"]["cp"] == 2
     straight, got = step_losses(cli_runs["straight"]), step_losses(moved)
