@@ -51,6 +51,12 @@ from appliance.rundir import RunDir
 pytestmark = pytest.mark.distributed
 
 WORLD = 4
+# Bounds: FP32_FACTOR (10) x the noise floor, as test_3d_equivalence.py. Measured here (2026-11-24, 2-core AMD EPYC
+# VM): losses 0.6-1.7 x, gathered weights 1.1-1.6 x, target log-probabilities 1.3-1.5 x, gradient norms 4.9-5.7 x
+# the floor. The norms sit higher because cutting every sequence into cp slices reorders the per-token sums inside
+# each weight gradient (then summed over the cp ranks), a reordering the floor's own (micro-batch order, sample
+# split, threads) does not make; the largest gap is at step 1, before any update (6e-7 relative, a few float32 ulps
+# of the norm). Without attention across the CP ranks the first loss lands 600 x the floor away.
 # name -> (tp, pp, dp, cp, cp_mode, zero, sequence parallel). Heads 4: Ulysses needs heads / tp divisible by cp.
 LAYOUTS: dict[str, tuple[int, int, int, int, str, int, bool]] = {
     "cp4-ulysses": (1, 1, 1, 4, "ulysses", 0, False),
