@@ -136,10 +136,12 @@ class TransformerLayerPipe(BloomBlock):
         super().__init__(config, layer_number, linear_factory, tp_rank, tp_size)
         self.self_attention.recompute_core = recompute_core
 
-    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if attention_mask is not None:
             raise ValueError("pipeline blocks train on unpadded samples: attention_mask must be None")
-        return super().forward(hidden)
+        return super().forward(hidden, None, doc_ids)
 
 
 class EmptyLayerSpec(LayerSpec):
