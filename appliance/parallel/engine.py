@@ -74,7 +74,8 @@ from appliance.parallel.shards import (
 from appliance.parallel.topology import ParallelTopology
 from appliance.planner.train_settings import TrainSettings
 
-Batch = tuple[torch.Tensor, torch.Tensor]  # (input ids, labels), each [micro_batch, seq]
+# (input ids, labels), each [micro_batch, seq], and under reset_attention_mask the inputs' document ids third.
+Batch = tuple[torch.Tensor, ...]
 IGNORE_INDEX = -100
 
 
@@ -269,6 +270,7 @@ class ParallelEngine:
         scale = self.loss_scale
         issued = self.param_gather.issued if self.param_gather is not None else 0
         if self.pipelined:
+            self._refuse_document_ids(micro_batches)
             loss = float(self.engine.train_batch(iter(micro_batches)))
         else:
             loss = self._train_batch_plain(micro_batches)
@@ -305,15 +307,24 @@ class ParallelEngine:
             raise ValueError("a loss scaler state is for an fp16 engine; this one trains in bf16 or fp32")
         load_loss_scaler_state(self.engine.optimizer, state)
 
+    @staticmethod
+    def _refuse_document_ids(micro_batches: Sequence[Batch]) -> None:
+        if any(len(batch) > 2 for batch in micro_batches):
+            raise ValueError(
+                "reset_attention_mask with pp > 1: the pipeline passes one tensor between stages and does not carry "
+                "document ids yet; train with pp = 1 or set reset_attention_mask=false"
+            )
+
     def _train_batch_plain(self, micro_batches: Sequence[Batch]) -> float:
         self.engine.train()
         losses = []
         mean = torch.zeros(())
-        for i, (inputs, labels) in enumerate(micro_batches):
+        for i, batch in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             # The caller owns the step boundary, so a change in the number of micro-batches is always honoured.
             self.engine.set_gradient_accumulation_boundary(last)
-            loss = self.engine(inputs.to(self.engine.device), labels.to(self.engine.device))
+            # (inputs, labels[, doc_ids]) -> BloomStack.forward(input_ids, labels, doc_ids)
+            loss = self.engine(*(t.to(self.engine.device) for t in batch))
             self.engine.backward(loss)  # scaled by 1 / micro-batches
             losses.append(loss.detach().float())
             if last:
@@ -337,6 +348,7 @@ class ParallelEngine:
         self.loss_fn.reduction = "sum"
         try:
             if self.pipelined:
+                self._refuse_document_ids(micro_batches)
                 outputs = self.engine.eval_batch(
                     iter(micro_batches), num_micro_batches=len(micro_batches), reduce_output=None, bcast_loss=False
                 )
@@ -344,13 +356,13 @@ class ParallelEngine:
             else:
                 self.engine.eval()
                 device = self.engine.device
-                losses = [self.engine(x.to(device), y.to(device)) for x, y in micro_batches]
+                losses = [self.engine(*(t.to(device) for t in batch)) for batch in micro_batches]
                 self.engine.train()
         finally:
             self.loss_fn.reduction = "mean"
         if not (self.is_last_stage and self.tp_rank == 0):
             return 0.0, 0.0
-        tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in micro_batches)
+        tokens = sum(int((batch[1] != IGNORE_INDEX).sum()) for batch in micro_batches)
         return float(sum(float(loss) for loss in losses)), float(tokens)
 
     # ---- checkpoints --------------------------------------------------------------------------------------

@@ -237,7 +237,7 @@ def hf_parameter_name(pipe_name: str, n_layer: int) -> str:
     return f"transformer.h.{block}.{rest}" if 0 <= block < n_layer else "transformer." + rest
 
 
-def _recompute(function: Callable[..., Any], *inputs: torch.Tensor) -> Any:
+def _recompute(function: Callable[..., Any], *inputs: torch.Tensor | None) -> Any:
     """Full activation recompute of a range of layers (torch's non-reentrant checkpoint: it keeps the RNG state,
     and the layers' tensor-parallel collectives simply run again in the backward pass)."""
     return checkpoint(function, *inputs, use_reentrant=False)
@@ -308,9 +308,17 @@ class BloomStack(nn.Module):
                 self.add_module(str(index), layer)
                 self._layers.append(layer)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+    def forward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None
+    ) -> Any:
+        """doc_ids: [batch, seq] document of each token (reset_attention_mask), handed to every block, or None."""
         x: Any = input_ids  # tensors between the layers, the HeadInput after the last
         recompute = self.recompute_blocks and torch.is_grad_enabled()
         for layer in self._layers:
-            x = _recompute(layer, x) if recompute and isinstance(layer, TransformerLayerPipe) else layer(x)
+            if not isinstance(layer, TransformerLayerPipe):
+                x = layer(x)
+            elif recompute:
+                x = _recompute(layer, x, None, doc_ids)
+            else:
+                x = layer(x, None, doc_ids)
         return x if labels is None else self.loss_fn(x, labels)

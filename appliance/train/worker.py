@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = spec.train
 
     from appliance.data.blend import build_datasets
+    from appliance.data.documents import dataset_eod_id
     from appliance.data.sampler import PretrainingSampler
     from appliance.parallel.deepspeed_comm import init_deepspeed_comm
     from appliance.parallel.topology import ParallelTopology
@@ -118,6 +119,11 @@ def main(argv: list[str] | None = None) -> int:
         # Every broken rule at once, each factor named: tp * pp * dp against the world, heads % tp, the blocks
         # over pp. The process groups are built once, here, TP innermost, then DP, then PP.
         layout.validate(world_size, config.n_head, config.n_layer)
+        if settings.reset_attention_mask and layout.pp > 1:
+            raise BadInput(
+                f"train.reset_attention_mask with layout.pp={layout.pp}: the pipeline does not carry document ids "
+                "between stages yet; plan pp = 1 or set reset_attention_mask=false"
+            )
         topology = ParallelTopology(tp=layout.tp, pp=layout.pp, dp=layout.dp, world_size=world_size)
     except (BadInput, ValueError) as e:
         if events is not None:
@@ -173,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         stop_at_step=args.stop_at_step,
         on_step=watchdog.set_step,
         budget=BudgetWatch.for_spec(spec) if rank == 0 else None,
+        eod_id=dataset_eod_id(run_dir.data) if settings.reset_attention_mask else None,
     )
 
     def warn(message: str) -> None:
