@@ -99,15 +99,107 @@ def flash_alibi_attention(
     slopes: torch.Tensor,
     causal: bool = True,
     scale: float | None = None,
-) -> torch.Tensor:
-    """Attention with ALiBi computed the plain way (materialized scores), fp32 math, output in q's dtype.
+    *,
+    q_offset: int | None = None,
+    k_offset: int = 0,
+    q_doc: torch.Tensor | None = None,
+    k_doc: torch.Tensor | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention with ALiBi computed the plain way (materialized scores), output in q's dtype.
 
-    q: [batch, heads, q_len, head_dim]; k, v: [batch, heads, k_len, head_dim].
+    q: [batch, heads, q_len, head_dim]; k, v: [batch, heads, k_len, head_dim]. Without the keyword arguments:
+    fp32 math, queries right-aligned with the keys and BLOOM's bias slope * pos_j (alibi_softmax). With any of
+    them, the kernel's chunk contract (see `alibi_chunk_logits`): query i and key j sit at global positions
+    q_offset + i and k_offset + j (q_offset None: k_offset + k_len - q_len, right-aligned), the causal mask and
+    the bias slope * (k_pos - q_pos) use those, q_doc [batch, q_len] / k_doc [batch, k_len] hide keys of another
+    document, math in fp32 (fp64 for fp64 inputs). return_lse adds the natural-log logsumexp of each query row
+    over its visible logits, [batch, heads, q_len] in the math dtype, -inf for a row that sees no key (its output
+    is 0); the LSE carries no gradient.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = q.float() @ k.float().transpose(-1, -2)
-    probs = alibi_softmax(scores, slopes, None, scale, causal)
-    return (probs @ v.float()).to(q.dtype)
+    if q_offset is None and k_offset == 0 and q_doc is None and k_doc is None and not return_lse:
+        scores = q.float() @ k.float().transpose(-1, -2)
+        probs = alibi_softmax(scores, slopes, None, scale, causal)
+        return (probs @ v.float()).to(q.dtype)
+    logits, keep = alibi_chunk_logits(q, k, slopes, scale, causal, q_offset, k_offset, q_doc, k_doc)
+    # finfo.min (not -inf) keeps an empty row finite (and its gradient free of NaN); * keep then zeroes it.
+    filled = logits.masked_fill(~keep, torch.finfo(logits.dtype).min)
+    probs = torch.softmax(filled, dim=-1) * keep
+    out = (probs @ v.to(logits.dtype)).to(q.dtype)
+    if not return_lse:
+        return out
+    lse = torch.logsumexp(filled.detach(), dim=-1).masked_fill(~keep.any(dim=-1), float("-inf"))
+    return out, lse
+
+
+def alibi_chunk_logits(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    slopes: torch.Tensor,
+    scale: float,
+    causal: bool,
+    q_offset: int | None,
+    k_offset: int,
+    q_doc: torch.Tensor | None,
+    k_doc: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits [b, h, q_len, k_len], visible bool [b or 1, 1, q_len, k_len]) of a chunk of queries against a
+    chunk of keys at global positions: logits = scale * q.k + slope * (k_pos - q_pos), in fp32 (fp64 for fp64
+    inputs); visible = (k_pos <= q_pos if causal) & (same document if q_doc/k_doc are given).
+
+    The bias is relative (a per-query constant away from BLOOM's slope * k_pos) so that logsumexps of one query
+    over several key chunks share one reference and merge (context-parallel attention relies on that)."""
+    q_len, k_len = q.shape[2], k.shape[2]
+    q_offset = k_offset + k_len - q_len if q_offset is None else q_offset
+    math_dtype = torch.promote_types(torch.float32, q.dtype)
+    q_pos = torch.arange(q_len, device=q.device) + q_offset
+    k_pos = torch.arange(k_len, device=q.device) + k_offset
+    distance = (k_pos.view(1, k_len) - q_pos.view(q_len, 1)).to(math_dtype)
+    logits = (q.to(math_dtype) @ k.to(math_dtype).transpose(-1, -2)) * scale
+    logits = logits + slopes.to(math_dtype).view(1, -1, 1, 1) * distance
+    keep = torch.ones(1, 1, q_len, k_len, dtype=torch.bool, device=q.device)
+    if causal:
+        keep = keep & (k_pos.view(1, k_len) <= q_pos.view(q_len, 1))
+    if (q_doc is None) != (k_doc is None):
+        raise ValueError("flash_alibi_attention: q_doc and k_doc go together (both or neither)")
+    if q_doc is not None and k_doc is not None:
+        keep = keep & (q_doc.view(-1, 1, q_len, 1) == k_doc.view(-1, 1, 1, k_len))
+    return logits, keep
+
+
+def flash_alibi_attention_backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    slopes: torch.Tensor,
+    scale: float,
+    *,
+    causal: bool = True,
+    q_offset: int | None = None,
+    k_offset: int = 0,
+    q_doc: torch.Tensor | None = None,
+    k_doc: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv (input dtypes) of one key chunk's share of an attention whose rows' logsumexp `lse` and
+    delta_i = sum_d O_id dO_id (both [b, h, q_len], natural log, taken over ALL key chunks) are given:
+        P = exp(logits - lse) on visible entries,  dV = P^T dO,  dS = P * (dO V^T - delta),
+        dQ = scale * dS K,  dK = scale * dS^T Q.
+    Summing these over the key chunks gives the full gradient (flash attention's backward, chunk by chunk)."""
+    logits, keep = alibi_chunk_logits(q, k, slopes, scale, causal, q_offset, k_offset, q_doc, k_doc)
+    dtype = logits.dtype
+    lse = lse.to(dtype)
+    finite_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # -inf: a row with no visible key
+    probs = torch.where(keep, torch.exp(logits - finite_lse.unsqueeze(-1)), torch.zeros_like(logits))
+    do_m, q_m, k_m, v_m = do.to(dtype), q.to(dtype), k.to(dtype), v.to(dtype)
+    dv = probs.transpose(-1, -2) @ do_m
+    ds = probs * (do_m @ v_m.transpose(-1, -2) - delta.to(dtype).unsqueeze(-1))
+    dq = (ds @ k_m) * scale
+    dk = (ds.transpose(-1, -2) @ q_m) * scale
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 # ----- chunked vocabulary cross-entropy ---------------------------------------------------------------------------

@@ -42,6 +42,7 @@ __all__ = [
     "bias_gelu",
     "call_counts",
     "flash_alibi_attention",
+    "flash_alibi_attention_backward",
     "get_backend",
     "layer_norm",
     "nvidia_apex_layer_norm",
@@ -223,18 +224,56 @@ def flash_alibi_attention(
     slopes: torch.Tensor,
     causal: bool = True,
     scale: float | None = None,
-) -> torch.Tensor:
+    *,
+    q_offset: int | None = None,
+    k_offset: int = 0,
+    q_doc: torch.Tensor | None = None,
+    k_doc: torch.Tensor | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """softmax(scale * q k^T + ALiBi, causal) v for q [b, h, q_len, d], k/v [b, h, k_len, d]; scale 1/sqrt(d).
 
-    Queries are right-aligned with the keys (q_len < k_len: the last q_len positions). Head dims up to 128 run
-    fused; wider ones fall back to the materialized torch twin.
+    Queries are right-aligned with the keys (q_len < k_len: the last q_len positions) unless q_offset/k_offset
+    give the global positions of the first query and key (the causal mask and the bias use them); q_doc
+    [b, q_len] and k_doc [b, k_len] (integer document ids) hide keys of another document; return_lse adds the
+    natural-log logsumexp per query row [b, h, q_len] (fp32, fp64 for fp64 inputs on the twin; -inf where a
+    row sees no key; no gradient). Full contract: kernels.reference.flash_alibi_attention. Head dims up to 128
+    run fused; wider ones fall back to the materialized torch twin.
     """
+    extra: dict[str, Any] = dict(q_offset=q_offset, k_offset=k_offset, q_doc=q_doc, k_doc=k_doc, return_lse=return_lse)
     fused = _fused("flash_attention", q)
     if fused is None or q.shape[-1] > fused.MAX_HEAD_DIM:
         _count("flash_alibi_attention", "reference")
-        return reference.flash_alibi_attention(q, k, v, slopes, causal, scale)
+        return reference.flash_alibi_attention(q, k, v, slopes, causal, scale, **extra)
     _count("flash_alibi_attention", "triton")
-    return _on_device(q, fused.flash_alibi_attention, q, k, v, slopes, causal, scale)
+    return _on_device(q, fused.flash_alibi_attention, q, k, v, slopes, causal, scale, **extra)
+
+
+def flash_alibi_attention_backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    slopes: torch.Tensor,
+    scale: float,
+    *,
+    causal: bool = True,
+    q_offset: int | None = None,
+    k_offset: int = 0,
+    q_doc: torch.Tensor | None = None,
+    k_doc: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of one key chunk's share of an attention, given each query row's logsumexp `lse` (natural log,
+    as flash_alibi_attention returns it, merged over all key chunks) and delta = rowsum(O * dO) of the final
+    output. Arguments as flash_alibi_attention; contract: kernels.reference.flash_alibi_attention_backward."""
+    extra: dict[str, Any] = dict(causal=causal, q_offset=q_offset, k_offset=k_offset, q_doc=q_doc, k_doc=k_doc)
+    fused = _fused("flash_attention", q)
+    module: Any = reference if fused is None or q.shape[-1] > fused.MAX_HEAD_DIM else fused
+    return _on_device(
+        q, module.flash_alibi_attention_backward, do, q, k, v, lse, delta, slopes, scale, **extra
+    )  # fmt: skip
 
 
 def vocab_cross_entropy(

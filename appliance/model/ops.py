@@ -54,7 +54,8 @@ def bias_dropout_add(
 def attention_probs(
     scores: torch.Tensor, alibi: torch.Tensor, mask: torch.Tensor | None, inv_norm_factor: float
 ) -> torch.Tensor:
-    """softmax(scores * inv_norm_factor + alibi, masked) over keys, computed in float32 and cast back.
+    """softmax(scores * inv_norm_factor + alibi, masked) over keys, computed in float32 (float64 for float64
+    scores) and cast back.
 
     scores: [B, H, Q, K], the raw q.k products in the compute dtype.
     alibi: [B or 1, H, 1, K], float32 (see alibi.alibi_bias).
@@ -64,9 +65,11 @@ def attention_probs(
     """
     # One fused pass, alibi + factor * scores, promoted to float32 (transformers fuses the same sum into baddbmm);
     # the mask then writes into that fresh tensor in place.
-    logits = torch.add(alibi.to(torch.float32), scores.to(torch.float32), alpha=inv_norm_factor)
+    # float64 inputs (reference computations) keep float64; every other dtype goes through float32.
+    softmax_dtype = torch.promote_types(torch.float32, scores.dtype)
+    logits = torch.add(alibi.to(softmax_dtype), scores.to(softmax_dtype), alpha=inv_norm_factor)
     if mask is not None:
-        logits.masked_fill_(~mask, torch.finfo(torch.float32).min)
+        logits.masked_fill_(~mask, torch.finfo(softmax_dtype).min)
     return torch.softmax(logits, dim=-1).to(scores.dtype)
 
 
@@ -98,11 +101,21 @@ def flash_attention_available(q: torch.Tensor) -> bool:
 
 
 def flash_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor, inv_norm_factor: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slopes: torch.Tensor,
+    inv_norm_factor: float,
+    doc_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention with ALiBi slopes [H] and no padding, fused: the same result as attention_core with a
-    causal mask and alibi_bias(slopes, None), in O(S) memory. q, k, v: [B, H, S, D]; returns [B, H, S, D]."""
-    return fused.flash_alibi_attention(q, k, v, slopes, causal=True, scale=inv_norm_factor)
+    causal mask and alibi_bias(slopes, None), in O(S) memory. q, k, v: [B, H, S, D]; returns [B, H, S, D].
+
+    doc_ids: optional integer [B, S], the document of each token when several are packed in one sequence: a query
+    then sees only the keys of its own document (ALiBi is relative, so positions need no reset)."""
+    return fused.flash_alibi_attention(
+        q, k, v, slopes, causal=True, scale=inv_norm_factor, q_doc=doc_ids, k_doc=doc_ids
+    )  # type: ignore[return-value]
 
 
 def vocab_cross_entropy(
