@@ -88,9 +88,9 @@ class BloomAttention(nn.Module):
         attention_mask: torch.Tensor | None = None,
         doc_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Without padding (attention_mask None) and packed documents (doc_ids None) the causal mask is all there
-        is, so the fused flash-attention kernel takes the slopes alone, without [S, S] scores; only the materialized
-        path asks `alibi` for the bias and mask. doc_ids: int [B, S] over the whole sequence, or None."""
+        """Without padding (attention_mask None) the causal mask, and the document mask where doc_ids (int [B, S]
+        over the whole sequence) are given, is all there is, so the fused flash-attention kernel takes the slopes
+        alone, without [S, S] scores; only the materialized path asks `alibi` for the bias and mask."""
         fused, qkv_bias = _project(self.query_key_value, x)
         if qkv_bias is not None:
             fused = fused + qkv_bias
@@ -101,9 +101,10 @@ class BloomAttention(nn.Module):
         fused = fused.view(batch, seq, self.local_heads, 3, self.head_dim)
         q, k, v = (fused[..., i, :].transpose(1, 2) for i in range(3))  # each [B, H, S, D]
         no_dropout = not (self.training and self.attention_dropout > 0)
-        if attention_mask is None and doc_ids is None and no_dropout and ops.flash_attention_available(q):
-            # No [S, S] activations to keep, so selective recompute has nothing to save here.
-            context = ops.flash_attention(q, k, v, alibi.slopes(q.device), self.inv_norm_factor)
+        if attention_mask is None and no_dropout and ops.flash_attention_available(q):
+            # No [S, S] activations to keep, so selective recompute has nothing to save here. Packed documents
+            # (doc_ids) are masked inside the kernel: the slopes still suffice (alibi.RankAlibi.bias_and_mask).
+            context = ops.flash_attention(q, k, v, alibi.slopes(q.device), self.inv_norm_factor, doc_ids=doc_ids)
         else:
             bias, mask = alibi.bias_and_mask(attention_mask, seq, q.device, doc_ids)
             core_args = (q, k, v, bias, mask, self.inv_norm_factor, self.attention_dropout, self.training)

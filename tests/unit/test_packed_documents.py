@@ -6,12 +6,12 @@ single-process model; without them they do not (the later documents see the earl
 needs no change (alibi.RankAlibi.bias_and_mask: a row-constant shift that softmax drops) is what these
 comparisons prove: the packed run keeps the absolute key positions, the run alone starts each document at 0.
 
-Tolerances. fp64: the model keeps BLOOM's float32 softmax and LayerNorm statistics even in float64 (ops.attention_probs,
-ops.layer_norm), so the fp64 runs here swap in float64 ones (same masking, same arithmetic otherwise) to take float32
-out of the comparison;
-with 4 heads the slopes are powers of two, so the float32 ALiBi bias is exact and only float64 rounding is left:
-1e-10. fp32 (the model as it runs, unpatched): the bound is a multiple of the floor measured on the spot, how far
-the fp32 run of a document alone is from its fp64 run; packing moves the arithmetic no further than a few floors.
+Tolerances. fp64: attention runs its softmax in float64 for float64 inputs (ops.attention_probs), but the LayerNorm
+kernel keeps float32 statistics and float32 weight-gradient sums (ops.layer_norm), so the fp64 runs here swap in
+torch's LayerNorm in float64 to take float32 out of the comparison; with 4 heads the slopes are powers of two, so the
+float32 ALiBi bias is exact and only float64 rounding is left: 1e-10. fp32 (the model as it runs, unpatched): the
+bound is a multiple of the floor measured on the spot, how far the fp32 run of a document alone is from its fp64 run;
+packing moves the arithmetic no further than a few floors.
 """
 
 from __future__ import annotations
@@ -56,26 +56,15 @@ def model_in(dtype: torch.dtype) -> BloomForCausalLM:
     return BloomForCausalLM(CONFIG, seed=0).to(dtype).eval()
 
 
-def float64_probs(
-    scores: torch.Tensor, alibi: torch.Tensor, mask: torch.Tensor | None, inv_norm_factor: float
-) -> torch.Tensor:
-    """ops.attention_probs with the softmax in float64 (the float32 one is BLOOM's, and would set the floor)."""
-    logits = torch.add(alibi.to(torch.float64), scores.to(torch.float64), alpha=inv_norm_factor)
-    if mask is not None:
-        logits.masked_fill_(~mask, torch.finfo(torch.float64).min)
-    return torch.softmax(logits, dim=-1).to(scores.dtype)
-
-
 def float64_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     """ops.layer_norm in x's dtype (the kernel keeps float32 statistics and float32 weight-gradient sums)."""
     return torch.nn.functional.layer_norm(x, x.shape[-1:], weight, bias, eps)
 
 
 @contextmanager
-def float64_softmax(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The model's float32 islands (BLOOM's softmax, the LayerNorm statistics) in float64 instead."""
+def float64_throughout(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The model's float32 island left in a float64 run (the LayerNorm statistics) in float64 too."""
     with monkeypatch.context() as patch:
-        patch.setattr(ops, "attention_probs", float64_probs)
         patch.setattr(ops, "layer_norm", float64_layer_norm)
         yield
 
@@ -110,7 +99,7 @@ def test_document_ids_close_each_document_with_its_eod() -> None:
 
 def test_each_packed_document_equals_the_document_alone_fp64(monkeypatch: pytest.MonkeyPatch) -> None:
     model, docs = model_in(torch.float64), documents(0)
-    with float64_softmax(monkeypatch):
+    with float64_throughout(monkeypatch):
         separated = packed_and_alone(model, docs, with_doc_ids=True)
         crossing = packed_and_alone(model, docs, with_doc_ids=False)
     assert largest(separated) < FP64_BOUND
@@ -153,7 +142,7 @@ def test_loss_gradient_of_each_packed_document_equals_the_document_alone(monkeyp
     packed = torch.cat(docs)
     doc_ids = document_ids(packed[None], EOD)
     worst, worst_without = 0.0, 0.0
-    with float64_softmax(monkeypatch):
+    with float64_throughout(monkeypatch):
         for index, (span, doc) in enumerate(zip(spans(docs), docs, strict=False)):
             labels = torch.full_like(packed, -100)
             # loss() shifts: position t predicts labels[t + 1], so the document's own targets are [start+1, end).
@@ -190,7 +179,7 @@ def test_a_document_does_not_see_its_neighbours(monkeypatch: pytest.MonkeyPatch)
             logits = model(packed[None], doc_ids=document_ids(packed[None], EOD) if with_doc_ids else None)
         return logits[0, spans(pack)[2]]
 
-    with float64_softmax(monkeypatch):
+    with float64_throughout(monkeypatch):
         a, b = (middle_logits(p, True) for p in packs)
         c, d = (middle_logits(p, False) for p in packs)
     assert float((a - b).abs().max()) < FP64_BOUND
@@ -205,7 +194,7 @@ def test_padding_and_document_ids_together(monkeypatch: pytest.MonkeyPatch) -> N
     pad = 6
     padded = torch.cat([torch.full((pad,), 3), packed])  # 3: <pad>
     attention_mask = torch.cat([torch.zeros(pad, dtype=torch.int64), torch.ones(len(packed), dtype=torch.int64)])
-    with float64_softmax(monkeypatch), torch.no_grad():
+    with float64_throughout(monkeypatch), torch.no_grad():
         plain = model(packed[None], doc_ids=document_ids(packed[None], EOD))[0]
         both = model(padded[None], attention_mask[None], doc_ids=document_ids(padded[None], EOD))[0, pad:]
         alone = [model(d[None])[0] for d in docs]
