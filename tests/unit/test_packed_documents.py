@@ -207,3 +207,18 @@ def test_doc_ids_must_match_the_input() -> None:
     ids = torch.cat(documents(9))[None]
     with pytest.raises(ValueError, match=r"doc_ids shape \(1, 5\) != input_ids shape"):
         model(ids, doc_ids=torch.zeros(1, 5, dtype=torch.int64))
+
+
+def test_the_flash_path_masks_other_documents_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused path (taken without padding where the kernel runs) gets the document ids: forced on here, it runs
+    the kernel's torch twin (its float64 math where document ids are given), and each packed document equals the
+    document alone on the materialized path."""
+    model, docs = model_in(torch.float64), documents(10)
+    packed = torch.cat(docs)
+    with float64_throughout(monkeypatch):
+        alone = [log_probs(model, doc) for doc in docs]
+        monkeypatch.setattr(ops, "flash_attention_available", lambda q: True)
+        fused = log_probs(model, packed, document_ids(packed[None], EOD))
+        crossing = log_probs(model, packed)
+    assert largest([(fused[span], a) for span, a in zip(spans(docs), alone, strict=True)]) < FP64_BOUND
+    assert largest([(crossing[span], a) for span, a in zip(spans(docs), alone, strict=True)], skip_first=True) > 1e-3
