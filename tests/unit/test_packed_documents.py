@@ -17,17 +17,24 @@ packing moves the arithmetic no further than a few floors.
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from appliance.data.documents import document_ids, document_lengths
+from appliance.data.documents import dataset_eod_id, document_ids, document_lengths
+from appliance.data.sample_corpus import SAMPLE_CORPUS_DIR
+from appliance.errors import BadInput
+from appliance.head_run import RunRequest, apply_request, make_run_plan
 from appliance.model import ops
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
+from appliance.overrides import parse_overrides
+from appliance.planner.runspec import load_spec
 
 EOD = 2  # </s> in our tokenizers (appliance/tokenizer/vocab.py)
 CONFIG = BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4)
@@ -222,3 +229,34 @@ def test_the_flash_path_masks_other_documents_too(monkeypatch: pytest.MonkeyPatc
         crossing = log_probs(model, packed)
     assert largest([(fused[span], a) for span, a in zip(spans(docs), alone, strict=True)]) < FP64_BOUND
     assert largest([(crossing[span], a) for span, a in zip(spans(docs), alone, strict=True)], skip_first=True) > 1e-3
+
+
+def test_the_setting_is_off_by_default_settable_and_optional_in_older_plans(tmp_path: Path) -> None:
+    """train.reset_attention_mask: false unless `--set reset_attention_mask=true`; written into plan.json; a plan
+    written before the key existed reads as false (attention across documents, as BLOOM-176B trained)."""
+    spec = make_run_plan(RunRequest(corpus=[SAMPLE_CORPUS_DIR], hardware="cpu-laptop-2core"))
+    assert spec.train.reset_attention_mask is False
+    on = apply_request(spec, RunRequest(corpus=[], overrides=parse_overrides(["reset_attention_mask=true"])))
+    assert on.train.reset_attention_mask is True
+    written = json.loads(on.dumps())
+    assert written["train"]["reset_attention_mask"] is True
+    del written["train"]["reset_attention_mask"]
+    (tmp_path / "plan.json").write_text(json.dumps(written))
+    assert load_spec(tmp_path / "plan.json").train.reset_attention_mask is False
+    assert parse_overrides(["reset_attention_mask=off"]) == {"reset_attention_mask": False}
+    with pytest.raises(BadInput, match=r"--set reset_attention_mask=maybe: expected bool"):
+        parse_overrides(["reset_attention_mask=maybe"])
+
+
+def test_the_eod_id_comes_from_the_datasets(tmp_path: Path) -> None:
+    def write(eods: dict[str, int | None]) -> Path:
+        entries = {lang: {"prefix": f"{lang}_text_document", "documents": 1, "tokens": 2, "eod_id": e}
+                   for lang, e in eods.items()}  # fmt: skip
+        (tmp_path / "datasets.json").write_text(json.dumps(entries))
+        return tmp_path
+
+    assert dataset_eod_id(write({"en": 2, "fr": 2})) == 2
+    with pytest.raises(BadInput, match=r"datasets.json: reset_attention_mask needs one EOD token id .*'fr': None"):
+        dataset_eod_id(write({"en": 2, "fr": None}))
+    with pytest.raises(BadInput, match=r"found \{'en': 2, 'fr': 5\}"):
+        dataset_eod_id(write({"en": 2, "fr": 5}))
