@@ -31,7 +31,7 @@ the loss by the new number of micro-batches and, in the pipeline engine, sets th
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,6 +87,12 @@ class StepResult:
     # fp16: DeepSpeed skipped the update because the scaled gradients overflowed at a scale above its minimum
     # (it lowers the scale; a normal event under dynamic scaling). The same on every rank.
     overflow: bool = False
+
+
+def _pipeline_batches(micro_batches: Sequence[Batch]) -> list[Any]:
+    """DeepSpeed's pipeline reads batch[0] on the first stage and batch[1] on the last: packed documents' ids go
+    with the inputs, (inputs, doc_ids), and travel from stage to stage with the hidden states."""
+    return [((b[0], b[2]), b[1]) if len(b) > 2 else b for b in micro_batches]
 
 
 def param_groups(named_params: Sequence[tuple[str, torch.nn.Parameter]], weight_decay: float) -> list[dict[str, Any]]:
@@ -227,6 +233,7 @@ class ParallelEngine:
         self.sharded = topology.tp > 1 or topology.pp > 1
         self.last_checkpoint: Path | None = None  # where the weights were last saved to or loaded from
         self._dense: tuple[Path | None, BloomForCausalLM] | None = None
+        self._pipeline_carries_doc_ids = False  # what the pipeline's stages last sent each other
 
     @property
     def ds_config(self) -> dict[str, Any]:
@@ -270,8 +277,7 @@ class ParallelEngine:
         scale = self.loss_scale
         issued = self.param_gather.issued if self.param_gather is not None else 0
         if self.pipelined:
-            self._refuse_document_ids(micro_batches)
-            loss = float(self.engine.train_batch(iter(micro_batches)))
+            loss = float(self.engine.train_batch(self._pipeline_iter(micro_batches)))
         else:
             loss = self._train_batch_plain(micro_batches)
         if self.param_gather is not None and self.engine.was_step_applied() and self.param_gather.issued == issued:
@@ -307,13 +313,14 @@ class ParallelEngine:
             raise ValueError("a loss scaler state is for an fp16 engine; this one trains in bf16 or fp32")
         load_loss_scaler_state(self.engine.optimizer, state)
 
-    @staticmethod
-    def _refuse_document_ids(micro_batches: Sequence[Batch]) -> None:
-        if any(len(batch) > 2 for batch in micro_batches):
-            raise ValueError(
-                "reset_attention_mask with pp > 1: the pipeline passes one tensor between stages and does not carry "
-                "document ids yet; train with pp = 1 or set reset_attention_mask=false"
-            )
+    def _pipeline_iter(self, micro_batches: Sequence[Batch]) -> Iterator[Any]:
+        carries = any(len(batch) > 2 for batch in micro_batches)
+        if carries != self._pipeline_carries_doc_ids:
+            # DeepSpeed's stages exchange the activations' shapes and types once, then reuse their buffers: hidden
+            # states alone and (hidden, doc_ids) need the exchange again.
+            self.engine.reset_activation_shape()
+            self._pipeline_carries_doc_ids = carries
+        return iter(_pipeline_batches(micro_batches))
 
     def _train_batch_plain(self, micro_batches: Sequence[Batch]) -> float:
         self.engine.train()
@@ -348,9 +355,11 @@ class ParallelEngine:
         self.loss_fn.reduction = "sum"
         try:
             if self.pipelined:
-                self._refuse_document_ids(micro_batches)
                 outputs = self.engine.eval_batch(
-                    iter(micro_batches), num_micro_batches=len(micro_batches), reduce_output=None, bcast_loss=False
+                    self._pipeline_iter(micro_batches),
+                    num_micro_batches=len(micro_batches),
+                    reduce_output=None,
+                    bcast_loss=False,
                 )
                 losses = list(outputs) if self.is_last_stage else []
             else:

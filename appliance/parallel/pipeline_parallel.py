@@ -20,7 +20,10 @@ units per stage, BLOOM-176B's split; the planner's ``pipeline_partition`` predic
 
 Activations between layers are [batch, seq, hidden] (the transformers layout); with sequence parallelism each
 TP rank holds [batch, seq / tp, hidden] between the tensor-parallel regions (sequence dimension 1), and the blocks
-still take the fused flash attention (its slopes are all the ALiBi it needs).
+still take the fused flash attention (its slopes are all the ALiBi it needs). Under reset_attention_mask the
+pipeline's input is (ids, doc_ids) and every layer up to ln_f passes (hidden, doc_ids) on, as Megatron-DeepSpeed
+passes (hidden, attention_mask): DeepSpeed sends each tensor of the tuple between stages and returns gradients
+only for the floating-point ones. doc_ids [batch, seq] always covers the whole sequence; ln_f drops it.
 Parameter names map to the Hugging Face ones with ``hf_parameter_name``.
 
 Every spec builds its layer on the meta device and then allocates its parameters on the rank's device, without
@@ -58,6 +61,8 @@ EMBED_KEY = "embed"
 SEQUENCE_DIM = 1  # activations are [batch, seq, hidden]
 BLOCK_OFFSET = 2  # pipeline index of block 0: the word embedding and its LayerNorm come first
 CHECKPOINTED_LAYERS = ["TransformerLayerPipe"]
+# What flows between layers: hidden states (token ids into the first), or with packed documents (hidden, doc_ids).
+Activations = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
 class WordEmbeddingPipe(nn.Module):
@@ -74,7 +79,10 @@ class WordEmbeddingPipe(nn.Module):
             sequence_dim=SEQUENCE_DIM,
         )
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: Activations) -> Activations:
+        if isinstance(input_ids, tuple):
+            ids, doc_ids = input_ids
+            return self.word_embeddings(ids), doc_ids
         return self.word_embeddings(input_ids)
 
     def head_input(self, hidden: torch.Tensor) -> HeadInput:
@@ -100,8 +108,10 @@ class EmbedLayerNormPipe(nn.Module):
         super().__init__()
         self.word_embeddings_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: Activations) -> Activations:
         norm = self.word_embeddings_layernorm
+        if isinstance(hidden, tuple):
+            return ops.layer_norm(hidden[0], norm.weight, norm.bias, norm.eps), hidden[1]
         return ops.layer_norm(hidden, norm.weight, norm.bias, norm.eps)
 
 
@@ -110,7 +120,9 @@ class FinalLayerNormPipe(nn.Module):
         super().__init__()
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: Activations) -> torch.Tensor:
+        if isinstance(hidden, tuple):
+            hidden = hidden[0]  # the document ids end here: the head and the loss work per token
         return ops.layer_norm(hidden, self.ln_f.weight, self.ln_f.bias, self.ln_f.eps)
 
 
@@ -136,12 +148,12 @@ class TransformerLayerPipe(BloomBlock):
         super().__init__(config, layer_number, linear_factory, tp_rank, tp_size)
         self.self_attention.recompute_core = recompute_core
 
-    def forward(
-        self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def forward(self, hidden: Activations, attention_mask: torch.Tensor | None = None) -> Activations:  # type: ignore[override]
         if attention_mask is not None:
             raise ValueError("pipeline blocks train on unpadded samples: attention_mask must be None")
-        return super().forward(hidden, None, doc_ids)
+        if isinstance(hidden, tuple):
+            return super().forward(hidden[0], None, hidden[1]), hidden[1]
+        return super().forward(hidden)
 
 
 class EmptyLayerSpec(LayerSpec):
@@ -237,7 +249,7 @@ def hf_parameter_name(pipe_name: str, n_layer: int) -> str:
     return f"transformer.h.{block}.{rest}" if 0 <= block < n_layer else "transformer." + rest
 
 
-def _recompute(function: Callable[..., Any], *inputs: torch.Tensor | None) -> Any:
+def _recompute(function: Callable[..., Any], *inputs: Activations) -> Any:
     """Full activation recompute of a range of layers (torch's non-reentrant checkpoint: it keeps the RNG state,
     and the layers' tensor-parallel collectives simply run again in the backward pass)."""
     return checkpoint(function, *inputs, use_reentrant=False)
@@ -311,14 +323,11 @@ class BloomStack(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None
     ) -> Any:
-        """doc_ids: [batch, seq] document of each token (reset_attention_mask), handed to every block, or None."""
-        x: Any = input_ids  # tensors between the layers, the HeadInput after the last
+        """doc_ids: [batch, seq] document of each token (reset_attention_mask), carried to every block as in the
+        pipeline, or None."""
+        # Activations between the layers, the HeadInput after the last.
+        x: Any = input_ids if doc_ids is None else (input_ids, doc_ids)
         recompute = self.recompute_blocks and torch.is_grad_enabled()
         for layer in self._layers:
-            if not isinstance(layer, TransformerLayerPipe):
-                x = layer(x)
-            elif recompute:
-                x = _recompute(layer, x, None, doc_ids)
-            else:
-                x = layer(x, None, doc_ids)
+            x = _recompute(layer, x) if recompute and isinstance(layer, TransformerLayerPipe) else layer(x)
         return x if labels is None else self.loss_fn(x, labels)

@@ -119,11 +119,6 @@ def main(argv: list[str] | None = None) -> int:
         # Every broken rule at once, each factor named: tp * pp * dp against the world, heads % tp, the blocks
         # over pp. The process groups are built once, here, TP innermost, then DP, then PP.
         layout.validate(world_size, config.n_head, config.n_layer)
-        if settings.reset_attention_mask and layout.pp > 1:
-            raise BadInput(
-                f"train.reset_attention_mask with layout.pp={layout.pp}: the pipeline does not carry document ids "
-                "between stages yet; plan pp = 1 or set reset_attention_mask=false"
-            )
         topology = ParallelTopology(tp=layout.tp, pp=layout.pp, dp=layout.dp, world_size=world_size)
     except (BadInput, ValueError) as e:
         if events is not None:

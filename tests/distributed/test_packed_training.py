@@ -1,7 +1,7 @@
 """Packed documents through the parallel engine: document ids ride along with each micro-batch (inputs, labels,
 doc_ids) into every block of a tensor-parallel, sequence-parallel, fully recomputed BloomStack, and the engine's
 loss, in evaluation and in a training step, is the single-process model's loss with the same document ids. Two gloo
-ranks at tp=2, one launch.
+ranks, one launch per layout: tp=2 with sequence parallelism (the plain engine), pp=2 (the pipeline engine).
 
 Tolerance: the engine's fp32 loss against the single-process fp32 loss differs by summation order only (the
 row-parallel all-reduce, the vocabulary-parallel cross-entropy); both are within fp32's rounding of the float64
@@ -43,13 +43,13 @@ def packed_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return inputs, labels, document_ids(inputs, EOD)
 
 
-def engine_losses(topology: ParallelTopology) -> dict[str, Any]:
+def engine_losses(topology: ParallelTopology, sequence_parallel: bool) -> dict[str, Any]:
     from appliance.parallel.engine import build_engine
 
     os.environ.setdefault("LOCAL_RANK", "0")
     engine = build_engine(
         CONFIG, topology, micro_batch_size=MBS, global_batch_size=GBS, zero_stage=0, dtype="fp32", grad_clip=1.0,
-        recompute="full", sequence_parallel=True, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8, seed=SEED,
+        recompute="full", sequence_parallel=sequence_parallel, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8, seed=SEED,
     )  # fmt: skip
     batches = [packed_batch(1), packed_batch(2)]
     with_ids = engine.eval_sums(batches)
@@ -78,20 +78,24 @@ def reference_losses(dtype: torch.dtype) -> dict[str, float]:
     }
 
 
-def test_document_ids_reach_every_block_of_the_parallel_engine() -> None:
-    ranks = run_distributed(engine_losses, 2, tp=2)
+@pytest.mark.parametrize(
+    ("tp", "pp", "sequence_parallel"),
+    [(2, 1, True), (1, 2, False)],
+    ids=["tp2-sp-BloomStack", "pp2-pipeline"],
+)
+def test_document_ids_reach_every_block_of_the_parallel_engine(tp: int, pp: int, sequence_parallel: bool) -> None:
+    """tp=2: the plain engine's BloomStack, sequence-parallel; pp=2: DeepSpeed's pipeline engine, the ids sent
+    from stage to stage with the hidden states. Both with every block recomputed (checkpointed with the ids)."""
+    ranks = run_distributed(engine_losses, 2, sequence_parallel, tp=tp, pp=pp)
     want, exact = reference_losses(torch.float32), reference_losses(torch.float64)
-    for key in ("eval", "train"):
-        floor = max(abs(want[key] - exact[key]), 1e-7 * abs(exact[key]))
-        bound = 20 * floor
-        # Every rank reports the step's loss; evaluation sums are counted on TP rank 0 only.
-        got = ranks[0][key][0] if key == "eval" else ranks[0][key]
-        assert abs(got - want[key]) < bound, f"{key}: engine {got} vs model {want[key]} (bound {bound:.2e})"
-        if key == "train":
-            assert all(abs(r["train"] - got) < bound for r in ranks)
-        moved = abs(want["eval_without"] - want["eval"]) if key == "eval" else None
-        if moved is not None:
-            assert moved > 1000 * bound, f"the document mask moves the loss only {moved:.2e}"
-            assert abs(ranks[0]["eval_without"][0] - want["eval_without"]) < 20 * max(
-                abs(want["eval_without"] - exact["eval_without"]), 1e-7 * abs(exact["eval_without"])
-            )
+    # Evaluation sums are counted on one rank per replica (the last stage's TP rank 0); every rank reports the loss.
+    counted = [r for r in ranks if r["eval"][1] > 0]
+    assert len(counted) == 1
+    bounds = {key: 20 * max(abs(want[key] - exact[key]), 1e-7 * abs(exact[key])) for key in want}
+    for key in ("eval", "eval_without"):
+        got = counted[0][key][0]
+        assert abs(got - want[key]) < bounds[key], f"{key}: engine {got} vs model {want[key]} ({bounds[key]:.2e})"
+    for r in ranks:
+        assert abs(r["train"] - want["train"]) < bounds["train"], f"train: engine {r['train']} vs {want['train']}"
+    moved = abs(want["eval_without"] - want["eval"])
+    assert moved > 1000 * bounds["eval"], f"the document mask moves the loss only {moved:.2e}"
