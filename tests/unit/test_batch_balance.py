@@ -257,3 +257,36 @@ def test_reset_attention_mask_needs_the_eod_id(tmp_path: Path) -> None:
         make_trainer(
             RunDir(tmp_path / "run").make(), RecordingEngine(), packed_samples(8, 64, 4), dp_rank=0, eod_id=None
         )
+
+
+def imbalance_table() -> list[str]:
+    """docs/DATA.md's figures: max/mean rank cost, contiguous vs balanced, for skewed_lengths at SEQ tokens.
+    Run: PYTHONPATH=. python tests/unit/test_batch_balance.py"""
+    import time
+
+    shapes = {  # (hidden, layers, ffn, padded vocab): BLOOM-176B and BLOOM-560m as published
+        "BLOOM-176B": (14336, 70, 4 * 14336, 250880),
+        "BLOOM-560m": (1024, 24, 4 * 1024, 250880),
+    }
+    rows = []
+    for dp, micro_batches, mbs in ((8, 128, 2), (64, 16, 2)):
+        batch = dp * micro_batches * mbs
+        lengths = skewed_lengths(batch, seed=0)
+        indices = list(range(batch))
+        costs = {name: attention_cost(*shape) for name, shape in shapes.items()} | {"scores only": ATTENTION_ONLY}
+        for name, cost in costs.items():
+            sample_costs = costs_of(lengths, cost)
+            cost_of = dict(zip(indices, sample_costs, strict=True))
+            started = time.perf_counter()
+            balanced = place_samples(indices, sample_costs, dp, micro_batches)
+            seconds = time.perf_counter() - started
+            before = imbalance(contiguous_placement(indices, dp, micro_batches), cost_of)
+            rows.append(
+                f"| dp={dp}, {micro_batches} x {mbs} | {name} | {before:.4f} | {imbalance(balanced, cost_of):.4f} "
+                f"| {seconds * 1e3:.0f} ms |"
+            )
+    return rows
+
+
+if __name__ == "__main__":
+    print("\n".join(imbalance_table()))
