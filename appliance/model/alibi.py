@@ -89,7 +89,8 @@ def _unpadded_inputs(
 
 class RankAlibi:
     """ALiBi for the heads one tensor-parallel rank owns: the slopes (all the fused flash attention needs), and the
-    bias and causal-and-padding mask that only the materialized attention path needs, built when it asks.
+    bias and causal mask (with padding and packed documents where given) that only the materialized attention path
+    needs, built when it asks.
 
     An unpadded batch's bias [1, H, 1, S] and mask [1, 1, S, S] depend only on (heads, rank, length, device), so
     they are built once and shared by every block and step (a small LRU cache: evaluation and generation bring a

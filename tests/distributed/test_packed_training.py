@@ -49,7 +49,8 @@ def engine_losses(topology: ParallelTopology, sequence_parallel: bool) -> dict[s
     os.environ.setdefault("LOCAL_RANK", "0")
     engine = build_engine(
         CONFIG, topology, micro_batch_size=MBS, global_batch_size=GBS, zero_stage=0, dtype="fp32", grad_clip=1.0,
-        recompute="full", sequence_parallel=sequence_parallel, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8, seed=SEED,
+        recompute="full", sequence_parallel=sequence_parallel, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95),
+        eps=1e-8, seed=SEED,
     )  # fmt: skip
     batches = [packed_batch(1), packed_batch(2)]
     with_ids = engine.eval_sums(batches)
