@@ -24,6 +24,7 @@ import triton.language as tl
 from kernels.launch import compute_capability, launch
 
 LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 # BLOOM's heads are 64 (560m), 80 (3b), 96 (1b1) or 128 (1b7, 7b1, 176b) wide; 80 and 96 run in 128-wide tiles.
 MAX_HEAD_DIM = 128
 
@@ -31,8 +32,9 @@ MAX_HEAD_DIM = 128
 @triton.jit
 def _fwd_blocks(
     acc, m_i, l_i, q, K_base, V_base, stride_kn, stride_vn, offs_d, q_pos, k_len, head_dim, scale2, slope2, lo, hi,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    KDoc_base, q_doc,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -45,10 +47,13 @@ def _fwd_blocks(
         # base-2 logits: (q . k) * scale * log2(e) + slope * log2(e) * (j - i_abs)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale2
         s += slope2 * (offs_n[None, :] - q_pos[:, None]).to(tl.float32)
-        if MASKED:  # only the diagonal and tail blocks pay for the mask
+        if MASKED:  # only the diagonal and tail blocks pay for the mask (every block, with documents)
             visible = (offs_n < k_len)[None, :]
             if CAUSAL:
                 visible = visible & (offs_n[None, :] <= q_pos[:, None])
+            if HAS_DOCS:
+                k_doc = tl.load(KDoc_base + offs_n, mask=offs_n < k_len, other=-1)
+                visible = visible & (k_doc[None, :] == q_doc[:, None])
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
@@ -65,10 +70,10 @@ def _fwd_blocks(
 
 @triton.jit
 def _flash_fwd_kernel(
-    Q, K, V, Slopes, Out, LSE,
+    Q, K, V, Slopes, Out, LSE, QDoc, KDoc,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-    n_heads, q_len, k_len, head_dim, scale2,
-    CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    n_heads, q_len, k_len, shift, head_dim, scale2,
+    CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     start_m = tl.program_id(0) * BLOCK_M
@@ -78,22 +83,30 @@ def _flash_fwd_kernel(
     slope2 = tl.load(Slopes + h).to(tl.float32) * 1.4426950408889634  # * log2(e)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    shift = k_len - q_len  # queries are right-aligned with the keys
-    q_pos = offs_m + shift
+    q_pos = offs_m + shift  # query i sits at key index i + shift (global positions minus the keys' first)
     q_mask = (offs_m < q_len)[:, None] & (offs_d < head_dim)[None, :]
     q = tl.load(
         Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :], mask=q_mask, other=0.0
     )
     if DOT_FP32:
         q = q.to(tl.float32)
+    q_doc = offs_m  # unused without documents
+    if HAS_DOCS:
+        q_doc = tl.load(QDoc + b * q_len + offs_m, mask=offs_m < q_len, other=-2)
+    KDoc_base = KDoc + b * k_len
     K_base = K + b * stride_kb + h * stride_kh
     V_base = V + b * stride_vb + h * stride_vh
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # Key blocks below `full_end` are visible to every row of this block: no mask. The rest (the diagonal band
-    # under the causal mask, the ragged tail of the keys) is masked.
-    if CAUSAL:
+    # under the causal mask, the ragged tail of the keys) is masked; with documents every block is.
+    if HAS_DOCS:
+        full_end = 0
+        hi = k_len
+        if CAUSAL:
+            hi = tl.maximum(tl.minimum(k_len, start_m + BLOCK_M + shift), 0)
+    elif CAUSAL:
         full_end = tl.minimum((tl.maximum(start_m + shift + 1, 0) // BLOCK_N) * BLOCK_N, (k_len // BLOCK_N) * BLOCK_N)
         hi = tl.maximum(tl.minimum(k_len, start_m + BLOCK_M + shift), 0)
     else:
@@ -101,13 +114,13 @@ def _flash_fwd_kernel(
         hi = k_len
     acc, m_i, l_i = _fwd_blocks(
         acc, m_i, l_i, q, K_base, V_base, stride_ks, stride_vs, offs_d, q_pos, k_len, head_dim, scale2, slope2,
-        0, full_end, False, CAUSAL, DOT_FP32, PRECISION, BLOCK_N,
+        0, full_end, KDoc_base, q_doc, False, CAUSAL, HAS_DOCS, DOT_FP32, PRECISION, BLOCK_N,
     )  # fmt: skip
     acc, m_i, l_i = _fwd_blocks(
         acc, m_i, l_i, q, K_base, V_base, stride_ks, stride_vs, offs_d, q_pos, k_len, head_dim, scale2, slope2,
-        full_end, hi, True, CAUSAL, DOT_FP32, PRECISION, BLOCK_N,
+        full_end, hi, KDoc_base, q_doc, True, CAUSAL, HAS_DOCS, DOT_FP32, PRECISION, BLOCK_N,
     )  # fmt: skip
-    seen = l_i > 0.0  # false only for a query that sees no key (q_len > k_len under the causal mask)
+    seen = l_i > 0.0  # false only for a query that sees no key (causal mask before the first key, documents)
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     o_ptrs = Out + bh.to(tl.int64) * q_len * head_dim + offs_m[:, None] * head_dim + offs_d[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=q_mask)
@@ -131,10 +144,10 @@ def _flash_bwd_preprocess_kernel(Out, DO, Delta, q_len, head_dim, BLOCK_M: tl.co
 
 @triton.jit
 def _flash_bwd_dkdv_kernel(
-    Q, K, V, Slopes, DO, LSE, Delta, DK, DV,
+    Q, K, V, Slopes, DO, LSE, Delta, DK, DV, QDoc, KDoc,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-    n_heads, q_len, k_len, head_dim, scale, scale2,
-    CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    n_heads, q_len, k_len, shift, head_dim, scale, scale2,
+    CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     # One program owns a key/value block and streams the query blocks that can see it, working with transposed
@@ -158,7 +171,9 @@ def _flash_bwd_dkdv_kernel(
         v = v.to(tl.float32)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    shift = k_len - q_len
+    k_doc = offs_n  # unused without documents
+    if HAS_DOCS:
+        k_doc = tl.load(KDoc + b * k_len + offs_n, mask=offs_n < k_len, other=-1)
     Q_base = Q + b * stride_qb + h * stride_qh
     row_base = bh.to(tl.int64) * q_len
     lo = 0
@@ -179,6 +194,9 @@ def _flash_bwd_dkdv_kernel(
         visible = (offs_n < k_len)[:, None] & (offs_m < q_len)[None, :]
         if CAUSAL:
             visible = visible & (offs_n[:, None] <= (offs_m + shift)[None, :])
+        if HAS_DOCS:
+            q_doc = tl.load(QDoc + b * q_len + offs_m, mask=offs_m < q_len, other=-2)
+            visible = visible & (k_doc[:, None] == q_doc[None, :])
         p_t = tl.where(visible, tl.exp2(s_t - lse[None, :]), 0.0)  # P^T, exact probabilities
         p_in = p_t.to(DO.dtype.element_ty)
         if DOT_FP32:
@@ -197,10 +215,10 @@ def _flash_bwd_dkdv_kernel(
 
 @triton.jit
 def _flash_bwd_dq_kernel(
-    Q, K, V, Slopes, DO, LSE, Delta, DQ,
+    Q, K, V, Slopes, DO, LSE, Delta, DQ, QDoc, KDoc,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-    n_heads, q_len, k_len, head_dim, scale, scale2,
-    CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    n_heads, q_len, k_len, shift, head_dim, scale, scale2,
+    CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     # One program owns a query block and streams the key blocks it sees: dq = scale * sum_j dS[i, j] k_j.
@@ -211,10 +229,12 @@ def _flash_bwd_dq_kernel(
     slope2 = tl.load(Slopes + h).to(tl.float32) * 1.4426950408889634
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    shift = k_len - q_len
     q_pos = offs_m + shift
     q_mask = (offs_m < q_len)[:, None] & (offs_d < head_dim)[None, :]
     row_base = bh.to(tl.int64) * q_len
+    q_doc = offs_m  # unused without documents
+    if HAS_DOCS:
+        q_doc = tl.load(QDoc + b * q_len + offs_m, mask=offs_m < q_len, other=-2)
     q = tl.load(
         Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :], mask=q_mask, other=0.0
     )
@@ -243,6 +263,9 @@ def _flash_bwd_dq_kernel(
         visible = (offs_n < k_len)[None, :] & (offs_m < q_len)[:, None]
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= q_pos[:, None])
+        if HAS_DOCS:
+            k_doc = tl.load(KDoc + b * k_len + offs_n, mask=offs_n < k_len, other=-1)
+            visible = visible & (k_doc[None, :] == q_doc[:, None])
         p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
@@ -317,20 +340,42 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _docs(q_doc: torch.Tensor | None, k_doc: torch.Tensor | None, fallback: torch.Tensor) -> tuple[Any, Any, bool]:
+    """The document-id pointers the kernels take ([b, len], dense) and HAS_DOCS; without documents both pointers
+    are `fallback`, never read."""
+    if (q_doc is None) != (k_doc is None):
+        raise ValueError("flash_alibi_attention: q_doc and k_doc go together (both or neither)")
+    if q_doc is None or k_doc is None:
+        return fallback, fallback, False
+    return q_doc.contiguous(), k_doc.contiguous(), True
+
+
 def flash_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor, causal: bool, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slopes: torch.Tensor,
+    causal: bool,
+    scale: float,
+    shift: int | None = None,
+    q_doc: torch.Tensor | None = None,
+    k_doc: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output [b, h, q_len, d] (contiguous, q's dtype) and base-2 logsumexp [b, h, q_len] (fp32)."""
+    """Output [b, h, q_len, d] (contiguous, q's dtype) and base-2 logsumexp [b, h, q_len] (fp32, +inf for a row
+    that sees no key). shift: query i sits at key index i + shift (None: k_len - q_len, right-aligned); q_doc
+    [b, q_len], k_doc [b, k_len]: document ids, keys of another document are hidden."""
     b, h, q_len, d = q.shape
     k_len = k.shape[2]
+    shift = k_len - q_len if shift is None else shift
     cfg = launch_config(d, q.dtype, compute_capability(q))
     o = torch.empty((b, h, q_len, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, q_len), dtype=torch.float32, device=q.device)
+    q_doc_ptr, k_doc_ptr, has_docs = _docs(q_doc, k_doc, slopes)
     launch(
         _flash_fwd_kernel, (triton.cdiv(q_len, cfg.fwd_m), b * h),
-        q, k, v, slopes, o, lse, *_strides(q), *_strides(k), *_strides(v),
-        h, q_len, k_len, d, scale * LOG2E,
-        CAUSAL=causal, DOT_FP32=cfg.dot_fp32, PRECISION=cfg.precision,
+        q, k, v, slopes, o, lse, q_doc_ptr, k_doc_ptr, *_strides(q), *_strides(k), *_strides(v),
+        h, q_len, k_len, shift, d, scale * LOG2E,
+        CAUSAL=causal, HAS_DOCS=has_docs, DOT_FP32=cfg.dot_fp32, PRECISION=cfg.precision,
         BLOCK_M=cfg.fwd_m, BLOCK_N=cfg.fwd_n, BLOCK_D=cfg.block_d, num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
     return o, lse
@@ -341,30 +386,46 @@ def flash_bwd(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    o: torch.Tensor,
+    o: torch.Tensor | None,
     lse: torch.Tensor,
     slopes: torch.Tensor,
     causal: bool,
     scale: float,
+    shift: int | None = None,
+    q_doc: torch.Tensor | None = None,
+    k_doc: torch.Tensor | None = None,
+    delta: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv, each contiguous in its input's dtype."""
+    """dq, dk, dv, each contiguous in its input's dtype. lse: base-2 as flash_fwd stores it; delta [b, h, q_len]
+    fp32 = rowsum(O * dO), computed here from o when None (o may be None when delta is given)."""
     b, h, q_len, d = q.shape
     k_len = k.shape[2]
+    shift = k_len - q_len if shift is None else shift
     cfg = launch_config(d, q.dtype, compute_capability(q))
     do = do.contiguous()  # the kernels index dO like O: dense [b, h, q_len, d]
-    delta = torch.empty_like(lse)
-    launch(
-        _flash_bwd_preprocess_kernel, (triton.cdiv(q_len, cfg.dq_m), b * h),
-        o, do, delta, q_len, d, BLOCK_M=cfg.dq_m, BLOCK_D=cfg.block_d, num_warps=cfg.warps,
-    )  # fmt: skip
+    lse = lse.contiguous()
+    if delta is None:
+        if o is None:
+            raise ValueError("flash_bwd needs the output o or delta")
+        delta = torch.empty_like(lse)
+        launch(
+            _flash_bwd_preprocess_kernel, (triton.cdiv(q_len, cfg.dq_m), b * h),
+            o, do, delta, q_len, d, BLOCK_M=cfg.dq_m, BLOCK_D=cfg.block_d, num_warps=cfg.warps,
+        )  # fmt: skip
+    else:
+        delta = delta.to(torch.float32).contiguous()
     dq = torch.empty((b, h, q_len, d), dtype=q.dtype, device=q.device)
     dk = torch.empty((b, h, k_len, d), dtype=k.dtype, device=k.device)
     dv = torch.empty((b, h, k_len, d), dtype=v.dtype, device=v.device)
+    q_doc_ptr, k_doc_ptr, has_docs = _docs(q_doc, k_doc, slopes)
     common = dict(
-        CAUSAL=causal, DOT_FP32=cfg.dot_fp32, PRECISION=cfg.precision, BLOCK_D=cfg.block_d,
+        CAUSAL=causal, HAS_DOCS=has_docs, DOT_FP32=cfg.dot_fp32, PRECISION=cfg.precision, BLOCK_D=cfg.block_d,
         num_warps=cfg.warps, num_stages=cfg.bwd_stages,
     )  # fmt: skip
-    args = (*_strides(q), *_strides(k), *_strides(v), h, q_len, k_len, d, scale, scale * LOG2E)
+    args = (
+        q_doc_ptr, k_doc_ptr, *_strides(q), *_strides(k), *_strides(v), h, q_len, k_len, shift, d, scale,
+        scale * LOG2E,
+    )  # fmt: skip
     launch(
         _flash_bwd_dkdv_kernel, (triton.cdiv(k_len, cfg.dkdv_n), b * h),
         q, k, v, slopes, do, lse, delta, dk, dv, *args, BLOCK_M=cfg.dkdv_m, BLOCK_N=cfg.dkdv_n, **common,
@@ -376,8 +437,20 @@ def flash_bwd(
     return dq, dk, dv
 
 
+def natural_lse(lse2: torch.Tensor) -> torch.Tensor:
+    """The kernels' base-2 logsumexp (+inf: no visible key) as a natural-log one (-inf: no visible key)."""
+    return torch.where(torch.isinf(lse2), torch.full_like(lse2, float("-inf")), lse2 * LN2)
+
+
+def base2_lse(lse: torch.Tensor) -> torch.Tensor:
+    """natural_lse's inverse, in fp32."""
+    lse = lse.to(torch.float32)
+    return torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse * LOG2E).contiguous()
+
+
 class FlashAlibiAttentionFunction(torch.autograd.Function):
-    """O = softmax(scale * Q K^T + B) V, B[i, j] = slope_h * (j - i_abs), -inf above the causal diagonal.
+    """O = softmax(scale * Q K^T + B) V, B[i, j] = slope_h * (j - i - shift), -inf above the causal diagonal
+    (key j > i + shift) and between documents.
 
     Saved: Q, K, V, O and the per-row logsumexp L (no probabilities). Backward, recomputing
     P = exp(scale * Q K^T + B - L) block by block:
@@ -385,7 +458,8 @@ class FlashAlibiAttentionFunction(torch.autograd.Function):
       dP = dO V^T
       dS = P * (dP - delta),  delta_i = sum_j P_ij dP_ij = sum_d O_id dO_id
       dQ = scale * dS K,   dK = scale * dS^T Q
-    Slopes are constants: no gradient.
+    Slopes and document ids are constants: no gradient. The optional second output, L in natural log, is
+    returned for merging partial attentions and carries no gradient.
     """
 
     @staticmethod
@@ -397,19 +471,43 @@ class FlashAlibiAttentionFunction(torch.autograd.Function):
         slopes: torch.Tensor,
         causal: bool,
         scale: float,
-    ) -> torch.Tensor:
+        shift: int | None = None,
+        q_doc: torch.Tensor | None = None,
+        k_doc: torch.Tensor | None = None,
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
         slopes = slopes.to(torch.float32).contiguous()
-        o, lse = flash_fwd(q, k, v, slopes, causal, scale)
-        ctx.save_for_backward(q, k, v, o, lse, slopes)
-        ctx.causal, ctx.scale = causal, scale
-        return o
+        o, lse = flash_fwd(q, k, v, slopes, causal, scale, shift, q_doc, k_doc)
+        ctx.save_for_backward(q, k, v, o, lse, slopes, q_doc, k_doc)
+        ctx.causal, ctx.scale, ctx.shift = causal, scale, shift
+        if not return_lse:
+            return o
+        lse_out = natural_lse(lse)
+        ctx.mark_non_differentiable(lse_out)
+        return o, lse_out
 
     @staticmethod
-    def backward(ctx: Any, do: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, o, lse, slopes = ctx.saved_tensors
-        dq, dk, dv = flash_bwd(do, q, k, v, o, lse, slopes, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None, None
+    def backward(ctx: Any, do: torch.Tensor, *_lse_grad: Any) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, o, lse, slopes, q_doc, k_doc = ctx.saved_tensors
+        dq, dk, dv = flash_bwd(do, q, k, v, o, lse, slopes, ctx.causal, ctx.scale, ctx.shift, q_doc, k_doc)
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor) -> None:
+    if q.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"flash_alibi_attention: bad shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if q.shape[3] > MAX_HEAD_DIM:
+        raise ValueError(f"flash_alibi_attention: head dim {q.shape[3]} exceeds {MAX_HEAD_DIM}")
+    if slopes.shape != (q.shape[1],):
+        raise ValueError(f"flash_alibi_attention: slopes shape {tuple(slopes.shape)} does not match {q.shape[1]} heads")
+
+
+def _shift(q: torch.Tensor, k: torch.Tensor, q_offset: int | None, k_offset: int) -> int:
+    """Key index of query 0: its global position minus the first key's (right-aligned when q_offset is None)."""
+    return k.shape[2] - q.shape[2] if q_offset is None else q_offset - k_offset
 
 
 def flash_alibi_attention(
@@ -419,15 +517,44 @@ def flash_alibi_attention(
     slopes: torch.Tensor,
     causal: bool = True,
     scale: float | None = None,
-) -> torch.Tensor:
-    """Attention with ALiBi without materializing scores. q: [b, h, q_len, d]; k, v: [b, h, k_len, d]."""
-    if q.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
-        raise ValueError(
-            f"flash_alibi_attention: bad shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
-    if q.shape[3] > MAX_HEAD_DIM:
-        raise ValueError(f"flash_alibi_attention: head dim {q.shape[3]} exceeds {MAX_HEAD_DIM}")
-    if slopes.shape != (q.shape[1],):
-        raise ValueError(f"flash_alibi_attention: slopes shape {tuple(slopes.shape)} does not match {q.shape[1]} heads")
+    *,
+    q_offset: int | None = None,
+    k_offset: int = 0,
+    q_doc: torch.Tensor | None = None,
+    k_doc: torch.Tensor | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention with ALiBi without materializing scores. q: [b, h, q_len, d]; k, v: [b, h, k_len, d].
+
+    q_offset, k_offset: global positions of the first query and key (the causal mask and the bias use them; q_offset
+    None: right-aligned); q_doc [b, q_len], k_doc [b, k_len]: document ids; return_lse: also the natural-log
+    logsumexp [b, h, q_len] fp32 (-inf for a row that sees no key). Contract: kernels.reference."""
+    _check_shapes(q, k, v, slopes)
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
-    return FlashAlibiAttentionFunction.apply(q, k, v, slopes, causal, scale)
+    shift = _shift(q, k, q_offset, k_offset)
+    return FlashAlibiAttentionFunction.apply(q, k, v, slopes, causal, scale, shift, q_doc, k_doc, return_lse)
+
+
+def flash_alibi_attention_backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    slopes: torch.Tensor,
+    scale: float,
+    *,
+    causal: bool = True,
+    q_offset: int | None = None,
+    k_offset: int = 0,
+    q_doc: torch.Tensor | None = None,
+    k_doc: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of one key chunk given the rows' merged natural-log lse and delta = rowsum(O * dO) of the final
+    output; contract: kernels.reference.flash_alibi_attention_backward."""
+    _check_shapes(q, k, v, slopes)
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    slopes = slopes.to(torch.float32).contiguous()
+    shift = _shift(q, k, q_offset, k_offset)
+    return flash_bwd(do, q, k, v, None, base2_lse(lse), slopes, causal, scale, shift, q_doc, k_doc, delta)

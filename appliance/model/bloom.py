@@ -77,6 +77,9 @@ class BloomAttention(nn.Module):
         # Selective recompute (Korthikanti et al. 2022): keep only the core's inputs and recompute the scores
         # and softmax, the largest activations, in the backward pass. The parallel layer switches it on.
         self.recompute_core = False
+        # Context parallelism: a core over a sequence split across ranks, (q, k, v, slopes, scale) -> context, in
+        # place of the local one; the parallel layer sets it (parallel/parallelize.py).
+        self.context_parallel: Callable[..., torch.Tensor] | None = None
         h = config.hidden_size
         self.query_key_value = linear_factory(h, 3 * h, True, "qkv")
         self.dense = linear_factory(h, h, True, "attn_out")
@@ -101,7 +104,16 @@ class BloomAttention(nn.Module):
         fused = fused.view(batch, seq, self.local_heads, 3, self.head_dim)
         q, k, v = (fused[..., i, :].transpose(1, 2) for i in range(3))  # each [B, H, S, D]
         no_dropout = not (self.training and self.attention_dropout > 0)
-        if attention_mask is None and no_dropout and ops.flash_attention_available(q):
+        if self.context_parallel is not None:
+            if attention_mask is not None or not no_dropout:
+                raise ValueError("context-parallel attention takes neither a padding mask nor attention dropout")
+            # doc_ids here are this CP rank's slice of the sequence's document ids, like x.
+            core = (q, k, v, alibi.slopes(q.device), self.inv_norm_factor, doc_ids)
+            if self.recompute_core and torch.is_grad_enabled():
+                context = checkpoint(self.context_parallel, *core, use_reentrant=False)
+            else:
+                context = self.context_parallel(*core)
+        elif attention_mask is None and no_dropout and ops.flash_attention_available(q):
             # No [S, S] activations to keep, so selective recompute has nothing to save here. Packed documents
             # (doc_ids) are masked inside the kernel: the slopes still suffice (alibi.RankAlibi.bias_and_mask).
             context = ops.flash_attention(q, k, v, alibi.slopes(q.device), self.inv_norm_factor, doc_ids=doc_ids)

@@ -1,4 +1,4 @@
-"""One training engine for every (tp, pp, dp) layout: the trainer's only view of the model and the optimizer.
+"""One training engine for every (tp, pp, dp, cp) layout: the trainer's only view of the model and the optimizer.
 
     engine = build_engine(config, topology, micro_batch_size=2, global_batch_size=8, zero_stage=1, dtype="bf16",
                           grad_clip=1.0, recompute="full", sequence_parallel=False, lr=1e-3, weight_decay=0.1,
@@ -6,14 +6,16 @@
     result = engine.train_batch([(inputs, labels), ...])   # this DP rank's micro-batches of one step
 
 How the layout maps onto DeepSpeed, in the order it is applied:
-1. Tensor parallel lives inside the layers (pipeline_parallel.py: column/row-parallel linears, vocab-parallel embedding,
-   logits and cross-entropy, ALiBi slopes per rank), identical in both engines below.
+1. Tensor parallel lives inside the layers (parallelize.py applies it: column/row-parallel linears, vocab-parallel
+   embedding, logits and cross-entropy, ALiBi slopes per rank), identical in both engines below; so does context
+   parallel (cp > 1: each block's attention core exchanges keys and values over the cp group, and ``local_batches``
+   keeps this rank's slice of every micro-batch; context_parallel.py).
 2. pp > 1: a PipelineModule under DeepSpeed's PipelineEngine, 1F1B (TrainSchedule), ZeRO 0/1.
    pp = 1: the same layers in a BloomStack under DeepSpeed's plain engine, ZeRO 0/1/2.
-3. Data parallel and the optimizer: DeepSpeed's (bf16: BF16_Optimizer with fp32 accumulation and master weights;
-   fp16: ZeRO's optimizer with fp32 master weights and dynamic loss scaling, see precision.py; fp32: ZeRO stage
-   as planned), with our topology as its model-parallel unit so the clipping norm is global. Inside it, torch's
-   AdamW with the kernel ``adamw_kernel`` picks (fused where the device has one).
+3. Data parallel and the optimizer: DeepSpeed's, over dp x cp (bf16: BF16_Optimizer with fp32 accumulation and
+   master weights; fp16: ZeRO's optimizer with fp32 master weights and dynamic loss scaling, see precision.py; fp32:
+   ZeRO stage as planned), with our topology as its model-parallel unit so the clipping norm is global. Inside it,
+   torch's AdamW with the kernel ``adamw_kernel`` picks (fused where the device has one).
 4. With ZeRO over dp > 1 and ``overlap_param_gather``, the all-gather of the updated weights that ends each step
    runs per layer in the background, each layer's next forward waiting for its own (param_gather.py). Everything
    here that reads or writes parameters outside the training forward waits for all of it first
@@ -42,6 +44,7 @@ from safetensors.torch import save_file
 
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
+from appliance.parallel.context_parallel import local_batch
 from appliance.parallel.deepspeed_comm import init_deepspeed_comm
 from appliance.parallel.deepspeed_config import deepspeed_config
 from appliance.parallel.drift import check_replicated_parameters, replicated_across_tp
@@ -53,6 +56,7 @@ from appliance.parallel.optimizer_state import (
     optimizer_files,
     optimizer_state,
 )
+from appliance.parallel.parallelize import Parallelism
 from appliance.parallel.param_gather import DeepSpeedStructureError, OverlappedParamGather, build_overlap
 from appliance.parallel.pipeline_parallel import (
     BloomStack,
@@ -132,6 +136,7 @@ def build_engine(
     eps: float,
     seed: int,
     overlap_param_gather: bool = TrainSettings.overlap_param_gather,
+    cp_mode: str = "ulysses",
 ) -> ParallelEngine:
     """Build this rank's part of the model and its DeepSpeed engine. Collective: every rank calls it."""
     import deepspeed
@@ -144,7 +149,9 @@ def build_engine(
     # DeepSpeed's own communication layer wraps the process group already running (the PipelineModule needs it
     # before deepspeed.initialize would set it up).
     init_deepspeed_comm(dist.get_backend())
-    loss_fn = VocabParallelLoss(topology.tp_group)
+    loss_fn = VocabParallelLoss(topology.tp_group, topology.cp_group)
+    # What each rank's layers become (tensor/sequence parallel, context parallel, recompute), decided in one place.
+    parallelism = Parallelism(topology, sequence_parallel=sequence_parallel, recompute=recompute, cp_mode=cp_mode)
     # Where DeepSpeed keeps the module (cuda:<current device>, or cpu): the layers are allocated and drawn there.
     device = torch.device(get_accelerator().current_device_name())
     module: torch.nn.Module
@@ -152,23 +159,15 @@ def build_engine(
         partition = pipeline_partition(config.n_layer, topology.pp)
         module = build_pipeline_module(
             config,
-            topology,
+            parallelism,
             partition_method=partition.method,
             blocks_per_stage=partition.layers_per_stage,
             loss_fn=loss_fn,
             device=device,
-            recompute=recompute,
-            sequence_parallel=sequence_parallel,
         )
     else:
-        specs = bloom_layer_specs(
-            config,
-            topology,
-            device=device,
-            sequence_parallel=sequence_parallel,
-            recompute_core=recompute == "selective",
-        )
-        module = BloomStack(specs, loss_fn, recompute_blocks=recompute == "full")
+        specs = bloom_layer_specs(config, parallelism, device=device)
+        module = BloomStack(specs, loss_fn, recompute_blocks=parallelism.full_recompute)
     named = [(hf_parameter_name(n, config.n_layer), p) for n, p in module.named_parameters()]
     init_shards_(named, config, seed, topology.tp_rank(dist.get_rank()), topology.tp)
     if sequence_parallel:
@@ -177,9 +176,12 @@ def build_engine(
         param_groups(named, weight_decay), lr=lr, betas=betas, eps=eps, **adamw_kernel(device)
     )
     ds_config = deepspeed_config(
-        global_batch_size=global_batch_size,
+        # DeepSpeed's data-parallel world is dp x cp and it counts one micro-batch per rank of it, so its batch is
+        # the global batch (sequences, over dp) times cp: the same number of micro-batches per step, e.g. 8
+        # sequences at mbs 2, dp 2, cp 2: 2 accumulation steps, DeepSpeed's train_batch_size 16 (slices of 8).
+        global_batch_size=global_batch_size * topology.cp,
         micro_batch_size=micro_batch_size,
-        dp=topology.dp,
+        dp=topology.dp * topology.cp,
         zero_stage=zero_stage,
         dtype=dtype,
         # No clipping is an infinite threshold rather than 0, so every optimizer path still computes the norm.
@@ -199,6 +201,7 @@ def build_engine(
         topology,
         config,
         micro_batch_size=micro_batch_size,
+        cp_mode=cp_mode,
         loss_fn=loss_fn,
         min_loss_scale=min_loss_scale,
         param_gather=gather,
@@ -218,6 +221,7 @@ class ParallelEngine:
         loss_fn: VocabParallelLoss,
         min_loss_scale: float | None = None,
         param_gather: OverlappedParamGather | None = None,
+        cp_mode: str = "ulysses",
     ) -> None:
         self.engine = engine
         self.param_gather = param_gather  # None: DeepSpeed gathers the updated weights inside its step
@@ -228,6 +232,9 @@ class ParallelEngine:
         self.loss_fn = loss_fn
         self.rank = dist.get_rank()
         self.pp_rank, self.dp_rank, self.tp_rank = topology.coords(self.rank)
+        self.cp_rank, self.cp_mode = topology.cp_rank(self.rank), cp_mode
+        # This rank's index in DeepSpeed's data-parallel group (dp x cp, adjacent in the rank order).
+        self.data_rank = self.dp_rank * topology.cp + self.cp_rank
         self.pipelined = topology.pp > 1
         self.is_last_stage = self.pp_rank == topology.pp - 1
         self.sharded = topology.tp > 1 or topology.pp > 1
@@ -267,13 +274,21 @@ class ParallelEngine:
         return check_replicated_parameters(replicated_across_tp(self.named_parameters()), self.topology.tp_group)
 
     # ---- one step -----------------------------------------------------------------------------------------
+    def local_batches(self, micro_batches: Sequence[Batch]) -> list[Batch]:
+        """This rank's tokens of its DP rank's whole-sequence micro-batches: the one place where a context-parallel
+        rank cuts out its slice (context_parallel.local_batch; every micro-batch unchanged at cp = 1)."""
+        return [local_batch(batch, self.topology.cp, self.cp_rank, self.cp_mode) for batch in micro_batches]
+
     def train_batch(self, micro_batches: Sequence[Batch]) -> StepResult:
-        """Forward and backward over this DP rank's micro-batches, then one optimizer step (collective)."""
+        """Forward and backward over this DP rank's micro-batches (whole sequences; every CP rank of a DP rank gets
+        the same), then one optimizer step (collective)."""
         count = len(micro_batches)
         if count < 1:
             raise ValueError("a step needs at least one micro-batch")
+        micro_batches = self.local_batches(micro_batches)
         if count != self.engine.gradient_accumulation_steps():
-            self.engine.set_train_batch_size(count * self.micro_batch_size * self.topology.dp)
+            # DeepSpeed counts micro-batches over its data-parallel world, dp x cp (see build_engine).
+            self.engine.set_train_batch_size(count * self.micro_batch_size * self.topology.dp * self.topology.cp)
         scale = self.loss_scale
         issued = self.param_gather.issued if self.param_gather is not None else 0
         if self.pipelined:
@@ -337,20 +352,25 @@ class ParallelEngine:
             if last:
                 # Before the step: the step ends by starting the weights' broadcasts (overlap_param_gather), which
                 # the next step's forward, not this step's loss, should wait for.
+                # The mean over dp x cp: each CP rank's loss is its token-weighted share (context_parallel.py), so
+                # averaging over cp gives the micro-batch mean, as the pipeline engine's average over its data axis.
                 mean = torch.stack(losses).mean()
-                if self.topology.dp > 1:
-                    dist.all_reduce(mean, group=self.topology.dp_group)
-                    mean /= self.topology.dp
+                data_ranks = self.topology.dp * self.topology.cp
+                if data_ranks > 1:
+                    dist.all_reduce(mean, group=self.topology.dp_cp_group)
+                    mean /= data_ranks
             self.engine.step()  # updates only at the boundary
         return float(mean)
 
     @torch.no_grad()
     def eval_sums(self, micro_batches: Sequence[Batch]) -> tuple[float, float]:
-        """(summed token loss, tokens) of these micro-batches, counted on one rank per replica (the last stage's
-        TP rank 0; zeros elsewhere), so a sum over all ranks is the sum over every DP rank's samples. Every rank
-        of the world must call it with the same number of micro-batches of micro_batch_size samples each."""
+        """(summed token loss, tokens) of these micro-batches, counted on one rank per replica and CP slice (the last
+        stage's TP rank 0 of every CP rank, each its own tokens; zeros elsewhere), so a sum over all ranks is the sum
+        over every DP rank's samples. Every rank of the world must call it with the same number of micro-batches
+        of micro_batch_size whole-sequence samples each (the CP ranks of a DP rank the same ones)."""
         if not micro_batches:
             return 0.0, 0.0
+        micro_batches = self.local_batches(micro_batches)
         self.wait_for_parameters()
         self.loss_fn.reduction = "sum"
         try:
@@ -380,9 +400,10 @@ class ParallelEngine:
         return {name: p.detach().float().contiguous().cpu() for name, p in self.named_parameters()}
 
     def model_file_name(self) -> str | None:
-        """The model file this rank writes into a checkpoint, or None: DP rank 0 of each (tp, pp) position
-        writes its shard; with tp = pp = 1 rank 0 writes the whole model as model.safetensors."""
-        if self.dp_rank != 0:
+        """The model file this rank writes into a checkpoint, or None: DP rank 0 and CP rank 0 of each (tp, pp)
+        position writes its shard (the other CP ranks hold the same weights); with tp = pp = 1 rank 0 writes the
+        whole model as model.safetensors."""
+        if self.dp_rank != 0 or self.cp_rank != 0:
             return None
         return shard_file_name(self.tp_rank, self.pp_rank) if self.sharded else FULL_MODEL_FILE
 
@@ -392,7 +413,7 @@ class ParallelEngine:
         name = self.model_file_name()
         if name is None:
             return None
-        meta = {**metadata, "tp": str(self.topology.tp), "pp": str(self.topology.pp)}
+        meta = {**metadata, "tp": str(self.topology.tp), "pp": str(self.topology.pp), "cp": str(self.topology.cp)}
         save_file(self.model_shard(), str(step_dir / name), metadata=meta)
         return step_dir / name
 
@@ -428,10 +449,12 @@ class ParallelEngine:
 
     def optimizer_shard(self) -> dict[str, torch.Tensor]:
         """The optimizer state this rank writes into a checkpoint: that of the parameters ``dp_writers`` gives
-        this DP rank. Collective over the DP group: call it on every rank before anything that may fail on one."""
+        this rank of DeepSpeed's data-parallel group (dp x cp: ZeRO partitions the state over it, and its CP ranks
+        hold the same parameters, so they share the writing like DP ranks). Collective over that group: call it on
+        every rank before anything that may fail on one."""
         named = self.named_parameters()
-        writers = dp_writers(named, self.topology.dp)
-        return optimizer_state(named, self.engine.optimizer, keep=lambda name: writers[name] == self.dp_rank)
+        writers = dp_writers(named, self.topology.dp * self.topology.cp)
+        return optimizer_state(named, self.engine.optimizer, keep=lambda name: writers[name] == self.data_rank)
 
     def save_optimizer(
         self, step_dir: Path, shard: Mapping[str, torch.Tensor], metadata: Mapping[str, str]
@@ -439,8 +462,15 @@ class ParallelEngine:
         """Write ``optimizer_shard()``'s result; returns the file, or None when this rank has nothing to write."""
         if not shard:
             return None
-        path = Path(step_dir) / optimizer_file_name(self.tp_rank, self.pp_rank, self.dp_rank)
-        meta = {**metadata, "tp": str(self.topology.tp), "pp": str(self.topology.pp), "dp": str(self.topology.dp)}
+        path = Path(step_dir) / optimizer_file_name(self.tp_rank, self.pp_rank, self.data_rank)
+        topology = self.topology
+        meta = {
+            **metadata,
+            "tp": str(topology.tp),
+            "pp": str(topology.pp),
+            "dp": str(topology.dp),
+            "cp": str(topology.cp),
+        }
         save_file(dict(shard), str(path), metadata=meta)
         return path
 
@@ -462,7 +492,8 @@ class ParallelEngine:
     # ---- the whole model, for evaluation -----------------------------------------------------------------
     def task_model(self) -> ParallelScorer:
         """The evaluation harness's TaskModel: scoring and greedy decoding through this layout (collective over
-        the TP x PP ranks of this replica, which must all pass the same batches)."""
+        the TP x PP ranks of this replica, which must all pass the same batches; every CP rank scores whole
+        sequences alone, see context_parallel.py)."""
         self.wait_for_parameters()
         return ParallelScorer(self.engine.module, self.topology, self.engine.device)
 

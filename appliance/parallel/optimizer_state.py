@@ -1,4 +1,4 @@
-"""Adam's state per parameter, under Hugging Face names, so that it moves to any (tp, pp, dp) layout.
+"""Adam's state per parameter, under Hugging Face names, so that it moves to any (tp, pp, dp, cp) layout.
 
 A checkpoint keeps it in safetensors files ``optim-tp{t}-pp{p}-dp{d}.safetensors``. For each parameter of the
 model-parallel position (t, p), as that TP rank's slice and whole over DP (the same cut as the model shard):
@@ -7,7 +7,10 @@ model-parallel position (t, p), as that TP rank's slice and whole over DP (the s
     <name>.step                         Adam's step count (0-d int64)
     <name>.master                       the fp32 master weight, only where the model's weights are not fp32 (bf16)
 
-The DP ranks of a position share the writing: each writes the parameters ``dp_writers`` assigns to it.
+The data-parallel ranks of a position share the writing: each writes the parameters ``dp_writers`` assigns to it.
+Data-parallel means DeepSpeed's group, dp x cp: ZeRO partitions the state over it, and the CP ranks of a DP rank
+hold the same parameters, so the file index d is the rank in that group (dp_rank * cp + cp_rank). The state does
+not depend on cp, so a checkpoint written at one cp loads at any other.
 Loading reassembles each tensor from the TP pieces of whatever layout wrote it and keeps this rank's slice
 (``shards.ShardReader``), so the same code loads at the same layout and at any other.
 

@@ -23,7 +23,8 @@ TP rank holds [batch, seq / tp, hidden] between the tensor-parallel regions (seq
 still take the fused flash attention (its slopes are all the ALiBi it needs). Under reset_attention_mask the
 pipeline's input is (ids, doc_ids) and every layer up to ln_f passes (hidden, doc_ids) on, as Megatron-DeepSpeed
 passes (hidden, attention_mask): DeepSpeed sends each tensor of the tuple between stages and returns gradients
-only for the floating-point ones. doc_ids [batch, seq] always covers the whole sequence; ln_f drops it.
+only for the floating-point ones. doc_ids [batch, seq] covers the whole sequence (under context parallelism, this
+CP rank's slice of it, cut with the tokens); ln_f drops it.
 Parameter names map to the Hugging Face ones with ``hf_parameter_name``.
 
 Every spec builds its layer on the meta device and then allocates its parameters on the rank's device, without
@@ -38,27 +39,22 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from appliance.model import ops
-from appliance.model.bloom import BloomBlock, LinearFactory
+from appliance.model.bloom import BloomBlock
 from appliance.model.config import BloomConfig
 from appliance.model.initial_weights import empty_module
-from appliance.parallel.mappings import Group
-from appliance.parallel.tensor_parallel import (
-    HeadInput,
-    VocabParallelEmbedding,
-    lm_head_input,
-    tp_linear_factory,
-    vocab_parallel_loss,
-)
-from appliance.parallel.topology import ParallelTopology
+from appliance.parallel.context_parallel import token_weighted_loss
+from appliance.parallel.cross_entropy import HeadInput, lm_head_input, vocab_parallel_loss
+from appliance.parallel.layers import VocabParallelEmbedding
+from appliance.parallel.mappings import Group, group_size
+from appliance.parallel.parallelize import SEQUENCE_DIM, Parallelism
 
 EMBED_KEY = "embed"
-SEQUENCE_DIM = 1  # activations are [batch, seq, hidden]
+IGNORE_INDEX = -100  # labels that count no loss (vocab_parallel_loss's default)
 BLOCK_OFFSET = 2  # pipeline index of block 0: the word embedding and its LayerNorm come first
 CHECKPOINTED_LAYERS = ["TransformerLayerPipe"]
 # What flows between layers: hidden states (token ids into the first), or with packed documents (hidden, doc_ids).
@@ -68,15 +64,11 @@ Activations = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 class WordEmbeddingPipe(nn.Module):
     """The tied word embedding: token ids -> hidden states on the first stage, the LM head on the last."""
 
-    def __init__(self, config: BloomConfig, tp_group: Group, *, sequence_parallel: bool = False) -> None:
+    def __init__(self, config: BloomConfig, parallelism: Parallelism) -> None:
         super().__init__()
-        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.tp_group, self.sequence_parallel = parallelism.topology.tp_group, parallelism.sequence_parallel
         self.word_embeddings = VocabParallelEmbedding(
-            config.vocab_size,
-            config.hidden_size,
-            group=tp_group,
-            sequence_parallel=sequence_parallel,
-            sequence_dim=SEQUENCE_DIM,
+            config.vocab_size, config.hidden_size, **parallelism.embedding_kwargs()
         )
 
     def forward(self, input_ids: Activations) -> Activations:
@@ -127,26 +119,17 @@ class FinalLayerNormPipe(nn.Module):
 
 
 class TransformerLayerPipe(BloomBlock):
-    """A BloomBlock that takes hidden states only (the pipeline passes one tensor between layers).
+    """A BloomBlock that takes hidden states only (the pipeline passes one tensor between layers), parallelized as
+    ``parallelism`` says (parallelize.py: TP/SP layers, the context-parallel attention core, selective recompute).
 
     With sequence parallelism the input is this rank's sequence chunk while attention runs over the whole
-    sequence (the QKV projection gathers it); BloomBlock's forward serves both. ``recompute_core`` turns on
-    selective recompute (the materialized attention core only).
+    sequence (the QKV projection gathers it); BloomBlock's forward serves both.
     """
 
-    def __init__(
-        self,
-        config: BloomConfig,
-        layer_number: int,
-        linear_factory: LinearFactory,
-        tp_rank: int,
-        tp_size: int,
-        *,
-        recompute_core: bool = False,
-    ) -> None:
-        # Sequence parallelism lives in linear_factory's layers (they gather and reduce-scatter the chunks).
-        super().__init__(config, layer_number, linear_factory, tp_rank, tp_size)
-        self.self_attention.recompute_core = recompute_core
+    def __init__(self, config: BloomConfig, layer_number: int, parallelism: Parallelism) -> None:
+        topology = parallelism.topology
+        super().__init__(config, layer_number, parallelism.linear_factory(), parallelism.tp_rank, topology.tp)
+        parallelism.parallelize_block(self)
 
     def forward(self, hidden: Activations, attention_mask: torch.Tensor | None = None) -> Activations:  # type: ignore[override]
         if attention_mask is not None:
@@ -185,54 +168,39 @@ class EmptyTiedLayerSpec(TiedLayerSpec):
 class VocabParallelLoss:
     """loss_fn(HeadInput, labels): mean token cross-entropy for training; ``reduction = "sum"`` for evaluation
     (a padded evaluation micro-batch may hold no token at all). Chunked and vocabulary-parallel
-    (tensor_parallel.vocab_parallel_loss): the logits are computed chunk by chunk against the tied embedding
-    shard, whose gradient comes out of the same pass."""
+    (cross_entropy.vocab_parallel_loss): the logits are computed chunk by chunk against the tied embedding
+    shard, whose gradient comes out of the same pass. With context parallelism (a ``cp_group`` of more than one
+    rank) the training loss is this rank's token-weighted share of the micro-batch mean
+    (context_parallel.token_weighted_loss); the evaluation sum is its slice's sum."""
 
-    def __init__(self, tp_group: Group) -> None:
-        self.tp_group = tp_group
+    def __init__(self, tp_group: Group, cp_group: Group | None = None) -> None:
+        self.tp_group, self.cp_group = tp_group, cp_group
         self.reduction = "mean"
         self.inject_nan = False  # a recovery drill's non-finite loss (appliance/train/faults.py)
 
     def __call__(self, head: HeadInput, labels: torch.Tensor) -> torch.Tensor:
-        loss = vocab_parallel_loss(head, labels, self.tp_group, reduction=self.reduction)
+        if self.reduction == "mean" and self.cp_group is not None and group_size(self.cp_group) > 1:
+            loss_sum = vocab_parallel_loss(head, labels, self.tp_group, reduction="sum")
+            loss = token_weighted_loss(loss_sum, labels, self.cp_group, IGNORE_INDEX)
+        else:
+            loss = vocab_parallel_loss(head, labels, self.tp_group, reduction=self.reduction)
         return loss * float("nan") if self.inject_nan else loss
 
 
-def bloom_layer_specs(
-    config: BloomConfig,
-    topology: ParallelTopology,
-    *,
-    device: torch.device,
-    sequence_parallel: bool = False,
-    recompute_core: bool = False,
-) -> list[LayerSpec]:
+def bloom_layer_specs(config: BloomConfig, parallelism: Parallelism, *, device: torch.device) -> list[LayerSpec]:
     """The pipeline's layer specs (see the module docstring); every rank builds the same list. The layers they
-    build hold uninitialised parameters on ``device``."""
-    tp_group = topology.tp_group
-    tp_rank = dist.get_rank(tp_group)
-    factory = tp_linear_factory(topology, sequence_parallel=sequence_parallel, sequence_dim=SEQUENCE_DIM)
+    build hold uninitialised parameters on ``device``, parallelized by ``parallelism`` (parallelize.py)."""
     embed = partial(
         EmptyTiedLayerSpec,
         EMBED_KEY,
         WordEmbeddingPipe,
         config,
-        tp_group,
+        parallelism,
         device=device,
-        sequence_parallel=sequence_parallel,
         tied_weight_attr=["word_embeddings.weight"],
     )
     blocks = [
-        EmptyLayerSpec(
-            TransformerLayerPipe,
-            config,
-            i,
-            factory,
-            tp_rank,
-            topology.tp,
-            device=device,
-            recompute_core=recompute_core,
-        )
-        for i in range(config.n_layer)
+        EmptyLayerSpec(TransformerLayerPipe, config, i, parallelism, device=device) for i in range(config.n_layer)
     ]
     return [embed(), EmptyLayerSpec(EmbedLayerNormPipe, config, device=device), *blocks,
             EmptyLayerSpec(FinalLayerNormPipe, config, device=device), embed(forward_fn=lm_head)]  # fmt: skip
@@ -257,20 +225,16 @@ def _recompute(function: Callable[..., Any], *inputs: Activations) -> Any:
 
 def build_pipeline_module(
     config: BloomConfig,
-    topology: ParallelTopology,
+    parallelism: Parallelism,
     *,
     partition_method: str,
     blocks_per_stage: Sequence[int],
     loss_fn: VocabParallelLoss,
     device: torch.device,
-    recompute: str = "none",
-    sequence_parallel: bool = False,
 ) -> PipelineModule:
-    """This rank's stage of the BLOOM pipeline, its parameters uninitialised on ``device``; ``recompute`` is "full"
-    (every block), "selective" or "none"."""
-    specs = bloom_layer_specs(
-        config, topology, device=device, sequence_parallel=sequence_parallel, recompute_core=recompute == "selective"
-    )
+    """This rank's stage of the BLOOM pipeline, its parameters uninitialised on ``device``."""
+    topology = parallelism.topology
+    specs = bloom_layer_specs(config, parallelism, device=device)
     # No autograd while building: the constructor broadcasts the tied embedding in place from the first stage,
     # which autograd would otherwise record on the parameter. (It broadcasts uninitialised memory here; both
     # stages then draw the same values.)
@@ -281,7 +245,7 @@ def build_pipeline_module(
             loss_fn=loss_fn,
             partition_method=partition_method,
             # One block per checkpoint, as BLOOM (--checkpoint-activations, interval 1).
-            activation_checkpoint_interval=1 if recompute == "full" else 0,
+            activation_checkpoint_interval=1 if parallelism.full_recompute else 0,
             activation_checkpoint_func=_recompute,
             checkpointable_layers=CHECKPOINTED_LAYERS,
         )

@@ -2,11 +2,13 @@
 (appliance/eval/harness.py), for any layout.
 
 Every rank of one model replica (its TP x PP ranks) is called with the same batch; the DP replicas score different
-requests (the harness splits them over the DP group). A forward runs stage by stage: the first stage embeds the
-ids, each stage runs its layers and sends the hidden states to the next (a shape message, then the tensor), and
-the last stage holds this TP rank's vocabulary slice of the logits. The log-softmax and the argmax over the whole
-vocabulary come from three small all-reduces over TP (the max, the sum of exponentials with the target's logit,
-the argmax), never from the full logits; the last stage then broadcasts the answer to the other stages.
+requests (the harness splits them over the DP group). With context parallelism each CP rank scores whole sequences
+on its own, the cp attention core switched off (context_parallel.py says why). A forward runs stage by stage: the
+first stage embeds the ids, each stage runs its layers and sends the hidden states to the next (a shape message,
+then the tensor), and the last stage holds this TP rank's vocabulary slice of the logits. The log-softmax and the
+argmax over the whole vocabulary come from three small all-reduces over TP (the max, the sum of exponentials with
+the target's logit, the argmax), never from the full logits; the last stage then broadcasts the answer to the other
+stages.
 
 Batches may have any length: with sequence parallelism the sequence is padded on the right to a multiple of tp,
 which a causal model never sees from earlier positions. Left-padded rows (generation) are run per prompt length,
@@ -18,7 +20,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from appliance.parallel.tensor_parallel import HeadInput, vocab_parallel_scores
+from appliance.parallel.context_parallel import whole_sequences
+from appliance.parallel.cross_entropy import HeadInput, vocab_parallel_scores
 from appliance.parallel.topology import ParallelTopology
 
 
@@ -47,7 +50,8 @@ class ParallelScorer:
         was_training = self.module.training
         self.module.eval()
         try:
-            out = self.module(x)
+            with whole_sequences(self.module):  # every CP rank scores alone (context_parallel.py says why)
+                out = self.module(x)
         finally:
             self.module.train(was_training)
         if not self.last:

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from appliance.model.config import BloomConfig
 from appliance.model.initial_weights import Seed, init_parameter_
-from appliance.parallel.tensor_parallel import gather_to_full, role_of_parameter, split_dim
+from appliance.parallel.sharding import gather_to_full, role_of_parameter, split_dim
 
 FULL_MODEL_FILE = "model.safetensors"
 _SHARD_FILE = re.compile(r"^model-tp(\d+)-pp(\d+)\.safetensors$")

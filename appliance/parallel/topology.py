@@ -44,9 +44,10 @@ Adding an axis (the seam). Touch three places, not the modules that only use tp,
    like ep), and the groups that vary it in ``GROUPS``; ``init_process_groups`` then creates them;
 3. the code that uses the new axis, which asks ``group(name)``, ``coordinate(name, rank)`` and ``size(name)``.
 Code written against ``tp``/``pp``/``dp`` keeps working, because an axis of size 1 changes no rank and no group.
-Still to do when cp lands: the batch arithmetic (engine's train batch, the sampler, the loss mean) counts
-sequences over dp only, and the shards record tp/pp/dp; with cp > 1 the sampler must give every CP rank of a DP
-rank the same sequences and the loss mean must run over ``dp_cp``.
+With cp > 1 the batch arithmetic still counts sequences over dp (the sampler deals by the dp coordinate, so every
+CP rank of a DP rank gets the same sequences, and the engine keeps each one's slice: parallel/context_parallel.py);
+DeepSpeed, whose data axis is dp x cp, is told a batch of global batch x cp slices, and the reported loss is the mean
+over ``dp_cp``.
 
 Only the planner chooses the degrees; this object only checks them and answers questions about them.
 """

@@ -43,6 +43,7 @@ def engine_for(
         grad_clip=train.grad_clip,
         recompute=layout.recompute,
         sequence_parallel=layout.sequence_parallel,
+        cp_mode=layout.cp_mode,
         lr=train.lr,
         weight_decay=train.weight_decay,
         betas=(train.adam_beta1, train.adam_beta2),

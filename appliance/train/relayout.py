@@ -1,4 +1,4 @@
-"""`train --run-dir D --layout tp=..,pp=..,dp=..`: continue a run at another parallel layout.
+"""`train --run-dir D --layout tp=..,pp=..,dp=..[,cp=..]`: continue a run at another parallel layout.
 
 Checkpoints are layout-independent (model shards and per-parameter optimizer state under Hugging Face names, re-cut
 for whatever ranks load them), so changing the layout is only a change of plan: the layout is checked against the

@@ -1,6 +1,7 @@
 """The training loop of one rank: steps, evaluation, checkpoints and stop requests.
 
-Everything that differs between ranks (which samples, which files) is decided here from (dp_rank, dp_size);
+Everything that differs between ranks (which samples, which files) is decided here from (dp_rank, dp_size): the
+context-parallel ranks of one DP rank take the same samples, and the engine keeps each one's slice of the tokens;
 everything that must agree (loss, grad norm, when to save or stop) goes through a collective, so all ranks take
 the same branch at the same step. The model, optimizer and layout sit behind one ParallelEngine
 (appliance/parallel/engine.py), the same object for every (tp, pp, dp).
@@ -64,8 +65,10 @@ def rank_file(rank: int) -> str:
 
 
 def layout_name(layout: Mapping[str, Any]) -> str:
-    """The parallel degrees of a layout, e.g. "tp=2,pp=2,dp=2": equal names mean the same ranks."""
-    return ",".join(f"{k}={layout.get(k)}" for k in ("tp", "pp", "dp"))
+    """The parallel degrees of a layout, e.g. "tp=2,pp=2,dp=2", with ",cp=2" where cp > 1 (a layout recorded before
+    context parallelism has cp = 1): equal names mean the same ranks."""
+    cp = layout.get("cp", 1)
+    return ",".join(f"{k}={layout.get(k)}" for k in ("tp", "pp", "dp")) + (f",cp={cp}" if cp != 1 else "")
 
 
 def to_batch(source: SampleSource, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,6 +111,7 @@ class Trainer:
         stop_at_step: int | None = None,
         on_step: Callable[[int], None] | None = None,
         budget: BudgetWatch | None = None,
+        cp_rank: int = 0,
         eod_id: int | None = None,
     ) -> None:
         self.engine = engine
@@ -117,6 +121,7 @@ class Trainer:
         self.micro_batches = micro_batches
         self.run_dir = run_dir
         self.rank, self.dp_rank, self.dp_size, self.world_size = rank, dp_rank, dp_size, world_size
+        self.cp_rank = cp_rank  # the CP ranks of a DP rank take the same samples; only one counts the model's bytes
         self.events = events
         self.flops = flops
         self.peak = peak_flops_per_device
@@ -355,8 +360,9 @@ class Trainer:
             # Collective (ZeRO and bf16 state is gathered over DP): before anything that may fail on one rank only.
             optimizer_shard = self.engine.optimizer_shard()
             try:
-                # DP rank 0 of each (tp, pp) position writes its model shard (tp = pp = 1: the whole model); the
-                # position's DP ranks share the writing of its optimizer state; every rank writes its RNG states.
+                # DP and CP rank 0 of each (tp, pp) position writes its model shard (tp = pp = 1: the whole model);
+                # the position's DP x CP ranks share the writing of its optimizer state; every rank writes its RNG
+                # states.
                 self.faults.before_write(self.pos.step)
                 model_file = self.engine.save_model(step_dir, {"step": str(self.pos.step)})
                 if model_file is not None:
@@ -407,7 +413,7 @@ class Trainer:
 
     def load(self, step_dir: Path) -> None:
         """Weights, optimizer state and data position from a checkpoint of any layout; the RNG states too when the
-        (tp, pp, dp) layout is the same, since they belong to ranks."""
+        (tp, pp, dp, cp) layout is the same, since they belong to ranks."""
         manifest = json.loads((step_dir / ckpt.MANIFEST).read_text())
         self.engine.load_model(step_dir)
         has_optimizer = self.engine.load_optimizer(step_dir)
@@ -437,7 +443,7 @@ class Trainer:
     def _model_bytes(self) -> float:
         """fp32 bytes of the whole model (each rank's share summed over one replica)."""
         own = sum(p.numel() for _, p in self.engine.named_parameters()) * 4.0
-        replica = [own if self.dp_rank == 0 else 0.0]
+        replica = [own if self.dp_rank == 0 and self.cp_rank == 0 else 0.0]
         return self._all_reduce(replica)[0]
 
     # ---- the loop ----------------------------------------------------------------------------------------

@@ -116,15 +116,17 @@ def main(argv: list[str] | None = None) -> int:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         check_plan_runs_here(spec, str(run_dir.plan), ranks_here=local_ranks, in_rank=True)
         config = model_config(spec, vocab_size)
-        # Every broken rule at once, each factor named: tp * pp * dp against the world, heads % tp, the blocks
-        # over pp. The process groups are built once, here, TP innermost, then DP, then PP.
-        layout.validate(world_size, config.n_head, config.n_layer)
-        topology = ParallelTopology(tp=layout.tp, pp=layout.pp, dp=layout.dp, world_size=world_size)
+        # Every broken rule at once, each factor named: tp * pp * dp * cp against the world, heads % tp (and over cp
+        # for ulysses), the blocks over pp, the sequence over the cp chunks. The process groups are built once,
+        # here, TP innermost, then CP, then DP, then PP.
+        layout.validate(world_size, config.n_head, config.n_layer, settings.seq_len)
+        topology = ParallelTopology(tp=layout.tp, pp=layout.pp, dp=layout.dp, cp=layout.cp, world_size=world_size)
     except (BadInput, ValueError) as e:
         if events is not None:
             events.emit("failure", rank=rank, reason=f"{run_dir.plan}: {e}")
         raise SystemExit(f"{run_dir.plan}: {e}") from None
     topology.init_process_groups()
+    # The sampler deals samples by the dp coordinate only: the CP ranks of a DP rank take the same sequences.
     dp_rank, dp_size = topology.dp_rank(rank), topology.dp
     watchdog = _start_watchdog(run_dir, rank, settings)
 
@@ -162,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         rank=rank,
         dp_rank=dp_rank,
         dp_size=dp_size,
+        cp_rank=topology.cp_rank(rank),
         world_size=world_size,
         events=events,
         flops=step_flops(spec),

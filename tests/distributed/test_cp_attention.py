@@ -21,6 +21,7 @@ from appliance.model.alibi import alibi_bias, alibi_slopes
 from appliance.parallel.cp_attention import context_parallel_attention, sequence_positions, split_sequence
 from appliance.parallel.testing import collective_guard, run_distributed
 from appliance.parallel.topology import ParallelTopology
+from kernels import registry
 
 pytestmark = pytest.mark.distributed
 
@@ -50,6 +51,7 @@ def _run_cases(topology: ParallelTopology, cases: list[tuple[str, torch.dtype, b
         local = [split_sequence(t, cp, rank, mode, dim=2).requires_grad_() for t in (q, k, v)]
         local_docs = split_sequence(docs, cp, rank, mode, dim=1) if with_docs else None
         before = guard.calls.copy()
+        registry.reset_call_counts()
         out = context_parallel_attention(
             *local, alibi_slopes(HEADS).to(dtype), HEAD_DIM**-0.5, group=group, mode=mode, seq_len=SEQ,
             doc_ids=local_docs,
@@ -58,13 +60,13 @@ def _run_cases(topology: ParallelTopology, cases: list[tuple[str, torch.dtype, b
         traffic = guard.calls - before
         results[f"{mode}-{dtype}-{with_docs}"] = {
             "out": out.detach(), "dq": local[0].grad, "dk": local[1].grad, "dv": local[2].grad,
-            "calls": dict(traffic), "dtype": out.dtype,
+            "calls": dict(traffic), "kernels": registry.call_counts(),
         }  # fmt: skip
     return results
 
 
-def _launch(cp: int) -> list[dict[str, Any]]:
-    return run_distributed(_run_cases, cp, CASES, dp=cp, timeout_s=600)
+def _launch(cp: int, cases: list[tuple[str, torch.dtype, bool]] = CASES) -> list[dict[str, Any]]:
+    return run_distributed(_run_cases, cp, cases, dp=cp, timeout_s=600)
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +77,19 @@ def cp2() -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def cp4() -> list[dict[str, Any]]:
     return _launch(4)
+
+
+TRITON_CASES = [case for case in CASES if case[1] == torch.float32]
+
+
+@pytest.fixture(scope="module")
+def cp2_triton() -> Any:
+    """cp=2 with the Triton flash kernel (the GPU path) run by Triton's CPU interpreter in the ranks: Ulysses
+    calls it on the whole sequence, ring on each chunk pair with offsets, document ids and the LSE."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("BLOOM_KERNELS", "triton")
+        env.setenv("TRITON_INTERPRET", "1")  # read when the ranks import the kernels
+        return _launch(2, TRITON_CASES)
 
 
 def reference(dtype: torch.dtype, with_docs: bool, permute_keys: bool = False) -> dict[str, torch.Tensor]:
@@ -132,8 +147,24 @@ def test_cp_attention_equals_whole_sequence_attention(
     for name in ("out", "dq", "dk", "dv"):
         got = global_order([r[key][name] for r in ranks], mode)
         assert got.dtype == dtype
+        assert ranks[0][key]["kernels"].get(("flash_alibi_attention", "triton"), 0) == 0  # the CPU path here
         error = relative_norm(got, want[name])
         assert error <= bounds[name], f"cp={cp} {key} {name}: relative error {error:.3e} > {bounds[name]:.3e}"
+
+
+@pytest.mark.parametrize(
+    ("mode", "with_docs"),
+    [(m, d) for m, _, d in TRITON_CASES],
+    ids=["ulysses-one-doc", "ulysses-docs", "ring-one-doc", "ring-docs"],
+)
+def test_cp_attention_on_the_flash_kernel(cp2_triton: list[dict[str, Any]], mode: str, with_docs: bool) -> None:
+    key = f"{mode}-{torch.float32}-{with_docs}"
+    assert all(r[key]["kernels"].get(("flash_alibi_attention", "triton"), 0) > 0 for r in cp2_triton)
+    assert not any(("flash_alibi_attention", "reference") in r[key]["kernels"] for r in cp2_triton)
+    want, bounds = reference(torch.float32, with_docs), fp32_bound(with_docs)
+    for name in ("out", "dq", "dk", "dv"):
+        error = relative_norm(global_order([r[key][name] for r in cp2_triton], mode), want[name])
+        assert error <= bounds[name], f"{key} {name}: relative error {error:.3e} > {bounds[name]:.3e}"
 
 
 @pytest.mark.parametrize("cp", [2, 4])

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from appliance.parallel.drift import ReplicaDriftError, check_replicated_parameters, replicated_across_tp
-from appliance.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from appliance.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from appliance.parallel.testing import run_distributed
 from appliance.parallel.topology import ParallelTopology
 

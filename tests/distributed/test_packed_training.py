@@ -1,7 +1,8 @@
 """Packed documents through the parallel engine: document ids ride along with each micro-batch (inputs, labels,
 doc_ids) into every block of a tensor-parallel, sequence-parallel, fully recomputed BloomStack, and the engine's
 loss, in evaluation and in a training step, is the single-process model's loss with the same document ids. Two gloo
-ranks, one launch per layout: tp=2 with sequence parallelism (the plain engine), pp=2 (the pipeline engine).
+ranks, one launch per layout: tp=2 with sequence parallelism (the plain engine), pp=2 (the pipeline engine), cp=2
+(Ulysses and ring context parallelism).
 
 Tolerance: the engine's fp32 loss against the single-process fp32 loss differs by summation order only (the
 row-parallel all-reduce, the vocabulary-parallel cross-entropy); both are within fp32's rounding of the float64
@@ -43,14 +44,18 @@ def packed_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return inputs, labels, document_ids(inputs, EOD)
 
 
-def engine_losses(topology: ParallelTopology, sequence_parallel: bool) -> dict[str, Any]:
+def engine_losses(launched: ParallelTopology, layout: tuple[int, int, int, str, bool]) -> dict[str, Any]:
+    import torch.distributed as dist
+
     from appliance.parallel.engine import build_engine
 
     os.environ.setdefault("LOCAL_RANK", "0")
+    tp, pp, cp, cp_mode, sequence_parallel = layout
+    topology = ParallelTopology(tp=tp, pp=pp, dp=1, cp=cp, world_size=dist.get_world_size())
     engine = build_engine(
         CONFIG, topology, micro_batch_size=MBS, global_batch_size=GBS, zero_stage=0, dtype="fp32", grad_clip=1.0,
         recompute="full", sequence_parallel=sequence_parallel, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95),
-        eps=1e-8, seed=SEED,
+        eps=1e-8, seed=SEED, cp_mode=cp_mode,
     )  # fmt: skip
     batches = [packed_batch(1), packed_batch(2)]
     with_ids = engine.eval_sums(batches)
@@ -79,22 +84,28 @@ def reference_losses(dtype: torch.dtype) -> dict[str, float]:
     }
 
 
-@pytest.mark.parametrize(
-    ("tp", "pp", "sequence_parallel"),
-    [(2, 1, True), (1, 2, False)],
-    ids=["tp2-sp-BloomStack", "pp2-pipeline"],
-)
-def test_document_ids_reach_every_block_of_the_parallel_engine(tp: int, pp: int, sequence_parallel: bool) -> None:
+# (tp, pp, cp, cp_mode, sequence parallel) on two ranks.
+LAYOUTS = {
+    "tp2-sp-BloomStack": (2, 1, 1, "ulysses", True),
+    "pp2-pipeline": (1, 2, 1, "ulysses", False),
+    "cp2-ulysses": (1, 1, 2, "ulysses", False),
+    "cp2-ring": (1, 1, 2, "ring", False),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_document_ids_reach_every_block_of_the_parallel_engine(name: str) -> None:
     """tp=2: the plain engine's BloomStack, sequence-parallel; pp=2: DeepSpeed's pipeline engine, the ids sent
-    from stage to stage with the hidden states. Both with every block recomputed (checkpointed with the ids)."""
-    ranks = run_distributed(engine_losses, 2, sequence_parallel, tp=tp, pp=pp)
+    from stage to stage with the hidden states; cp=2: each rank's slice of the ids, cut with its tokens, into the
+    context-parallel core. All with every block recomputed (checkpointed with the ids)."""
+    ranks = run_distributed(engine_losses, 2, LAYOUTS[name], dp=2)
     want, exact = reference_losses(torch.float32), reference_losses(torch.float64)
-    # Evaluation sums are counted on one rank per replica (the last stage's TP rank 0); every rank reports the loss.
-    counted = [r for r in ranks if r["eval"][1] > 0]
-    assert len(counted) == 1
     bounds = {key: 20 * max(abs(want[key] - exact[key]), 1e-7 * abs(exact[key])) for key in want}
+    # Evaluation sums are counted on the last stage's TP rank 0 of each CP slice (zeros elsewhere): their sum over
+    # the ranks is the whole batch's. Every rank reports the step's loss.
     for key in ("eval", "eval_without"):
-        got = counted[0][key][0]
+        got = sum(r[key][0] for r in ranks)
+        assert sum(r[key][1] for r in ranks) == 2 * MBS * SEQ
         assert abs(got - want[key]) < bounds[key], f"{key}: engine {got} vs model {want[key]} ({bounds[key]:.2e})"
     for r in ranks:
         assert abs(r["train"] - want["train"]) < bounds["train"], f"train: engine {r['train']} vs {want['train']}"

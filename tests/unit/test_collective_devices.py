@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 import torch
 
+import appliance.parallel.context_parallel as context_parallel_module
 import appliance.parallel.grads as grads_module
 import appliance.train.control as control_module
 from appliance.rundir import RunDir
@@ -460,4 +461,14 @@ def test_a_rank_counting_no_gradient_joins_the_norm_on_its_parameters_device(mon
     seen = _record_collective(monkeypatch, grads_module)
     with pytest.raises(ReachedCollective):
         grads_module.global_grad_norm(params, topology)  # type: ignore[arg-type]
+    assert seen == [torch.device("meta")]
+
+
+def test_context_parallel_token_counts_are_reduced_on_the_groups_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cp loss all-reduces its token count on the cp group's device, wherever the labels are (here the CPU)."""
+    monkeypatch.setattr(context_parallel_module, "group_size", lambda group: 2)
+    monkeypatch.setattr(context_parallel_module, "collective_device", lambda group: torch.device("meta"))
+    seen = _record_collective(monkeypatch, context_parallel_module)
+    with pytest.raises(ReachedCollective):
+        context_parallel_module.token_weighted_loss(torch.zeros(()), torch.zeros(2, 4, dtype=torch.int64), None, -100)
     assert seen == [torch.device("meta")]

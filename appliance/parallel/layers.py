@@ -1,4 +1,4 @@
-"""Megatron-style 1D tensor-parallel layers, the vocabulary-parallel loss, and the model's linear-layer factory.
+"""Megatron-style 1D tensor-parallel layers and the model's linear-layer factory.
 
 A transformer layer needs two all-reduces forward and two backward (Megatron-LM, Shoeybi et al. 2019):
 
@@ -6,9 +6,8 @@ A transformer layer needs two all-reduces forward and two backward (Megatron-LM,
       -> RowParallelLinear (attention out, MLP out: each rank owns in/tp input columns) -> all-reduce
       -> bias+dropout+residual
 
-The loss never forms logits: the last stage hands the final hidden states and its tied-embedding shard to one
-chunked vocabulary-parallel cross-entropy (kernels/, through ops.vocab_cross_entropy), which evaluation scoring
-shares (vocab_parallel_scores).
+The loss and evaluation scores never form logits: they live in cross_entropy.py. How a parameter's shard is cut
+from the whole tensor is sharding.py's.
 
 Sharded parameters carry ``tensor_model_parallel = True`` and ``partition_dim``: the attribute names Megatron
 uses and DeepSpeed reads (``deepspeed.runtime.utils.is_model_parallel_parameter``), so DeepSpeed's global
@@ -25,15 +24,13 @@ initial weights (shards.init_shards_).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
-from typing import NamedTuple
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from appliance.model import ops
 from appliance.model.bloom import default_linear_factory
 from appliance.parallel.mappings import (
     Group,
@@ -46,6 +43,7 @@ from appliance.parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region,
 )
+from appliance.parallel.sharding import shard_from_full, split_dim
 from appliance.parallel.topology import ParallelTopology
 
 TensorInit = Callable[[torch.Tensor], object]  # fills a full-size tensor in place (like nn.init.*_)
@@ -62,95 +60,6 @@ def mark_tensor_parallel(param: nn.Parameter, partition_dim: int) -> None:
 
 def is_tensor_parallel(param: torch.Tensor) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False))
-
-
-# ---- moving between a single-process state dict and TP shards ----
-#
-# How each role's [out, in] weight (and bias) is split, and why the fused QKV splits by heads.
-# transformers' BloomAttention._reshape views the fused output as [b, s, heads, 3, head_dim]: output row
-# (h * 3 + j) * head_dim + d is component j (q, k, v) of head h. The rows of one head, q, k and v together,
-# are one contiguous block of 3 * head_dim, so cutting the rows into tp contiguous chunks gives rank r the
-# whole heads [r * heads/tp, (r+1) * heads/tp), each with its own q, k and v, and the local output views as
-# [b, s, heads/tp, 3, head_dim] in exactly the same way. (Megatron's GPT layout [q_all, k_all, v_all] would
-# not split this way.) A test checks it against transformers' own _reshape.
-_SPLIT_DIM: dict[str, tuple[int | None, int | None]] = {  # role -> (weight dim, bias dim); None: replicated
-    "qkv": (0, 0),
-    "mlp_in": (0, 0),
-    "attn_out": (1, None),
-    "mlp_out": (1, None),
-    "embedding": (0, None),
-    "replicated": (None, None),
-}
-
-
-def split_dim(role: str, *, is_bias: bool = False) -> int | None:
-    """The dimension a parameter of ``role`` is split along across TP ranks, or None when replicated."""
-    if role not in _SPLIT_DIM:
-        raise ValueError(f"unknown tensor-parallel role {role!r}: expected one of {sorted(_SPLIT_DIM)}")
-    return _SPLIT_DIM[role][1 if is_bias else 0]
-
-
-def shard_from_full(
-    full: torch.Tensor, role: str, tp_rank: int, tp_size: int, *, is_bias: bool = False
-) -> torch.Tensor:
-    """Rank ``tp_rank``'s slice of a single-process parameter (a copy; the full tensor when replicated)."""
-    dim = split_dim(role, is_bias=is_bias)
-    if dim is None:
-        return full.detach().clone()
-    if full.shape[dim] % tp_size != 0:
-        raise ValueError(f"{role}: dimension {dim} of shape {tuple(full.shape)} is not divisible by tp({tp_size})")
-    return full.detach().chunk(tp_size, dim=dim)[tp_rank].clone()
-
-
-def gather_to_full(shards: Sequence[torch.Tensor], role: str, *, is_bias: bool = False) -> torch.Tensor:
-    """The single-process parameter from all ranks' shards, in TP rank order (inverse of shard_from_full).
-
-    Replicated parameters must agree exactly across the shards: a difference is drift, never averaged away.
-    """
-    dim = split_dim(role, is_bias=is_bias)
-    if dim is None:
-        for rank, shard in enumerate(shards[1:], start=1):
-            if not torch.equal(shard, shards[0]):
-                raise ValueError(f"{role} parameter differs between tp rank 0 and tp rank {rank}")
-        return shards[0].detach().clone()
-    return torch.cat([s.detach() for s in shards], dim=dim)
-
-
-def role_of_parameter(name: str) -> tuple[str, bool]:
-    """(role, is_bias) of a parameter from its Hugging Face Bloom name, e.g.
-    ``transformer.h.3.self_attention.query_key_value.weight`` -> ("qkv", False)."""
-    *path, leaf = name.split(".")
-    module = ".".join(path[-2:])
-    is_bias = leaf == "bias"
-    if path and path[-1] == "query_key_value":
-        return "qkv", is_bias
-    if module == "self_attention.dense":
-        return "attn_out", is_bias
-    if path and path[-1] == "dense_h_to_4h":
-        return "mlp_in", is_bias
-    if path and path[-1] == "dense_4h_to_h":
-        return "mlp_out", is_bias
-    if path and path[-1] in ("word_embeddings", "lm_head"):
-        return "embedding", is_bias
-    return "replicated", is_bias
-
-
-def shard_state_dict(full: Mapping[str, torch.Tensor], tp_rank: int, tp_size: int) -> dict[str, torch.Tensor]:
-    """A single-process (Hugging Face-named) state dict cut down to one TP rank's shards."""
-    out = {}
-    for name, tensor in full.items():
-        role, is_bias = role_of_parameter(name)
-        out[name] = shard_from_full(tensor, role, tp_rank, tp_size, is_bias=is_bias)
-    return out
-
-
-def gather_state_dicts(shards: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The single-process state dict from every TP rank's state dict, in TP rank order."""
-    out = {}
-    for name in shards[0]:
-        role, is_bias = role_of_parameter(name)
-        out[name] = gather_to_full([sd[name] for sd in shards], role, is_bias=is_bias)
-    return out
 
 
 def _linear_weight_init(weight: torch.Tensor, generator: torch.Generator | None) -> None:
@@ -441,73 +350,6 @@ class VocabParallelEmbedding(nn.Module):
     def extra_repr(self) -> str:
         rows = f"[{self.vocab_start}, {self.vocab_end})"
         return f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp_size}, rows={rows}"
-
-
-class HeadInput(NamedTuple):
-    """What the last pipeline stage hands the loss (and scoring): the final hidden states of the whole sequence,
-    replicated over TP, and the tied word-embedding shard the logits are taken against. No logits yet."""
-
-    hidden: torch.Tensor  # [batch, seq, hidden]
-    weight: torch.Tensor  # [vocab / tp, hidden], this TP rank's rows of the tied embedding
-
-
-def lm_head_input(
-    hidden: torch.Tensor,
-    embedding_weight: torch.Tensor,
-    group: Group = None,
-    *,
-    sequence_parallel: bool = False,
-    sequence_dim: int = 0,
-) -> HeadInput:
-    """The tied LM head's input on this rank: with sequence parallelism the sequence chunks are all-gathered.
-
-    The chunked loss all-reduces the hidden gradient over TP itself (each rank's vocabulary shard contributes a
-    part), so the gather's backward only keeps this rank's chunk of that full gradient.
-    """
-    if sequence_parallel:
-        hidden = gather_from_sequence_parallel_region(
-            hidden, group, dim=sequence_dim, tensor_parallel_output_grad=False
-        )
-    # A view, not the parameter itself. DeepSpeed's engine (0.19.8, runtime/utils.py register_output_backward_hooks)
-    # runs its backward prologue from hooks on the forward's outputs that have a grad_fn; a leaf parameter among the
-    # outputs has none, so its gradient can reach the parameter outside that bracket. Measured with the parameter
-    # itself: the pp=2 bf16 losses left the fp32 reference from step 2 on (4.5e-2 against a 2.2e-3 bound). The
-    # view's gradient reaches the parameter through autograd like any other.
-    return HeadInput(hidden, embedding_weight.view_as(embedding_weight))
-
-
-def _loss_group(group: Group) -> dist.ProcessGroup | None:
-    # The chunked loss reads None as "no tensor parallelism"; for the mappings None is the world group.
-    if group_size(group) == 1:
-        return None
-    return group if group is not None else dist.group.WORLD
-
-
-def vocab_parallel_loss(
-    head: HeadInput,
-    labels: torch.Tensor,
-    group: Group = None,
-    *,
-    ignore_index: int = -100,
-    reduction: str = "mean",
-) -> torch.Tensor:
-    """Cross-entropy of the tied head's logits against labels [batch, seq], chunked over tokens and split over
-    the vocabulary (kernels.registry.vocab_cross_entropy): neither the full nor this rank's [tokens, vocab / tp]
-    logits are ever formed at once. The same contract as ``F.cross_entropy(full_logits.view(-1, V),
-    labels.view(-1), reduction=...)``, in fp32, except that a mean over no token is 0, not NaN."""
-    if head.hidden.shape[:-1] != labels.shape:
-        raise ValueError(f"hidden states {tuple(head.hidden.shape)} and labels {tuple(labels.shape)} do not match")
-    return ops.vocab_cross_entropy(
-        head.hidden, head.weight, labels, ignore_index=ignore_index, reduction=reduction, tp_group=_loss_group(group)
-    )
-
-
-def vocab_parallel_scores(
-    head: HeadInput, targets: torch.Tensor | None, group: Group = None
-) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """(log p(targets) or None, greedy token) per position of the head's hidden states, over the whole vocabulary
-    (ops.vocab_scores; the same on every TP rank)."""
-    return ops.vocab_scores(head.hidden, head.weight, targets, tp_group=_loss_group(group))
 
 
 def tp_linear_factory(

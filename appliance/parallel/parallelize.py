@@ -1,0 +1,94 @@
+"""Applying the layout's parallelism to the plain BLOOM pieces (model/bloom.py), one function per technique.
+
+The model is written for one process; this module is the only place that decides what each rank's pieces become.
+pipeline_parallel.py builds its layers through it (``Parallelism``, handed to every layer spec), so the pipeline
+engine and the pp = 1 BloomStack make the same decisions. The order, and why:
+
+1. Tensor parallel (+ sequence parallel): ``linear_factory`` and ``embedding_kwargs``. It comes first because it
+   is structural: the linears are *built* column/row-parallel (the model takes a factory), which fixes the heads
+   (and ALiBi slopes) this rank owns; sequence parallelism lives inside those same layers (the column-parallel
+   QKV gathers the sequence chunks, the row-parallel output reduce-scatters them).
+2. Context parallel: ``apply_context_parallel`` replaces a block's attention core, after TP, because it works on
+   this TP rank's heads and on the CP-local sequence the QKV projection returns (with sequence parallelism, after
+   its gather over TP). Which tokens a CP rank holds, and the loss over them, are context_parallel.py's.
+3. Recompute last: it wraps whatever the first two produced (selective: the attention core, CP's collectives
+   included, runs again in the backward pass; full: the whole block, in the pipeline's checkpoint interval or
+   BloomStack's forward), so it must see the finished block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from appliance.model.bloom import BloomBlock, LinearFactory
+from appliance.parallel.context_parallel import ContextParallelCore
+from appliance.parallel.layers import tp_linear_factory
+from appliance.parallel.topology import ParallelTopology
+
+SEQUENCE_DIM = 1  # activations are [batch, seq, hidden] (the transformers layout)
+RECOMPUTE_MODES = ("none", "selective", "full")
+CP_MODES = ("ulysses", "ring")
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """What this rank applies to the model's pieces: the topology's groups and the layout's switches."""
+
+    topology: ParallelTopology
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    cp_mode: str = "ulysses"
+
+    def __post_init__(self) -> None:
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
+        if self.cp_mode not in CP_MODES:
+            raise ValueError(f"cp_mode must be one of {CP_MODES}, got {self.cp_mode!r}")
+
+    @property
+    def tp_rank(self) -> int:
+        return dist.get_rank(self.topology.tp_group)
+
+    # ---- 1. tensor parallel (+ sequence parallel) ----
+
+    def linear_factory(self) -> LinearFactory:
+        """The blocks' linears: column/row-parallel over TP (plain nn.Linear at tp = 1)."""
+        return tp_linear_factory(self.topology, sequence_parallel=self.sequence_parallel, sequence_dim=SEQUENCE_DIM)
+
+    def embedding_kwargs(self) -> dict[str, Any]:
+        """VocabParallelEmbedding's split: vocabulary rows over TP, output reduce-scattered into sequence chunks
+        with sequence parallelism."""
+        return {"group": self.topology.tp_group, "sequence_parallel": self.sequence_parallel,
+                "sequence_dim": SEQUENCE_DIM}  # fmt: skip
+
+    # ---- 3. recompute ----
+
+    @property
+    def full_recompute(self) -> bool:
+        """Whole blocks recomputed in the backward pass (BLOOM's --checkpoint-activations, one block per checkpoint)."""
+        return self.recompute == "full"
+
+    def parallelize_block(self, block: BloomBlock) -> None:
+        """Steps 2 and 3 on one block built with ``linear_factory`` (step 1)."""
+        if self.topology.cp > 1:
+            apply_context_parallel(block, ContextParallelCore(self.topology.cp_group, self.cp_mode))
+        apply_selective_recompute(block, self.recompute == "selective")
+
+
+def apply_context_parallel(block: BloomBlock, core: ContextParallelCore) -> None:
+    """The block's attention runs over the whole sequence while it holds 1/cp of the tokens: ``core`` exchanges
+    keys and values over the cp group (ulysses: all-to-all to a head split; ring: passes key/value chunks). It
+    takes this TP rank's heads and slopes, so it composes with TP, and with sequence parallelism, whose gather over
+    TP happens inside the QKV projection before it. Padding masks and attention dropout have no CP path."""
+    if block.self_attention.attention_dropout > 0:
+        raise ValueError(f"context parallelism needs attention_dropout 0, got {block.self_attention.attention_dropout}")
+    block.self_attention.context_parallel = core
+
+
+def apply_selective_recompute(block: BloomBlock, on: bool) -> None:
+    """Selective recompute (Korthikanti et al. 2022): keep the attention core's inputs only and recompute its
+    scores and softmax, the largest activations, in the backward pass."""
+    block.self_attention.recompute_core = on
