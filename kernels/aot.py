@@ -129,6 +129,17 @@ def _flash_attention(s: TrainingShape, dtype: torch.dtype) -> None:
     _run_backward(out, _meta(s.micro_batch, s.seq_len, s.heads, s.head_dim, dtype=dtype).transpose(1, 2))
 
 
+def _flash_attention_packed(s: TrainingShape, dtype: torch.dtype) -> None:
+    # Packed documents (document ids per token): the kernels' HAS_DOCS specialisation, whose every key block is
+    # masked. Context-parallel ring attention launches the same kernels on chunks at global offsets.
+    qkv = _grad_param(s.micro_batch, s.seq_len, s.heads, 3, s.head_dim, dtype=dtype)
+    q, k, v = (qkv[..., i, :].transpose(1, 2) for i in range(3))
+    slopes = _meta(s.heads, dtype=torch.float32)
+    docs = _meta(s.micro_batch, s.seq_len, dtype=torch.int64)
+    out = flash_attention.flash_alibi_attention(q, k, v, slopes, causal=True, q_doc=docs, k_doc=docs)
+    _run_backward(out, _meta(s.micro_batch, s.seq_len, s.heads, s.head_dim, dtype=dtype).transpose(1, 2))
+
+
 def _alibi_softmax(s: TrainingShape, dtype: torch.dtype, padded: bool) -> None:
     scores = _grad_param(s.micro_batch, s.heads, s.seq_len, s.seq_len, dtype=dtype)  # q @ k^T, contiguous
     mask = _meta(s.micro_batch, s.seq_len, dtype=torch.int64) if padded else None
@@ -157,6 +168,7 @@ OPS: dict[str, tuple[Callable[[TrainingShape, torch.dtype], None], Callable[[Tra
     "layer_norm": (_layer_norm, lambda s: f"N={s.hidden}"),
     "bias_gelu": (_bias_gelu, lambda s: f"N={s.ffn}"),
     "flash_attention": (_flash_attention, lambda s: f"d={s.head_dim}"),
+    "flash_attention_packed": (_flash_attention_packed, lambda s: f"d={s.head_dim}"),
     "alibi_softmax": (lambda s, dt: _alibi_softmax(s, dt, padded=False), lambda s: f"K={s.seq_len}"),
     "alibi_softmax_padded": (lambda s, dt: _alibi_softmax(s, dt, padded=True), lambda s: f"K={s.seq_len}"),
     "cross_entropy": (_cross_entropy, lambda s: f"V={s.vocab}"),

@@ -6,9 +6,16 @@ Layers: `_flash_fwd_kernel`, `_flash_bwd_preprocess_kernel`, `_flash_bwd_dkdv_ke
 
 Scores never exist as an [s, s] matrix: each program streams key/value blocks past a block of queries with an
 online softmax (running max m, running sum l, rescaled accumulator). The ALiBi bias of query i (sitting at key
-position i + k_len - q_len) and key j is slope * (j - i_abs): the same softmax as BLOOM's slope * j, but small
-in magnitude. Exponentials are base 2: every logit is pre-multiplied by log2(e), and the stored logsumexp
-(one fp32 per query row) is in that base as well; the backward recomputes probabilities from it.
+index i + shift; shift = k_len - q_len, right-aligned, unless global offsets say otherwise) and key j is
+slope * (j - i - shift): the same softmax as BLOOM's slope * j, but small in magnitude. Exponentials are base 2:
+every logit is pre-multiplied by log2(e), and the stored logsumexp (one fp32 per query row) is in that base as
+well; the backward recomputes probabilities from it.
+
+For context-parallel attention (appliance/parallel/cp_ring.py) a call can be one chunk of a longer sequence:
+q_offset/k_offset place the queries and keys at their global positions (the causal mask and the bias follow),
+document ids hide the keys of other documents (packed sequences), the natural-log logsumexp comes back with the
+output so partial results merge, and `flash_alibi_attention_backward` runs a chunk's backward from the merged
+logsumexp and delta = rowsum(O * dO) of the final output.
 """
 
 from __future__ import annotations
@@ -72,7 +79,7 @@ def _fwd_blocks(
 def _flash_fwd_kernel(
     Q, K, V, Slopes, Out, LSE, QDoc, KDoc,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-    n_heads, q_len, k_len, shift, head_dim, scale2,
+    n_heads, q_len, k_len, realign, head_dim, scale2,
     CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
@@ -83,7 +90,11 @@ def _flash_fwd_kernel(
     slope2 = tl.load(Slopes + h).to(tl.float32) * 1.4426950408889634  # * log2(e)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    q_pos = offs_m + shift  # query i sits at key index i + shift (global positions minus the keys' first)
+    # Query i sits at key index i + shift: right-aligned (k_len - q_len) plus `realign` for chunks at other global
+    # offsets. Passed as that sum's second term, not as shift itself: with a shift argument ptxas spilled 216
+    # bytes per thread in the sm_90 fp32 dk/dv kernel at head dim 128 (bench.kernels_compile), with this none.
+    shift = k_len - q_len + realign
+    q_pos = offs_m + shift
     q_mask = (offs_m < q_len)[:, None] & (offs_d < head_dim)[None, :]
     q = tl.load(
         Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :], mask=q_mask, other=0.0
@@ -146,7 +157,7 @@ def _flash_bwd_preprocess_kernel(Out, DO, Delta, q_len, head_dim, BLOCK_M: tl.co
 def _flash_bwd_dkdv_kernel(
     Q, K, V, Slopes, DO, LSE, Delta, DK, DV, QDoc, KDoc,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-    n_heads, q_len, k_len, shift, head_dim, scale, scale2,
+    n_heads, q_len, k_len, realign, head_dim, scale, scale2,
     CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
@@ -174,6 +185,7 @@ def _flash_bwd_dkdv_kernel(
     k_doc = offs_n  # unused without documents
     if HAS_DOCS:
         k_doc = tl.load(KDoc + b * k_len + offs_n, mask=offs_n < k_len, other=-1)
+    shift = k_len - q_len + realign  # query i sits at key index i + shift (see _flash_fwd_kernel)
     Q_base = Q + b * stride_qb + h * stride_qh
     row_base = bh.to(tl.int64) * q_len
     lo = 0
@@ -217,7 +229,7 @@ def _flash_bwd_dkdv_kernel(
 def _flash_bwd_dq_kernel(
     Q, K, V, Slopes, DO, LSE, Delta, DQ, QDoc, KDoc,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-    n_heads, q_len, k_len, shift, head_dim, scale, scale2,
+    n_heads, q_len, k_len, realign, head_dim, scale, scale2,
     CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
@@ -229,6 +241,7 @@ def _flash_bwd_dq_kernel(
     slope2 = tl.load(Slopes + h).to(tl.float32) * 1.4426950408889634
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    shift = k_len - q_len + realign  # query i sits at key index i + shift (see _flash_fwd_kernel)
     q_pos = offs_m + shift
     q_mask = (offs_m < q_len)[:, None] & (offs_d < head_dim)[None, :]
     row_base = bh.to(tl.int64) * q_len
@@ -298,7 +311,7 @@ class FlashConfig:
         return min(self.stages, 2)
 
 
-def launch_config(head_dim: int, dtype: torch.dtype, capability: int | None) -> FlashConfig:
+def launch_config(head_dim: int, dtype: torch.dtype, capability: int | None, documents: bool = False) -> FlashConfig:
     """The tiles the launchers use for this head dim and dtype on a GPU of this compute capability (None: the
     CPU interpreter).
 
@@ -312,6 +325,9 @@ def launch_config(head_dim: int, dtype: torch.dtype, capability: int | None) -> 
     fp32 (exact ieee dots, no tensor cores): 64 x 32 forward tiles spilled on both targets (16 to 648 bytes per
     thread), 32 x 16 do not; the backward's 32 x 32 tiles do not; two stages.
     Interpreter: 16 queries x 8 keys, so tiny test shapes still cross block borders and ragged tails.
+    With document ids (`documents`) every key block is masked and loads its ids: on sm_80 at head dim 64 the
+    forward (128 x 64) spilled 40 bytes per thread and dq (64 x 64) 16 bytes, so there their key blocks are 32
+    (no spill); every other documents build compiled without spills at the tiles above (2026-11-24).
     """
     # fp32 inputs use exact ieee dots, not tf32; other dtypes keep Triton's default.
     precision = "ieee" if dtype == torch.float32 else None
@@ -325,10 +341,11 @@ def launch_config(head_dim: int, dtype: torch.dtype, capability: int | None) -> 
         return FlashConfig(32, 16, 32, 32, 32, 32, block_d, warps, 2, False, precision)
     wide = block_d > 64
     before_hopper = capability < 90
+    narrow_keys = wide or (documents and before_hopper)
     return FlashConfig(
-        fwd_m=128, fwd_n=32 if wide and before_hopper else 64, dkdv_m=32 if before_hopper else 64, dkdv_n=64,
-        dq_m=64, dq_n=32 if wide else 64, block_d=block_d, warps=warps, stages=3, dot_fp32=False,
-        precision=precision,
+        fwd_m=128, fwd_n=32 if narrow_keys and before_hopper else 64, dkdv_m=32 if before_hopper else 64,
+        dkdv_n=64, dq_m=64, dq_n=32 if narrow_keys else 64, block_d=block_d, warps=warps, stages=3,
+        dot_fp32=False, precision=precision,
     )  # fmt: skip
 
 
@@ -347,7 +364,8 @@ def _docs(q_doc: torch.Tensor | None, k_doc: torch.Tensor | None, fallback: torc
         raise ValueError("flash_alibi_attention: q_doc and k_doc go together (both or neither)")
     if q_doc is None or k_doc is None:
         return fallback, fallback, False
-    return q_doc.contiguous(), k_doc.contiguous(), True
+    # int32 ids: half the registers of int64 ones in the masked blocks (a sequence holds far fewer documents)
+    return q_doc.to(torch.int32).contiguous(), k_doc.to(torch.int32).contiguous(), True
 
 
 def flash_fwd(
@@ -367,14 +385,14 @@ def flash_fwd(
     b, h, q_len, d = q.shape
     k_len = k.shape[2]
     shift = k_len - q_len if shift is None else shift
-    cfg = launch_config(d, q.dtype, compute_capability(q))
+    cfg = launch_config(d, q.dtype, compute_capability(q), documents=q_doc is not None)
     o = torch.empty((b, h, q_len, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, q_len), dtype=torch.float32, device=q.device)
     q_doc_ptr, k_doc_ptr, has_docs = _docs(q_doc, k_doc, slopes)
     launch(
         _flash_fwd_kernel, (triton.cdiv(q_len, cfg.fwd_m), b * h),
         q, k, v, slopes, o, lse, q_doc_ptr, k_doc_ptr, *_strides(q), *_strides(k), *_strides(v),
-        h, q_len, k_len, shift, d, scale * LOG2E,
+        h, q_len, k_len, shift - (k_len - q_len), d, scale * LOG2E,
         CAUSAL=causal, HAS_DOCS=has_docs, DOT_FP32=cfg.dot_fp32, PRECISION=cfg.precision,
         BLOCK_M=cfg.fwd_m, BLOCK_N=cfg.fwd_n, BLOCK_D=cfg.block_d, num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
@@ -401,7 +419,7 @@ def flash_bwd(
     b, h, q_len, d = q.shape
     k_len = k.shape[2]
     shift = k_len - q_len if shift is None else shift
-    cfg = launch_config(d, q.dtype, compute_capability(q))
+    cfg = launch_config(d, q.dtype, compute_capability(q), documents=q_doc is not None)
     do = do.contiguous()  # the kernels index dO like O: dense [b, h, q_len, d]
     lse = lse.contiguous()
     if delta is None:
@@ -422,8 +440,9 @@ def flash_bwd(
         CAUSAL=causal, HAS_DOCS=has_docs, DOT_FP32=cfg.dot_fp32, PRECISION=cfg.precision, BLOCK_D=cfg.block_d,
         num_warps=cfg.warps, num_stages=cfg.bwd_stages,
     )  # fmt: skip
+    realign = shift - (k_len - q_len)  # the kernels take the shift beyond right-alignment (see _flash_fwd_kernel)
     args = (
-        q_doc_ptr, k_doc_ptr, *_strides(q), *_strides(k), *_strides(v), h, q_len, k_len, shift, d, scale,
+        q_doc_ptr, k_doc_ptr, *_strides(q), *_strides(k), *_strides(v), h, q_len, k_len, realign, d, scale,
         scale * LOG2E,
     )  # fmt: skip
     launch(

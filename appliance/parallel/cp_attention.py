@@ -15,8 +15,10 @@ Ulysses (DeepSpeed-Ulysses, ``deepspeed.sequence.layer.DistributedAttention``): 
 (all heads, this rank's block) into [B, S, H/cp, D] (the whole sequence in global order, heads
 cp_rank*H/cp ... (cp_rank+1)*H/cp), attention runs as on one rank with those heads' slopes, and the inverse
 all-to-all brings the context back. Backward: the same all-to-alls in reverse (DeepSpeed's autograd function).
-Constraint: the heads of a tensor-parallel rank divide by cp. Volume per layer, each rank sending (cp-1)/cp of what
-it holds: forward 4 tensors of B*S/cp*H*D (q, k, v in, context out), backward the same 4 again.
+Constraint: the heads of a tensor-parallel rank divide by cp. Volume per layer and rank, with N = B*S/cp*H*D
+elements (what a rank holds of one of q, k, v): each all-to-all sends (cp-1)/cp of its N, forward 4 of them (q, k,
+v in, context out) and backward 4 (their gradients): 8 (cp-1)/cp N in the compute dtype, plus, with documents, an
+all-gather of the int64 ids (B*S/cp per rank).
 
 Ring (``cp_ring``): keys and values travel a ring of the cp ranks (cp - 1 hops of this rank's 2 pieces of k and v,
 overlapped with compute). At each step the rank attends its 2 query pieces to the visiting 2 key pieces: each
@@ -28,8 +30,10 @@ which is exact because both L's are taken over logits with the same per-query re
 Backward (flash-attention style, as ring-flash-attn does it): with the final L and delta_i = sum_d O_id dO_id, each
 visiting chunk's share is recomputed from P = exp(logits - L): dQ accumulates locally, while dK and dV accumulate
 into buffers that travel the ring with the chunk and arrive at its owner after the last hop. Volume per layer and
-rank: forward (cp-1) * 2 * B*H*S/cp*D (k and v), backward (cp-1) * 2 (k, v again) + cp * 2 (dk, dv back) of that.
-No head constraint; ring cuts sequences into 2cp pieces.
+rank, same N: forward 2 (cp-1) N (k and v, compute dtype), backward 2 (cp-1) N again plus 2 cp N of dk/dv in fp32
+(accumulators: twice the bytes of bf16), and with documents the ids travel with k and v. More than Ulysses, but
+point-to-point to one neighbour and hidden behind the chunk compute. No head constraint; the sequence is cut into
+2cp pieces. Partial outputs come out of the kernel in q's dtype and merge in fp32 (fp64 for fp64 inputs).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from appliance.model import ops
+from appliance.parallel.cp_ring import ring_attention
 from appliance.planner.layout import CP_MODES
 
 __all__ = ["CP_MODES", "context_parallel_attention", "sequence_positions", "split_sequence"]
@@ -192,6 +197,4 @@ def context_parallel_attention(
         return causal_alibi_attention(q, k, v, slopes, scale, doc_ids)
     if mode == "ulysses":
         return ulysses_attention(q, k, v, slopes, scale, group, doc_ids)
-    from appliance.parallel.cp_ring import ring_attention
-
     return ring_attention(q, k, v, slopes, scale, group, doc_ids)

@@ -32,11 +32,12 @@ class _Ring:
         """The zigzag pieces rank holds, in the order it holds them."""
         return rank, 2 * self.size - 1 - rank
 
-    def start(self, tensors: list[torch.Tensor]) -> _Exchange:
-        """Send tensors to the next rank and receive same-shaped ones from the previous rank, asynchronously."""
+    def start(self, tensors: list[torch.Tensor], tag: int = 0) -> _Exchange:
+        """Send tensors to the next rank and receive same-shaped ones from the previous rank, asynchronously.
+        tag tells apart two exchanges in flight at once (keys/values and the gradient accumulators)."""
         received = [torch.empty_like(t) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group) for t in tensors]
-        ops += [dist.P2POp(dist.irecv, buffer, self.prev, self.group) for buffer in received]
+        ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group, tag) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, buffer, self.prev, self.group, tag) for buffer in received]
         return _Exchange(dist.batch_isend_irecv(ops), received)
 
 
@@ -119,9 +120,10 @@ def _ring_backward(
     size = q.shape[2] // 2
     delta = (do.to(math_dtype) * out.to(math_dtype)).sum(-1)  # delta_i = sum_d O_id dO_id of the final output
     dq = torch.zeros(q.shape, dtype=math_dtype, device=q.device)
-    dkv = torch.zeros((2, *k.shape), dtype=math_dtype, device=k.device)  # for the chunk visiting now
     visiting = [torch.stack([k, v])] + ([] if doc_ids is None else [doc_ids])
+    arriving: _Exchange | None = None  # the accumulator of the chunk visiting next, on its way from the previous rank
     for step in range(ring.size):
+        dkv = torch.zeros((2, *k.shape), dtype=math_dtype, device=k.device)  # this rank's share for the visitor
         pending = ring.start(visiting) if step < ring.size - 1 else None
         kv, k_doc = visiting[0], (visiting[1] if doc_ids is not None else None)
         source = (ring.rank - step) % ring.size
@@ -139,10 +141,15 @@ def _ring_backward(
                 _piece(dq, qi, size).add_(dq_part)
                 _piece(dkv[0], kj, size).add_(dk_part)
                 _piece(dkv[1], kj, size).add_(dv_part)
+        # The accumulator moves on with its chunk (the next rank sees this chunk at the next step); its transfer
+        # overlaps the next step's compute, which only needs it once that step's own share is done.
+        if arriving is not None:
+            dkv += arriving.wait()[0]
+        arriving = ring.start([dkv], tag=1)
         if pending is not None:
             visiting = pending.wait()
-        # The accumulator moves on with its chunk: the next rank sees this chunk at the next step.
-        dkv = ring.start([dkv]).wait()[0]
+    assert arriving is not None
+    dkv = arriving.wait()[0]  # after the last hop: this rank's own chunk, every rank's share summed
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
