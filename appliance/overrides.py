@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
 
@@ -10,7 +11,7 @@ from appliance.planner.train_settings import DTYPES
 from appliance.train.settings import TrainSettings
 
 # Keys outside the plan's "train" section that a user may still set.
-RUN_KEYS: dict[str, type] = {
+RUN_KEYS: dict[str, Callable[[str], Any]] = {
     "max_restarts": int,
     "workers": int,
     "vocab_size": int,
@@ -23,11 +24,24 @@ CARBON_KEYS = ("carbon_profile", "grid_g_per_kwh", "pue")
 # User-facing names for plan keys: `precision` is the plan's train.dtype (bf16, fp16 or fp32), which the planner
 # picks from the hardware and plans memory and time for (make_run_plan passes it to make_plan).
 ALIASES = {"precision": "dtype"}
+# The spellings `--set key=...` accepts for a true/false setting (bool("false") would be True).
+BOOL_WORDS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
 
 
-def known_keys() -> dict[str, type]:
-    types: dict[str, type] = {"int": int, "float": float, "str": str}  # dataclass annotations are strings here
-    keys = {}
+def parse_bool(raw: str) -> bool:
+    try:
+        return BOOL_WORDS[raw.strip().lower()]
+    except KeyError:
+        raise ValueError(f"not a boolean: {raw!r}") from None
+
+
+parse_bool.__name__ = "bool"  # what the error message names: "expected bool"
+
+
+def known_keys() -> dict[str, Callable[[str], Any]]:
+    # dataclass annotations are strings here
+    types: dict[str, Callable[[str], Any]] = {"int": int, "float": float, "str": str, "bool": parse_bool}
+    keys: dict[str, Callable[[str], Any]] = {}
     for f in fields(TrainSettings):
         name = str(f.type).split("|")[0].strip()
         if name in types:

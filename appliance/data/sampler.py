@@ -9,11 +9,19 @@ layout, resuming with another dp_size (or micro batch) continues the same global
     resume with dp=2, mbs=2: the first micro step takes 24..27 (rank 0: 24,25; rank 1: 26,27), and so on.
 
 Any consumed_samples is accepted (the trainer advances it by whole global batches); the next group starts at it.
+
+BalancedPretrainingSampler (reset_attention_mask): the same samples step by step, each step's global batch placed on
+the ranks and their micro-batches by the samples' attention cost (balance.py). It needs the step boundaries, so it
+takes the batch size as a function of consumed_samples (the ramp-up); a step starts at a checkpoint's
+consumed_samples, so a resumed run places the same samples on the same ranks. Its placement depends on dp_size:
+resuming with another dp_size consumes the same samples per step, differently placed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+
+from appliance.data.balance import place_samples
 
 
 class PretrainingSampler:
@@ -67,3 +75,47 @@ class PretrainingSampler:
             mine = list(range(start, end))[first : first + self.micro_batch_size]
             if mine:
                 yield mine
+
+
+class BalancedPretrainingSampler:
+    """Yields this DP rank's micro batches, step after step from consumed_samples: each step's samples
+    [consumed, consumed + batch) placed by balance.place_samples on their costs. Stops before a step that
+    total_samples cannot fill."""
+
+    def __init__(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        *,
+        batch_size_at: Callable[[int], int],
+        sample_cost: Callable[[int], float],
+    ) -> None:
+        # The same checks as the contiguous sampler, with the same messages.
+        PretrainingSampler(total_samples, consumed_samples, micro_batch_size, dp_rank, dp_size)
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.batch_size_at = batch_size_at
+        self.sample_cost = sample_cost
+
+    def __iter__(self) -> Iterator[list[int]]:
+        consumed = self.consumed_samples
+        group = self.micro_batch_size * self.dp_size
+        while True:
+            batch = self.batch_size_at(consumed)
+            if batch % group:
+                raise ValueError(
+                    f"the step at consumed_samples={consumed} has a batch of {batch}, not a multiple of "
+                    f"micro_batch_size({self.micro_batch_size}) x dp_size({self.dp_size})"
+                )
+            if consumed + batch > self.total_samples:
+                return
+            indices = list(range(consumed, consumed + batch))
+            placement = place_samples(indices, [self.sample_cost(i) for i in indices], self.dp_size, batch // group)
+            yield from placement[self.dp_rank]
+            consumed += batch

@@ -89,7 +89,8 @@ def _unpadded_inputs(
 
 class RankAlibi:
     """ALiBi for the heads one tensor-parallel rank owns: the slopes (all the fused flash attention needs), and the
-    bias and causal-and-padding mask that only the materialized attention path needs, built when it asks.
+    bias and causal mask (with padding and packed documents where given) that only the materialized attention path
+    needs, built when it asks.
 
     An unpadded batch's bias [1, H, 1, S] and mask [1, 1, S, S] depend only on (heads, rank, length, device), so
     they are built once and shared by every block and step (a small LRU cache: evaluation and generation bring a
@@ -108,15 +109,38 @@ class RankAlibi:
         return self._slopes[device]
 
     def bias_and_mask(
-        self, attention_mask: torch.Tensor | None, seq_len: int, device: torch.device
+        self,
+        attention_mask: torch.Tensor | None,
+        seq_len: int,
+        device: torch.device,
+        doc_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """ALiBi bias [B or 1, H, 1, S] (float32) and the causal-and-padding mask [B or 1, 1, S, S] (bool)."""
-        if attention_mask is None:
-            return _unpadded_inputs(self.n_head, self.tp_rank, self.tp_size, seq_len, device)
-        if attention_mask.shape[-1] != seq_len:
+        """ALiBi bias [B or 1, H, 1, S] (float32) and the causal, padding and document mask [B or 1, 1, S, S]
+        (bool). doc_ids: int [B, S], the document of each token (appliance/data/documents.py), or None: with it a
+        query sees only the keys of its own document.
+
+        The bias needs no change for packed documents. It is `slope * position(key)`, and every key a query may see
+        is then in its document, which starts at some position p: `slope * (p + j)` for the document's j-th token
+        is `slope * j` plus `slope * p`, the same for the whole row, and softmax drops a constant added to a row. So
+        each document gets the ALiBi distances it would get alone (tests/unit/test_packed_documents.py runs each
+        document alone and compares).
+        """
+        if attention_mask is not None and attention_mask.shape[-1] != seq_len:
             raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} positions, the input {seq_len}")
-        attention_mask = attention_mask.to(device)
-        causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()[None, None]
-        return alibi_bias(self.slopes(device), attention_mask, seq_len), causal & attention_mask.bool()[
-            :, None, None, :
-        ]
+        if doc_ids is not None and doc_ids.shape[-1] != seq_len:
+            raise ValueError(f"doc_ids cover {doc_ids.shape[-1]} positions, the input {seq_len}")
+        if attention_mask is None:
+            bias, mask = _unpadded_inputs(self.n_head, self.tp_rank, self.tp_size, seq_len, device)
+        else:
+            attention_mask = attention_mask.to(device)
+            causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()[None, None]
+            bias = alibi_bias(self.slopes(device), attention_mask, seq_len)
+            mask = causal & attention_mask.bool()[:, None, None, :]
+        if doc_ids is not None:
+            mask = mask & same_document(doc_ids.to(device))
+        return bias, mask
+
+
+def same_document(doc_ids: torch.Tensor) -> torch.Tensor:
+    """[B, S] document ids -> bool [B, 1, S, S], True where query and key belong to the same document."""
+    return (doc_ids[:, :, None] == doc_ids[:, None, :])[:, None]

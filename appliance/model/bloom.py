@@ -85,11 +85,15 @@ class BloomAttention(nn.Module):
         self.dense = linear_factory(h, h, True, "attn_out")
 
     def forward(
-        self, x: torch.Tensor, alibi: RankAlibi, attention_mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        alibi: RankAlibi,
+        attention_mask: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Without padding (attention_mask None) the causal mask is all there is, so the fused flash-attention
-        kernel takes the slopes alone, without [S, S] scores; only the materialized path asks `alibi` for the
-        bias and mask."""
+        """Without padding (attention_mask None) the causal mask, and the document mask where doc_ids (int [B, S]
+        over the whole sequence) are given, is all there is, so the fused flash-attention kernel takes the slopes
+        alone, without [S, S] scores; only the materialized path asks `alibi` for the bias and mask."""
         fused, qkv_bias = _project(self.query_key_value, x)
         if qkv_bias is not None:
             fused = fused + qkv_bias
@@ -103,16 +107,18 @@ class BloomAttention(nn.Module):
         if self.context_parallel is not None:
             if attention_mask is not None or not no_dropout:
                 raise ValueError("context-parallel attention takes neither a padding mask nor attention dropout")
-            core = (q, k, v, alibi.slopes(q.device), self.inv_norm_factor)
+            # doc_ids here are this CP rank's slice of the sequence's document ids, like x.
+            core = (q, k, v, alibi.slopes(q.device), self.inv_norm_factor, doc_ids)
             if self.recompute_core and torch.is_grad_enabled():
                 context = checkpoint(self.context_parallel, *core, use_reentrant=False)
             else:
                 context = self.context_parallel(*core)
         elif attention_mask is None and no_dropout and ops.flash_attention_available(q):
-            # No [S, S] activations to keep, so selective recompute has nothing to save here.
-            context = ops.flash_attention(q, k, v, alibi.slopes(q.device), self.inv_norm_factor)
+            # No [S, S] activations to keep, so selective recompute has nothing to save here. Packed documents
+            # (doc_ids) are masked inside the kernel: the slopes still suffice (alibi.RankAlibi.bias_and_mask).
+            context = ops.flash_attention(q, k, v, alibi.slopes(q.device), self.inv_norm_factor, doc_ids=doc_ids)
         else:
-            bias, mask = alibi.bias_and_mask(attention_mask, seq, q.device)
+            bias, mask = alibi.bias_and_mask(attention_mask, seq, q.device, doc_ids)
             core_args = (q, k, v, bias, mask, self.inv_norm_factor, self.attention_dropout, self.training)
             if self.recompute_core and torch.is_grad_enabled():
                 context = checkpoint(ops.attention_core, *core_args, use_reentrant=False)
@@ -175,11 +181,16 @@ class BloomBlock(nn.Module):
         self.mlp = BloomMLP(config, factory)
         self.alibi = RankAlibi(config.n_head, tp_rank, tp_size)
 
-    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """hidden: [B, S, hidden] (with sequence parallelism, this rank's chunk of the sequence: attention runs over
         the whole sequence the QKV projection gathers); attention_mask: [B, S] with 1 for tokens and 0 for padding,
-        or None."""
-        attn_out, attn_bias = self.self_attention(_norm(self.input_layernorm, hidden), self.alibi, attention_mask)
+        or None; doc_ids: [B, S] document of each token of the whole sequence (appliance/data/documents.py), or
+        None to attend across documents."""
+        attn_out, attn_bias = self.self_attention(
+            _norm(self.input_layernorm, hidden), self.alibi, attention_mask, doc_ids
+        )
         hidden = ops.bias_dropout_add(attn_out, attn_bias, hidden, self.hidden_dropout, self.training)
         mlp_out, mlp_bias = self.mlp(_norm(self.post_attention_layernorm, hidden))
         return ops.bias_dropout_add(mlp_out, mlp_bias, hidden, self.hidden_dropout, self.training)
@@ -268,31 +279,45 @@ class BloomForCausalLM(nn.Module):
                 )
             init_parameter_(param, name, seed=seed, std=self.config.initializer_range)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids: [B, S] int64; attention_mask: [B, S] of 1 (token) / 0 (padding) or None. -> [B, S, vocab]."""
-        return F.linear(self.final_hidden(input_ids, attention_mask), self.lm_head.weight)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids: [B, S] int64; attention_mask: [B, S] of 1 (token) / 0 (padding) or None; doc_ids: [B, S]
+        document index per token (packed documents attend only within themselves) or None. -> [B, S, vocab]."""
+        return F.linear(self.final_hidden(input_ids, attention_mask, doc_ids), self.lm_head.weight)
 
-    def final_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def final_hidden(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The hidden states after ln_f, [B, S, hidden]: what the tied head (lm_head.weight) turns into logits."""
-        if attention_mask is not None and attention_mask.shape != input_ids.shape:
-            raise ValueError(
-                f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
-            )
+        for name, given in (("attention_mask", attention_mask), ("doc_ids", doc_ids)):
+            if given is not None and given.shape != input_ids.shape:
+                raise ValueError(f"{name} shape {tuple(given.shape)} != input_ids shape {tuple(input_ids.shape)}")
         hidden = self.transformer.embedding(input_ids)
         recompute = self.checkpoint_blocks and torch.is_grad_enabled()
         for block in self.transformer.h:
             if recompute:
-                hidden = checkpoint(block, hidden, attention_mask, use_reentrant=False)
+                hidden = checkpoint(block, hidden, attention_mask, doc_ids, use_reentrant=False)
             else:
-                hidden = block(hidden, attention_mask)
+                hidden = block(hidden, attention_mask, doc_ids)
         return self.transformer.final.norm(hidden)
 
     def loss(
-        self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Mean next-token cross-entropy; labels as input_ids (shifted inside), -100 where no loss is wanted (all
         ignored: 0). Chunked over tokens against the head's weight: the [B, S, vocab] logits are never formed."""
-        hidden = self.final_hidden(input_ids, attention_mask)
+        hidden = self.final_hidden(input_ids, attention_mask, doc_ids)
         return ops.vocab_cross_entropy(hidden[:, :-1], self.lm_head.weight, labels[:, 1:])
 
 

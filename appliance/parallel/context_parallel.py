@@ -34,15 +34,16 @@ from torch import nn
 from appliance.parallel.cp_attention import context_parallel_attention, split_sequence
 from appliance.parallel.mappings import Group, collective_device, group_size
 
-Batch = tuple[torch.Tensor, torch.Tensor]  # (input ids, labels), each [micro_batch, seq]
+# (input ids, labels), each [micro_batch, seq], and under reset_attention_mask the inputs' document ids third.
+Batch = tuple[torch.Tensor, ...]
 
 
 def local_batch(batch: Batch, cp: int, cp_rank: int, mode: str) -> Batch:
-    """This CP rank's tokens of a whole-sequence micro-batch (the identity at cp = 1)."""
+    """This CP rank's tokens of a whole-sequence micro-batch (the identity at cp = 1). Document ids were counted
+    over the whole sequence (trainer.to_batch_with_documents) and are cut like the tokens they belong to."""
     if cp == 1:
         return batch
-    inputs, labels = batch
-    return split_sequence(inputs, cp, cp_rank, mode), split_sequence(labels, cp, cp_rank, mode)
+    return tuple(split_sequence(t, cp, cp_rank, mode) for t in batch)
 
 
 class ContextParallelCore:

@@ -33,7 +33,7 @@ the loss by the new number of micro-batches and, in the pipeline engine, sets th
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,7 +78,8 @@ from appliance.parallel.shards import (
 from appliance.parallel.topology import ParallelTopology
 from appliance.planner.train_settings import TrainSettings
 
-Batch = tuple[torch.Tensor, torch.Tensor]  # (input ids, labels), each [micro_batch, seq]
+# (input ids, labels), each [micro_batch, seq], and under reset_attention_mask the inputs' document ids third.
+Batch = tuple[torch.Tensor, ...]
 IGNORE_INDEX = -100
 
 
@@ -90,6 +91,12 @@ class StepResult:
     # fp16: DeepSpeed skipped the update because the scaled gradients overflowed at a scale above its minimum
     # (it lowers the scale; a normal event under dynamic scaling). The same on every rank.
     overflow: bool = False
+
+
+def _pipeline_batches(micro_batches: Sequence[Batch]) -> list[Any]:
+    """DeepSpeed's pipeline reads batch[0] on the first stage and batch[1] on the last: packed documents' ids go
+    with the inputs, (inputs, doc_ids), and travel from stage to stage with the hidden states."""
+    return [((b[0], b[2]), b[1]) if len(b) > 2 else b for b in micro_batches]
 
 
 def param_groups(named_params: Sequence[tuple[str, torch.nn.Parameter]], weight_decay: float) -> list[dict[str, Any]]:
@@ -233,6 +240,7 @@ class ParallelEngine:
         self.sharded = topology.tp > 1 or topology.pp > 1
         self.last_checkpoint: Path | None = None  # where the weights were last saved to or loaded from
         self._dense: tuple[Path | None, BloomForCausalLM] | None = None
+        self._pipeline_carries_doc_ids = False  # what the pipeline's stages last sent each other
 
     @property
     def ds_config(self) -> dict[str, Any]:
@@ -284,7 +292,7 @@ class ParallelEngine:
         scale = self.loss_scale
         issued = self.param_gather.issued if self.param_gather is not None else 0
         if self.pipelined:
-            loss = float(self.engine.train_batch(iter(micro_batches)))
+            loss = float(self.engine.train_batch(self._pipeline_iter(micro_batches)))
         else:
             loss = self._train_batch_plain(micro_batches)
         if self.param_gather is not None and self.engine.was_step_applied() and self.param_gather.issued == issued:
@@ -320,15 +328,25 @@ class ParallelEngine:
             raise ValueError("a loss scaler state is for an fp16 engine; this one trains in bf16 or fp32")
         load_loss_scaler_state(self.engine.optimizer, state)
 
+    def _pipeline_iter(self, micro_batches: Sequence[Batch]) -> Iterator[Any]:
+        carries = any(len(batch) > 2 for batch in micro_batches)
+        if carries != self._pipeline_carries_doc_ids:
+            # DeepSpeed's stages exchange the activations' shapes and types once, then reuse their buffers: hidden
+            # states alone and (hidden, doc_ids) need the exchange again.
+            self.engine.reset_activation_shape()
+            self._pipeline_carries_doc_ids = carries
+        return iter(_pipeline_batches(micro_batches))
+
     def _train_batch_plain(self, micro_batches: Sequence[Batch]) -> float:
         self.engine.train()
         losses = []
         mean = torch.zeros(())
-        for i, (inputs, labels) in enumerate(micro_batches):
+        for i, batch in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             # The caller owns the step boundary, so a change in the number of micro-batches is always honoured.
             self.engine.set_gradient_accumulation_boundary(last)
-            loss = self.engine(inputs.to(self.engine.device), labels.to(self.engine.device))
+            # (inputs, labels[, doc_ids]) -> BloomStack.forward(input_ids, labels, doc_ids)
+            loss = self.engine(*(t.to(self.engine.device) for t in batch))
             self.engine.backward(loss)  # scaled by 1 / micro-batches
             losses.append(loss.detach().float())
             if last:
@@ -358,19 +376,22 @@ class ParallelEngine:
         try:
             if self.pipelined:
                 outputs = self.engine.eval_batch(
-                    iter(micro_batches), num_micro_batches=len(micro_batches), reduce_output=None, bcast_loss=False
+                    self._pipeline_iter(micro_batches),
+                    num_micro_batches=len(micro_batches),
+                    reduce_output=None,
+                    bcast_loss=False,
                 )
                 losses = list(outputs) if self.is_last_stage else []
             else:
                 self.engine.eval()
                 device = self.engine.device
-                losses = [self.engine(x.to(device), y.to(device)) for x, y in micro_batches]
+                losses = [self.engine(*(t.to(device) for t in batch)) for batch in micro_batches]
                 self.engine.train()
         finally:
             self.loss_fn.reduction = "mean"
         if not (self.is_last_stage and self.tp_rank == 0):
             return 0.0, 0.0
-        tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in micro_batches)
+        tokens = sum(int((batch[1] != IGNORE_INDEX).sum()) for batch in micro_batches)
         return float(sum(float(loss) for loss in losses)), float(tokens)
 
     # ---- checkpoints --------------------------------------------------------------------------------------

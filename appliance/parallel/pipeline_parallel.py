@@ -20,7 +20,11 @@ units per stage, BLOOM-176B's split; the planner's ``pipeline_partition`` predic
 
 Activations between layers are [batch, seq, hidden] (the transformers layout); with sequence parallelism each
 TP rank holds [batch, seq / tp, hidden] between the tensor-parallel regions (sequence dimension 1), and the blocks
-still take the fused flash attention (its slopes are all the ALiBi it needs).
+still take the fused flash attention (its slopes are all the ALiBi it needs). Under reset_attention_mask the
+pipeline's input is (ids, doc_ids) and every layer up to ln_f passes (hidden, doc_ids) on, as Megatron-DeepSpeed
+passes (hidden, attention_mask): DeepSpeed sends each tensor of the tuple between stages and returns gradients
+only for the floating-point ones. doc_ids [batch, seq] covers the whole sequence (under context parallelism, this
+CP rank's slice of it, cut with the tokens); ln_f drops it.
 Parameter names map to the Hugging Face ones with ``hf_parameter_name``.
 
 Every spec builds its layer on the meta device and then allocates its parameters on the rank's device, without
@@ -53,6 +57,8 @@ EMBED_KEY = "embed"
 IGNORE_INDEX = -100  # labels that count no loss (vocab_parallel_loss's default)
 BLOCK_OFFSET = 2  # pipeline index of block 0: the word embedding and its LayerNorm come first
 CHECKPOINTED_LAYERS = ["TransformerLayerPipe"]
+# What flows between layers: hidden states (token ids into the first), or with packed documents (hidden, doc_ids).
+Activations = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
 class WordEmbeddingPipe(nn.Module):
@@ -65,7 +71,10 @@ class WordEmbeddingPipe(nn.Module):
             config.vocab_size, config.hidden_size, **parallelism.embedding_kwargs()
         )
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: Activations) -> Activations:
+        if isinstance(input_ids, tuple):
+            ids, doc_ids = input_ids
+            return self.word_embeddings(ids), doc_ids
         return self.word_embeddings(input_ids)
 
     def head_input(self, hidden: torch.Tensor) -> HeadInput:
@@ -91,8 +100,10 @@ class EmbedLayerNormPipe(nn.Module):
         super().__init__()
         self.word_embeddings_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: Activations) -> Activations:
         norm = self.word_embeddings_layernorm
+        if isinstance(hidden, tuple):
+            return ops.layer_norm(hidden[0], norm.weight, norm.bias, norm.eps), hidden[1]
         return ops.layer_norm(hidden, norm.weight, norm.bias, norm.eps)
 
 
@@ -101,7 +112,9 @@ class FinalLayerNormPipe(nn.Module):
         super().__init__()
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: Activations) -> torch.Tensor:
+        if isinstance(hidden, tuple):
+            hidden = hidden[0]  # the document ids end here: the head and the loss work per token
         return ops.layer_norm(hidden, self.ln_f.weight, self.ln_f.bias, self.ln_f.eps)
 
 
@@ -118,9 +131,11 @@ class TransformerLayerPipe(BloomBlock):
         super().__init__(config, layer_number, parallelism.linear_factory(), parallelism.tp_rank, topology.tp)
         parallelism.parallelize_block(self)
 
-    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden: Activations, attention_mask: torch.Tensor | None = None) -> Activations:  # type: ignore[override]
         if attention_mask is not None:
             raise ValueError("pipeline blocks train on unpadded samples: attention_mask must be None")
+        if isinstance(hidden, tuple):
+            return super().forward(hidden[0], None, hidden[1]), hidden[1]
         return super().forward(hidden)
 
 
@@ -202,7 +217,7 @@ def hf_parameter_name(pipe_name: str, n_layer: int) -> str:
     return f"transformer.h.{block}.{rest}" if 0 <= block < n_layer else "transformer." + rest
 
 
-def _recompute(function: Callable[..., Any], *inputs: torch.Tensor) -> Any:
+def _recompute(function: Callable[..., Any], *inputs: Activations) -> Any:
     """Full activation recompute of a range of layers (torch's non-reentrant checkpoint: it keeps the RNG state,
     and the layers' tensor-parallel collectives simply run again in the backward pass)."""
     return checkpoint(function, *inputs, use_reentrant=False)
@@ -269,8 +284,13 @@ class BloomStack(nn.Module):
                 self.add_module(str(index), layer)
                 self._layers.append(layer)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
-        x: Any = input_ids  # tensors between the layers, the HeadInput after the last
+    def forward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None
+    ) -> Any:
+        """doc_ids: [batch, seq] document of each token (reset_attention_mask), carried to every block as in the
+        pipeline, or None."""
+        # Activations between the layers, the HeadInput after the last.
+        x: Any = input_ids if doc_ids is None else (input_ids, doc_ids)
         recompute = self.recompute_blocks and torch.is_grad_enabled()
         for layer in self._layers:
             x = _recompute(layer, x) if recompute and isinstance(layer, TransformerLayerPipe) else layer(x)

@@ -59,6 +59,11 @@ class TrainSettings:
     # ZeRO's all-gather of the updated weights, per layer in the background of the next step's forward rather than
     # at the end of the step (appliance/parallel/param_gather.py). Acts only with dp > 1 and ZeRO >= 1.
     overlap_param_gather: bool = True
+    # Megatron's --reset-attention-mask: each token attends only to the earlier tokens of its own document within a
+    # packed sample (documents end at the EOD token; appliance/data/documents.py), and the data-parallel ranks get
+    # the step's samples balanced by their attention cost (appliance/data/balance.py). Off: attention runs across
+    # the documents of a sample, as BLOOM-176B trained, which keeps every loss curve recorded so far.
+    reset_attention_mask: bool = False
     # Recovery. A rank silent for hang_timeout_s is killed and the group restarts (appliance/train/watchdog.py); the
     # same timeout bounds every collective. After nan_rollback_after skipped steps in a row the run goes back to
     # its newest checkpoint and skips the data of those steps, at most max_rollbacks times.

@@ -21,7 +21,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from appliance.data.balance import attention_cost
 from appliance.data.blend import SampleSource
+from appliance.data.documents import document_ids, document_lengths
+from appliance.data.sampler import BalancedPretrainingSampler
 from appliance.monitor.events import EventWriter
 from appliance.parallel.drift import ReplicaDriftError
 from appliance.parallel.engine import ParallelEngine
@@ -74,6 +77,15 @@ def to_batch(source: SampleSource, indices: Sequence[int]) -> tuple[torch.Tensor
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
+def to_batch_with_documents(
+    source: SampleSource, indices: Sequence[int], eod_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """to_batch plus the inputs' document ids [micro_batch, seq_len] (appliance/data/documents.py), for
+    reset_attention_mask: the engine hands them to every attention layer."""
+    inputs, labels = to_batch(source, indices)
+    return inputs, labels, document_ids(inputs, eod_id)
+
+
 class Trainer:
     def __init__(
         self,
@@ -100,6 +112,7 @@ class Trainer:
         on_step: Callable[[int], None] | None = None,
         budget: BudgetWatch | None = None,
         cp_rank: int = 0,
+        eod_id: int | None = None,
     ) -> None:
         self.engine = engine
         self.s = settings
@@ -133,6 +146,42 @@ class Trainer:
         self.rollbacks = 0
         # fp16: steps the loss scaler skipped for an overflow, over the run (kept in each checkpoint's manifest).
         self.overflow_steps = 0
+        # reset_attention_mask: the EOD token that ends each packed document (the datasets' eod_id).
+        if settings.reset_attention_mask and eod_id is None:
+            raise ValueError("reset_attention_mask needs the EOD token id of the training data (eod_id)")
+        self.eod_id = eod_id if settings.reset_attention_mask else None
+
+    # ---- data --------------------------------------------------------------------------------------------
+    def to_batch(self, source: SampleSource, indices: Sequence[int]) -> tuple[torch.Tensor, ...]:
+        """One micro-batch: (inputs, labels), plus document ids under reset_attention_mask."""
+        if self.eod_id is None:
+            return to_batch(source, indices)
+        return to_batch_with_documents(source, indices, self.eod_id)
+
+    def step_batches(self, consumed_samples: int) -> Iterator[list[int]]:
+        """This rank's micro-batches from consumed_samples on. Under reset_attention_mask each step's samples are
+        placed on the DP ranks by their attention cost (balance.py); otherwise the sampler's contiguous order."""
+        if self.eod_id is None:
+            return self.micro_batches(consumed_samples)
+        config = self.engine.config
+        cost = attention_cost(config.hidden_size, config.n_layer, config.ffn_hidden_size, config.vocab_size)
+        eod_id = self.eod_id
+
+        def sample_cost(index: int) -> float:
+            # The inputs are the sample's first seq_len tokens; its last one is only a label.
+            return cost.of(document_lengths(np.asarray(self.train_data[index])[:-1], eod_id))
+
+        return iter(
+            BalancedPretrainingSampler(
+                total_samples=len(self.train_data),
+                consumed_samples=consumed_samples,
+                micro_batch_size=self.s.micro_batch_size,
+                dp_rank=self.dp_rank,
+                dp_size=self.dp_size,
+                batch_size_at=self.batch_size_at,
+                sample_cost=sample_cost,
+            )
+        )
 
     # ---- collectives -------------------------------------------------------------------------------------
     def _all_reduce(self, values: list[float], op: Any = None) -> list[float]:
@@ -174,7 +223,7 @@ class Trainer:
         self.engine.set_lr(lr)
         # During a ramp-up the step has fewer micro-batches; micro-batch size and DP size never change.
         count = batch // (self.s.micro_batch_size * self.dp_size)
-        micro_batches = [to_batch(self.train_data, next(batches)) for _ in range(count)]
+        micro_batches = [self.to_batch(self.train_data, next(batches)) for _ in range(count)]
         self.pos.step += 1
         self.pos.consumed_samples += batch
         if in_windows(step, self.skip_windows):
@@ -273,10 +322,10 @@ class Trainer:
             padded = mine + [0] * (rows - len(mine))
             micro_batches = []
             for i in range(0, rows, mbs):
-                inputs, labels = to_batch(data, padded[i : i + mbs])
+                inputs, labels, *doc_ids = self.to_batch(data, padded[i : i + mbs])
                 labels = labels.clone()  # a one-sample batch's labels are a view of its inputs
                 labels[max(0, len(mine) - i) :] = -100
-                micro_batches.append((inputs, labels))
+                micro_batches.append((inputs, labels, *doc_ids))
             sums += list(self.engine.eval_sums(micro_batches))
         reduced = self._all_reduce(sums)
         losses = {n: reduced[2 * i] / max(reduced[2 * i + 1], 1.0) for i, n in enumerate(names)}
@@ -401,7 +450,7 @@ class Trainer:
     def fit(self) -> str:
         """Train until train_samples; returns "done", or "preempted" after a stop request and a checkpoint."""
         total_steps = self.planned_steps()
-        batches = self.micro_batches(self.pos.consumed_samples)
+        batches = self.step_batches(self.pos.consumed_samples)
         last_save_time = time.time()
         if self.pos.step == 0:
             self._record_eval(self._timed_evaluate())
@@ -425,7 +474,7 @@ class Trainer:
                     )
                     if self.nonfinite_streak >= self.s.nan_rollback_after:
                         self.roll_back()
-                        batches = self.micro_batches(self.pos.consumed_samples)
+                        batches = self.step_batches(self.pos.consumed_samples)
                         last_save_time = time.time()
                         continue
                 else:

@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = spec.train
 
     from appliance.data.blend import build_datasets
+    from appliance.data.documents import dataset_eod_id
     from appliance.data.sampler import PretrainingSampler
     from appliance.parallel.deepspeed_comm import init_deepspeed_comm
     from appliance.parallel.topology import ParallelTopology
@@ -120,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         # here, TP innermost, then CP, then DP, then PP.
         layout.validate(world_size, config.n_head, config.n_layer, settings.seq_len)
         topology = ParallelTopology(tp=layout.tp, pp=layout.pp, dp=layout.dp, cp=layout.cp, world_size=world_size)
+        # reset_attention_mask: documents end at the datasets' EOD token (refused, naming datasets.json, without one).
+        eod_id = dataset_eod_id(run_dir.data) if settings.reset_attention_mask else None
     except (BadInput, ValueError) as e:
         if events is not None:
             events.emit("failure", rank=rank, reason=f"{run_dir.plan}: {e}")
@@ -176,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         stop_at_step=args.stop_at_step,
         on_step=watchdog.set_step,
         budget=BudgetWatch.for_spec(spec) if rank == 0 else None,
+        eod_id=eod_id,
     )
 
     def warn(message: str) -> None:
