@@ -122,6 +122,12 @@ class Layout:
                 f"seq_len({seq_len}) is not divisible by {chunks} (cp({self.cp}) chunks"
                 + (", two per rank for the zigzag order)" if self.cp_mode == "ring" and self.cp > 1 else ")")
             )
+        elif seq_len is not None and self.sequence_parallel and (seq_len // self.cp) % self.tp:
+            # Sequence parallelism cuts each CP rank's seq_len / cp tokens again over the TP ranks.
+            problems.append(
+                f"seq_len({seq_len}) / cp({self.cp}) = {seq_len // self.cp} tokens per CP rank is not divisible by"
+                f" tp({self.tp}) (sequence parallelism splits them over the TP ranks)"
+            )
         partition_problem = partition_error(layers, self.pp)
         if partition_problem:
             problems.append(partition_problem)

@@ -167,3 +167,9 @@ def test_context_parallel_layout() -> None:
     # Ulysses gives each CP rank (heads / tp) / cp whole heads after its all-to-all.
     with pytest.raises(BadInput, match=r"heads\(8\) / tp\(2\) = 4 heads per TP rank is not divisible by cp\(8\)"):
         parse_layout("tp=2,pp=1,dp=1,cp=8").validate(16, heads=8, layers=4, seq_len=64)
+
+
+def test_sequence_parallel_needs_each_cp_ranks_tokens_divisible_by_tp() -> None:
+    parse_layout("tp=2,pp=1,dp=1,sp=1,cp=2").validate(4, heads=8, layers=2, seq_len=12)
+    with pytest.raises(BadInput, match=r"seq_len\(12\) / cp\(2\) = 6 tokens per CP rank is not divisible by tp\(4\)"):
+        parse_layout("tp=4,pp=1,dp=1,sp=1,cp=2").validate(8, heads=8, layers=2, seq_len=12)
