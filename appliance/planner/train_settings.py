@@ -127,8 +127,9 @@ class TrainSettings:
 # The learning rate is a function of consumed samples (appliance/train/schedule.py), recomputed every step from the
 # plan; nothing of it is in a checkpoint. A new lr, min_lr or decay_samples therefore takes effect at the resume
 # point as the plan's own schedule with the new numbers: where warmup ends stays, the cosine runs from the new lr to
-# the new min_lr and ends at the new decay_samples. The lr at the resume point moves from old(c) to new(c) at once:
-# that step is the change asked for, and the `settings` event states it (lr_at_step: {old, new}).
+# the new min_lr and ends at the new decay_samples. The next step's lr moves from old(c) to new(c) at once (c: the
+# samples consumed at the end of that step): that step is the change asked for, and the `settings` event states it
+# (lr_at_step: {old, new}). E.g. halving lr during warmup halves the warmup's slope from there on.
 CHANGEABLE_MID_RUN: dict[str, str] = {
     "lr": "the schedule's peak: the cosine from here on runs from the new lr to min_lr; the step at the resume point"
     " is in the event (lr_at_step)",

@@ -7,7 +7,8 @@ request before anything is written. An accepted change rewrites only the changed
 values replaced in place and the same JSON written back (indent 1, as RunSpec.dumps writes it), so every other byte
 of a plan the appliance wrote stays as it was; the result must still read as a RunSpec, and it replaces the old file
 atomically (temp, fsync, rename). Each change is recorded as a `settings` event: the checkpoint step the run resumes
-from, and {key, old, new} per key.
+from, {key, old, new} per key, and, when the lr schedule changes, the lr the next step gets under the old and the new
+schedule (lr_at_step): the step in the lr that the change asks for, stated where the loss curve is read.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from appliance.planner.train_settings import CHANGEABLE_MID_RUN, FIXED_MID_RUN, 
 from appliance.rundir import RunDir
 from appliance.train import checkpoint as ckpt
 from appliance.train.atomic import write_atomic
-from appliance.train.settings import lr_schedule
+from appliance.train.schedule import global_batch_at
+from appliance.train.settings import batch_rampup, lr_schedule
 
 RUN_SECTION_KEYS = ("max_restarts", "workers")  # plan.json's "run" section; every other changeable key is in "train"
 LR_KEYS = ("lr", "min_lr", "decay_samples")
@@ -41,7 +43,7 @@ class ResumePoint:
 class SettingsChange:
     point: ResumePoint
     changes: list[dict[str, Any]]  # [{key, old, new}], only the keys whose value changes
-    lr_at_step: dict[str, float] | None  # the lr at the resume point under the old and new schedule, when it moves
+    lr_at_step: dict[str, float] | None  # the first step's lr after the change, old and new schedule, when it moves
     plan_bytes: bytes
     spec: RunSpec
 
@@ -78,22 +80,23 @@ def plan_change(run_dir: RunDir, overrides: dict[str, Any]) -> SettingsChange:
             changes.append({"key": key, "old": old, "new": new})
             data[section][key] = new
     train_sets = {c["key"]: c["new"] for c in changes if c["key"] not in RUN_SECTION_KEYS}
+    if "decay_samples" in train_sets and train_sets["decay_samples"] < point.consumed_samples:
+        raise BadInput(
+            f"--set decay_samples={train_sets['decay_samples']}: the run has consumed {point.consumed_samples} samples"
+            f" (checkpoint step {point.step}); a decay end already passed would drop the lr to min_lr at once"
+        )
     try:
         new_train = replace(spec.train, **train_sets)
         new_schedule = lr_schedule(new_train)
     except ValueError as e:
         raise BadInput(f"--set: {e}") from None
-    if "decay_samples" in train_sets and new_train.decay_samples < point.consumed_samples:
-        raise BadInput(
-            f"--set decay_samples={new_train.decay_samples}: the run has consumed {point.consumed_samples} samples"
-            f" (checkpoint step {point.step}); a decay end already passed would drop the lr to min_lr at once"
-        )
     lr_at_step = None
     if any(k in train_sets for k in LR_KEYS):
-        lr_at_step = {
-            "old": lr_schedule(spec.train).at(point.consumed_samples),
-            "new": new_schedule.at(point.consumed_samples),
-        }
+        # The first step after the change, as the trainer computes it: the lr at the end of the samples it consumes.
+        end = point.consumed_samples + global_batch_at(
+            point.consumed_samples, spec.train.global_batch_size, batch_rampup(spec.train)
+        )
+        lr_at_step = {"old": lr_schedule(spec.train).at(end), "new": new_schedule.at(end)}
     changed = RunSpec.from_json(data, source)  # the spec's own checks, as on any read of plan.json
     return SettingsChange(point, changes, lr_at_step, json.dumps(data, indent=1).encode(), changed)
 
