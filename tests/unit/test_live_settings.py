@@ -175,3 +175,14 @@ def test_run_set_on_a_started_run_is_checked_before_the_run_starts(run_dir):
         check_resumed_settings(RunRequest(corpus=[], run_dir=run_dir.root, overrides={"seq_len": 64}))
     check_resumed_settings(RunRequest(corpus=[], run_dir=run_dir.root, overrides={"lr": 1e-4}))  # accepted
     assert load_spec(run_dir.plan).train.lr == LR  # checked, not applied: the run applies it
+
+
+def test_a_headless_log_shows_the_change(run_dir):
+    import io
+
+    from appliance.monitor.headless import HeadlessPrinter
+
+    apply(run_dir, "eval_interval=7", "lr=5e-4")
+    out = io.StringIO()
+    HeadlessPrinter(out).handle(settings_events(run_dir)[0])
+    assert out.getvalue().endswith("settings changed after step 10: eval_interval 10 -> 7, lr 0.001 -> 0.0005\n")
