@@ -150,6 +150,7 @@ def _carbon_overrides(run: RunSection, overrides: dict[str, Any]) -> RunSection:
 
 def run(req: RunRequest, *, on_event_writer: Any = None) -> int:
     check_inputs(req.corpus)
+    check_resumed_settings(req)  # a refused --set leaves the run directory as it was, events included
     spec = existing_plan(req) or make_run_plan(req)
     run_dir = RunDir(req.run_dir or default_run_dir(spec.model.name)).make()
     # One training per run directory: a rerun while a run (or its orphaned ranks) trains here is refused (exit 2,

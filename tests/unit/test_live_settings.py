@@ -186,3 +186,12 @@ def test_a_headless_log_shows_the_change(run_dir):
     out = io.StringIO()
     HeadlessPrinter(out).handle(settings_events(run_dir)[0])
     assert out.getvalue().endswith("settings changed after step 10: eval_interval 10 -> 7, lr 0.001 -> 0.0005\n")
+
+
+def test_a_refused_run_set_writes_no_event(run_dir):
+    from appliance.head_run import run
+
+    run_dir.manifest.write_text(json.dumps({"plan": {"key": "k", "outputs": "o"}}))
+    with pytest.raises(BadInput, match="seq_len"):
+        run(RunRequest(corpus=[run_dir.root], run_dir=run_dir.root, overrides={"seq_len": 64}))
+    assert not run_dir.metrics.exists()
