@@ -83,14 +83,18 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-steps", type=int, help="stop after N optimizer steps")
     p.add_argument("--budget", help=BUDGET_HELP)
     p.add_argument("--prepare-only", action="store_true", help="stop after plan, prep, tokenizer and data")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a training setting (e.g. lr=3e-4); unknown keys are an error",
-    )
+    _add_set(p, "override a training setting (e.g. lr=3e-4); unknown keys are an error; " + SET_RESUMED_HELP)
+
+
+# --set on a run that has started: only the keys planner/train_settings.py lets change mid-run.
+SET_RESUMED_HELP = (
+    "on a run that has started, only the keys that may change mid-run (lr, min_lr, decay_samples, intervals,"
+    " eval limits, timeouts; see README), recorded as a `settings` event; others exit 2 with the reason"
+)
+
+
+def _add_set(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -174,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="tp=T,pp=P,dp=D[,mbs=M,zero=Z,recompute=R]",
         help="continue at another parallel layout (e.g. on fewer nodes): the newest checkpoint loads directly",
     )
+    _add_set(p, "change a setting before this launch (e.g. eval_interval=100); " + SET_RESUMED_HELP)
 
     p = sub.add_parser("eval", help="evaluate the newest checkpoint of a run")
     p.add_argument("--run-dir", type=Path, required=True, help="a run directory with a checkpoint; writes eval.json")
@@ -244,9 +249,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not headless:
         # Validate in the foreground (exit 2 here on bad input), then run headless in the background and attach
         # the dashboard: quitting the dashboard leaves the run going, as on a head node.
-        from appliance.head_run import check_inputs, existing_plan
+        from appliance.head_run import check_inputs, check_resumed_settings, existing_plan
 
         check_inputs(req.corpus)
+        check_resumed_settings(req)
         spec = existing_plan(req) or make_run_plan(req)
         run_dir = req.run_dir or default_run_dir(spec.model.name)
         refuse_if_live(RunDir(run_dir))  # here, not in the background child, whose refusal nobody would see
@@ -441,13 +447,30 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    if args.overrides and args.layout:  # refuse a bad --set before --layout rewrites the plan
+        from appliance.overrides import parse_overrides
+        from appliance.train.live_settings import plan_change
+
+        plan_change(RunDir(args.run_dir), parse_overrides(args.overrides))
     if args.layout:
         from appliance.train.relayout import change_layout
 
         change = change_layout(RunDir(_need_run_dir(args.run_dir)), args.layout)
         before, after = (",".join(f"{k}={d[k]}" for k in ("tp", "pp", "dp")) for d in (change["from"], change["to"]))
         print(f"layout {before} -> {after}: the newest checkpoint loads at the new layout")
+    if args.overrides:
+        _change_settings(RunDir(args.run_dir), args.overrides)
     return _launch(args.run_dir, () if args.stop_at_step is None else ("--stop-at-step", str(args.stop_at_step)))
+
+
+def _change_settings(run_dir: RunDir, items: list[str]) -> None:
+    from appliance.monitor.events import EventWriter
+    from appliance.overrides import parse_overrides
+    from appliance.train.live_settings import change_settings, describe
+
+    overrides = parse_overrides(items)
+    with EventWriter(run_dir.metrics) as events:
+        print(describe(change_settings(run_dir, overrides, events, command="train")))
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

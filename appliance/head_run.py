@@ -150,6 +150,7 @@ def _carbon_overrides(run: RunSection, overrides: dict[str, Any]) -> RunSection:
 
 def run(req: RunRequest, *, on_event_writer: Any = None) -> int:
     check_inputs(req.corpus)
+    check_resumed_settings(req)  # a refused --set leaves the run directory as it was, events included
     spec = existing_plan(req) or make_run_plan(req)
     run_dir = RunDir(req.run_dir or default_run_dir(spec.model.name)).make()
     # One training per run directory: a rerun while a run (or its orphaned ranks) trains here is refused (exit 2,
@@ -194,11 +195,14 @@ def _run_stages(req: RunRequest, spec: RunSpec, run_dir: RunDir, stages: Stages,
     from appliance.tokenizer.bpe import train_tokenizer
     from appliance.train.launch import check_plan_runs_here, last_rank_errors, run_plan
 
-    # The plan is fixed once written: a rerun of the same run directory keeps its plan and resumes.
+    # The plan is fixed once written: a rerun of the same run directory keeps its plan and resumes. Its --set may
+    # change only the keys that may change mid-run (train/live_settings.py), each recorded as a `settings` event.
     if run_dir.plan.exists():
         spec = load_spec(run_dir.plan)
         if "plan" not in stages.records:  # written by `import` or `sbatch`: this first run's settings apply
             spec = apply_request(spec, req)
+        elif req.overrides:
+            spec = _change_resumed_settings(req, run_dir, stages, events)
     plan = spec.to_json()
 
     def write_plan(progress: Any) -> None:
@@ -288,6 +292,37 @@ def _run_stages(req: RunRequest, spec: RunSpec, run_dir: RunDir, stages: Stages,
 
     stages.run("export", key=settings_key(eval=fingerprint([run_dir.eval])), outputs=[run_dir.export], work=export_work)
     return "done"
+
+
+def check_resumed_settings(req: RunRequest) -> None:
+    """The foreground's check of a resumed run's --set (exit 2 where the user sees it); the run applies it."""
+    if req.run_dir is None or not req.overrides or not RunDir(req.run_dir).manifest.exists():
+        return
+    from appliance.train.live_settings import plan_change
+
+    records = json.loads(RunDir(req.run_dir).manifest.read_text())
+    _refuse_finished(records, RunDir(req.run_dir))
+    if "plan" in records:
+        plan_change(RunDir(req.run_dir), req.overrides)
+
+
+def _refuse_finished(records: dict[str, Any], run_dir: RunDir) -> None:
+    if "train" in records:
+        raise BadInput(
+            f"--set: the run in {run_dir.root} has finished training ({run_dir.manifest.name} records the train"
+            " stage); settings change a run that is still to train"
+        )
+
+
+def _change_resumed_settings(req: RunRequest, run_dir: RunDir, stages: Stages, events: EventWriter) -> RunSpec:
+    """--set on a resumed run: the mid-run keys written into plan.json, and the plan stage re-recorded for the new
+    plan (so it is skipped, not redone)."""
+    from appliance.train.live_settings import change_settings
+
+    _refuse_finished(stages.records, run_dir)
+    change = change_settings(run_dir, req.overrides, events, command="run")
+    stages.refix("plan", key=settings_key(plan=change.spec.to_json()), outputs=[run_dir.plan])
+    return change.spec
 
 
 def _tokenizer_key(run_dir: RunDir, spec: RunSpec) -> str:

@@ -7,7 +7,7 @@ from dataclasses import fields
 from typing import Any
 
 from appliance.errors import BadInput
-from appliance.planner.train_settings import DTYPES
+from appliance.planner.train_settings import DTYPES, NOT_SETTINGS
 from appliance.train.settings import TrainSettings
 
 # Keys outside the plan's "train" section that a user may still set.
@@ -57,6 +57,8 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         key = key.strip()
         if not sep or not key:
             raise BadInput(f"--set {item!r}: expected key=value")
+        if key in NOT_SETTINGS:
+            raise BadInput(f"--set {key}: not a --set key: {NOT_SETTINGS[key]}")
         if key not in known:
             raise BadInput(f"--set {key}: unknown key; known keys: {', '.join(sorted(known))}")
         try:

@@ -28,6 +28,7 @@ REQUIRED_KEYS: dict[str, tuple[str, ...]] = {
     "warning": ("message",),
     "plan": (),
     "run": ("state",),
+    "settings": ("step", "changes"),  # --set on a started run: changes is [{key, old, new}] (train/live_settings.py)
 }
 
 STAGE_STATES = ("started", "running", "done", "skipped", "failed", "stopped")  # stopped: preempted, resumable

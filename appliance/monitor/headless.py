@@ -165,6 +165,9 @@ class HeadlessPrinter:
             return f"run {e.get('state')}"
         if kind == "plan":
             return plan_line(e)
+        if kind == "settings":  # --set on a started run (train/live_settings.py)
+            changed = ", ".join(f"{c.get('key')} {c.get('old')} -> {c.get('new')}" for c in e.get("changes") or [])
+            return f"settings changed after step {e.get('step')}: {changed}"
         return None  # gpu and energy events are dashboard material; json mode carries them
 
     def _stage_text(self, e: dict[str, Any]) -> str | None:

@@ -120,3 +120,81 @@ class TrainSettings:
     def steps_at_full_batch(self) -> int:
         """Steps at the full batch, at least one (a ramp-up's smaller first steps not counted)."""
         return max(1, self.train_steps)
+
+
+# ---- settings on a running run ------------------------------------------------------------------------------
+# `--set` on `train --run-dir D` or on a resumed `run --run-dir D` changes plan.json between two launches: the ranks
+# read it when they start, and the newest checkpoint holds the weights, the optimizer's moments, the data position
+# (consumed samples) and the RNG states. A key may change there only when nothing in that checkpoint was made under
+# the old value in a way the new one would contradict. Each key --set accepts is in exactly one of the two tables
+# below (tests/unit/test_live_settings.py checks it), so a new setting has to be decided here, with its reason.
+#
+# The learning rate is a function of consumed samples (appliance/train/schedule.py), recomputed every step from the
+# plan; nothing of it is in a checkpoint. A new lr, min_lr or decay_samples therefore takes effect at the resume
+# point as the plan's own schedule with the new numbers: where warmup ends stays, the cosine runs from the new lr to
+# the new min_lr and ends at the new decay_samples. The next step's lr moves from old(c) to new(c) at once (c: the
+# samples consumed at the end of that step): that step is the change asked for, and the `settings` event states it
+# (lr_at_step: {old, new}). E.g. halving lr during warmup halves the warmup's slope from there on.
+CHANGEABLE_MID_RUN: dict[str, str] = {
+    "lr": "the schedule's peak: the cosine from here on runs from the new lr to min_lr; the step at the resume point"
+    " is in the event (lr_at_step)",
+    "min_lr": "the schedule's floor: the cosine from here on ends at the new min_lr (at most lr)",
+    "decay_samples": "where the cosine ends: it must lie at or after the samples already consumed (an end already"
+    " passed would drop the lr to min_lr at once) and after the warmup",
+    "weight_decay": "the optimizer's param groups are built from the plan at each launch; the checkpoint holds the"
+    " moments, not the groups",
+    "grad_clip": "the engine reads it at each launch and applies it to the steps still to come",
+    "eval_interval": "when to evaluate; read by the trainer at each launch",
+    "eval_samples": "validation samples per language from the next evaluation on; the validation split is fixed by the"
+    " data, so training data is untouched (earlier results used the old count)",
+    "eval_task_limit": "documents per evaluation task from the next evaluation on",
+    "save_interval": "when to save; read by the trainer at each launch",
+    "save_interval_minutes": "when to save by wall time; read by the trainer at each launch",
+    "keep_last": "how many checkpoints pruning keeps; the next save prunes to the new count",
+    "drift_check_interval": "how often the TP replicas are compared; a check, not a change of state",
+    "hang_timeout_s": "the watchdog's and the collectives' timeout, set when the ranks start",
+    "heartbeat_interval_s": "how often ranks report alive, set when the ranks start",
+    "nan_rollback_after": "the recovery policy for non-finite steps, read at each launch",
+    "max_rollbacks": "the recovery policy for non-finite steps, read at each launch",
+    "max_restarts": "the elastic agent's restart budget, given to it at each launch",
+    "workers": "data-stage processes; the data stages are done and keep their outputs",
+}
+FIXED_MID_RUN: dict[str, str] = {
+    "seq_len": "the data position (consumed samples) counts samples of this length, the data index is cut into"
+    " them, and the layout's activation memory was planned for it: a new length is a new run (export, then"
+    " `import --seq-len`)",
+    "global_batch_size": "the layout's gradient accumulation (global batch / (micro batch x dp)) and the planned"
+    " schedule and step count are built on it; BLOOM changed it only through the planned ramp-up",
+    "micro_batch_size": "a layout setting whose memory the planner checks: continue with `train --layout ...,mbs=M`",
+    "train_samples": "the data blend's sample index (appliance/data/blend.py) is built for the run's length: a new"
+    " length re-orders the samples still to come and can repeat ones already trained on",
+    "train_tokens": "sets train_samples, whose data index is built for the run's length (see train_samples)",
+    "warmup_samples": "the warmup is the start of the schedule, already (partly) behind the run: a new one would"
+    " rewrite the lr the run trained with; change lr, min_lr or decay_samples instead",
+    "lr_decay_style": "the shape of the schedule already followed; cosine is the one implemented",
+    "adam_beta1": "the checkpoint's first moments are averages under the old beta1 and the bias correction counts"
+    " steps under it",
+    "adam_beta2": "the checkpoint's second moments are averages under the old beta2 and the bias correction counts"
+    " steps under it",
+    "adam_eps": "part of the update rule the optimizer state was built under; BLOOM never changed it mid-run",
+    "dtype": "the precision the weights, fp32 masters and loss scaler in the checkpoint were made in and the memory"
+    " plan assumes",
+    "precision": "the plan's train.dtype (see dtype)",
+    "seed": "the data order, initialisation and dropout streams derive from it; the checkpoint's RNG states continue"
+    " the old ones",
+    "vocab_size": "the embedding's rows in the checkpoint and the tokenizer's ids",
+    "carbon_profile": "the energy meters carry one CO2 total across resumes; a new intensity would mix two in it",
+    "grid_g_per_kwh": "the energy meters carry one CO2 total across resumes; a new intensity would mix two in it",
+    "pue": "the energy meters carry one CO2 total across resumes; a new PUE would mix two in it",
+}
+# Keys of other plan sections a user may try mid-run: not --set keys at all, but the refusal says where they change.
+NOT_SETTINGS: dict[str, str] = {
+    **{
+        key: "a layout key: continue at another layout with `train --run-dir D --layout tp=T,pp=P,dp=D`"
+        for key in ("tp", "pp", "dp", "cp", "zero_stage", "recompute", "sequence_parallel")
+    },
+    **{
+        key: "the model's shape: the checkpoint's weights have this shape"
+        for key in ("layers", "hidden", "heads", "ffn_hidden")
+    },
+}
