@@ -40,7 +40,7 @@ def device_rows(node: NodeGpus) -> list[tuple[str, tuple[str, ...]]]:
             (
                 node.node,
                 str(d.index),
-                d.name,
+                d.name.removeprefix("NVIDIA "),  # every row would say it; the model is what tells GPUs apart
                 fmt_float(d.util, ".0f"),
                 _pair(d.memory_used_gb, d.memory_total_gb),
                 fmt_float(d.temperature_c, ".0f"),
