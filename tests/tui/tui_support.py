@@ -205,8 +205,8 @@ def widget_text(widget: Widget, width: int = 200) -> str:
 # the downtime plus the steps redone: e.g. 600 s + (455 - 400) x 105 s = 6,375 s for the first.
 TROUBLES = (
     (455, 400, 600.0, 137, "NCCL timeout in all-reduce on node17"),
-    (640, 600, 1500.0, 250, "node31 lost: agent stopped answering (GPU 5: uncorrectable ECC error)"),
-    (812, 800, 900.0, 45, "hang: no heartbeat for 600 s from rank 45 (pipeline stage 5)"),
+    (640, 600, 1500.0, 250, "node31 lost: its agent stopped answering (GPU 5: uncorrectable ECC error)"),
+    (812, 800, 900.0, 45, "hang: no heartbeat from rank 45 for 600 s (pipeline stage 5)"),
 )
 
 
@@ -221,16 +221,33 @@ def troubled_events(last_step: int = 900) -> list[dict[str, Any]]:
         if step % 50 == 0:
             ev += node_events(t, (t - TRAIN_T0) / 3600)
         if step % 200 == 0:
-            ev.append(make_event("checkpoint", t=t + 45, step=step, path=f"checkpoints/step-{step:08d}", seconds=45.0))
+            path = f"checkpoints/step-{step:08d}"
+            ev.append(make_event("checkpoint", t=t + 45, step=step, path=path, seconds=45.0, bytes=2.3e12))
+            # the periodic evaluation's shape (trainer._record_eval): losses only, per language as plain floats
+            valid = step_event(step, resumed=False)["loss"] + 0.04
+            per_source = {k: round(v - 2.513 + valid, 4) for k, v in FINAL_LANGUAGE_LOSS.items()}
+            ev.append(
+                make_event(
+                    "eval", t=t + 60, step=step, valid_loss=valid, valid_ppl=math.exp(valid), per_source=per_source
+                )
+            )
         if pending and step + 10 > pending[0][0]:
             failed_after, resume_from, down_s, rank, reason = pending.pop(0)
             fail_t = t + (failed_after - step) * STEP_S
             restart += 1
             lost = down_s + (failed_after - resume_from) * STEP_S
             ev.append(make_event("failure", t=fail_t, rank=rank, reason=reason))
-            ev.append(make_event("warning", t=fail_t + 1, message=f"restart {restart}: resuming from step {resume_from}"))
             t = fail_t + down_s
             ev.append(make_event("recovery", t=t, restart=restart, resumed_step=resume_from, lost_seconds=lost))
             step = resume_from
         step += 10
     return ev
+
+
+def on_screen(widget: Widget) -> str:
+    """What a widget draws at the size the layout gave it (its render(), not the full content widget_text shows)."""
+    console = Console(width=widget.content_size.width, file=io.StringIO(), color_system=None, record=True)
+    console.print(widget.render())
+    return "\n".join(
+        line[: widget.content_size.width] for line in console.export_text().splitlines()[: widget.content_size.height]
+    )

@@ -44,7 +44,7 @@ def _units(*kwh: float | None) -> tuple[str, str, float]:
     return "kWh", "kg CO2eq", 1.0
 
 
-def _kind(sources: list[str]) -> str:
+def kind_of(sources: list[str]) -> str:
     """One word for figures from these sources: the weakest of them (a total with one estimated node is not a
     measurement); "mixed" when nodes measure in different ways."""
     kinds = {SOURCES.get(s, ("unknown", s))[0] for s in sources}
@@ -88,7 +88,7 @@ class EnergyPanel(Panel):
         table.add_column(no_wrap=True, overflow="ellipsis")
         table.add_row("", Text(energy_unit, style="dim"), Text(carbon_unit, style="dim"), "")
         co2 = state.energy_sum("co2_kg")
-        table.add_row("so far", _amount(kwh, scale), _amount(co2, scale), _tag(_kind(measured_by)))
+        table.add_row("so far", _amount(kwh, scale), _amount(co2, scale), _tag(kind_of(measured_by)))
         if not state.finished:  # the total extended at its recent rate: an estimate, whatever the source
             table.add_row("projected", _amount(projected, scale), _amount(projected_co2, scale), _tag("estimated"))
         if plan_kwh is not None or plan_co2 is not None:
@@ -102,12 +102,13 @@ class EnergyPanel(Panel):
             ("CPU", state.energy_sum("cpu_kwh"), cpu_sources),
         ):
             if sources:  # a CPU run has no GPU source: no GPU row
-                how = _tag(_kind(sources)).append(f": {_how(sources)}", style="dim")
+                how = _tag(kind_of(sources)).append(f": {_how(sources)}", style="dim")
                 parts.add_row(name, f"{_amount(amount, scale)} {energy_unit}", how)
-        notes = Text(no_wrap=True, overflow="ellipsis", style="dim")
+        estimate_basis: list[Text] = []
         basis = state.energy_field("cpu_estimate")
-        if basis and "estimate" in cpu_sources:
-            notes.append(f"CPU estimate: {basis}\n")
+        if basis and "estimate" in cpu_sources:  # what the estimate assumes: it wraps rather than being cut
+            estimate_basis.append(Text(f"CPU estimate: {basis}", style="dim"))
+        notes = Text(no_wrap=True, overflow="ellipsis", style="dim")
         # The carbon figure is arithmetic on site figures, not a measurement: kg = kWh x PUE x g/kWh / 1000.
-        notes.append(f"CO2 = kWh x PUE {fmt_float(pue, '.2f')} x {fmt_float(grid, '.0f')} g/kWh")
-        self.update(Group(table, Text(""), parts, notes))
+        notes.append(f"CO2 = energy x PUE {fmt_float(pue, '.2f')} x {fmt_float(grid, '.0f')} g/kWh")
+        self.update(Group(table, Text(""), parts, *estimate_basis, notes))

@@ -24,7 +24,7 @@ def fmt_ppl(value: float | None) -> str:
     """Perplexities run from ~2 to millions (an untrained model's is about the vocabulary size)."""
     if value is None or not math.isfinite(value):
         return "-"
-    return f"{value:,.0f}" if value >= 1000 else f"{value:.3g}" if value < 10 else f"{value:.1f}"
+    return f"{value:,.0f}" if value >= 1000 else f"{value:#.3g}" if value < 10 else f"{value:.1f}"
 
 
 def title(report: EvalReport) -> str:
@@ -47,10 +47,19 @@ def rows_of(report: EvalReport) -> list[LanguageScore]:
 def language_table(languages: list[LanguageScore], rows: int, width: int) -> Table:
     """`rows` languages per column group, as many groups side by side as needed; when they would not fit in
     `width`, the last cell says how many are left out (eval.json has them all)."""
+
+    def groups_that_fit(name_width: int) -> int:
+        group_width = name_width + 6 + 7 + 2  # "11.091" / "1,545.2" at most 6 and 7 wide, two gaps
+        return max(1, (width + GROUP_GAP) // (group_width + GROUP_GAP))
+
     name_width = max([len(x.name) for x in languages] + [4])
-    group_width = name_width + 7 + 8 + 2  # "2.513" / "1,545" at most 7 and 8 wide, two gaps
-    fit = max(1, (width + GROUP_GAP) // (group_width + GROUP_GAP))
+    fit = groups_that_fit(name_width)
+    if len(languages) > fit * rows:  # the last cell will say how many are left out: make room for "+N more"
+        name_width = max(name_width, len(f"+{len(languages)} more"))
+        fit = groups_that_fit(name_width)
     groups = min(fit, max(1, math.ceil(len(languages) / max(1, rows))))
+    if len(languages) <= groups * rows:  # all fit: share them out evenly (8 languages: 4 + 4, not 7 + 1)
+        rows = math.ceil(len(languages) / groups)
     shown = languages
     if len(languages) > groups * rows:
         shown = languages[: groups * rows - 1]
@@ -58,7 +67,7 @@ def language_table(languages: list[LanguageScore], rows: int, width: int) -> Tab
     for g in range(groups):
         if g:
             table.add_column(width=GROUP_GAP - 2)
-        table.add_column(no_wrap=True, style="bold")
+        table.add_column(no_wrap=True, style="bold", width=name_width)  # every group as wide: they line up
         table.add_column(no_wrap=True, justify="right")
         table.add_column(no_wrap=True, justify="right")
     header: list[Text | str] = []
@@ -67,7 +76,7 @@ def language_table(languages: list[LanguageScore], rows: int, width: int) -> Tab
     table.add_row(*header)
     cells: list[list[Text | str]] = [
         # Text: names come from files, never markup; the overall row stands out as the headline figure
-        [Text(x.name, style="reverse" if x.name == OVERALL else ""), fmt_float(x.loss, ".4g"), fmt_ppl(x.ppl)]
+        [Text(x.name, style="reverse" if x.name == OVERALL else ""), fmt_float(x.loss, ".3f"), fmt_ppl(x.ppl)]
         for x in shown
     ]
     if len(shown) < len(languages):

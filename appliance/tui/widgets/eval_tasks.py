@@ -18,7 +18,7 @@ from appliance.tui.widgets.panel import Panel, waiting
 HEADERS = {"acc": "acc", "acc_norm": "acc_norm", "acc_bytes": "acc_bytes", "perplexity": "ppl"}
 
 
-def score_cell(metric: str, score: tuple[float, float] | tuple[float, None] | None) -> Text:
+def score_cell(metric: str, score: tuple[float, float | None] | None) -> Text:
     """0.612 ±0.007; a perplexity without its error bar; "-" for a metric the task does not have."""
     if score is None:
         return Text("-", style="dim")
@@ -65,10 +65,11 @@ class TaskScores(Panel):
         self.border_title = self.TITLE
         parts: list[RenderableType] = []
         if report is not None and report.tasks:
-            limit = "every document"
+            # A limit scores the first N documents of each task (CPU runs); without one, "n" is the whole task.
+            limit = ""
             if report.task_limit:
-                limit = f"first {report.task_limit} document{'s' if report.task_limit > 1 else ''} each"
-            self.border_title = f"tasks · {limit} · ± standard error"
+                limit = f" · first {report.task_limit} document{'s' if report.task_limit > 1 else ''} each"
+            self.border_title = f"tasks{limit} · value ± standard error"
             parts.append(task_table(report))
         elif report is not None:
             parts.append(Text("no task scores in this evaluation (the final one has them)", style="dim italic"))
