@@ -13,7 +13,9 @@ Optional keys this reader understands beyond the required ones of events.py (all
   gpu/energy:  node (one sampler per node; the totals sum the latest event of each node)
   energy:      gpu_kwh, cpu_kwh, attempt_kwh, source, gpu_source, cpu_source, pue, grid_g_per_kwh (kwh and the
                split are the node's totals for the whole run, restarts included: monitor/energy.py)
-  eval:        any numeric metric, nested dicts of them (per_source, tasks), sample / prompt (a generated text)
+  eval:        any numeric metric, nested dicts of them (per_source, tasks), sample / prompt (a generated text);
+               per_source and tasks are also read as a report (monitor/eval_report.py: a row per language, a row
+               per task with its standard errors)
   plan:        the plan.json object (or {"plan": {...}}): estimate.*, train.steps, train.save_interval,
                run.energy_kwh / run.co2_kg (the pre-run estimate for the whole run)
   run:         state (started, done, failed, preempted), name, reason
@@ -25,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from appliance.monitor.eval_report import EvalReport, eval_report
 from appliance.monitor.events import finite
 from appliance.monitor.gpu import NodeGpus, parse_devices
 
@@ -188,7 +191,8 @@ class RunState:
     warnings: deque[tuple[float, str]] = field(default_factory=lambda: deque(maxlen=20))
     energy_by_node: dict[str, dict[str, Any]] = field(default_factory=dict)
     _energy_marks: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)  # node -> (t, kWh)
-    eval_results: dict[str, Any] = field(default_factory=dict)
+    eval_results: dict[str, Any] = field(default_factory=dict)  # flattened: "per_source.en.loss" -> 2.31
+    eval_report: EvalReport | None = None  # the same evaluation, as tables
     sample_prompt: str | None = None
     sample_text: str | None = None
     plan: dict[str, Any] = field(default_factory=dict)
@@ -365,6 +369,8 @@ class RunState:
                 results[key] = value
         if results:  # the newest evaluation replaces the previous one (an event with only a sample keeps it)
             self.eval_results = results
+            report = eval_report(e)
+            self.eval_report = None if report.empty else report
         self.changed.add("eval")
 
     def _take_sample(self, value: Any) -> None:
@@ -482,6 +488,20 @@ class RunState:
         return sum(len(n.devices) for n in self.nodes.values())
 
     @property
+    def has_gpus(self) -> bool | None:
+        """Whether the run trains on GPUs: True once a gpu event lists a device; False when the plan says CPU
+        ranks (device.kind "cpu", or hardware with 0 GPUs per node) or every node reported an empty device list;
+        None while nothing says either way."""
+        if any(raw for _, raw in self._gpu_raw.values()):
+            return True
+        device, hardware = self.plan.get("device"), self.plan.get("hardware")
+        if isinstance(device, dict) and device.get("kind") in ("cpu", "gpu"):
+            return device["kind"] == "gpu"
+        if isinstance(hardware, dict) and finite(hardware.get("gpus_per_node")) is not None:
+            return bool(hardware["gpus_per_node"])
+        return False if self._gpu_raw else None
+
+    @property
     def energy_kwh(self) -> float | None:
         values = [v for e in self.energy_by_node.values() if (v := finite(e.get("kwh"))) is not None]
         return sum(values) if values else None
@@ -493,6 +513,11 @@ class RunState:
     def energy_field(self, key: str) -> Any:
         """A setting every node reports the same way (pue, grid intensity, source): the newest node's."""
         return next((e[key] for e in reversed(self.energy_by_node.values()) if e.get(key) is not None), None)
+
+    def energy_sources(self, key: str) -> list[str]:
+        """The distinct values of `key` (source, gpu_source, cpu_source) over the nodes' newest events, sorted:
+        one value when every node measures the same way, several when some cannot (a node without RAPL)."""
+        return sorted({str(e[key]) for e in self.energy_by_node.values() if e.get(key) is not None})
 
     @property
     def projected_kwh(self) -> float | None:

@@ -32,7 +32,8 @@ from appliance.tui.screens.confirm import ConfirmScreen
 from appliance.tui.screens.help import HelpScreen
 from appliance.tui.widgets.checkpoints import CheckpointPanel
 from appliance.tui.widgets.energy import EnergyPanel
-from appliance.tui.widgets.evals import EvalPanel
+from appliance.tui.widgets.eval_languages import LanguageScores
+from appliance.tui.widgets.eval_tasks import TaskScores
 from appliance.tui.widgets.gpus import GpuTable
 from appliance.tui.widgets.header import RunHeader
 from appliance.tui.widgets.panel import Panel
@@ -105,7 +106,9 @@ class DashboardApp(App[int]):
                 yield GpuTable(id="gpus")
                 yield EnergyPanel(id="energy")
                 yield TimelinePanel(id="timeline")
-            yield EvalPanel(id="eval")
+            with Horizontal(id="eval"):
+                yield LanguageScores(id="eval-languages")
+                yield TaskScores(id="eval-tasks")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -198,6 +201,9 @@ class DashboardApp(App[int]):
                 self._header.show(self.state, live=self.follow)
             if not sections or not started:
                 return
+            if sections & {"gpus", "plan"}:
+                # A CPU run has no GPU table: app.tcss gives its width to the energy and failures panels.
+                self._body.set_class(self.state.has_gpus is False, "-no-gpus")
             for panel in self._panels:
                 if panel.SECTIONS & sections:
                     panel.show(self.state)

@@ -75,17 +75,22 @@ def test_finished_run_shows_every_panel(finished_run: RunDir) -> None:
         assert "next due" not in checkpoints  # the run is over
 
         timeline = text(app, "#timeline")
-        assert "rank 137: NCCL timeout" in timeline and "restart 1, resumed at step 400" in timeline
+        assert "rank 137: NCCL timeout" in timeline and "restart 1 from step 400, lost 1h46m" in timeline
         assert app.query_one("#timeline").border_title == "failures 1 · restarts 1 · lost 1h46m"
         assert "warning: loss spike at step 450" in timeline
 
         energy = text(app, "#energy")
-        for expected in ("5,197.5", "355.5", "16,000.0", "1,094.4", "57 g/kWh", "PUE 1.20", "nvml_energy_counter"):
+        for expected in ("5,197.5", "355.5", "16,000.0", "1,094.4", "57 g/kWh", "PUE 1.20"):
             assert expected in energy, expected
+        # The events' sources, in words: NVML's counter and RAPL are measurements, the plan an estimate.
+        assert "so far  5,197.5    355.5 measured" in energy and "1,094.4 estimated" in energy
+        assert "measured: NVML counter" in energy and "measured: RAPL" in energy
 
-        evaluation = text(app, "#eval")
-        assert "perplexity" in evaluation and "12.34" in evaluation and "tasks.lambada.acc" in evaluation
-        assert "The capital of France is Paris, a city on the Seine." in evaluation
+        languages = text(app, "#eval-languages")
+        assert "all  2.513 12.3" in languages and "code 1.380 3.97" in languages and "per_source" not in languages
+        tasks = text(app, "#eval-tasks")
+        assert "0.612 ±0.007" in tasks and "0.551 ±0.005" in tasks and "4.21" in tasks and "10,042" in tasks
+        assert "The capital of France is Paris, a city on the Seine." in tasks
 
     drive(finished_run.root, check)
 
@@ -112,7 +117,7 @@ def test_live_run_eta_cadence_and_projection(live_run: RunDir) -> None:
         assert "step 600" in checkpoints and "next due   step 800 in ~5h50m" in checkpoints
         energy = text(app, "#energy")
         assert "so far     3,237.5" in energy and "projected  5,197.5" in energy
-        assert "waiting for evaluation results" in text(app, "#eval")
+        assert "waiting for evaluation results" in text(app, "#eval-languages")
 
     drive(live_run.root, check, follow=True)
 

@@ -1,6 +1,8 @@
 """Snapshots of the dashboard at a fixed terminal size (160 x 50): a finished 384-GPU run, its help screen, a run
-that has not started, and the finished run trained in fp16 (the loss scale beside the grad norm). Regenerate after
-an intended change with `pytest tests/tui --snapshot-update` and review the SVGs under __snapshots__/."""
+that has not started, the finished run trained in fp16 (the loss scale beside the grad norm), the recorded runs of
+fixtures/ (a CPU run: no GPU panel, estimated energy; a finished 8-GPU run: its evaluation as tables), and a live
+run after three failures and recoveries. Regenerate after an intended change with
+`pytest tests/tui --snapshot-update` and review the SVGs under __snapshots__/."""
 
 from __future__ import annotations
 
@@ -39,3 +41,15 @@ def test_run_not_started(snap_compare) -> None:  # type: ignore[no-untyped-def]
     # A fixed path that does not exist, so the waiting message reads the same on every machine.
     app = make_app(Path("/nonexistent/runs/bloom-1b7"), follow=False)
     assert snap_compare(app, terminal_size=SIZE, run_before=loaded)
+
+
+def test_cpu_run(snap_compare, cpu_run: RunDir) -> None:  # type: ignore[no-untyped-def]
+    assert snap_compare(make_app(cpu_run.root, follow=False), terminal_size=SIZE, run_before=loaded)
+
+
+def test_finished_gpu_run(snap_compare, gpu_run: RunDir) -> None:  # type: ignore[no-untyped-def]
+    assert snap_compare(make_app(gpu_run.root, follow=False), terminal_size=SIZE, run_before=loaded)
+
+
+def test_run_with_failures_and_recoveries(snap_compare, troubled_run: RunDir) -> None:  # type: ignore[no-untyped-def]
+    assert snap_compare(make_app(troubled_run.root, follow=False), terminal_size=SIZE, run_before=loaded)

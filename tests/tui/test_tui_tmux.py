@@ -73,7 +73,8 @@ def test_tui_on_a_finished_run_in_tmux(tmux: list[str], finished_run: RunDir) ->
             "node09",
             "failures 1 · restarts 1",
             "rank 137",
-            "perplexity",
+            "validation by language",
+            "0.612 ±0.007",
             "Paris, a city on the Seine",
         ),
     )

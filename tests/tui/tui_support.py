@@ -57,6 +57,13 @@ def step_time(step: int, resumed: bool) -> float:
 
 
 OVERFLOW_STEPS = (450, 780)
+FINAL_LANGUAGE_LOSS = {"ar": 2.71, "code": 1.38, "en": 2.58, "es": 2.41, "fr": 2.36, "pt": 2.45, "zh": 2.92}
+FINAL_TASKS = {  # the harness's shape (appliance/eval/harness.py): stderr = sqrt(p (1 - p) / (n - 1))
+    "lambada": {"output_type": "loglikelihood", "num_fewshot": 0, "n": 5153, "acc": 0.612, "acc_stderr": 0.0068,
+                "perplexity": 4.21},
+    "hellaswag": {"output_type": "multiple_choice", "num_fewshot": 0, "n": 10042, "acc": 0.522,
+                  "acc_stderr": 0.005, "acc_norm": 0.551, "acc_norm_stderr": 0.005},
+}  # fmt: skip
 
 
 def fp16_fields(step: int) -> dict[str, Any]:
@@ -68,13 +75,13 @@ def fp16_fields(step: int) -> dict[str, Any]:
     return {"loss_scale": scale, "skipped_steps": overflows, "overflow": overflow, "skipped": overflow}
 
 
-def step_event(step: int, resumed: bool, fp16: bool = False) -> dict[str, Any]:
+def step_event(step: int, resumed: bool, fp16: bool = False, t: float | None = None) -> dict[str, Any]:
     warmup = min(1.0, step / 100)
     lr = 6e-5 * warmup * (0.55 + 0.45 * math.cos(math.pi * step / TOTAL_STEPS))
     overflow = fp16 and step in OVERFLOW_STEPS
     return make_event(
         "step",
-        t=step_time(step, resumed),
+        t=step_time(step, resumed) if t is None else t,
         step=step,
         loss=2.2 + 9.0 * math.exp(-step / 120) + 0.05 * math.sin(step / 7),
         lr=lr,
@@ -160,9 +167,12 @@ def synthetic_events(last_step: int = TOTAL_STEPS, finished: bool = True, fp16: 
             make_event(
                 "eval",
                 t=t + 300,
-                perplexity=12.34,
-                loss=2.513,
-                tasks={"lambada": {"acc": 0.612}, "hellaswag": {"acc_norm": 0.551}},
+                final=True,
+                step=last_step,
+                valid_loss=2.513,
+                valid_ppl=12.34,
+                per_source={k: {"loss": v, "ppl": math.exp(v)} for k, v in FINAL_LANGUAGE_LOSS.items()},
+                tasks=FINAL_TASKS,
                 sample={"prompt": "The capital of France is", "text": " Paris, a city on the Seine."},
             ),
             make_event("stage", t=t + 300, name="eval", state="done", progress=1.0),
@@ -188,3 +198,56 @@ def widget_text(widget: Widget, width: int = 200) -> str:
     console = Console(width=width, file=io.StringIO(), color_system=None, record=True)
     console.print(content)
     return console.export_text()
+
+
+# The run with failures and recoveries: the 384-GPU run, live at step 900, after three failures of three kinds.
+# Each: (the last step before it, the step the restart resumed from, seconds down, where, why). The lost time is
+# the downtime plus the steps redone: e.g. 600 s + (455 - 400) x 105 s = 6,375 s for the first.
+TROUBLES = (
+    (455, 400, 600.0, 137, "NCCL timeout in all-reduce on node17"),
+    (640, 600, 1500.0, 250, "node31 lost: its agent stopped answering (GPU 5: uncorrectable ECC error)"),
+    (812, 800, 900.0, 45, "hang: no heartbeat from rank 45 for 600 s (pipeline stage 5)"),
+)
+
+
+def troubled_events(last_step: int = 900) -> list[dict[str, Any]]:
+    ev: list[dict[str, Any]] = [make_event("run", t=T0, state="started", name="bloom-176b-troubled")]
+    ev.append(make_event("stage", t=TRAIN_T0, name="training", state="started", progress=0.0))
+    t, step, restart = TRAIN_T0, 10, 0
+    pending = list(TROUBLES)
+    while step <= last_step:
+        t += 10 * STEP_S
+        ev.append(step_event(step, resumed=restart > 0, t=t))
+        if step % 50 == 0:
+            ev += node_events(t, (t - TRAIN_T0) / 3600)
+        if step % 200 == 0:
+            path = f"checkpoints/step-{step:08d}"
+            ev.append(make_event("checkpoint", t=t + 45, step=step, path=path, seconds=45.0, bytes=2.3e12))
+            # the periodic evaluation's shape (trainer._record_eval): losses only, per language as plain floats
+            valid = step_event(step, resumed=False)["loss"] + 0.04
+            per_source = {k: round(v - 2.513 + valid, 4) for k, v in FINAL_LANGUAGE_LOSS.items()}
+            ev.append(
+                make_event(
+                    "eval", t=t + 60, step=step, valid_loss=valid, valid_ppl=math.exp(valid), per_source=per_source
+                )
+            )
+        if pending and step + 10 > pending[0][0]:
+            failed_after, resume_from, down_s, rank, reason = pending.pop(0)
+            fail_t = t + (failed_after - step) * STEP_S
+            restart += 1
+            lost = down_s + (failed_after - resume_from) * STEP_S
+            ev.append(make_event("failure", t=fail_t, rank=rank, reason=reason))
+            t = fail_t + down_s
+            ev.append(make_event("recovery", t=t, restart=restart, resumed_step=resume_from, lost_seconds=lost))
+            step = resume_from
+        step += 10
+    return ev
+
+
+def on_screen(widget: Widget) -> str:
+    """What a widget draws at the size the layout gave it (its render(), not the full content widget_text shows)."""
+    console = Console(width=widget.content_size.width, file=io.StringIO(), color_system=None, record=True)
+    console.print(widget.render())
+    return "\n".join(
+        line[: widget.content_size.width] for line in console.export_text().splitlines()[: widget.content_size.height]
+    )

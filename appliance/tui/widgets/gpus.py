@@ -13,7 +13,8 @@ from appliance.monitor.headless import fmt_float
 from appliance.monitor.state import RunState
 
 PER_DEVICE_LIMIT = 16  # up to two 8-GPU nodes fit one row per GPU; beyond that, rows per node
-DEVICE_COLUMNS = ("node", "gpu", "name", "util %", "mem GB", "temp °C", "power W")
+# Headers no wider than their figures: eight rows of one node fit the panel's ~57 columns on a 160-column terminal.
+DEVICE_COLUMNS = ("node", "#", "name", "util%", "mem GB", "°C", "W")
 NODE_COLUMNS = ("node", "GPUs", "util% avg", "min", "mem GB", "max °C", "kW")
 
 
@@ -40,7 +41,7 @@ def device_rows(node: NodeGpus) -> list[tuple[str, tuple[str, ...]]]:
             (
                 node.node,
                 str(d.index),
-                d.name,
+                d.name.removeprefix("NVIDIA "),  # every row would say it; the model is what tells GPUs apart
                 fmt_float(d.util, ".0f"),
                 _pair(d.memory_used_gb, d.memory_total_gb),
                 fmt_float(d.temperature_c, ".0f"),

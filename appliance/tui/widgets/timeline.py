@@ -31,7 +31,9 @@ class TimelinePanel(Panel):
             table = Table.grid(padding=(0, 1), expand=True)  # the detail column takes what is left
             table.add_column(no_wrap=True)
             table.add_column(no_wrap=True)
-            table.add_column(no_wrap=True, overflow="ellipsis", ratio=1)
+            # The reason is the point of the entry: it wraps rather than being cut; newest first, so what falls
+            # off the bottom of a full panel is the oldest.
+            table.add_column(overflow="fold", ratio=1)
             start = state.first_t or 0.0
             for entry in list(state.timeline)[-SHOWN:][::-1]:
                 when = f"+{fmt_duration(entry.t - start)}"
@@ -39,10 +41,9 @@ class TimelinePanel(Panel):
                     # Text, not markup: failure reasons quote logs full of brackets ("[/.../gloo/pair.cc:152]").
                     table.add_row(when, "[bold red]failure[/]", Text(f"{entry.where}: {entry.reason}"))
                 else:
-                    detail = (
-                        f"restart {entry.restart}, resumed at step {entry.resumed_step}, "
-                        f"lost {fmt_duration(entry.lost_seconds)}"
-                    )
+                    # one line at the panel's width on a 160-column terminal, so the failures keep the room
+                    lost = fmt_duration(entry.lost_seconds)
+                    detail = f"restart {entry.restart} from step {entry.resumed_step}, lost {lost}"
                     table.add_row(when, "[bold green]recovery[/]", detail)
             parts.append(table)
         for _, message in list(state.warnings)[-3:][::-1]:
