@@ -16,7 +16,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import reference_training
 import torch
+from noise_floor import Order
 from safetensors.torch import load_file
 
 from appliance.data.sample_corpus import SAMPLE_CORPUS_DIR
@@ -80,6 +83,43 @@ def train(
         timeout=timeout,
         env=env,
     )
+
+
+def reference_losses(run_dir: RunDir, order: Order, *, steps: int, from_step: int) -> dict[str, Any]:
+    """The run's first ``steps`` steps trained in one process on its own data and plan (the model the ranks build:
+    the plan's shape and init std, the tokenizer's rows padded as for the run's tp); the trace is the losses after
+    ``from_step``, the step a moved or resumed run continues from."""
+    from appliance.data.blend import build_datasets
+    from appliance.planner.runspec import load_spec
+    from appliance.train.from_spec import model_config
+    from appliance.train.settings import lr_schedule
+    from appliance.train.worker import tokenizer_vocab_size
+
+    spec = load_spec(run_dir.plan)
+    settings = spec.train
+    config = model_config(spec, tokenizer_vocab_size(run_dir.tokenizer_json))
+    data, _ = build_datasets(
+        run_dir.data,
+        seq_len=settings.seq_len,
+        train_samples=settings.train_samples,
+        valid_samples_per_lang=settings.eval_samples,
+        seed=settings.seed,
+    )
+    gbs = settings.global_batch_size
+    recipe = reference_training.Recipe(
+        config=config,
+        seed=settings.seed,
+        micro_batch_size=settings.micro_batch_size,
+        steps=[(step * gbs, gbs) for step in range(steps)],
+        lr_at=lr_schedule(settings).at,
+        weight_decay=settings.weight_decay,
+        betas=(settings.adam_beta1, settings.adam_beta2),
+        eps=settings.adam_eps,
+        grad_clip=settings.grad_clip,
+    )
+    tokens = torch.from_numpy(np.stack([data[i] for i in range(steps * gbs)]).astype(np.int64))
+    _, trace = reference_training.train(recipe, tokens, order)
+    return {"losses": trace["losses"][from_step:]}
 
 
 def events(run_dir: RunDir, kind: str | None = None) -> list[dict[str, Any]]:

@@ -17,14 +17,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import reference_training
 import torch
 import torch.distributed as dist
 from noise_floor import NoiseFloor, Order, assert_outside, assert_within, measure_floor
-from prepared_runs import copy_run, events, explain, prepare_run, step_losses, train
-from reference_training import Recipe
+from prepared_runs import copy_run, events, explain, prepare_run, reference_losses, step_losses, train
 from test_3d_equivalence import (
     CONFIG,
     FP32_FACTOR,
@@ -241,39 +239,9 @@ CLI_STEPS, CLI_MOVED_AT = 6, 3
 
 
 def cli_reference(run_dir: RunDir, order: Order) -> dict[str, Any]:
-    """The run's training in one process, on its own data and plan (as test_exact_resume.py's reference); its trace
-    is the losses after CLI_MOVED_AT."""
-    from appliance.data.blend import build_datasets
-    from appliance.planner.runspec import load_spec
-    from appliance.train.from_spec import model_config
-    from appliance.train.settings import lr_schedule
-    from appliance.train.worker import tokenizer_vocab_size
-
-    spec = load_spec(run_dir.plan)
-    settings = spec.train
-    config = model_config(spec, tokenizer_vocab_size(run_dir.tokenizer_json))
-    data, _ = build_datasets(
-        run_dir.data,
-        seq_len=settings.seq_len,
-        train_samples=settings.train_samples,
-        valid_samples_per_lang=settings.eval_samples,
-        seed=settings.seed,
-    )
-    gbs = settings.global_batch_size
-    recipe = Recipe(
-        config=config,
-        seed=settings.seed,
-        micro_batch_size=settings.micro_batch_size,
-        steps=[(step * gbs, gbs) for step in range(CLI_STEPS)],
-        lr_at=lr_schedule(settings).at,
-        weight_decay=settings.weight_decay,
-        betas=(settings.adam_beta1, settings.adam_beta2),
-        eps=settings.adam_eps,
-        grad_clip=settings.grad_clip,
-    )
-    tokens = torch.from_numpy(np.stack([data[i] for i in range(CLI_STEPS * gbs)]).astype(np.int64))
-    _, trace = reference_training.train(recipe, tokens, order)
-    return {"losses": trace["losses"][CLI_MOVED_AT:]}
+    """The run's training in one process (as test_exact_resume.py's reference); its trace is the losses after
+    CLI_MOVED_AT."""
+    return reference_losses(run_dir, order, steps=CLI_STEPS, from_step=CLI_MOVED_AT)
 
 
 @pytest.fixture(scope="module")

@@ -19,13 +19,19 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
-import reference_training
 import torch
 from noise_floor import NoiseFloor, Order, assert_within, check_floor, measure_floor
-from prepared_runs import checkpoint_tensors, copy_run, events, explain, prepare_run, step_losses, train
-from reference_training import Recipe
+from prepared_runs import (
+    checkpoint_tensors,
+    copy_run,
+    events,
+    explain,
+    prepare_run,
+    reference_losses,
+    step_losses,
+    train,
+)
 
 from appliance.rundir import RunDir
 
@@ -43,38 +49,7 @@ FACTOR = 10.0
 
 def reference_run(run_dir: RunDir, order: Order) -> dict[str, Any]:
     """The run's training in one process, on its own data and plan; its trace is the losses after MOVED_AT."""
-    from appliance.data.blend import build_datasets
-    from appliance.planner.runspec import load_spec
-    from appliance.train.from_spec import model_config
-    from appliance.train.settings import lr_schedule
-    from appliance.train.worker import tokenizer_vocab_size
-
-    spec = load_spec(run_dir.plan)
-    settings = spec.train
-    # The model the ranks build: the plan's shape and init std, the tokenizer's rows padded as for the run's tp.
-    config = model_config(spec, tokenizer_vocab_size(run_dir.tokenizer_json))
-    data, _ = build_datasets(
-        run_dir.data,
-        seq_len=settings.seq_len,
-        train_samples=settings.train_samples,
-        valid_samples_per_lang=settings.eval_samples,
-        seed=settings.seed,
-    )
-    gbs = settings.global_batch_size
-    recipe = Recipe(
-        config=config,
-        seed=settings.seed,
-        micro_batch_size=settings.micro_batch_size,
-        steps=[(step * gbs, gbs) for step in range(STEPS)],
-        lr_at=lr_schedule(settings).at,
-        weight_decay=settings.weight_decay,
-        betas=(settings.adam_beta1, settings.adam_beta2),
-        eps=settings.adam_eps,
-        grad_clip=settings.grad_clip,
-    )
-    tokens = torch.from_numpy(np.stack([data[i] for i in range(STEPS * gbs)]).astype(np.int64))
-    _, trace = reference_training.train(recipe, tokens, order)
-    return {"losses": trace["losses"][MOVED_AT:]}
+    return reference_losses(run_dir, order, steps=STEPS, from_step=MOVED_AT)
 
 
 @pytest.fixture(scope="module")
