@@ -70,7 +70,7 @@ class EventWriter:
         if sinks is None:
             from appliance.monitor.sinks import default_sinks  # imports this module
 
-            sinks = default_sinks(self.path.parent, warn=lambda message: self.emit("warning", message=message))
+            sinks = default_sinks(self.path.parent, warn=self._warn)
         self.sinks = sinks
 
     def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
@@ -80,6 +80,9 @@ class EventWriter:
         for sink in self.sinks:
             sink.write(event)
         return event
+
+    def _warn(self, message: str) -> None:
+        self.emit("warning", message=message)
 
     def close(self) -> None:
         for sink in self.sinks:

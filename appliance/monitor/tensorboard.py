@@ -46,8 +46,14 @@ STEP_SCALARS = (
 )
 VS_SAMPLES = " vs samples"
 
+STEPS_VS_SAMPLES = "steps-vs-samples/y=steps,x=samples"  # the step plotted against the samples
+
 # A scalar: (name, value, x). x is the step, or the consumed samples for the ` vs samples` twins.
 Scalar = tuple[str, float, int]
+
+
+def on_step_axis(name: str) -> bool:
+    return not name.endswith(VS_SAMPLES) and name != STEPS_VS_SAMPLES
 
 
 def _ppl(loss: float) -> float:
@@ -65,7 +71,7 @@ def _with_samples_twin(name: str, value: Any, step: int, samples: int | None) ->
 
 def step_scalars(event: dict[str, Any]) -> Iterator[Scalar]:
     step, samples = int(event["step"]), int(event["consumed_samples"])
-    yield "steps-vs-samples/y=steps,x=samples", float(step), samples
+    yield STEPS_VS_SAMPLES, float(step), samples
     yield "steps-vs-samples/y=samples,x=steps", float(samples), step
     for name, key in STEP_SCALARS:
         yield from _with_samples_twin(name, event.get(key), step, samples)
@@ -75,8 +81,8 @@ def eval_scalars(event: dict[str, Any]) -> Iterator[Scalar]:
     """Validation loss and perplexity, over all sources and per source (the trainer's periodic evaluation and the
     final one); the final evaluation's task scores, with their standard errors."""
     step = int(event.get("step", 0))
-    samples = event.get("consumed_samples")
-    samples = int(samples) if finite(samples) is not None else None
+    consumed = finite(event.get("consumed_samples"))
+    samples = int(consumed) if consumed is not None else None
     loss = finite(event.get("valid_loss"))
     if loss is not None:
         yield from _with_samples_twin("lm-loss-validation/lm loss validation", loss, step, samples)
@@ -205,8 +211,14 @@ class TensorBoardSink:
             scalars = scalars_of(event, self.clock)
             if scalars and self._open(event):
                 wall_time = float(event.get("t", time.time()))
+                # One record per x value (the step, the samples) holding all its scalars, not one per scalar: the
+                # record writer checksums in Python, on its own thread, and that thread's share of the GIL is
+                # what a write costs the training loop.
+                by_x: dict[int, list[tuple[str, float]]] = {}
                 for name, value, x in scalars:
-                    self._writer.add_event(self._scalar_event(name, value, x, wall_time))
+                    by_x.setdefault(x, []).append((name, value))
+                for x, values in by_x.items():
+                    self._writer.add_event(self._scalars_event(values, x, wall_time))
             if self._writer is not None and event.get("kind") in ("checkpoint", "run"):
                 self._writer.flush()
         except Exception as exc:  # a monitoring copy must never stop training
@@ -232,9 +244,9 @@ class TensorBoardSink:
         atexit.register(self.close)  # the workers never close their writers: their last figures are flushed here
         return True
 
-    def _scalar_event(self, name: str, value: float, x: int, wall_time: float) -> Any:
+    def _scalars_event(self, values: list[tuple[str, float]], x: int, wall_time: float) -> Any:
         event_pb2, summary_pb2 = self._proto
-        summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=name, simple_value=value)])
+        summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=n, simple_value=v) for n, v in values])
         return event_pb2.Event(wall_time=wall_time, step=x, summary=summary)
 
     def flush(self) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from appliance.monitor.tensorboard import VS_SAMPLES, StepClock, scalars_of
+from appliance.monitor.tensorboard import StepClock, on_step_axis, scalars_of
 
 WANDB_DIR = "wandb"
 PROJECT = "bloom-appliance"
@@ -44,11 +44,10 @@ class WandbSink:
             scalars = scalars_of(event, self.clock)
             if self._run is None and (event.get("kind") not in OPENS_ON or not self._open()):
                 return
-            # The step-axis scalars; W&B plots the `vs samples` twins itself against consumed_samples if asked.
-            data = {name: value for name, value, _ in scalars if not name.endswith(VS_SAMPLES)}
-            if data:
-                x = max((x for name, _, x in scalars if not name.endswith(VS_SAMPLES)), default=0)
-                self._run.log({**data, "iteration": x})
+            # The step-axis scalars only: W&B plots any of them against steps-vs-samples/y=samples,x=steps itself.
+            on_steps = [(name, value, x) for name, value, x in scalars if on_step_axis(name)]
+            if on_steps:
+                self._run.log({**{name: value for name, value, _ in on_steps}, "iteration": on_steps[0][2]})
         except Exception as exc:  # a monitoring copy must never stop training
             self._off = True
             self.warn(f"the offline W&B run stopped ({self.run_root / WANDB_DIR}): {type(exc).__name__}: {exc}")
