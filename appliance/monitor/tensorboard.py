@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -203,8 +204,14 @@ class TensorBoardSink:
         self._writer: Any = None
         self._proto: Any = None
         self._off = False
+        self._lock = threading.RLock()  # re-entered: a warning goes through the writer back here
 
     def write(self, event: dict[str, Any]) -> None:
+        # Rank 0's writer is shared by the training loop and its node's sampler thread.
+        with self._lock:
+            self._write(event)
+
+    def _write(self, event: dict[str, Any]) -> None:
         if self._off:
             return
         try:

@@ -14,6 +14,7 @@ import atexit
 import hashlib
 import importlib
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,8 +37,14 @@ class WandbSink:
         self.clock = StepClock(self.run_root / "metrics.jsonl")
         self._run: Any = None
         self._off = False
+        self._lock = threading.RLock()  # re-entered: a warning goes through the writer back here
 
     def write(self, event: dict[str, Any]) -> None:
+        # Rank 0's writer is shared by the training loop and its node's sampler thread.
+        with self._lock:
+            self._write(event)
+
+    def _write(self, event: dict[str, Any]) -> None:
         if self._off:
             return
         try:

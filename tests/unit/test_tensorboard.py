@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import types
 from pathlib import Path
 from typing import Any
@@ -130,6 +131,25 @@ def test_each_process_writes_its_own_file_and_tensorboard_merges_them(tmp_path: 
     got = scalars(tmp_path / "tensorboard")
     assert got["energy/node-b kwh"] == [(2, 0.5)]
     assert got["lm-loss-training/lm loss"] == [(1, 7.25), (2, 7.0)]
+
+
+def test_rank_zeros_writer_shared_with_its_sampler_thread_opens_one_file(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    with EventWriter(tmp_path / "metrics.jsonl") as writer:
+
+        def sample() -> None:
+            for _ in range(20):
+                writer.emit("energy", node="node-a", kwh=0.5, co2_kg=0.02)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        for step in range(1, 21):
+            writer.emit("step", **step_fields(step))
+        sampler.join()
+    assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    got = scalars(tmp_path / "tensorboard")
+    assert [x for x, _ in got["lm-loss-training/lm loss"]] == list(range(1, 21))
+    assert len(got["energy/node-a kwh"]) == 20
 
 
 def test_without_tensorboard_one_warning_and_metrics_intact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
