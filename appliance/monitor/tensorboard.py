@@ -12,7 +12,11 @@ scalar lands once, in its writer's own file (events.out.tfevents.<time>.<host>.<
 files of one directory into one run. A process that writes no figure (the head, a watchdog) opens no file.
 
 Cost on the training step: building one small protobuf per scalar and a queue put; tensorboard's EventFileWriter
-writes and flushes from its own thread. The sink flushes on `checkpoint` and `run` events and at exit.
+writes and flushes from its own thread. The sink flushes on `checkpoint` and `run` events and at exit; a rank
+killed outright loses at most its last FLUSH_S seconds of figures here (never in metrics.jsonl).
+
+Steps redone after a restart (from the newest checkpoint) are written again: TensorBoard shows both points at those
+steps, as it does for Megatron runs; metrics.jsonl's last report of a step is the one that counts.
 """
 
 from __future__ import annotations
