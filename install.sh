@@ -31,6 +31,7 @@ RUNTIME=(
   "Jinja2==3.1.6"                  # the prompt templates of those task files
   "rich==15.0.0"                   # styled text in the dashboard's widgets (Textual renders with it)
   "transformers==5.23.0"           # `bench`'s peer (BloomForCausalLM eager and compiled); the tests' reference
+  "tensorboard==2.21.0"            # <run>/tensorboard/ event files (its own writer, no TensorFlow), under the scalar names Megatron-DeepSpeed users watch; its reader checks them in the tests
 )
 # Build tools for DeepSpeed's --no-build-isolation install and for installing this project (editable).
 BUILD=("setuptools==84.2.1" "wheel==0.48.0")
@@ -74,7 +75,7 @@ install_torch() {
 }
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$(stamp_of)" ]] \
-   && "$VENV/bin/python" -c "import torch, deepspeed, tokenizers, textual, psutil, pynvml, safetensors" 2>/dev/null \
+   && "$VENV/bin/python" -c "import torch, deepspeed, tokenizers, textual, psutil, pynvml, safetensors, tensorboard" 2>/dev/null \
    && { ! gpu_node || torch_has_cuda; }; then
   echo "install.sh: .venv is up to date"
   exit 0
@@ -98,6 +99,6 @@ echo "install.sh: test tools"
 echo "install.sh: bloom-appliance (editable)"
 "${PIP[@]}" --no-deps --no-build-isolation --editable .
 
-"$VENV/bin/python" -c "import torch, deepspeed, tokenizers, textual, psutil, pynvml, safetensors, transformers; \
+"$VENV/bin/python" -c "import torch, deepspeed, tokenizers, textual, psutil, pynvml, safetensors, transformers, tensorboard; \
 print('install.sh: torch', torch.__version__, '| deepspeed', deepspeed.__version__, '| cuda', torch.cuda.is_available())"
 stamp_of > "$STAMP"

@@ -2,6 +2,8 @@
 
 Ranks and the head process write; the dashboard and the headless printer read. Kinds and keys are public
 (docs/ARCHITECTURE.md, "Events"): extend, never rename. Every event carries "t" (unix time) and "kind".
+Each writer also hands its events to its sinks: copies for other tools (TensorBoard files, an offline W&B run;
+appliance/monitor/sinks.py), after the line is written, so metrics.jsonl stays the source of truth.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 # The keys each kind must carry. Extra keys are allowed (extend, never rename).
 REQUIRED_KEYS: dict[str, tuple[str, ...]] = {
@@ -46,23 +48,46 @@ def make_event(kind: str, **fields: Any) -> dict[str, Any]:
     return {"t": fields.pop("t", time.time()), "kind": kind, **fields}
 
 
+class EventSink(Protocol):
+    """Receives every event its writer wrote; must never raise (sinks.py's sinks turn themselves off instead)."""
+
+    def write(self, event: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class EventWriter:
     """Appends events to metrics.jsonl. Each event is one write() of a whole line, so concurrent writers
-    (head process and rank 0) never interleave inside a line on a local or NFS-with-O_APPEND file."""
+    (head process and rank 0) never interleave inside a line on a local or NFS-with-O_APPEND file.
 
-    def __init__(self, path: Path, echo: bool = False) -> None:
+    sinks: None gives the default ones (sinks.py: TensorBoard files beside metrics.jsonl, an offline W&B run when
+    wandb is importable), which cost nothing until an event with figures arrives; [] gives none."""
+
+    def __init__(self, path: Path, echo: bool = False, sinks: list[EventSink] | None = None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
         self.echo = echo
+        if sinks is None:
+            from appliance.monitor.sinks import default_sinks  # imports this module
+
+            sinks = default_sinks(self.path.parent, warn=self._warn)
+        self.sinks = sinks
 
     def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
         event = make_event(kind, **fields)
         line = json.dumps(event, separators=(",", ":"), allow_nan=True) + "\n"
         os.write(self._fd, line.encode("utf-8"))
+        for sink in self.sinks:
+            sink.write(event)
         return event
 
+    def _warn(self, message: str) -> None:
+        self.emit("warning", message=message)
+
     def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
