@@ -20,7 +20,12 @@ How peak memory is measured, and what it includes: torch keeps no allocator stat
 the kernel's high-water mark of its resident set. Before a measured step the rank returns the heap's free pages to
 the kernel (glibc malloc_trim; otherwise memory freed by the previous step would stay resident, be reused, and hide
 part of the rise), reads VmRSS, and resets VmHWM to it (writing 5 to /proc/self/clear_refs); after the step the
-rise is VmHWM - VmRSS before. It counts everything the step held at its peak beyond what was resident before:
+rise is VmHWM - VmRSS before. The ranks start with glibc's mmap threshold fixed at 1 MiB
+(MALLOC_MMAP_THRESHOLD_): by default glibc raises it after each large free, up to 32 MiB, so the many attention
+temporaries of 8-32 MiB come from the heap, whose fragments stay resident; measured at seq 8192, one head's blocked
+attention then rose 700-890 MiB instead of the 178 MiB it holds with the threshold fixed (and Ulysses at seq
+16384 rose above cp=1). With it fixed, every tensor of 1 MiB or more is its own mapping, returned when freed.
+The rise counts everything the step held at its peak beyond what was resident before:
 activations kept for backward, the transient attention tensors, gradients' temporaries, communication buffers
 (all-to-all outputs, ring receive buffers), the loss's logits chunks. The weights, the optimizer state and the
 gradient buffers exist before the step (a warm-up step on a short sequence allocates them), so they are not
@@ -46,6 +51,7 @@ import re
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,6 +71,7 @@ MODES = ("ulysses", "ring")
 SEED = 1234
 WARMUP_SEQ = 256  # the warm-up step's length: allocates gradients and optimizer state, divisible by 2 x cp
 MiB = 2**20
+MMAP_THRESHOLD = MiB  # glibc: allocations from this size on are mappings of their own (module docstring)
 
 
 @dataclass(frozen=True)
@@ -152,13 +159,28 @@ def train_modes(_: ParallelTopology, seq_len: int, cp: int, modes: tuple[str, ..
     return out
 
 
+@contextlib.contextmanager
+def _fixed_mmap_threshold() -> Iterator[None]:
+    """MALLOC_MMAP_THRESHOLD_ in the environment the ranks are spawned with (glibc reads it when a process starts)."""
+    before = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["MALLOC_MMAP_THRESHOLD_"]
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = before
+
+
 def measure(seq_len: int, steps: int, recompute: str = "none", timeout_s: float = 1800) -> dict[str, Any]:
     """cp=1 on one rank, then cp=4 Ulysses and ring on four: per configuration, each rank's largest peak rise and
     median step time, the step time of the slowest rank, and the ratios the table reports."""
     configurations: dict[str, Any] = {}
     launches = [(1, ("ulysses",)), (CP, MODES)]  # cp=1 ignores the mode: plain attention on the whole sequence
     for cp, modes in launches:
-        ranks = run_distributed(train_modes, cp, seq_len, cp, modes, steps, recompute, dp=cp, timeout_s=timeout_s)
+        with _fixed_mmap_threshold():
+            ranks = run_distributed(train_modes, cp, seq_len, cp, modes, steps, recompute, dp=cp, timeout_s=timeout_s)
         for mode in modes:
             name = "cp1" if cp == 1 else f"cp{cp}-{mode}"
             per_rank = [r[mode] for r in ranks]
@@ -238,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         "recompute": args.recompute,
         "load_before": load_before,
         "load_after": os.getloadavg()[0],
-        "memory_measure": "per rank: VmHWM rise over VmRSS before the step, after malloc_trim; see the docstring",
+        "memory_measure": "per rank: VmHWM rise over VmRSS before the step, after malloc_trim, glibc mmap threshold "
+        f"{MMAP_THRESHOLD} bytes; see the docstring",
         **measured,
     }
     print(format_table(result))

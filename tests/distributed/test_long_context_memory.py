@@ -3,10 +3,11 @@ code (the real engine, VmHWM rise of each rank over one training step), at a seq
 
 Expected: at cp=4 each rank holds 1/4 of the tokens of every activation, and of the attention's scores: Ulysses one
 of the 4 heads over the whole sequence, ring [S/8, S/8] pieces (well under 1/4). So a cp=4 rank's peak rise should
-be about 1/4 of cp=1's. The bound allows 0.6: what RSS counts beyond tensors does not divide by cp (each rank's
-allocator arenas, gloo's buffers and threads, page granularity: a few tens of MiB against cp=1's ~300 MiB here), and
-measured ratios on this 2-core machine were 0.29-0.53 for Ulysses and 0.08-0.14 for ring. Without context
-parallelism a rank would hold the whole sequence, a ratio of about 1.
+be about 1/4 of cp=1's. The bound allows 0.4, i.e. 0.15 x cp=1's ~300 MiB (45 MiB) per rank beyond 1/cp for what
+RSS counts and does not divide by cp: each rank's page-granular mappings, gloo's buffers and threads, the [Q, K]
+causal masks every rank builds whole. Measured on the 2-core VM (2026-11-24): Ulysses 0.30, ring 0.06 (301 MiB at
+cp=1; 85-89 and 19 MiB per cp=4 rank). Without context parallelism a rank would hold the whole sequence, a ratio of
+about 1.
 
 The blocked attention that keeps [S, S] tensors out of long sequences (ops.blocked_attention, what makes seq 16384
 fit) is checked against the materialized core in fp64, where the two differ only by rounding.
@@ -25,7 +26,7 @@ from appliance.parallel.cp_attention import alibi_bias_and_mask
 from bench.long_context import CP, MODES, measure
 
 SEQ = 2048  # cp=1 holds ~300 MiB at its peak (materialized [4, S, S] fp32 scores: 64 MiB each), a step takes ~1 s
-PEAK_BOUND = 0.6  # of cp=1's peak, per cp=4 rank: 1/cp = 0.25 plus what RSS adds per rank (module docstring)
+PEAK_BOUND = 0.4  # of cp=1's peak, per cp=4 rank: 1/cp = 0.25 plus what RSS adds per rank (module docstring)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def measured() -> dict[str, Any]:
 @pytest.mark.distributed
 @pytest.mark.parametrize("mode", MODES)
 def test_cp4_rank_peak_is_a_fraction_of_cp1(mode: str, measured: dict[str, Any]) -> None:
-    """Pass: every cp=4 rank's measured peak rise over a training step at seq 2048 is below 0.6 x cp=1's, and the
+    """Pass: every cp=4 rank's measured peak rise over a training step at seq 2048 is below 0.4 x cp=1's, and the
     step trained (a finite loss)."""
     configurations = measured["configurations"]
     cp1 = max(configurations["cp1"]["peak_rise_mib_per_rank"])
