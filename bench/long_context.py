@@ -10,11 +10,11 @@ rank at cp=1, then four ranks holding a cp=4 Ulysses engine and a cp=4 ring engi
 alternate (ulysses, ring, ulysses, ...) so both see the same load on the machine; each mode's step time is the
 median of its steps (the slowest rank's, as the step ends with collectives every rank waits for).
 
-Why 4 heads: Ulysses at cp=4 needs heads divisible by cp (tp=1), and fewer heads is the cheapest way to keep cp=1
-alive on CPU, where attention materializes its [S, S] scores: per head 16384^2 x 4 bytes = 1 GiB per fp32 tensor,
-of which the forward holds about three at once (scores, logits, probabilities) and the backward about as many.
-Ulysses gives each of the 4 ranks one whole head; ring gives each rank 2 of 8 zigzag pieces, so its largest
-tensors are [S/8, S/8] per head and pair of pieces.
+Why 4 heads: Ulysses at cp=4 needs heads divisible by cp (tp=1), and each head costs memory on CPU, where there is no
+flash kernel: whole [S, S] fp32 scores would take 16384^2 x 4 bytes = 1 GiB per head and tensor, about five of them
+at once. Past 2^23 scores per head the attention runs in blocks of query rows instead (ops.blocked_attention: 512
+rows at S = 16384, 32 MiB per head and tensor). Ulysses gives each of the 4 ranks one whole head, blocked the same
+way; ring gives each rank 2 of 8 zigzag pieces, so its largest tensors are [H, S/8, S/8] per pair of pieces.
 
 How peak memory is measured, and what it includes: torch keeps no allocator statistics on the CPU, so each rank reads
 the kernel's high-water mark of its resident set. Before a measured step the rank returns the heap's free pages to
