@@ -117,6 +117,9 @@ class BloomAttention(nn.Module):
             # No [S, S] activations to keep, so selective recompute has nothing to save here. Packed documents
             # (doc_ids) are masked inside the kernel: the slopes still suffice (alibi.RankAlibi.bias_and_mask).
             context = ops.flash_attention(q, k, v, alibi.slopes(q.device), self.inv_norm_factor, doc_ids=doc_ids)
+        elif attention_mask is None and no_dropout and ops.blocked_attention_pays(q):
+            # Long sequences without the kernel: blocks of queries, never [S, S] at once (ops.BLOCK_SCORES_PER_HEAD).
+            context = ops.blocked_attention(q, k, v, alibi.slopes(q.device), self.inv_norm_factor, doc_ids=doc_ids)
         else:
             bias, mask = alibi.bias_and_mask(attention_mask, seq, q.device, doc_ids)
             core_args = (q, k, v, bias, mask, self.inv_norm_factor, self.attention_dropout, self.training)

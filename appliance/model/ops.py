@@ -11,9 +11,12 @@ V vocabulary (of this rank), N any number of leading dimensions.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from kernels import registry as fused  # Triton kernels on GPU tensors, their torch twins on CPU (BLOOM_KERNELS)
 
@@ -116,6 +119,50 @@ def flash_attention(
     return fused.flash_alibi_attention(
         q, k, v, slopes, causal=True, scale=inv_norm_factor, q_doc=doc_ids, k_doc=doc_ids
     )  # type: ignore[return-value]
+
+
+# Blocked attention's budget: one block of query rows holds at most this many (query, key) scores per head, 2^23 x
+# 4 bytes = 32 MiB fp32 per head and tensor (e.g. 512 queries against 16384 keys). The materialized core holds about
+# five [H, S, S] tensors at its peak: at S = 16384 and 4 heads, 20 GiB; in blocks, about five [H, 512, S], 640 MiB.
+BLOCK_SCORES_PER_HEAD = 2**23
+
+
+def blocked_attention_pays(q: torch.Tensor) -> bool:
+    """Whether a causal self-attention over q [B, H, S, D] has more scores per head than one block holds."""
+    return q.shape[2] * q.shape[2] > BLOCK_SCORES_PER_HEAD
+
+
+def blocked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slopes: torch.Tensor,
+    inv_norm_factor: float,
+    doc_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """flash_attention's result (causal, ALiBi slopes [H], no padding; q, k, v [B, H, S, D]) without the fused
+    kernel and without [S, S] tensors: blocks of query rows, each against the keys up to its last query (the rest
+    are masked anyway), through the kernel registry's flash_alibi_attention (on CPU its materialized twin, with the
+    relative bias slope * (k_pos - q_pos), softmax-equal to BLOOM's slope * k_pos). Each block runs under activation
+    checkpointing, so the backward keeps only q, k, v and recomputes one block's scores at a time."""
+    seq = q.shape[2]
+    rows = max(1, BLOCK_SCORES_PER_HEAD // seq)
+    blocks: list[torch.Tensor] = []
+    for start in range(0, seq, rows):
+        end = min(start + rows, seq)
+        block = functools.partial(
+            fused.flash_alibi_attention,
+            causal=True,
+            scale=inv_norm_factor,
+            q_offset=start,
+            k_offset=0,
+            q_doc=None if doc_ids is None else doc_ids[:, start:end],
+            k_doc=None if doc_ids is None else doc_ids[:, :end],
+        )
+        inputs = (q[:, :, start:end], k[:, :, :end], v[:, :, :end], slopes)
+        out = checkpoint(block, *inputs, use_reentrant=False) if torch.is_grad_enabled() else block(*inputs)
+        blocks.append(out)  # type: ignore[arg-type]  # a tensor: no return_lse
+    return torch.cat(blocks, dim=2)
 
 
 def vocab_cross_entropy(

@@ -89,6 +89,8 @@ def causal_alibi_attention(
     materialized core. q, k, v: [B, H, S, D]; slopes [H]; doc_ids [B, S] or None."""
     if ops.flash_attention_available(q):
         return ops.flash_attention(q, k, v, slopes, scale, doc_ids=doc_ids)
+    if ops.blocked_attention_pays(q):  # Ulysses' whole sequence, long: no [S, S] tensors (ops.blocked_attention)
+        return ops.blocked_attention(q, k, v, slopes, scale, doc_ids)
     alibi, mask = alibi_bias_and_mask(slopes, q.shape[2], q.device, doc_ids)
     return ops.attention_core(q, k, v, alibi, mask, scale)
 
