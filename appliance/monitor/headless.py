@@ -16,6 +16,7 @@ from typing import Any, TextIO
 
 from appliance.errors import BadInput
 from appliance.monitor.events import EventTail
+from appliance.monitor.snapshot import SAVE_EVERY_S, SAVE_MIN_NEW_BYTES, SnapshotSaver
 from appliance.monitor.state import RunState, reduce
 from appliance.rundir import RunDir
 
@@ -236,10 +237,19 @@ def follow_run(
     stop: Callable[[], bool],
     poll_interval: float = 0.5,
     skip_existing: bool = False,
+    snapshot_every_s: float | None = SAVE_EVERY_S,
+    snapshot_min_bytes: int = SAVE_MIN_NEW_BYTES,
 ) -> int:
     """Print the run's events as they arrive until stop() is true, then drain what is left. Returns the number
-    of events handled. With skip_existing, events already in metrics.jsonl are absorbed silently (a resume)."""
-    tail = EventTail(RunDir(Path(run_dir)).metrics)
+    of events handled. With skip_existing, events already in metrics.jsonl are absorbed silently (a resume).
+
+    The follower also keeps metrics.snapshot (monitor/snapshot.py) every `snapshot_every_s` (None: never) once
+    `snapshot_min_bytes` of new events arrived, and when it stops: it is the process that folds every event
+    anyway, from byte 0, for the whole life of the run (the head runs it), so the snapshot costs it one pickle
+    every few minutes and saves every later attach the full read."""
+    metrics = RunDir(Path(run_dir)).metrics
+    tail = EventTail(metrics)
+    saver = SnapshotSaver(metrics, snapshot_every_s, snapshot_min_bytes) if snapshot_every_s is not None else None
     if skip_existing:
         for event in tail.read_new():
             printer.absorb(event)
@@ -249,6 +259,8 @@ def follow_run(
         for event in tail.read_new():
             printer.handle(event)
             handled += 1
+        if saver is not None:
+            saver.maybe_save(printer.state, tail, force=done)
         if done:
             return handled
         time.sleep(poll_interval)
