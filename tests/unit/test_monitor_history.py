@@ -98,6 +98,24 @@ def test_the_follower_keeps_a_snapshot_that_equals_its_own_state(tmp_path: Path)
     assert plain(loaded.state) == plain(printer.state) == plain(full_read(metrics))
 
 
+def test_a_resumed_follower_starts_from_the_snapshot_and_prints_only_new_events(tmp_path: Path) -> None:
+    metrics = recorded_run(tmp_path, "gpu-8xa100")
+    data = metrics.read_bytes()
+    offset = line_ends(data)[-3]
+    saved = state_before(metrics, offset)
+    saved.bad_events = 1000  # a mark that only the snapshot carries: it proves the follower started from it
+    save_snapshot(metrics, saved, offset)
+    log = tmp_path / "log.txt"
+    with open(log, "w") as stream:
+        printer = HeadlessPrinter(stream=stream, log_format="json")
+        follow_run(metrics.parent, printer, stop=lambda: True, skip_existing=True, snapshot_every_s=None)
+    assert log.read_text() == ""  # history is absorbed, not printed
+    expected = full_read(metrics)
+    expected.bad_events = 1000
+    assert plain(printer.state) == plain(expected)
+    assert printer.state.events == len(line_ends(data))
+
+
 def spoil(path: Path, header_change: dict[str, Any] | None = None, flip_payload_byte: bool = False) -> None:
     header_line, payload = path.read_bytes().split(b"\n", 1)
     header = {**json.loads(header_line), **(header_change or {})}
