@@ -229,3 +229,25 @@ def test_attach_reads_only_the_tail_whatever_the_history(tmp_path: Path) -> None
         assert state.gpu_count == 48 * 8 and state.step == 1  # the tail's newest step (its steps restart at 0)
         tail_bytes.append(tail.bytes_read)
     assert tail_bytes[0] == tail_bytes[1], "attach cost grew with the run's history"
+
+
+def test_the_dashboard_starts_from_the_snapshot(tmp_path: Path) -> None:
+    import asyncio
+
+    from appliance.tui.app import make_app
+
+    metrics = recorded_run(tmp_path, "gpu-8xa100")
+    offset = line_ends(metrics.read_bytes())[-5]
+    saved = state_before(metrics, offset)
+    saved.bad_events = 1000  # only the snapshot carries it
+    save_snapshot(metrics, saved, offset)
+
+    async def first_read() -> tuple[str, int, int | None]:
+        app = make_app(metrics.parent, follow=False)
+        async with app.run_test(size=(160, 50)) as pilot:
+            while app.reads_done < 1:
+                await pilot.pause(0.02)
+            return app.attach_note, app.state.bad_events, app.state.step
+
+    note, bad_events, step = asyncio.run(first_read())
+    assert (note, bad_events, step) == ("", 1000, full_read(metrics).step)
