@@ -188,7 +188,9 @@ class SnapshotSaver:
             return False
         try:
             save_snapshot(self.metrics, run_state, offset)
-        except (OSError, ValueError):
+        except ValueError:
+            return False  # metrics.jsonl shrank under the reader (replaced): the next save tries again
+        except OSError:
             self.enabled = False
             return False
         self.saved_offset, self._saved_at = offset, time.monotonic()
