@@ -14,8 +14,16 @@ Two measurements, in one run:
      wall second.
   3. the same in a real terminal: run_tui in a private tmux server (160 x 50), its process CPU time from /proc,
      per wall second (skipped without tmux).
+The live reader keeps metrics.snapshot as the head's follower does (monitor/snapshot.py, every 300 simulated s),
+so its share includes the saves.
+
+Cold attach (`--attach-days 1,7`): metrics.jsonl holds that many simulated days of the 48-node run, a snapshot
+the follower saved, then the 300 s of events written since (its save interval: the worst case). Measured in a
+fresh process each: the reader (load the snapshot, read and fold the tail) and the dashboard (Textual headless,
+from make_app to its first read drawn). `--baseline` also times the full read without a snapshot (minutes a day).
 
     .venv/bin/python bench/tui_tail.py [--hours 2] [--speedup 200] [--app-seconds 30]
+    .venv/bin/python bench/tui_tail.py --attach-days 1,7 [--baseline]
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from appliance.monitor.events import EventTail  # noqa: E402
+from appliance.monitor.snapshot import SAVE_EVERY_S, SnapshotSaver, save_snapshot  # noqa: E402
 from appliance.monitor.state import RunState, reduce  # noqa: E402
 
 NODES, GPUS_PER_NODE = 48, 8
@@ -145,6 +154,7 @@ def bench_reader(path: Path, hours: float, speedup: float) -> dict[str, float]:
     sim_s = hours * 3600
     writer = Writer(path, 0.0, sim_s, t0=1.7e9, speedup=speedup)
     tail, state, cpu, polls, read = EventTail(path), RunState(), 0.0, 0, 0
+    saver = SnapshotSaver(path, every_s=SAVE_EVERY_S / speedup)
     writer.start()
     while True:
         done = not writer.is_alive()
@@ -153,6 +163,7 @@ def bench_reader(path: Path, hours: float, speedup: float) -> dict[str, float]:
             reduce(state, event)
             read += 1
         state.take_changed()
+        saver.maybe_save(state, tail)
         cpu += time.thread_time() - start
         polls += 1
         if done:
@@ -239,12 +250,171 @@ def bench_terminal(path: Path, history_s: float, seconds: float) -> dict[str, fl
         writer.join()
 
 
+# ---- cold attach ---------------------------------------------------------------------------------------------
+def write_history(path: Path, days: float, t0: float) -> RunState:
+    """`days` of the schedule into metrics.jsonl, fast, an hour at a time: each node cycles through 16
+    pre-rendered device lists (rendering 11 M events one by one would take longer than the measurement), folded
+    on the way into the state the follower would hold. Returns that state."""
+    variants = [
+        [json.dumps(node_events(n, v * 0.37, 0.0)[0]["devices"], separators=(",", ":")) for v in range(16)]
+        for n in range(NODES)
+    ]
+    parsed = [[json.loads(text) for text in node] for node in variants]
+    state = RunState()
+    end_s = days * 86400
+    with open(path, "w", encoding="utf-8") as f:
+        for hour_s in range(0, math.ceil(end_s), 3600):
+            ticks = [
+                (k * SAMPLE_S + n * SAMPLE_S / NODES, n)
+                for k in range(hour_s // 5, (hour_s + 3600) // 5)
+                for n in range(NODES)
+            ]
+            ticks += [(k * STEP_S, -1) for k in range(math.ceil(hour_s / STEP_S), math.ceil((hour_s + 3600) / STEP_S))]
+            lines = []
+            for offset, who in sorted(ticks):
+                if not hour_s <= offset < min(end_s, hour_s + 3600):
+                    continue
+                t = t0 + offset
+                if who < 0:
+                    step = round(offset / STEP_S)
+                    events = [step_event(step, t)]
+                    if step % 200 == 0:
+                        events.append(
+                            {"t": t, "kind": "checkpoint", "step": step, "path": "c", "seconds": 45, "bytes": 2.3e12}
+                        )
+                    for event in events:
+                        lines.append(json.dumps(event, separators=(",", ":")) + "\n")
+                        reduce(state, event)
+                    continue
+                v, name, hours = round(offset / SAMPLE_S) % 16, f"jz-node{who:02d}", offset / 3600
+                lines.append(f'{{"t":{t!r},"kind":"gpu","node":"{name}","devices":{variants[who][v]}}}\n')
+                reduce(state, {"t": t, "kind": "gpu", "node": name, "devices": parsed[who][v]})
+                kwh = (GPUS_PER_NODE * 0.4 + 0.3) * hours
+                energy = {
+                    "t": t,
+                    "kind": "energy",
+                    "node": name,
+                    "kwh": kwh,
+                    "co2_kg": kwh * 0.0684,
+                    "source": "nvml_energy_counter",
+                }
+                lines.append(json.dumps(energy, separators=(",", ":")) + "\n")
+                reduce(state, energy)
+            f.write("".join(lines))
+            state.take_changed()
+    return state
+
+
+ATTACH_PROBE = """
+import json, sys, time
+start, cpu = time.perf_counter(), time.process_time()
+from pathlib import Path
+from appliance.monitor.snapshot import attach
+from appliance.monitor.state import reduce
+state, tail, loaded = attach(Path(sys.argv[1]))
+for event in tail.read_new():
+    reduce(state, event)
+wall_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu
+print(json.dumps({"s": wall_s, "cpu_s": cpu_s, "bytes_read": tail.bytes_read, "snapshot": loaded.reason or "used",
+                  "gpus": state.gpu_count, "step": state.step}))
+"""
+
+APP_PROBE = """
+import asyncio, json, sys, time
+start, cpu = time.perf_counter(), time.process_time()
+from pathlib import Path
+from appliance.tui.app import make_app
+async def main():
+    app = make_app(Path(sys.argv[1]), follow=False)
+    async with app.run_test(size=(160, 50)) as pilot:
+        while app.reads_done < 1:
+            await pilot.pause(0.01)
+        return time.perf_counter() - start, time.process_time() - cpu, app.state.gpu_count, app.attach_note or "used"
+s, cpu_s, gpus, note = asyncio.run(main())
+print(json.dumps({"s": s, "cpu_s": cpu_s, "gpus": gpus, "snapshot": note}))
+"""
+
+
+def probe(code: str, run_dir: Path, repeat: int = 1) -> dict[str, Any]:
+    """The probe's figures in a fresh process, `repeat` times: the fastest (wall and CPU seconds each), since on
+    a shared machine the slower runs measure the neighbours."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    runs = []
+    for _ in range(repeat):
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(run_dir)], capture_output=True, text=True, env=env, check=True
+        )
+        runs.append(dict(json.loads(out.stdout.strip().splitlines()[-1])))
+    return {**runs[0], "s": min(r["s"] for r in runs), "cpu_s": min(r["cpu_s"] for r in runs)}
+
+
+def bench_attach(days: float, baseline: bool) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "metrics.jsonl"
+        t0 = time.time() - days * 86400 - SAVE_EVERY_S
+        write_start = time.perf_counter()
+        state = write_history(path, days, t0)
+        history_bytes = path.stat().st_size
+        save_start = time.perf_counter()
+        save_snapshot(path, state, history_bytes)
+        save_s = time.perf_counter() - save_start
+        writer = Writer(path, days * 86400, days * 86400 + SAVE_EVERY_S, t0=t0, speedup=1e9)
+        writer.run()  # the events written since the snapshot, in this thread
+        result: dict[str, Any] = {
+            "days": days,
+            "file_gb": path.stat().st_size / 1e9,
+            "write_s": save_start - write_start,
+            "snapshot_kb": (path.parent / "metrics.snapshot").stat().st_size / 1e3,
+            "save_s": save_s,
+            "tail_events": writer.events,
+            "reader": probe(ATTACH_PROBE, path, repeat=5),
+            "dashboard": probe(APP_PROBE, path.parent, repeat=3),
+        }
+        if baseline:
+            (path.parent / "metrics.snapshot").unlink()
+            result["full_read"] = probe(ATTACH_PROBE, path)
+        return result
+
+
+def main_attach(days_list: list[float], baseline: bool) -> None:
+    for days in days_list:
+        r = bench_attach(days, baseline)
+        reader, app = r["reader"], r["dashboard"]
+        print(
+            f"{days:g} simulated days at {NODES} nodes: metrics.jsonl {r['file_gb']:.2f} GB (written in "
+            f"{r['write_s']:.0f} s), snapshot {r['snapshot_kb']:.0f} kB saved in {1000 * r['save_s']:.0f} ms, "
+            f"{r['tail_events']} events since"
+        )
+        print(
+            f"  cold attach, reader: {reader['s']:.2f} s wall, {reader['cpu_s']:.2f} s CPU, best of 5 "
+            f"({reader['bytes_read'] / 1e6:.1f} MB read, snapshot "
+            f"{reader['snapshot']}, {reader['gpus']} GPUs, step {reader['step']})"
+        )
+        print(
+            f"  cold attach, dashboard (Textual headless 160x50, to its first read drawn): {app['s']:.2f} s wall, "
+            f"{app['cpu_s']:.2f} s CPU, best of 3"
+        )
+        if "full_read" in r:
+            full = r["full_read"]
+            print(
+                f"  without the snapshot (reader): {full['s']:.1f} s wall, {full['cpu_s']:.1f} s CPU "
+                f"({full['bytes_read'] / 1e9:.2f} GB read)"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hours", type=float, default=2.0, help="simulated run length for the reader (default 2)")
     parser.add_argument("--speedup", type=float, default=200.0, help="how much faster than real time to write")
     parser.add_argument("--app-seconds", type=float, default=30.0, help="live seconds for the dashboard (0: skip)")
+    parser.add_argument(
+        "--attach-days", help="measure cold attach at these simulated days, e.g. 1,7 (and nothing else)"
+    )
+    parser.add_argument("--baseline", action="store_true", help="with --attach-days: also the full read")
     args = parser.parse_args()
+    if args.attach_days:
+        main_attach([float(d) for d in args.attach_days.split(",")], args.baseline)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "metrics.jsonl"
         reader = bench_reader(path, args.hours, args.speedup)

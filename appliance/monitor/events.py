@@ -113,6 +113,16 @@ class EventTail:
     _inode: int | None = None
     _partial: bytes = b""
     bad_lines: int = field(default=0)
+    bytes_read: int = field(default=0)  # read from the file by this tail, in all: what an attach costs
+
+    def start_at(self, offset: int) -> None:
+        """Read from byte `offset` (a line boundary) on: the end of what a loaded snapshot covers."""
+        self._offset, self._partial, self._inode = offset, b"", None
+
+    @property
+    def complete_offset(self) -> int:
+        """Where the complete lines read so far end (a half-written last line is not covered)."""
+        return self._offset - len(self._partial)
 
     def read_new(self) -> list[dict[str, Any]]:
         try:
@@ -128,6 +138,7 @@ class EventTail:
             f.seek(self._offset)
             chunk = f.read(st.st_size - self._offset)
         self._offset += len(chunk)
+        self.bytes_read += len(chunk)
         data = self._partial + chunk
         lines = data.split(b"\n")
         self._partial = lines.pop()  # b"" when the chunk ended on a newline

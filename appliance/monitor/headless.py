@@ -16,6 +16,7 @@ from typing import Any, TextIO
 
 from appliance.errors import BadInput
 from appliance.monitor.events import EventTail
+from appliance.monitor.snapshot import SAVE_EVERY_S, SAVE_MIN_NEW_BYTES, SnapshotSaver, attach
 from appliance.monitor.state import RunState, reduce
 from appliance.rundir import RunDir
 
@@ -119,6 +120,12 @@ class HeadlessPrinter:
             self._printed_step = event["step"]
         if event.get("kind") == "stage":
             self._stage_states[str(event.get("name"))] = str(event.get("state"))
+
+    def adopt(self, state: RunState) -> None:
+        """Start from a saved state (monitor/snapshot.py), as if every event it covers had been absorbed."""
+        self.state = state
+        self._printed_step = state.step
+        self._stage_states = {name: info.state for name, info in state.stages.items()}
 
     def handle(self, event: dict[str, Any]) -> None:
         reduce(self.state, event)
@@ -236,11 +243,26 @@ def follow_run(
     stop: Callable[[], bool],
     poll_interval: float = 0.5,
     skip_existing: bool = False,
+    snapshot_every_s: float | None = SAVE_EVERY_S,
+    snapshot_min_bytes: int = SAVE_MIN_NEW_BYTES,
 ) -> int:
     """Print the run's events as they arrive until stop() is true, then drain what is left. Returns the number
-    of events handled. With skip_existing, events already in metrics.jsonl are absorbed silently (a resume)."""
-    tail = EventTail(RunDir(Path(run_dir)).metrics)
+    of events handled. With skip_existing, events already in metrics.jsonl are absorbed silently (a resume),
+    from metrics.snapshot on when it is valid.
+
+    The follower also keeps metrics.snapshot (monitor/snapshot.py) every `snapshot_every_s` (None: never) once
+    `snapshot_min_bytes` of new events arrived, and when it stops: it is the process that folds every event
+    anyway, from byte 0, for the whole life of the run (the head runs it), so the snapshot costs it one pickle
+    every few minutes and saves every later attach the full read."""
+    metrics = RunDir(Path(run_dir)).metrics
+    tail = EventTail(metrics)
+    saver = SnapshotSaver(metrics, snapshot_every_s, snapshot_min_bytes) if snapshot_every_s is not None else None
     if skip_existing:
+        state, tail, loaded = attach(metrics)  # the history from the snapshot when it is valid: a resume of a
+        if loaded.state is not None:  # long run does not re-read its months of events
+            printer.adopt(state)
+            if saver is not None:
+                saver.saved_offset = loaded.offset
         for event in tail.read_new():
             printer.absorb(event)
     handled = 0
@@ -249,6 +271,8 @@ def follow_run(
         for event in tail.read_new():
             printer.handle(event)
             handled += 1
+        if saver is not None:
+            saver.maybe_save(printer.state, tail, force=done)
         if done:
             return handled
         time.sleep(poll_interval)

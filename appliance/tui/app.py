@@ -3,8 +3,11 @@ run directory.
 
 Reading: a timer starts a thread worker every `poll_interval`; the worker reads only the new bytes of
 metrics.jsonl (EventTail), folds them into the RunState under a lock and posts StateChanged naming the sections
-that changed; the handler redraws only those panels. Keys write control files the trainer polls, so the
-dashboard never talks to the training processes and quitting it leaves the run alone.
+that changed; the handler redraws only those panels. The first read starts from metrics.snapshot when it is valid
+(monitor/snapshot.py: the state as of a byte offset, saved by the head's follower), so attaching to a long run
+folds only the events after that offset; the dashboard keeps the snapshot too, when it can write the run
+directory. Keys write control files the trainer polls, so the dashboard never talks to the training processes and
+quitting it leaves the run alone.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from textual.widgets import Footer, Static
 
 from appliance.monitor.events import EventTail
 from appliance.monitor.headless import fmt_loss_scale
+from appliance.monitor.snapshot import SnapshotSaver, attach
 from appliance.monitor.state import SECTIONS, RunState, reduce
 from appliance.rundir import RunDir
 from appliance.tui.screens.confirm import ConfirmScreen
@@ -83,6 +87,9 @@ class DashboardApp(App[int]):
         self.state_lock = threading.Lock()  # the reader thread folds events, the UI thread draws from them
         self._read_lock = threading.Lock()  # one read at a time: a slow read makes the next tick skip
         self._tail = EventTail(self.run_dir.metrics)
+        self._attached = False  # the first read loads the snapshot, in the reader thread
+        self.attach_note = ""  # why the snapshot was not used ("" when it was, or before the first read)
+        self._saver = SnapshotSaver(self.run_dir.metrics, every_s=600.0)
         self._file_mtimes: dict[Path, float] = {}
         self.reads_done = 0  # reads whose result the UI has drawn (tests wait on it)
         self._pending: set[str] = set()  # changed sections waiting for their REDRAW_EVERY
@@ -147,6 +154,13 @@ class DashboardApp(App[int]):
         files = [
             e for e in (self._json_event(self.run_dir.plan, "plan"), self._json_event(self.run_dir.eval, "eval")) if e
         ]
+        if not self._attached:
+            state, self._tail, loaded = attach(self.run_dir.metrics)
+            self.attach_note = loaded.reason
+            self._saver.saved_offset = loaded.offset
+            with self.state_lock:
+                self.state = state
+            self._attached = True
         events = files + self._tail.read_new()
         control = (self.run_dir.request_checkpoint.exists(), self.run_dir.request_stop.exists())
         changed: set[str] = set()
@@ -157,6 +171,9 @@ class DashboardApp(App[int]):
                 if start + REDUCE_BATCH >= len(events):
                     self.state.set_control(*control)
                 changed |= self.state.take_changed()
+        if self.follow:
+            with self.state_lock:
+                self._saver.maybe_save(self.state, self._tail)
         return changed
 
     def _json_event(self, path: Path, kind: str) -> dict[str, Any] | None:
