@@ -60,19 +60,15 @@ class EventWriter:
     """Appends events to metrics.jsonl. Each event is one write() of a whole line, so concurrent writers
     (head process and rank 0) never interleave inside a line on a local or NFS-with-O_APPEND file.
 
-    sinks: None gives the default ones (sinks.py: TensorBoard files beside metrics.jsonl, an offline W&B run when
-    wandb is importable), which cost nothing until an event with figures arrives; [] gives none."""
+    sinks: each receives every event after its line is written. The processes that write figures (rank 0, the
+    nodes' samplers) get TensorBoard and W&B copies through sinks.writer_with_sinks; this module knows no sink."""
 
     def __init__(self, path: Path, echo: bool = False, sinks: list[EventSink] | None = None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
         self.echo = echo
-        if sinks is None:
-            from appliance.monitor.sinks import default_sinks  # imports this module
-
-            sinks = default_sinks(self.path.parent, warn=self._warn)
-        self.sinks = sinks
+        self.sinks: list[EventSink] = list(sinks or [])
 
     def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
         event = make_event(kind, **fields)
@@ -82,7 +78,8 @@ class EventWriter:
             sink.write(event)
         return event
 
-    def _warn(self, message: str) -> None:
+    def warn(self, message: str) -> None:
+        """A warning event (what a sink says when it turns itself off)."""
         self.emit("warning", message=message)
 
     def close(self) -> None:

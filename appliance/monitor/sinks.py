@@ -14,7 +14,7 @@ import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 
-from appliance.monitor.events import EventSink
+from appliance.monitor.events import EventSink, EventWriter
 from appliance.monitor.tensorboard import TensorBoardSink
 from appliance.monitor.wandb_sink import WandbSink, wandb_wanted
 
@@ -24,3 +24,11 @@ def default_sinks(run_root: Path, warn: Callable[[str], None]) -> list[EventSink
     if wandb_wanted() and importlib.util.find_spec("wandb") is not None:
         sinks.append(WandbSink(run_root, warn))
     return sinks
+
+
+def writer_with_sinks(path: Path, echo: bool = False) -> EventWriter:
+    """An EventWriter on ``path`` (metrics.jsonl) that also hands its events to the default sinks: for the processes
+    that write figures (rank 0, each node's sampler). A sink's trouble becomes one warning event of this writer."""
+    writer = EventWriter(path, echo)
+    writer.sinks = default_sinks(writer.path.parent, warn=writer.warn)
+    return writer

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from appliance.errors import BadInput
 from appliance.monitor.events import EventWriter
+from appliance.monitor.sinks import writer_with_sinks
 from appliance.parallel.drift import ReplicaDriftError
 from appliance.planner.runspec import RunSpec, load_spec
 from appliance.rundir import RunDir
@@ -64,7 +65,7 @@ def _start_sampler(run_dir: RunDir, events: EventWriter | None, spec: RunSpec) -
     from appliance.monitor.energy import EnergyMeter, previous_totals
     from appliance.monitor.gpu import GpuSampler
 
-    writer = events or EventWriter(run_dir.metrics)
+    writer = events or writer_with_sinks(run_dir.metrics)
     node = socket.gethostname()
     # The meters use the carbon profile the plan estimated with. A restarted or resumed run carries on from this
     # node's last total, so the totals cover the whole run.
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     device = _device()
     init_deepspeed_comm("nccl" if device.type == "cuda" else "gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    events = EventWriter(run_dir.metrics) if rank == 0 else None
+    events = writer_with_sinks(run_dir.metrics) if rank == 0 else None
     vocab_size = tokenizer_vocab_size(run_dir.tokenizer_json)
     layout = spec.layout
     try:

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from appliance.monitor import tensorboard as tb
-from appliance.monitor.events import EventWriter, read_events
+from appliance.monitor.events import read_events
+from appliance.monitor.sinks import writer_with_sinks
 from appliance.monitor.wandb_sink import WandbSink
 
 STEP_FIELDS = ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_gpu", "mfu", "global_batch_size", "step_time_s")
@@ -55,7 +56,7 @@ def step_fields(step: int) -> dict[str, Any]:
 
 def recorded_run(root: Path) -> list[dict[str, Any]]:
     """The events a short run writes, through one writer with the default sinks (rank 0 and its node's sampler)."""
-    with EventWriter(root / "metrics.jsonl") as writer:
+    with writer_with_sinks(root / "metrics.jsonl") as writer:
         writer.emit("run", state="started")
         writer.emit("gpu", node="node-a", devices=[])  # before any step: plotted at step 0
         for step in (1, 2, 3):
@@ -119,13 +120,13 @@ def test_each_process_writes_its_own_file_and_tensorboard_merges_them(tmp_path: 
     """Rank 0 writes the steps; another node's sampler, in another writer, knows no step and reads the newest one
     from metrics.jsonl. A writer without figures (the head process) opens no file."""
     pytest.importorskip("tensorboard")
-    with EventWriter(tmp_path / "metrics.jsonl") as head:
+    with writer_with_sinks(tmp_path / "metrics.jsonl") as head:
         head.emit("stage", name="train", state="started", progress=0.0)
     assert not (tmp_path / "tensorboard").exists()
-    with EventWriter(tmp_path / "metrics.jsonl") as rank0:
+    with writer_with_sinks(tmp_path / "metrics.jsonl") as rank0:
         for step in (1, 2):
             rank0.emit("step", **step_fields(step))
-    with EventWriter(tmp_path / "metrics.jsonl") as node_b:
+    with writer_with_sinks(tmp_path / "metrics.jsonl") as node_b:
         node_b.emit("energy", node="node-b", kwh=0.5, co2_kg=0.02)
     assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 2
     got = scalars(tmp_path / "tensorboard")
@@ -135,7 +136,7 @@ def test_each_process_writes_its_own_file_and_tensorboard_merges_them(tmp_path: 
 
 def test_rank_zeros_writer_shared_with_its_sampler_thread_opens_one_file(tmp_path: Path) -> None:
     pytest.importorskip("tensorboard")
-    with EventWriter(tmp_path / "metrics.jsonl") as writer:
+    with writer_with_sinks(tmp_path / "metrics.jsonl") as writer:
 
         def sample() -> None:
             for _ in range(20):
@@ -155,7 +156,7 @@ def test_rank_zeros_writer_shared_with_its_sampler_thread_opens_one_file(tmp_pat
 def test_without_tensorboard_one_warning_and_metrics_intact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for name in [m for m in sys.modules if m == "tensorboard" or m.startswith("tensorboard.")] + ["tensorboard"]:
         monkeypatch.setitem(sys.modules, name, None)  # `import tensorboard...` raises ImportError
-    with EventWriter(tmp_path / "metrics.jsonl") as writer:
+    with writer_with_sinks(tmp_path / "metrics.jsonl") as writer:
         for step in (1, 2, 3):
             writer.emit("step", **step_fields(step))
         writer.emit("checkpoint", step=3, path="p", seconds=1.0, bytes=1)
@@ -172,7 +173,7 @@ def test_a_failing_sink_turns_itself_off_with_one_warning(tmp_path: Path, monkey
         raise OSError("disk quota exceeded")
 
     monkeypatch.setattr(tb, "scalars_of", broken)
-    with EventWriter(tmp_path / "metrics.jsonl") as writer:
+    with writer_with_sinks(tmp_path / "metrics.jsonl") as writer:
         for step in (1, 2):
             writer.emit("step", **step_fields(step))
     events = list(read_events(tmp_path / "metrics.jsonl"))
