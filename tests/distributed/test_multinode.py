@@ -1,0 +1,174 @@
+"""Two nodes without SLURM, simulated on this machine: two `train --nnodes 2 --node-rank R --master 127.0.0.1:P`
+processes on one run directory, two ranks each (tp1 pp2 dp2), stop at step 2 on both, then both again to the end.
+
+What it shows: the agents meet at the rendezvous and train one 4-rank run (every global rank reports); the
+rendezvous listens on the given address only (its listening socket read from /proc/net/tcp while it runs, not
+on 0.0.0.0); the stop-and-rerun resumes from the checkpoint; each node's samples name their node; bad flags exit 2
+naming the flag.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prepared_runs import events, explain, prepare_run
+
+from appliance.rundir import RunDir
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 4
+STOP_AT = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _train_cmd(run_dir: RunDir, *args: str) -> list[str]:
+    return [sys.executable, str(ROOT / "bloom_appliance.py"), "train", "--run-dir", str(run_dir.root), *args]
+
+
+def _listeners(port: int) -> set[str]:
+    """The local addresses listening on `port` (IPv4 and IPv6), from /proc/net/tcp*: state 0A is LISTEN."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, port_hex = local.split(":")
+            if state == "0A" and int(port_hex, 16) == port:
+                found.add(address)
+    return found
+
+
+def _two_nodes(run_dir: RunDir, *args: str) -> dict[str, Any]:
+    """Both nodes' `train`, node 1 started first (it waits for the master); the master's listeners while it runs."""
+    port = _free_port()
+    flags = ["--nnodes", "2", "--master", f"127.0.0.1:{port}", *args]
+    procs = [
+        subprocess.Popen(
+            _train_cmd(run_dir, "--node-rank", str(rank), *flags),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (1, 0)
+    ]
+    listening: set[str] = set()
+    deadline = time.monotonic() + 300
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        listening |= _listeners(port)
+        time.sleep(0.2)
+    results = [p.communicate(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
+    return {
+        "codes": [p.returncode for p in procs][::-1],  # node 0's first
+        "output": "\n".join(
+            f"node exit {p.returncode}\n{out[-2000:]}\n{err[-4000:]}"
+            for p, (out, err) in zip(procs, results, strict=True)
+        ),
+        "listening": listening,
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("multinode")
+    run_dir = prepare_run(
+        root / "run",
+        "tp=1,pp=2,dp=2,mbs=2,gbs=4,zero=1,recompute=none",
+        train_samples=4 * STEPS,
+        warmup_samples=4,
+        decay_samples=4 * STEPS,
+        eval_interval=STEPS,
+        eval_samples=2,
+        save_interval=STOP_AT,
+        eval_task_limit=1,
+    )
+    first = _two_nodes(run_dir, "--stop-at-step", str(STOP_AT))
+    first_steps = [e["step"] for e in events(run_dir, "step")]
+    second = _two_nodes(run_dir)
+    return {"dir": run_dir, "first": first, "first_steps": first_steps, "second": second}
+
+
+def test_two_nodes_stop_at_a_step_then_resume_to_the_end(runs: dict[str, Any]) -> None:
+    run_dir: RunDir = runs["dir"]
+    assert runs["first"]["codes"] == [3, 3], runs["first"]["output"]  # 3: stopped with a checkpoint
+    assert runs["second"]["codes"] == [0, 0], runs["second"]["output"]
+    assert runs["first_steps"] == [1, 2]
+    steps = [e["step"] for e in events(run_dir, "step")]
+    assert steps == [1, 2, 3, 4]  # the rerun resumed at step 3 from step 2's checkpoint
+    assert run_dir.eval.exists()
+
+
+def test_every_rank_of_both_nodes_trained(runs: dict[str, Any]) -> None:
+    run_dir: RunDir = runs["dir"]
+    logs = list(run_dir.logs.glob("**/attempt_*/*/stderr.log"))
+    # Two agents, two launches, two local ranks each: eight rank logs.
+    assert len(logs) == 8, logs
+    assert (run_dir.logs / "agent.log").exists() and (run_dir.logs / "agent-node1.log").exists()
+
+
+def test_rendezvous_listens_on_the_given_address_only(runs: dict[str, Any]) -> None:
+    loopback = "0100007F"  # 127.0.0.1 as /proc/net/tcp writes it (little-endian hex)
+    for launch in ("first", "second"):
+        assert runs[launch]["listening"] == {loopback}, runs[launch]["listening"]
+
+
+def test_each_node_names_its_samples(runs: dict[str, Any]) -> None:
+    nodes = {e.get("node") for e in events(runs["dir"]) if e["kind"] in ("gpu", "energy")}
+    host = socket.gethostname()
+    assert {f"{host}/node0", f"{host}/node1"} <= nodes, nodes
+
+
+def _bad(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    run_dir = RunDir(tmp / "bad").make()
+    if not run_dir.plan.exists():
+        plan = prepare_plan_json()
+        run_dir.plan.write_text(json.dumps(plan))
+    return subprocess.run(_train_cmd(run_dir, *args), cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def prepare_plan_json() -> dict[str, Any]:
+    from appliance.hardware import load_hardware
+    from appliance.planner import load_model_shape, make_plan, parse_layout
+
+    layout = parse_layout("tp=1,pp=2,dp=2,mbs=2,gbs=4")
+    return make_plan(load_hardware("cpu-laptop-2core"), load_model_shape("bloom-micro-test"), layout=layout).to_json()
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (("--nnodes", "2", "--node-rank", "2", "--master", "127.0.0.1:29999"), "--node-rank 2"),
+        (("--nnodes", "3", "--node-rank", "0", "--master", "127.0.0.1:29999"), "--nnodes 3"),
+        (("--nnodes", "2", "--node-rank", "0", "--master", "no-such-host.invalid:29999"), "--master"),
+        (("--nnodes", "2", "--node-rank", "0", "--master", "127.0.0.1"), "--master"),
+        (("--nnodes", "2", "--node-rank", "0", "--master", "192.0.2.1:29999"), "--master"),  # not this machine's
+    ],
+)
+def test_bad_node_flags_exit_2_naming_the_flag(tmp_path: Path, args: tuple[str, ...], flag: str) -> None:
+    result = _bad(tmp_path, *args)
+    assert result.returncode == 2, explain(result)
+    assert flag in result.stderr, explain(result)
+
+
+def test_unreachable_master_exits_2(tmp_path: Path) -> None:
+    env = {**os.environ, "BLOOM_MASTER_WAIT_S": "2"}
+    run_dir = RunDir(tmp_path / "bad").make()
+    run_dir.plan.write_text(json.dumps(prepare_plan_json()))
+    cmd = _train_cmd(run_dir, "--nnodes", "2", "--node-rank", "1", "--master", f"127.0.0.1:{_free_port()}")
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2, explain(result)
+    assert "--master" in result.stderr and "unreachable" in result.stderr, explain(result)
