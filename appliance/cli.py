@@ -272,8 +272,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         overrides=parse_overrides(args.overrides),
         prepare_only=args.prepare_only,
         budget_s=parse_duration(args.budget) if args.budget else None,
+        nodes=_nodes(args),
     )
-    headless = args.headless or not sys.stdout.isatty()
+    headless = args.headless or not sys.stdout.isatty() or (req.nodes is not None and not req.nodes.is_head)
     if not headless:
         # Validate in the foreground (exit 2 here on bad input), then run headless in the background and attach
         # the dashboard: quitting the dashboard leaves the run going, as on a head node.
