@@ -172,3 +172,21 @@ def test_unreachable_master_exits_2(tmp_path: Path) -> None:
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 2, explain(result)
     assert "--master" in result.stderr and "unreachable" in result.stderr, explain(result)
+
+
+def test_hostfile_gives_the_node_count_the_master_and_this_machines_rank(tmp_path: Path) -> None:
+    from appliance.errors import BadInput
+    from appliance.train.nodes import node_group
+
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# the master first\n192.0.2.1 slots=8\nlocalhost\n")
+    group = node_group(nnodes=None, node_rank=None, master=None, hostfile=hostfile)
+    assert group is not None
+    assert (group.nnodes, group.node_rank, group.master) == (2, 1, "192.0.2.1:29500")
+    given = node_group(nnodes=2, node_rank=0, master="192.0.2.1:29611", hostfile=hostfile)
+    assert given is not None and (given.node_rank, given.master_port) == (0, 29611)
+    with pytest.raises(BadInput, match="--nnodes 3: --hostfile"):
+        node_group(nnodes=3, node_rank=None, master=None, hostfile=hostfile)
+    hostfile.write_text("192.0.2.1\n192.0.2.2\n")
+    with pytest.raises(BadInput, match=r"--hostfile .* give --node-rank"):
+        node_group(nnodes=None, node_rank=None, master=None, hostfile=hostfile)
