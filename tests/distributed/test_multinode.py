@@ -190,3 +190,31 @@ def test_hostfile_gives_the_node_count_the_master_and_this_machines_rank(tmp_pat
     hostfile.write_text("192.0.2.1\n192.0.2.2\n")
     with pytest.raises(BadInput, match=r"--hostfile .* give --node-rank"):
         node_group(nnodes=None, node_rank=None, master=None, hostfile=hostfile)
+
+
+def test_every_agent_joins_the_store_node_0_hosts(tmp_path: Path) -> None:
+    from appliance.train.launch import agent_command
+
+    cmd = agent_command(
+        tmp_path,
+        nproc_per_node=2,
+        max_restarts=0,
+        nnodes=2,
+        rdzv_endpoint="127.0.0.1:29611",
+        store_hosted_elsewhere=True,
+    )
+    assert "--standalone" not in cmd
+    assert {"--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29611", "--rdzv-conf=is_host=false"} <= set(
+        cmd
+    )
+
+
+def test_run_on_another_node_waits_for_node_0s_stages_then_names_the_run_dir(tmp_path: Path) -> None:
+    from appliance.errors import BadInput
+    from appliance.head_run import RunRequest, run_on_other_node
+    from appliance.train.nodes import NodeGroup
+
+    nodes = NodeGroup(nnodes=2, node_rank=1, master_host="127.0.0.1", master_port=29611)
+    request = RunRequest(corpus=[], run_dir=tmp_path / "not-shared", nodes=nodes)
+    with pytest.raises(BadInput, match=r"--run-dir .*not-shared: node 0's data stages did not appear"):
+        run_on_other_node(request, nodes, wait_s=0.1)
