@@ -3,8 +3,8 @@
 The agent restarts the whole worker group when a rank dies (--max-restarts), and the workers resume from the
 newest valid checkpoint. On one node it runs with a standalone rendezvous on loopback; under SLURM each node runs
 the same agent with a shared c10d rendezvous on the first node (see appliance/train/slurm.py); without SLURM, with
-`--nnodes/--node-rank/--master`, each node's launcher starts its agent, and node 0's hosts the rendezvous store on
-the master address only (see appliance/train/nodes.py).
+`--nnodes/--node-rank/--master`, each node's launcher starts its agent, node 0's under a process that hosts the
+rendezvous store on the master address only (see appliance/train/nodes.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 from appliance.monitor.events import EventWriter
 from appliance.planner.runspec import RunSpec, load_spec
 from appliance.rundir import RunDir
-from appliance.train.nodes import NodeGroup, RendezvousStore, wait_for_master
+from appliance.train.nodes import NodeGroup, check_master_here, store_host_command, wait_for_master
 from appliance.train.runlock import LOCK_ENV, RunLock, own_run_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -176,7 +176,9 @@ def run_agent(
     )
     previous = _request_stop_on_signals(run_dir) if threading.current_thread() is threading.main_thread() else {}
     agent_log = run_dir.logs / ("agent.log" if nodes is None or nodes.is_head else f"agent-node{nodes.node_rank}.log")
-    store = RendezvousStore(nodes) if nodes is not None and nodes.is_head else None
+    if nodes is not None and nodes.is_head:
+        check_master_here(nodes)  # exit 2 naming --master before anything starts
+        cmd = store_host_command(nodes, cmd)
     try:
         if nodes is not None and not nodes.is_head:
             wait_for_master(nodes)
@@ -211,8 +213,6 @@ def run_agent(
                     run_dir.control.mkdir(parents=True, exist_ok=True)
                     run_dir.request_stop.touch()
     finally:
-        if store is not None:
-            store.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

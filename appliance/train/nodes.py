@@ -5,11 +5,12 @@ first is the master, this host's line its rank unless --node-rank says). Every n
 starts one elastic agent for its share of the plan's ranks (tp x pp x dp / N), and the agents meet at a c10d
 rendezvous at HOST:PORT.
 
-Who hosts the rendezvous: node 0's launcher, not its agent. torch's TCPStore server listens on every interface
-(`*:PORT`) whatever host it is given; the launcher binds the listening socket itself, to HOST only, and hands it
-to the store (`master_listen_fd`); every agent, node 0's included, joins as a client (`is_host=false`). HOST is
-the address the user names: 127.0.0.1 reaches nothing outside the machine, 0.0.0.0 listens everywhere, and only
-when written so. The store lives as long as node 0's launcher: stopping that process ends the rendezvous.
+Who hosts the rendezvous: on node 0, a small process that runs the agent as its child, not the agent. torch's
+TCPStore server listens on every interface (`*:PORT`) whatever host it is given; this process binds the listening
+socket itself, to HOST only, and hands it to the store (`master_listen_fd`); every agent, node 0's included, joins
+as a client (`is_host=false`). HOST is the address the user names: 127.0.0.1 reaches nothing outside the machine,
+0.0.0.0 listens everywhere, and only when written so. The store lives exactly as long as node 0's agent, which
+outlives the head as on one node.
 
 Files: the run directory must be one directory on a file system every node mounts (as under SLURM). Node 0 runs
 the data stages; the other nodes wait for them (the stage records in stages.json) and read the same plan, data
@@ -22,11 +23,12 @@ import contextlib
 import errno
 import os
 import socket
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 from appliance.errors import BadInput
 
@@ -145,38 +147,63 @@ def node_group(
     return NodeGroup(nnodes=nnodes, node_rank=node_rank or 0, master_host=host, master_port=port)
 
 
-class RendezvousStore:
-    """The c10d rendezvous store, listening on the master address only (see the module docstring)."""
-
-    def __init__(self, group: NodeGroup) -> None:
-        from torch.distributed import TCPStore
-
-        family = socket.AF_INET6 if ":" in group.master_host else socket.AF_INET
-        self.socket = socket.socket(family, socket.SOCK_STREAM)
-        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self.socket.bind((group.master_host, group.master_port))
-        except OSError as e:
-            self.socket.close()
-            why = (
-                "is not an address of this machine (node 0 hosts the rendezvous)"
-                if e.errno == errno.EADDRNOTAVAIL
-                else f"cannot listen there: {e.strerror}"
-            )
-            raise BadInput(f"--master {group.master}: {why}") from None
-        self.socket.listen(1024)
-        self.store: Any = TCPStore(
-            group.master_host,
-            group.master_port,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=600),
-            master_listen_fd=self.socket.fileno(),
+def _listening_socket(host: str, port: int, flag: str) -> socket.socket:
+    """A socket bound to HOST:PORT only and listening, or BadInput naming `flag`."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        why = (
+            "is not an address of this machine (node 0 hosts the rendezvous)"
+            if e.errno == errno.EADDRNOTAVAIL
+            else f"cannot listen there: {e.strerror}"
         )
-        self.socket.detach()  # the store's server owns the descriptor now, and closes it
+        raise BadInput(f"{flag} {host}:{port}: {why}") from None
+    sock.listen(1024)
+    return sock
 
-    def close(self) -> None:
-        del self.store
+
+def check_master_here(group: NodeGroup) -> None:
+    """Node 0, before anything starts: the master address is this machine's and its port is free."""
+    _listening_socket(group.master_host, group.master_port, "--master").close()
+
+
+def store_host_command(group: NodeGroup, agent: list[str], python: str = sys.executable) -> list[str]:
+    """Node 0's agent, run under the process that hosts the rendezvous store for exactly the agent's life: the
+    store outlives the head as the agent does (a dropped ssh session stops neither)."""
+    return [python, "-m", "appliance.train.nodes", "--host-store", group.master, "--", *agent]
+
+
+def host_store_while(host: str, port: int, command: list[str]) -> int:
+    """Serve the c10d store on HOST:PORT only while `command` runs; its exit code."""
+    from torch.distributed import TCPStore
+
+    sock = _listening_socket(host, port, "--master")
+    # torch's TCPStore server would bind every interface itself; given a listening descriptor, it serves that one
+    # (and owns it from then on).
+    store = TCPStore(
+        host,
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=600),
+        master_listen_fd=sock.fileno(),
+    )
+    sock.detach()
+    try:
+        return subprocess.call(command)
+    finally:
+        del store
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) < 4 or args[0] != "--host-store" or args[2] != "--":
+        raise SystemExit("usage: python -m appliance.train.nodes --host-store HOST:PORT -- AGENT COMMAND...")
+    host, port = parse_master(args[1])
+    return host_store_while(host, port, args[3:])
 
 
 def wait_for_master(group: NodeGroup, *, wait_s: float | None = None) -> None:
@@ -194,3 +221,7 @@ def wait_for_master(group: NodeGroup, *, wait_s: float | None = None) -> None:
                     " is node 0 started with the same --master?"
                 ) from None
             time.sleep(1.0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
