@@ -105,10 +105,11 @@ class AgentLogWatcher:
     A worker the hang watchdog killed was already reported, with the better reason, and is not reported again.
     """
 
-    def __init__(self, run_dir: RunDir, log: Path, events: EventWriter) -> None:
+    def __init__(self, run_dir: RunDir, log: Path, events: EventWriter, node: str | None = None) -> None:
         self.run_dir = run_dir
         self.log = log
         self.events = events
+        self.node = node  # several nodes: which node's agent saw it (its `rank` is the local rank there)
         self.offset = log.stat().st_size if log.exists() else 0
         self.partial = b""
 
@@ -134,11 +135,14 @@ class AgentLogWatcher:
             if was_killed_as_hung(self.run_dir.heartbeats, pid):
                 continue
             cause = f"killed by {signal.Signals(-code).name}" if code < 0 and -code in _SIGNALS else f"exit code {code}"
+            where = {} if self.node is None else {"node": self.node}
+            who = f"rank {local_rank}" if self.node is None else f"local rank {local_rank} on {self.node}"
             self.events.emit(
                 "failure",
                 rank=local_rank,
-                reason=f"rank {local_rank} (pid {pid}) died: {cause}; the agent restarts the workers",
+                reason=f"{who} (pid {pid}) died: {cause}; the agent restarts the workers",
                 exit_code=code,
+                **where,
             )
             reported += 1
         return reported
@@ -183,7 +187,7 @@ def run_agent(
         if nodes is not None and not nodes.is_head:
             wait_for_master(nodes)
         with open(agent_log, "ab") as log, EventWriter(run_dir.metrics) as events, _node_lock(run_dir, nodes) as lock:
-            watcher = AgentLogWatcher(run_dir, agent_log, events)
+            watcher = AgentLogWatcher(run_dir, agent_log, events, node=nodes.node_name() if multi and nodes else None)
             # A new session: a Ctrl-C in the terminal reaches the head process only, which turns it into a
             # save-and-exit request instead of killing ranks mid-step. The agent inherits the run directory's
             # lock (pass_fds) and keeps it if this process dies; its ranks join it (appliance/train/runlock.py).
