@@ -22,6 +22,7 @@ from appliance.train.runlock import own_run_dir, refuse_if_live
 
 if TYPE_CHECKING:
     from appliance.head_run import RunRequest
+    from appliance.train.nodes import NodeGroup
 
 from appliance.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_PREEMPTED, BadInput
 
@@ -84,6 +85,32 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--budget", help=BUDGET_HELP)
     p.add_argument("--prepare-only", action="store_true", help="stop after plan, prep, tokenizer and data")
     _add_set(p, "override a training setting (e.g. lr=3e-4); unknown keys are an error; " + SET_RESUMED_HELP)
+    _add_nodes(p)
+
+
+def _add_nodes(p: argparse.ArgumentParser) -> None:
+    """Several machines without SLURM (appliance/train/nodes.py): the same command on every node."""
+    g = p.add_argument_group("several nodes without SLURM (the run directory on a shared file system)")
+    g.add_argument("--nnodes", type=int, metavar="N", help="machines in the run; each starts tp*pp*dp/N ranks")
+    g.add_argument("--node-rank", type=int, metavar="R", help="this machine's place, 0..N-1 (0 hosts the rendezvous)")
+    g.add_argument(
+        "--master",
+        metavar="HOST:PORT",
+        help="the rendezvous, on node 0; it listens on HOST only (0.0.0.0 only if written so)",
+    )
+    g.add_argument(
+        "--hostfile",
+        type=Path,
+        metavar="FILE",
+        help="one host a line: N is the line count, the first host the master (port 29500 unless --master),"
+        " this machine's line its rank unless --node-rank",
+    )
+
+
+def _nodes(args: argparse.Namespace) -> NodeGroup | None:
+    from appliance.train.nodes import node_group
+
+    return node_group(nnodes=args.nnodes, node_rank=args.node_rank, master=args.master, hostfile=args.hostfile)
 
 
 # --set on a run that has started: only the keys planner/train_settings.py lets change mid-run.
@@ -179,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue at another parallel layout (e.g. on fewer nodes): the newest checkpoint loads directly",
     )
     _add_set(p, "change a setting before this launch (e.g. eval_interval=100); " + SET_RESUMED_HELP)
+    _add_nodes(p)
 
     p = sub.add_parser("eval", help="evaluate the newest checkpoint of a run")
     p.add_argument("--run-dir", type=Path, required=True, help="a run directory with a checkpoint; writes eval.json")
@@ -244,8 +272,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         overrides=parse_overrides(args.overrides),
         prepare_only=args.prepare_only,
         budget_s=parse_duration(args.budget) if args.budget else None,
+        nodes=_nodes(args),
     )
-    headless = args.headless or not sys.stdout.isatty()
+    headless = args.headless or not sys.stdout.isatty() or (req.nodes is not None and not req.nodes.is_head)
     if not headless:
         # Validate in the foreground (exit 2 here on bad input), then run headless in the background and attach
         # the dashboard: quitting the dashboard leaves the run going, as on a head node.
@@ -422,12 +451,15 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     return 0
 
 
-def _launch(run_dir_path: Path, worker_args: tuple[str, ...] = ()) -> int:
+def _launch(run_dir_path: Path, worker_args: tuple[str, ...] = (), nodes: NodeGroup | None = None) -> int:
     from appliance.train.launch import last_rank_errors, run_plan
 
     run_dir = RunDir(_need_run_dir(run_dir_path))
-    with own_run_dir(run_dir):  # exit 2, naming the owner, while a live run trains in this directory
-        code = run_plan(run_dir, worker_args=worker_args)
+    if nodes is not None and not nodes.is_head:  # node 0 owns the directory; these ranks join its lock
+        code = run_plan(run_dir, worker_args=worker_args, nodes=nodes)
+    else:
+        with own_run_dir(run_dir):  # exit 2, naming the owner, while a live run trains in this directory
+            code = run_plan(run_dir, worker_args=worker_args, nodes=nodes)
     if code != 0:
         print(last_rank_errors(run_dir), file=sys.stderr)
         return EXIT_FAILED
@@ -442,11 +474,23 @@ def _launch(run_dir_path: Path, worker_args: tuple[str, ...] = ()) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     if args.stop_at_step is not None and args.stop_at_step < 1:
         raise BadInput(f"--stop-at-step {args.stop_at_step}: must be a step number of at least 1")
+    nodes = _nodes(args)
+    if nodes is not None and not nodes.is_head:
+        # Only node 0 changes the plan: the other nodes' ranks read it after the rendezvous, which node 0 opens
+        # once its changes are written.
+        for flag, value in (("--layout", args.layout), ("--set", args.overrides)):
+            if value:
+                raise BadInput(f"{flag}: give it on node 0 only (this is --node-rank {nodes.node_rank})")
+        return _launch(args.run_dir, _stop_args(args), nodes)
     with own_run_dir(RunDir(_need_run_dir(args.run_dir))):  # from before --layout rewrites the plan
-        return _train(args)
+        return _train(args, nodes)
 
 
-def _train(args: argparse.Namespace) -> int:
+def _stop_args(args: argparse.Namespace) -> tuple[str, ...]:
+    return () if args.stop_at_step is None else ("--stop-at-step", str(args.stop_at_step))
+
+
+def _train(args: argparse.Namespace, nodes: NodeGroup | None = None) -> int:
     if args.overrides and args.layout:  # refuse a bad --set before --layout rewrites the plan
         from appliance.overrides import parse_overrides
         from appliance.train.live_settings import plan_change
@@ -460,7 +504,7 @@ def _train(args: argparse.Namespace) -> int:
         print(f"layout {before} -> {after}: the newest checkpoint loads at the new layout")
     if args.overrides:
         _change_settings(RunDir(args.run_dir), args.overrides)
-    return _launch(args.run_dir, () if args.stop_at_step is None else ("--stop-at-step", str(args.stop_at_step)))
+    return _launch(args.run_dir, _stop_args(args), nodes)
 
 
 def _change_settings(run_dir: RunDir, items: list[str]) -> None:

@@ -22,6 +22,7 @@ from appliance.planner.sizing import retime
 from appliance.rundir import RunDir, point_latest
 from appliance.stages import Stages, fingerprint, settings_key
 from appliance.train.atomic import write_atomic
+from appliance.train.nodes import NodeGroup
 from appliance.train.runlock import own_run_dir
 
 PLAN_EVENT_KEYS = ("hardware", "model", "layout", "estimate", "run", "sizing")
@@ -37,6 +38,7 @@ class RunRequest:
     overrides: dict[str, Any] = field(default_factory=dict)
     prepare_only: bool = False  # stop after the data stages (a SLURM job then trains; see train/slurm.py)
     budget_s: float | None = None  # --budget: wall time for the whole run; None: default_budget_s
+    nodes: NodeGroup | None = None  # --nnodes/--node-rank/--master: this node's share (appliance/train/nodes.py)
 
 
 def default_run_dir(model_name: str) -> Path:
@@ -149,6 +151,8 @@ def _carbon_overrides(run: RunSection, overrides: dict[str, Any]) -> RunSection:
 
 
 def run(req: RunRequest, *, on_event_writer: Any = None) -> int:
+    if req.nodes is not None and not req.nodes.is_head:
+        return run_on_other_node(req, req.nodes)
     check_inputs(req.corpus)
     check_resumed_settings(req)  # a refused --set leaves the run directory as it was, events included
     spec = existing_plan(req) or make_run_plan(req)
@@ -193,7 +197,7 @@ def _run_stages(req: RunRequest, spec: RunSpec, run_dir: RunDir, stages: Stages,
     from appliance.data.prep import prepare_corpus
     from appliance.data.tokenize_corpus import build_indexed_datasets
     from appliance.tokenizer.bpe import train_tokenizer
-    from appliance.train.launch import check_plan_runs_here, last_rank_errors, run_plan
+    from appliance.train.launch import check_plan_runs_here, run_plan
 
     # The plan is fixed once written: a rerun of the same run directory keeps its plan and resumes. Its --set may
     # change only the keys that may change mid-run (train/live_settings.py), each recorded as a `settings` event.
@@ -212,7 +216,9 @@ def _run_stages(req: RunRequest, spec: RunSpec, run_dir: RunDir, stages: Stages,
     # Before the plan is fixed and before any stage: a rerun with the `--set` the refusal names then applies. A
     # --prepare-only run trains elsewhere (a SLURM job's nodes, whose ranks check their own).
     if not req.prepare_only:
-        check_plan_runs_here(spec, str(run_dir.plan), ranks_here=spec.layout.world_size)
+        world = spec.layout.world_size
+        ranks_here = world if req.nodes is None else req.nodes.ranks_per_node(world, str(run_dir.plan))
+        check_plan_runs_here(spec, str(run_dir.plan), ranks_here=ranks_here)
     stages.run("plan", key=settings_key(plan=plan), outputs=[run_dir.plan], work=write_plan)
     layout, train, workers = spec.layout, spec.train, spec.data_workers(os.cpu_count())
 
@@ -272,13 +278,7 @@ def _run_stages(req: RunRequest, spec: RunSpec, run_dir: RunDir, stages: Stages,
         return "prepared"
 
     def train_work(progress: Any) -> None:
-        code = run_plan(run_dir)
-        if run_dir.preempted_marker.exists():
-            raise Preempted(f"stopped on request after a checkpoint: {run_dir.checkpoints}")
-        if run_dir.failed_marker.exists():
-            raise RuntimeError(f"training stopped, not retried: {run_dir.failed_marker.read_text().strip()}")
-        if code != 0 or not run_dir.eval.exists():
-            raise RuntimeError(f"training failed (agent exit code {code})\n{last_rank_errors(run_dir)}")
+        check_training_outcome(run_dir, run_plan(run_dir, nodes=req.nodes))
 
     try:
         stages.run("train", key=settings_key(plan=plan), outputs=[run_dir.eval], work=train_work)
@@ -292,6 +292,58 @@ def _run_stages(req: RunRequest, spec: RunSpec, run_dir: RunDir, stages: Stages,
 
     stages.run("export", key=settings_key(eval=fingerprint([run_dir.eval])), outputs=[run_dir.export], work=export_work)
     return "done"
+
+
+def check_training_outcome(run_dir: RunDir, code: int) -> None:
+    """Preempted, or RuntimeError naming the cause, unless the agent's training ended with its evaluation."""
+    from appliance.train.launch import last_rank_errors
+
+    if run_dir.preempted_marker.exists():
+        raise Preempted(f"stopped on request after a checkpoint: {run_dir.checkpoints}")
+    if run_dir.failed_marker.exists():
+        raise RuntimeError(f"training stopped, not retried: {run_dir.failed_marker.read_text().strip()}")
+    if code != 0 or not run_dir.eval.exists():
+        raise RuntimeError(f"training failed (agent exit code {code})\n{last_rank_errors(run_dir)}")
+
+
+# How often a node other than 0 looks whether node 0's data stages are done, and for how long (a large corpus's
+# prep and tokenization take hours).
+STAGES_POLL_S = 2.0
+STAGES_WAIT_S = 24 * 3600.0
+
+
+def run_on_other_node(req: RunRequest, nodes: NodeGroup, *, wait_s: float = STAGES_WAIT_S) -> int:
+    """`run` on a node other than 0: no stage runs here. Node 0 plans and prepares the data in the same run
+    directory, on a file system both mount; this node waits until stages.json records the data stage, then starts
+    its share of the ranks. A run directory this node does not see fills never: the wait ends with BadInput."""
+    from appliance.train.launch import run_plan
+
+    if req.run_dir is None:
+        raise BadInput(f"--run-dir: needed on --node-rank {nodes.node_rank} (node 0's, on a shared file system)")
+    run_dir = RunDir(req.run_dir)
+    deadline = time.monotonic() + wait_s
+    while not _data_ready(run_dir):
+        if time.monotonic() > deadline:
+            raise BadInput(
+                f"--run-dir {run_dir.root}: node 0's data stages did not appear in {wait_s:.0f} s; it must be node"
+                " 0's run directory, on a file system every node mounts"
+            )
+        time.sleep(STAGES_POLL_S)
+    if req.prepare_only:
+        return EXIT_OK
+    try:
+        check_training_outcome(run_dir, run_plan(run_dir, nodes=nodes))
+    except Preempted:
+        return EXIT_PREEMPTED
+    return EXIT_OK
+
+
+def _data_ready(run_dir: RunDir) -> bool:
+    try:
+        records = json.loads(run_dir.manifest.read_text())
+    except (OSError, ValueError):
+        return False
+    return "data" in records and run_dir.plan.exists()
 
 
 def check_resumed_settings(req: RunRequest) -> None:

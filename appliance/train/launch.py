@@ -2,17 +2,21 @@
 
 The agent restarts the whole worker group when a rank dies (--max-restarts), and the workers resume from the
 newest valid checkpoint. On one node it runs with a standalone rendezvous on loopback; under SLURM each node runs
-the same agent with a shared c10d rendezvous on the first node (see appliance/train/slurm.py).
+the same agent with a shared c10d rendezvous on the first node (see appliance/train/slurm.py); without SLURM, with
+`--nnodes/--node-rank/--master`, each node's launcher starts its agent, node 0's under a process that hosts the
+rendezvous store on the master address only (see appliance/train/nodes.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -20,7 +24,8 @@ from typing import Any
 from appliance.monitor.events import EventWriter
 from appliance.planner.runspec import RunSpec, load_spec
 from appliance.rundir import RunDir
-from appliance.train.runlock import own_run_dir
+from appliance.train.nodes import NodeGroup, check_master_here, store_host_command, wait_for_master
+from appliance.train.runlock import LOCK_ENV, RunLock, own_run_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKER_MODULE = "appliance.train.worker"
@@ -36,7 +41,10 @@ def agent_command(
     rdzv_id: str = "bloom-appliance",
     python: str = sys.executable,
     worker_args: tuple[str, ...] = (),
+    store_hosted_elsewhere: bool = False,
 ) -> list[str]:
+    """The agent's command line. `store_hosted_elsewhere`: every agent joins the rendezvous store as a client (the
+    launcher of node 0 hosts it, bound to the master address only; appliance/train/nodes.py)."""
     cmd = [
         python,
         "-m",
@@ -48,6 +56,8 @@ def agent_command(
         cmd.append("--standalone")  # c10d rendezvous on a free loopback port
     else:
         cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}"]
+        if store_hosted_elsewhere:
+            cmd.append("--rdzv-conf=is_host=false")
     # Each rank's stdout/stderr goes to run_dir/logs/<run id>/attempt_<n>/<rank>/; the console shows events.
     cmd += [f"--log-dir={Path(run_dir) / 'logs'}", "--redirects=3", "--monitor-interval=1"]
     cmd += ["-m", WORKER_MODULE, "--run-dir", str(run_dir), *worker_args]
@@ -95,10 +105,11 @@ class AgentLogWatcher:
     A worker the hang watchdog killed was already reported, with the better reason, and is not reported again.
     """
 
-    def __init__(self, run_dir: RunDir, log: Path, events: EventWriter) -> None:
+    def __init__(self, run_dir: RunDir, log: Path, events: EventWriter, node: str | None = None) -> None:
         self.run_dir = run_dir
         self.log = log
         self.events = events
+        self.node = node  # several nodes: which node's agent saw it (its `rank` is the local rank there)
         self.offset = log.stat().st_size if log.exists() else 0
         self.partial = b""
 
@@ -124,11 +135,14 @@ class AgentLogWatcher:
             if was_killed_as_hung(self.run_dir.heartbeats, pid):
                 continue
             cause = f"killed by {signal.Signals(-code).name}" if code < 0 and -code in _SIGNALS else f"exit code {code}"
+            where = {} if self.node is None else {"node": self.node}
+            who = f"rank {local_rank}" if self.node is None else f"local rank {local_rank} on {self.node}"
             self.events.emit(
                 "failure",
                 rank=local_rank,
-                reason=f"rank {local_rank} (pid {pid}) died: {cause}; the agent restarts the workers",
+                reason=f"{who} (pid {pid}) died: {cause}; the agent restarts the workers",
                 exit_code=code,
+                **where,
             )
             reported += 1
         return reported
@@ -137,24 +151,61 @@ class AgentLogWatcher:
 _SIGNALS = {s.value for s in signal.Signals}
 
 
-def run_agent(run_dir: RunDir, *, nproc_per_node: int, max_restarts: int, worker_args: tuple[str, ...] = ()) -> int:
-    """Runs the agent to completion; returns its exit code. Its own chatter goes to logs/agent.log, which is
-    watched for dead workers (each becomes a `failure` event)."""
+# The name a node's gpu and energy samples carry (appliance/train/worker.py): the host alone names a node when it
+# runs the only agent of the machine, not when simulated nodes share one.
+NODE_NAME_ENV = "BLOOM_NODE_NAME"
+
+
+def run_agent(
+    run_dir: RunDir,
+    *,
+    nproc_per_node: int,
+    max_restarts: int,
+    worker_args: tuple[str, ...] = (),
+    nodes: NodeGroup | None = None,
+) -> int:
+    """Runs the agent to completion; returns its exit code. Its own chatter goes to logs/agent.log (node R > 0:
+    logs/agent-node<R>.log), which is watched for dead workers (each becomes a `failure` event)."""
     run_dir.logs.mkdir(parents=True, exist_ok=True)
-    cmd = agent_command(run_dir.root, nproc_per_node=nproc_per_node, max_restarts=max_restarts, worker_args=worker_args)
+    multi = nodes is not None and nodes.nnodes > 1
+    cmd = agent_command(
+        run_dir.root,
+        nproc_per_node=nproc_per_node,
+        max_restarts=max_restarts,
+        worker_args=worker_args,
+        nnodes=1 if nodes is None else nodes.nnodes,
+        rdzv_endpoint=None if nodes is None else nodes.master,
+        rdzv_id=f"bloom-{run_dir.root.resolve().name}",
+        store_hosted_elsewhere=nodes is not None,
+    )
     previous = _request_stop_on_signals(run_dir) if threading.current_thread() is threading.main_thread() else {}
-    agent_log = run_dir.logs / "agent.log"
+    agent_log = run_dir.logs / ("agent.log" if nodes is None or nodes.is_head else f"agent-node{nodes.node_rank}.log")
+    if nodes is not None and nodes.is_head:
+        check_master_here(nodes)  # exit 2 naming --master before anything starts
+        cmd = store_host_command(nodes, cmd)
     try:
-        with open(agent_log, "ab") as log, EventWriter(run_dir.metrics) as events, own_run_dir(run_dir) as lock:
-            watcher = AgentLogWatcher(run_dir, agent_log, events)
+        if nodes is not None and not nodes.is_head:
+            wait_for_master(nodes)
+        with open(agent_log, "ab") as log, EventWriter(run_dir.metrics) as events, _node_lock(run_dir, nodes) as lock:
+            watcher = AgentLogWatcher(run_dir, agent_log, events, node=nodes.node_name() if multi and nodes else None)
             # A new session: a Ctrl-C in the terminal reaches the head process only, which turns it into a
             # save-and-exit request instead of killing ranks mid-step. The agent inherits the run directory's
             # lock (pass_fds) and keeps it if this process dies; its ranks join it (appliance/train/runlock.py).
-            env = lock.child_env(worker_env())
+            env = worker_env() if lock is None else lock.child_env(worker_env())
+            if multi and nodes is not None:
+                env[NODE_NAME_ENV] = nodes.node_name()
+                if lock is None:  # a node other than 0: node 0 claimed the directory; these ranks join its lock
+                    env[LOCK_ENV] = str(run_dir.run_lock)
             proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, pass_fds=lock.fds, start_new_session=True
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                pass_fds=() if lock is None else lock.fds,
+                start_new_session=True,
             )
-            lock.note_agent(proc.pid)
+            if lock is not None:
+                lock.note_agent(proc.pid)
             while True:
                 try:
                     code = proc.wait(timeout=1.0)
@@ -168,6 +219,16 @@ def run_agent(run_dir: RunDir, *, nproc_per_node: int, max_restarts: int, worker
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def _node_lock(run_dir: RunDir, nodes: NodeGroup | None) -> Iterator[RunLock | None]:
+    """Node 0 (or the only node) owns the run directory; the other nodes' ranks join its lock."""
+    if nodes is not None and not nodes.is_head:
+        yield None
+        return
+    with own_run_dir(run_dir) as lock:
+        yield lock
 
 
 def check_plan_runs_here(spec: RunSpec, source: str, *, ranks_here: int, in_rank: bool = False) -> None:
@@ -188,21 +249,27 @@ def check_plan_runs_here(spec: RunSpec, source: str, *, ranks_here: int, in_rank
         check_fp16_supported(spec.train.dtype, source)
 
 
-def run_plan(run_dir: RunDir, *, worker_args: tuple[str, ...] = ()) -> int:
-    """The ranks of the run directory's plan on this machine (tp x pp x dp processes, the plan's restart budget).
+def run_plan(run_dir: RunDir, *, worker_args: tuple[str, ...] = (), nodes: NodeGroup | None = None) -> int:
+    """The ranks of the run directory's plan on this machine: tp x pp x dp processes, or that divided by the nodes
+    of `nodes`, with the plan's restart budget.
 
-    Preempted and failed markers left by an earlier launch are cleared first, so they only ever describe this one.
-    A plan the ranks could not read fails here, before any rank starts (BadInput naming plan.json and the key).
+    Preempted and failed markers left by an earlier launch are cleared first (by node 0, the only one that may),
+    so they only ever describe this one. A plan the ranks could not read fails here, before any rank starts
+    (BadInput naming plan.json and the key).
     """
     spec = load_spec(run_dir.plan)
-    check_plan_runs_here(spec, str(run_dir.plan), ranks_here=spec.layout.world_size)
-    run_dir.preempted_marker.unlink(missing_ok=True)
-    run_dir.failed_marker.unlink(missing_ok=True)
+    world = spec.layout.world_size
+    ranks_here = world if nodes is None else nodes.ranks_per_node(world, str(run_dir.plan))
+    check_plan_runs_here(spec, str(run_dir.plan), ranks_here=ranks_here)
+    if nodes is None or nodes.is_head:
+        run_dir.preempted_marker.unlink(missing_ok=True)
+        run_dir.failed_marker.unlink(missing_ok=True)
     return run_agent(
         run_dir,
-        nproc_per_node=spec.layout.world_size,
+        nproc_per_node=ranks_here,
         max_restarts=spec.run.max_restarts,
         worker_args=worker_args,
+        nodes=nodes,
     )
 
 

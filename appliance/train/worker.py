@@ -66,7 +66,9 @@ def _start_sampler(run_dir: RunDir, events: EventWriter | None, spec: RunSpec) -
     from appliance.monitor.gpu import GpuSampler
 
     writer = events or writer_with_sinks(run_dir.metrics)
-    node = socket.gethostname()
+    # Multi-node launches name each node (BLOOM_NODE_NAME, set by appliance/train/launch.py): simulated nodes share
+    # a host, and each node's energy total must carry on from its own.
+    node = os.environ.get("BLOOM_NODE_NAME") or socket.gethostname()
     # The meters use the carbon profile the plan estimated with. A restarted or resumed run carries on from this
     # node's last total, so the totals cover the whole run.
     meter = EnergyMeter(profile=spec.run.carbon, before=previous_totals(run_dir.metrics, node))

@@ -17,7 +17,7 @@ def test_run_plan_starts_tp_pp_dp_ranks_and_clears_a_stale_preempted_marker(tmp_
     run_dir.preempted_marker.write_text("7\n")  # left by an earlier preempted launch
     seen = {}
 
-    def fake_agent(rd, *, nproc_per_node, max_restarts, worker_args=()):
+    def fake_agent(rd, *, nproc_per_node, max_restarts, worker_args=(), nodes=None):
         seen.update(nproc=nproc_per_node, restarts=max_restarts, args=worker_args, marker=rd.preempted_marker.exists())
         return 0
 

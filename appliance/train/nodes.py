@@ -1,0 +1,227 @@
+"""Several machines without SLURM: which node this is, where the rendezvous is, and the rendezvous store itself.
+
+`run` and `train` take `--nnodes N --node-rank R --master HOST:PORT`, or `--hostfile FILE` (one host a line; the
+first is the master, this host's line its rank unless --node-rank says). Every node runs the same command; each
+starts one elastic agent for its share of the plan's ranks (tp x pp x dp / N), and the agents meet at a c10d
+rendezvous at HOST:PORT.
+
+Who hosts the rendezvous: on node 0, a small process that runs the agent as its child, not the agent. torch's
+TCPStore server listens on every interface (`*:PORT`) whatever host it is given; this process binds the listening
+socket itself, to HOST only, and hands it to the store (`master_listen_fd`); every agent, node 0's included, joins
+as a client (`is_host=false`). HOST is the address the user names: 127.0.0.1 reaches nothing outside the machine,
+0.0.0.0 listens everywhere, and only when written so. The store lives exactly as long as node 0's agent, which
+outlives the head as on one node.
+
+Files: the run directory must be one directory on a file system every node mounts (as under SLURM). Node 0 runs
+the data stages; the other nodes wait for them (the stage records in stages.json) and read the same plan, data
+and checkpoints; every rank writes its events to the same metrics.jsonl, so node 0's dashboard sees every node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+from appliance.errors import BadInput
+
+DEFAULT_PORT = 29500
+# A node other than 0 may start before node 0 has its rendezvous up (or before its data stages end): how long it
+# keeps trying the master before the run is refused as unreachable (BLOOM_MASTER_WAIT_S overrides it).
+MASTER_WAIT_S = 120.0
+MASTER_WAIT_ENV = "BLOOM_MASTER_WAIT_S"
+
+
+@dataclass(frozen=True)
+class NodeGroup:
+    """This node's place among `nnodes`; validated on creation, each error naming its flag."""
+
+    nnodes: int
+    node_rank: int
+    master_host: str
+    master_port: int
+
+    def __post_init__(self) -> None:
+        if self.nnodes < 1:
+            raise BadInput(f"--nnodes {self.nnodes}: must be at least 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            last = self.nnodes - 1
+            raise BadInput(f"--node-rank {self.node_rank}: out of range for --nnodes {self.nnodes} (0..{last})")
+        if not 0 < self.master_port < 65536:
+            raise BadInput(f"--master {self.master}: port {self.master_port} is not a TCP port (1..65535)")
+
+    @property
+    def master(self) -> str:
+        host = f"[{self.master_host}]" if ":" in self.master_host else self.master_host
+        return f"{host}:{self.master_port}"
+
+    @property
+    def is_head(self) -> bool:
+        return self.node_rank == 0
+
+    def ranks_per_node(self, world_size: int, source: str) -> int:
+        """The plan's ranks divided over the nodes, or BadInput naming both numbers."""
+        if world_size % self.nnodes:
+            raise BadInput(
+                f"{source}: the plan's tp x pp x dp = {world_size} ranks do not divide over --nnodes {self.nnodes}"
+                f" (use a node count that divides {world_size}, or re-plan with `train --layout`)"
+            )
+        return world_size // self.nnodes
+
+    def node_name(self) -> str:
+        """How this node's samples (gpu, energy events) name it: the host, and the rank where nodes share a host."""
+        return f"{socket.gethostname()}/node{self.node_rank}"
+
+
+def parse_master(text: str, flag: str = "--master") -> tuple[str, int]:
+    """HOST:PORT (or [IPv6]:PORT) into its parts; the host must resolve."""
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit():
+        raise BadInput(f"{flag} {text!r}: expected HOST:PORT, e.g. 10.0.0.1:{DEFAULT_PORT}")
+    try:
+        socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise BadInput(f"{flag} {text}: cannot resolve {host!r} ({e})") from None
+    return host, int(port)
+
+
+def read_hostfile(path: Path) -> list[str]:
+    """Hosts, one a line (`#` starts a comment; words after the host, like MPI's `slots=8`, are ignored)."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise BadInput(f"--hostfile {path}: {e.strerror}") from None
+    hosts = [line.split("#", 1)[0].split()[0] for line in lines if line.split("#", 1)[0].strip()]
+    if not hosts:
+        raise BadInput(f"--hostfile {path}: no hosts in it")
+    return hosts
+
+
+def this_machines_names() -> set[str]:
+    names = {socket.gethostname(), socket.getfqdn(), "localhost"}
+    for name in list(names):
+        with contextlib.suppress(socket.gaierror):
+            names.update(str(info[4][0]) for info in socket.getaddrinfo(name, None))
+    return names
+
+
+def rank_in_hostfile(hosts: list[str], path: Path) -> int:
+    here = this_machines_names()
+    matches = [i for i, host in enumerate(hosts) if host in here]
+    if len(matches) != 1:
+        found = "none of its hosts" if not matches else f"lines {[i + 1 for i in matches]}"
+        raise BadInput(
+            f"--hostfile {path}: this machine ({socket.gethostname()}) is {found}; give --node-rank to say which"
+        )
+    return matches[0]
+
+
+def node_group(
+    *, nnodes: int | None, node_rank: int | None, master: str | None, hostfile: Path | None
+) -> NodeGroup | None:
+    """The flags as a NodeGroup, or None for the one-node default (no flag given)."""
+    if hostfile is not None:
+        hosts = read_hostfile(hostfile)
+        if nnodes is not None and nnodes != len(hosts):
+            raise BadInput(f"--nnodes {nnodes}: --hostfile {hostfile} lists {len(hosts)} hosts")
+        rank = node_rank if node_rank is not None else rank_in_hostfile(hosts, hostfile)
+        host, port = parse_master(master) if master else (hosts[0], DEFAULT_PORT)
+        parse_master(f"{host}:{port}", flag=f"--hostfile {hostfile}: first host")
+        return NodeGroup(nnodes=len(hosts), node_rank=rank, master_host=host, master_port=port)
+    if nnodes is None and node_rank is None and master is None:
+        return None
+    if nnodes is None or master is None:
+        missing = " and ".join(f for f, v in (("--nnodes", nnodes), ("--master", master)) if v is None)
+        raise BadInput(f"{missing}: needed with --node-rank/--nnodes/--master (or give --hostfile)")
+    host, port = parse_master(master)
+    if nnodes > 1 and node_rank is None:
+        raise BadInput(f"--node-rank: needed with --nnodes {nnodes} (0 on the master's machine)")
+    return NodeGroup(nnodes=nnodes, node_rank=node_rank or 0, master_host=host, master_port=port)
+
+
+def _listening_socket(host: str, port: int, flag: str) -> socket.socket:
+    """A socket bound to HOST:PORT only and listening, or BadInput naming `flag`."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        why = (
+            "is not an address of this machine (node 0 hosts the rendezvous)"
+            if e.errno == errno.EADDRNOTAVAIL
+            else f"cannot listen there: {e.strerror}"
+        )
+        raise BadInput(f"{flag} {host}:{port}: {why}") from None
+    sock.listen(1024)
+    return sock
+
+
+def check_master_here(group: NodeGroup) -> None:
+    """Node 0, before anything starts: the master address is this machine's and its port is free."""
+    _listening_socket(group.master_host, group.master_port, "--master").close()
+
+
+def store_host_command(group: NodeGroup, agent: list[str], python: str = sys.executable) -> list[str]:
+    """Node 0's agent, run under the process that hosts the rendezvous store for exactly the agent's life: the
+    store outlives the head as the agent does (a dropped ssh session stops neither)."""
+    return [python, "-m", "appliance.train.nodes", "--host-store", group.master, "--", *agent]
+
+
+def host_store_while(host: str, port: int, command: list[str]) -> int:
+    """Serve the c10d store on HOST:PORT only while `command` runs; its exit code."""
+    from torch.distributed import TCPStore
+
+    sock = _listening_socket(host, port, "--master")
+    # torch's TCPStore server would bind every interface itself; given a listening descriptor, it serves that one
+    # (and owns it from then on).
+    store = TCPStore(
+        host,
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=600),
+        master_listen_fd=sock.fileno(),
+    )
+    sock.detach()
+    try:
+        return subprocess.call(command)
+    finally:
+        del store
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) < 4 or args[0] != "--host-store" or args[2] != "--":
+        raise SystemExit("usage: python -m appliance.train.nodes --host-store HOST:PORT -- AGENT COMMAND...")
+    host, port = parse_master(args[1])
+    return host_store_while(host, port, args[3:])
+
+
+def wait_for_master(group: NodeGroup, *, wait_s: float | None = None) -> None:
+    """A node other than 0: returns once the master accepts connections, or BadInput naming --master."""
+    wait_s = wait_s if wait_s is not None else float(os.environ.get(MASTER_WAIT_ENV, MASTER_WAIT_S))
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with socket.create_connection((group.master_host, group.master_port), timeout=5):
+                return
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise BadInput(
+                    f"--master {group.master}: unreachable for {wait_s:.0f} s ({e.strerror or e});"
+                    " is node 0 started with the same --master?"
+                ) from None
+            time.sleep(1.0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
