@@ -158,6 +158,8 @@ CHANGEABLE_MID_RUN: dict[str, str] = {
     "max_rollbacks": "the recovery policy for non-finite steps, read at each launch",
     "max_restarts": "the elastic agent's restart budget, given to it at each launch",
     "workers": "data-stage processes; the data stages are done and keep their outputs",
+    "overlap_param_gather": "when ZeRO's post-step weight all-gather runs, not what it computes: on and off train bit"
+    " for bit alike (tests/distributed/test_overlap_param_gather.py); read at each launch",
 }
 FIXED_MID_RUN: dict[str, str] = {
     "seq_len": "the data position (consumed samples) counts samples of this length, the data index is cut into"
@@ -186,12 +188,15 @@ FIXED_MID_RUN: dict[str, str] = {
     "carbon_profile": "the energy meters carry one CO2 total across resumes; a new intensity would mix two in it",
     "grid_g_per_kwh": "the energy meters carry one CO2 total across resumes; a new intensity would mix two in it",
     "pue": "the energy meters carry one CO2 total across resumes; a new PUE would mix two in it",
+    "reset_attention_mask": "which keys every token attends to, and with it where each step's samples are placed over"
+    " the DP ranks: the weights so far were trained under one rule, and a resumed run would no longer repeat the"
+    " uninterrupted one; start a new run with it",
 }
 # Keys of other plan sections a user may try mid-run: not --set keys at all, but the refusal says where they change.
 NOT_SETTINGS: dict[str, str] = {
     **{
         key: "a layout key: continue at another layout with `train --run-dir D --layout tp=T,pp=P,dp=D`"
-        for key in ("tp", "pp", "dp", "cp", "zero_stage", "recompute", "sequence_parallel")
+        for key in ("tp", "pp", "dp", "cp", "cp_mode", "zero_stage", "recompute", "sequence_parallel")
     },
     **{
         key: "the model's shape: the checkpoint's weights have this shape"
