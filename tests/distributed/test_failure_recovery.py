@@ -43,8 +43,16 @@ def test_a_hung_rank_is_detected_within_the_timeout_named_and_restarted(base: Ru
     run_dir = copy_run(base, tmp_path / "hang", max_restarts=1, hang_timeout_s=HANG_TIMEOUT_S, heartbeat_interval_s=0.5)
     result = train(run_dir, faults="hang@step=5:rank=1")
     assert result.returncode == 0, explain(result)
-    (failure,) = events(run_dir, "failure")  # the agent's report of the killed process is not a second failure
-    assert failure["rank"] == 1 and "hung" in failure["reason"] and failure["detected_by"] == 0
+    failures = events(run_dir, "failure")
+    # Exactly one hang report; the agent's report of the killed process is not a second failure. A peer blocked in a
+    # collective with the killed rank may see its connection break and exit before the agent stops it (a race that
+    # shows under load): the agent then reports that exit too, after the hang, as a restartable death, never fatal.
+    (failure,) = [f for f in failures if "hung" in f["reason"]]
+    assert failure["rank"] == 1 and failure["detected_by"] == 0
+    for other in failures:
+        if other is not failure:
+            assert other["t"] > failure["t"] and "died" in other["reason"] and not other.get("fatal"), other
+    assert len(failures) <= 2, failures
     last_step_before = max(e["t"] for e in events(run_dir, "step") if e["t"] < failure["t"])
     assert failure["t"] - last_step_before < HANG_TIMEOUT_S + 4.0
     (recovery,) = events(run_dir, "recovery")
