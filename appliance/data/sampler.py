@@ -24,6 +24,20 @@ from collections.abc import Callable, Iterator
 from appliance.data.balance import place_samples
 
 
+def check_position(
+    total_samples: int, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int
+) -> None:
+    """ValueError naming the value when a sampler's position or batch arguments cannot describe a run."""
+    if total_samples <= 0:
+        raise ValueError(f"no sample to consume: total_samples={total_samples}")
+    if not 0 <= consumed_samples <= total_samples:
+        raise ValueError(f"consumed_samples={consumed_samples} outside [0, total_samples={total_samples}]")
+    if micro_batch_size <= 0 or dp_size <= 0:
+        raise ValueError(f"micro_batch_size ({micro_batch_size}) and dp_size ({dp_size}) must be positive")
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank={dp_rank} must lie in [0, dp_size={dp_size})")
+
+
 class PretrainingSampler:
     """Yields this DP rank's micro batches (lists of global sample indices), from consumed_samples on."""
 
@@ -36,14 +50,7 @@ class PretrainingSampler:
         dp_size: int,
         drop_last: bool = True,
     ) -> None:
-        if total_samples <= 0:
-            raise ValueError(f"no sample to consume: total_samples={total_samples}")
-        if not 0 <= consumed_samples <= total_samples:
-            raise ValueError(f"consumed_samples={consumed_samples} outside [0, total_samples={total_samples}]")
-        if micro_batch_size <= 0 or dp_size <= 0:
-            raise ValueError(f"micro_batch_size ({micro_batch_size}) and dp_size ({dp_size}) must be positive")
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank={dp_rank} must lie in [0, dp_size={dp_size})")
+        check_position(total_samples, consumed_samples, micro_batch_size, dp_rank, dp_size)
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
         self.micro_batch_size = micro_batch_size
@@ -93,8 +100,7 @@ class BalancedPretrainingSampler:
         batch_size_at: Callable[[int], int],
         sample_cost: Callable[[int], float],
     ) -> None:
-        # The same checks as the contiguous sampler, with the same messages.
-        PretrainingSampler(total_samples, consumed_samples, micro_batch_size, dp_rank, dp_size)
+        check_position(total_samples, consumed_samples, micro_batch_size, dp_rank, dp_size)
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
         self.micro_batch_size = micro_batch_size
