@@ -307,3 +307,25 @@ def offload_traffic(shape: MoeShape, links: MoeLinks, tier: OffloadTier) -> Offl
         moved += 2 * memory.optimizer
         return OffloadTraffic(tier, float(moved), moved / min(links.disk_bandwidth, links.host_bandwidth))
     raise BadInput(f"expert offload tier {tier!r}: must be host or disk")
+
+
+# ---- plan notes -----------------------------------------------------------------------------------------------
+def moe_plan_notes(shape: MoeShape, hw: Hardware) -> list[str]:
+    """The lines a plan shows for a model with experts: expert memory, the all-to-all chosen and why, its traffic,
+    and what the capacity factor costs in compute."""
+    links = links_from_hardware(hw)
+    memory = expert_memory_per_rank(shape)
+    choice = choose_all_to_all(shape, links)
+    cost = choice.hierarchical if choice.kind == "hierarchical" and choice.hierarchical else choice.flat
+    compute = expert_compute_per_step(shape)
+    gib = 2**30
+    return [
+        f"experts: {shape.num_experts // shape.ep} of {shape.num_experts} per rank in each of {shape.moe_layers} "
+        f"MoE layers, {memory.total / gib:.2f} GiB per rank (weights {memory.weights / gib:.2f}, grads "
+        f"{memory.grads / gib:.2f}, optimizer {memory.optimizer / gib:.2f})",
+        f"expert all-to-all: {choice.reason}",
+        f"expert all-to-all per rank and step: {cost.bytes_sent_per_step / 2**20:.1f} MiB sent in "
+        f"{cost.messages_per_step} messages, {cost.seconds_per_step * 1e3:.1f} ms modelled",
+        f"capacity factor {shape.capacity_factor:g}: {compute.padding_fraction:.0%} of the expert FLOPs "
+        f"({compute.flops / 1e12:.2f} TFLOP per rank and step) go to padding slots",
+    ]

@@ -21,6 +21,7 @@ from appliance.planner.moe_costs import (
     flat_cost,
     hierarchical_cost,
     links_from_hardware,
+    moe_plan_notes,
     offload_traffic,
 )
 
@@ -160,3 +161,14 @@ def test_ranks_per_node_come_from_the_launcher(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     with pytest.raises(BadInput, match="LOCAL_WORLD_SIZE"):
         ranks_per_node_from_launcher()
+
+
+def test_plan_notes_name_memory_choice_traffic_and_padding() -> None:
+    shape = MoeShape(
+        num_experts=64, top_k=2, capacity_factor=1.25, moe_layers=12, hidden=1024, tokens=2048, ep=64, ranks_per_node=8
+    )
+    notes = moe_plan_notes(shape, load_hardware("jean-zay-a100-48n"))
+    assert notes[0].startswith("experts: 1 of 64 per rank in each of 12 MoE layers")
+    assert notes[1].startswith("expert all-to-all: hierarchical: 14 messages")
+    assert f"in {14 * 48} messages" in notes[2]  # 4 exchanges x 12 layers
+    assert notes[3].startswith("capacity factor 1.25: 20% of the expert FLOPs")
