@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from appliance.parallel.deepspeed_comm import init_deepspeed_comm
 from appliance.parallel.moe_all_to_all import (
     AllToAllCounter,
     flat_all_to_all,
@@ -51,7 +52,6 @@ def _counts(counter: AllToAllCounter) -> tuple[int, int, int, int]:
 
 def _exchanges(topology: ParallelTopology) -> dict[str, Any]:
     """Every exchange on this rank: flat, hierarchical, DeepSpeed's own and ours installed in DeepSpeed's place."""
-    import deepspeed
     from deepspeed.moe import sharded_moe
 
     rank, world = dist.get_rank(), dist.group.WORLD
@@ -69,7 +69,7 @@ def _exchanges(topology: ParallelTopology) -> dict[str, Any]:
         (y * weight).sum().backward()  # the input's gradient is weight sent back through the exchange
         out[kind] = (y.detach(), leaf.grad, _counts(counter), guard.calls["all_to_all_single"] - before)
 
-    deepspeed.init_distributed(dist_backend="gloo")  # the process group exists: DeepSpeed wraps it
+    init_deepspeed_comm("gloo")  # the process group exists: DeepSpeed wraps it
     out["deepspeed"] = sharded_moe._AllToAll.apply(world, x)
     counter = use_all_to_all("hierarchical", ep_groups=ep_groups, ranks_per_node=RANKS_PER_NODE)
     try:
