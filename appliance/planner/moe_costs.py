@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 from appliance.errors import BadInput
 from appliance.hardware.profile import Hardware
@@ -122,6 +122,52 @@ def links_from_hardware(hw: Hardware, disk_gbs: float = DEFAULT_DISK_GBS) -> Moe
         inter_latency=cal.RING_STEP_LATENCY_S["fabric"],
         host_bandwidth=host,
         disk_bandwidth=disk_gbs * 1e9,
+    )
+
+
+class ExpertModel(Protocol):
+    """The MoE fields of a model shape (planner/model_shape.py's ``moe_*`` fields), read without importing it."""
+
+    # Read-only members, so that a frozen dataclass satisfies it.
+    @property
+    def hidden(self) -> int: ...
+    @property
+    def ffn_hidden(self) -> int: ...
+    @property
+    def moe_num_experts(self) -> int: ...
+    @property
+    def moe_top_k(self) -> int: ...
+    @property
+    def moe_capacity_factor(self) -> float: ...
+    @property
+    def moe_layers(self) -> int: ...
+
+
+def moe_shape_for_model(
+    model: ExpertModel,
+    *,
+    ep: int,
+    tokens: int,
+    ranks_per_node: int,
+    micro_batches: int = 1,
+    rank_stride: int = 1,
+    act_bytes: int = 2,
+) -> MoeShape:
+    """The cost model's input for a model with experts under a layout: ``tokens`` = micro-batch x sequence / cp,
+    ``rank_stride`` = tp x cp, ``ranks_per_node`` = GPUs per node (the planner's Device.ranks_per_node)."""
+    return MoeShape(
+        num_experts=model.moe_num_experts,
+        top_k=model.moe_top_k,
+        capacity_factor=model.moe_capacity_factor,
+        moe_layers=model.moe_layers,
+        hidden=model.hidden,
+        ffn_hidden=model.ffn_hidden,
+        tokens=tokens,
+        ep=ep,
+        ranks_per_node=ranks_per_node,
+        micro_batches=micro_batches,
+        rank_stride=rank_stride,
+        act_bytes=act_bytes,
     )
 
 

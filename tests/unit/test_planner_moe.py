@@ -4,6 +4,7 @@ node split the hierarchical exchange needs (no process group: the pure rank arit
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 
@@ -22,6 +23,7 @@ from appliance.planner.moe_costs import (
     hierarchical_cost,
     links_from_hardware,
     moe_plan_notes,
+    moe_shape_for_model,
     offload_traffic,
 )
 
@@ -172,3 +174,11 @@ def test_plan_notes_name_memory_choice_traffic_and_padding() -> None:
     assert notes[1].startswith("expert all-to-all: hierarchical: 14 messages")
     assert f"in {14 * 48} messages" in notes[2]  # 4 exchanges x 12 layers
     assert notes[3].startswith("capacity factor 1.25: 20% of the expert FLOPs")
+
+
+def test_shape_from_a_model_with_moe_fields() -> None:
+    model = SimpleNamespace(
+        hidden=16, ffn_hidden=64, moe_num_experts=8, moe_top_k=2, moe_capacity_factor=1.5, moe_layers=2
+    )
+    shape = moe_shape_for_model(model, ep=4, tokens=32, ranks_per_node=2, micro_batches=3)
+    assert shape == dataclasses.replace(SHAPE, ffn_hidden=64)
