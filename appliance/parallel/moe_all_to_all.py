@@ -23,7 +23,8 @@ The exchange is a permutation of chunks that is its own inverse (chunk j of rank
 so the backward of either function is the same exchange applied to the gradient.
 
 ``use_all_to_all(kind, ...)`` is the one place that makes DeepSpeed's MoE layers use these: it replaces
-``sharded_moe._AllToAll``, which ``MOELayer.forward`` looks up at every call. Each exchange adds its messages
+``sharded_moe._AllToAll``, which ``MOELayer.forward`` looks up at every call (``make_all_to_all`` builds the
+same stand-in for code that installs it through a seam of its own). Each exchange adds its messages
 and bytes to an ``AllToAllCounter`` (bytes and messages SENT to other ranks by this rank, the planner's convention).
 """
 
@@ -203,8 +204,9 @@ def hierarchical_all_to_all(
     return _HierarchicalAllToAll.apply(x, groups, counter if counter is not None else AllToAllCounter())
 
 
-class _InstalledAllToAll:
-    """Stands in for ``sharded_moe._AllToAll``: ``apply(group, x)`` as DeepSpeed calls it."""
+class MoeAllToAll:
+    """Stands in for ``sharded_moe._AllToAll``: ``apply(group, x)`` as DeepSpeed calls it, counting into
+    ``counter``."""
 
     def __init__(self, kind: AllToAllKind, groups: HierarchicalGroups | None, counter: AllToAllCounter) -> None:
         self.kind, self.groups, self.counter = kind, groups, counter
@@ -219,6 +221,25 @@ class _InstalledAllToAll:
                 f"{list(self.groups.ep_ranks)} given to use_all_to_all"
             )
         return hierarchical_all_to_all(x, self.groups, self.counter)
+
+
+def make_all_to_all(
+    kind: AllToAllKind,
+    *,
+    ep_groups: Sequence[Sequence[int]] = (),
+    ranks_per_node: int | None = None,
+    counter: AllToAllCounter | None = None,
+) -> MoeAllToAll:
+    """The stand-in for DeepSpeed's ``_AllToAll`` (what ``use_all_to_all`` installs), for code that installs it
+    itself. "hierarchical" creates its sub-groups here: call it on every rank (arguments as ``use_all_to_all``)."""
+    if kind not in KINDS:
+        raise BadInput(f"all-to-all kind {kind!r}: must be one of {', '.join(KINDS)}")
+    groups = None
+    if kind == "hierarchical":
+        if not ep_groups:
+            raise BadInput("hierarchical all-to-all: needs ep_groups (topology.groups('ep'))")
+        groups = hierarchical_groups(ep_groups, ranks_per_node)
+    return MoeAllToAll(kind, groups, counter if counter is not None else AllToAllCounter())
 
 
 _DEEPSPEED_ALL_TO_ALL: Any = None  # DeepSpeed's own _AllToAll, kept while ours is installed
@@ -236,19 +257,12 @@ def use_all_to_all(
     ``ep_groups``: every ep group's ranks (``topology.groups("ep")``), needed by "hierarchical", whose sub-groups
     are created here: call it on every rank, after the process groups exist and before the first forward.
     ``ranks_per_node``: None reads LOCAL_WORLD_SIZE. Calling it again replaces the previous choice."""
-    if kind not in KINDS:
-        raise BadInput(f"all-to-all kind {kind!r}: must be one of {', '.join(KINDS)}")
     from deepspeed.moe import sharded_moe  # late: importing DeepSpeed costs seconds and picks an accelerator
 
     global _DEEPSPEED_ALL_TO_ALL
     if _DEEPSPEED_ALL_TO_ALL is None:
         _DEEPSPEED_ALL_TO_ALL = sharded_moe._AllToAll
-    groups = None
-    if kind == "hierarchical":
-        if not ep_groups:
-            raise BadInput("hierarchical all-to-all: use_all_to_all needs ep_groups (topology.groups('ep'))")
-        groups = hierarchical_groups(ep_groups, ranks_per_node)
-    installed = _InstalledAllToAll(kind, groups, counter if counter is not None else AllToAllCounter())
+    installed = make_all_to_all(kind, ep_groups=ep_groups, ranks_per_node=ranks_per_node, counter=counter)
     sharded_moe._AllToAll = installed
     return installed.counter
 

@@ -10,7 +10,7 @@ import pytest
 
 from appliance.errors import BadInput
 from appliance.hardware.profile import load_hardware
-from appliance.parallel.moe_all_to_all import _split_by_node, ranks_per_node_from_launcher
+from appliance.parallel.moe_all_to_all import _split_by_node, make_all_to_all, ranks_per_node_from_launcher
 from appliance.planner.moe_costs import (
     MoeLinks,
     MoeShape,
@@ -182,3 +182,11 @@ def test_shape_from_a_model_with_moe_fields() -> None:
     )
     shape = moe_shape_for_model(model, ep=4, tokens=32, ranks_per_node=2, micro_batches=3)
     assert shape == dataclasses.replace(SHAPE, ffn_hidden=64)
+
+
+def test_all_to_all_kinds_are_checked() -> None:
+    with pytest.raises(BadInput, match="'ring': must be one of flat, hierarchical"):
+        make_all_to_all("ring")  # type: ignore[arg-type]
+    with pytest.raises(BadInput, match=r"needs ep_groups \(topology.groups\('ep'\)\)"):
+        make_all_to_all("hierarchical")
+    assert make_all_to_all("flat").kind == "flat"
