@@ -65,7 +65,7 @@ class HierarchicalGroups:
     A side of one rank has no group (None) and no exchange."""
 
     ep_ranks: tuple[int, ...]  # the ep group's global ranks, in ep order
-    ranks_per_node: int  # G: ep ranks on each node
+    ep_ranks_per_node: int  # G: ep ranks on each node
     nodes: int  # N: nodes the ep group spans
     intra: dist.ProcessGroup | None  # my node's G ep ranks
     inter: dist.ProcessGroup | None  # the N ep ranks with my local index, one per node
@@ -155,7 +155,7 @@ def _flat(x: torch.Tensor, group: dist.ProcessGroup | None, counter: AllToAllCou
 
 
 def _hierarchical(x: torch.Tensor, groups: HierarchicalGroups, counter: AllToAllCounter) -> torch.Tensor:
-    nodes, local = groups.nodes, groups.ranks_per_node
+    nodes, local = groups.nodes, groups.ep_ranks_per_node
     if x.shape[0] % (nodes * local) != 0:
         raise ValueError(
             f"all-to-all: dimension 0 of size {x.shape[0]} does not split into {nodes} nodes x {local} ranks"

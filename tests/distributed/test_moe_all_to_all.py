@@ -59,6 +59,9 @@ def _exchanges(topology: ParallelTopology) -> dict[str, Any]:
     groups = hierarchical_groups(ep_groups, ranks_per_node=RANKS_PER_NODE)
     x, weight = _tokens(rank, 0), _tokens(rank, 1)
     out: dict[str, Any] = {"x": x, "weight": weight}
+    assert groups.intra is not None and groups.inter is not None
+    intra, inter = (dist.get_process_group_ranks(g) for g in (groups.intra, groups.inter))
+    out["split"] = (groups.ep_ranks_per_node, groups.nodes, sorted(intra), sorted(inter))
     guard = collective_guard()
 
     for kind in ("flat", "hierarchical"):
@@ -94,6 +97,12 @@ def test_forward_is_bitwise_the_flat_exchange_and_deepspeeds(results: list[dict[
         assert torch.equal(found["deepspeed"], expected), f"rank {rank}"
         assert torch.equal(found["installed"][0], expected), f"rank {rank}"
         assert found["restored"] == "deepspeed.moe.sharded_moe", f"rank {rank}"
+
+
+def test_sub_groups_are_the_node_and_the_same_local_index_across_nodes(results: list[dict[str, Any]]) -> None:
+    for rank, found in enumerate(results):
+        node, local = divmod(rank, RANKS_PER_NODE)
+        assert found["split"] == (2, 2, [2 * node, 2 * node + 1], [local, local + 2]), f"rank {rank}"
 
 
 def test_backward_is_the_inverse_exchange(results: list[dict[str, Any]]) -> None:
