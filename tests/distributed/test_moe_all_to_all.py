@@ -1,5 +1,6 @@
 """The hierarchical all-to-all equals the flat one (and DeepSpeed's) bitwise, forward and backward, on 4 gloo ranks
-simulating 2 nodes x 2 GPUs; its messages and bytes are the cost model's. One launch for every assertion."""
+simulating 2 nodes x 2 GPUs; installed with use_all_to_all, DeepSpeed's own MoE layer gives bitwise the same output
+and gradients through it; its messages and bytes are the cost model's. One launch for every assertion."""
 
 from __future__ import annotations
 
@@ -74,13 +75,37 @@ def _exchanges(topology: ParallelTopology) -> dict[str, Any]:
 
     init_deepspeed_comm("gloo")  # the process group exists: DeepSpeed wraps it
     out["deepspeed"] = sharded_moe._AllToAll.apply(world, x)
+    layer = _moe_layer()
+    out["layer deepspeed"] = _layer_pass(layer, rank)
     counter = use_all_to_all("hierarchical", ep_groups=ep_groups, ranks_per_node=RANKS_PER_NODE)
     try:
         out["installed"] = (sharded_moe._AllToAll.apply(world, x), _counts(counter))
+        counter.reset()
+        out["layer hierarchical"] = (*_layer_pass(layer, rank), _counts(counter))
     finally:
         restore_deepspeed_all_to_all()
     out["restored"] = sharded_moe._AllToAll.__module__
     return out
+
+
+def _moe_layer() -> torch.nn.Module:
+    """DeepSpeed's MoE layer over the 4 ranks: 8 experts (2 a rank), top-2, each a small MLP h 6 -> 12 -> 6."""
+    from deepspeed.moe.layer import MoE
+
+    torch.manual_seed(0)  # the same experts and gate on every rank (each keeps its own 2 experts of the 8)
+    expert = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.GELU(), torch.nn.Linear(12, 6))
+    return MoE(6, expert, num_experts=EXPERTS, ep_size=RANKS, k=2, capacity_factor=1.5, min_capacity=1)
+
+
+def _layer_pass(layer: torch.nn.Module, rank: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One forward and backward: the output, the input's gradient and every parameter's."""
+    layer.zero_grad()
+    torch.manual_seed(1)  # top-2 gating draws Gumbel noise for the second expert and random token priority
+    x = torch.randn(2, 5, 6, generator=torch.Generator().manual_seed(rank)).requires_grad_()
+    y, aux_loss, _ = layer(x)
+    (y.square().sum() + aux_loss).backward()
+    assert x.grad is not None
+    return y.detach(), [x.grad, *(p.grad.clone() for p in layer.parameters() if p.grad is not None)]
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +128,22 @@ def test_sub_groups_are_the_node_and_the_same_local_index_across_nodes(results: 
     for rank, found in enumerate(results):
         node, local = divmod(rank, RANKS_PER_NODE)
         assert found["split"] == (2, 2, [2 * node, 2 * node + 1], [local, local + 2]), f"rank {rank}"
+
+
+def test_deepspeed_moe_layer_is_bitwise_the_same_with_the_hierarchical_exchange(
+    results: list[dict[str, Any]],
+) -> None:
+    hier = hierarchical_cost(SHAPE, _no_links())
+    for rank, found in enumerate(results):
+        y, grads = found["layer deepspeed"]
+        y_hier, grads_hier, counts = found["layer hierarchical"]
+        assert torch.equal(y_hier, y), f"rank {rank}"
+        assert len(grads) == len(grads_hier) == 1 + 1 + 2 * 2 * 2, (
+            f"rank {rank}: input, gate, 2 experts x 2 linears x w, b"
+        )
+        assert all(torch.equal(a, b) for a, b in zip(grads, grads_hier, strict=True)), f"rank {rank}"
+        # Dispatch and combine, forward and backward, each through our exchange: 4 calls of 2 messages.
+        assert counts[:3] == (4, 8, 4 * hier.messages_per_call), f"rank {rank}"
 
 
 def test_backward_is_the_inverse_exchange(results: list[dict[str, Any]]) -> None:
