@@ -59,10 +59,8 @@ class MoeShape:
     act_bytes: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("num_experts", "top_k", "moe_layers", "hidden", "tokens", "ep", "ranks_per_node"):
-            if getattr(self, name) < 1:
-                raise BadInput(f"MoE costs: {name} must be >= 1, got {getattr(self, name)}")
-        for name in ("micro_batches", "rank_stride", "act_bytes"):
+        counts = ("num_experts", "top_k", "moe_layers", "hidden", "tokens", "ep", "ranks_per_node", "micro_batches")
+        for name in (*counts, "rank_stride", "act_bytes"):
             if getattr(self, name) < 1:
                 raise BadInput(f"MoE costs: {name} must be >= 1, got {getattr(self, name)}")
         if self.capacity_factor <= 0:
