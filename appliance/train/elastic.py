@@ -35,15 +35,17 @@ from appliance.planner.runspec import RunSpec
 from appliance.planner.shrink import layout_for_world, usable_node_counts
 from appliance.rundir import RunDir
 from appliance.train.atomic import write_atomic
-from appliance.train.launch import NODE_NAME_ENV
+from appliance.train.launch import ELASTIC_ENV, NODE_NAME_ENV
 
 # How much of metrics.jsonl's end is read for the last step before a loss (a step event is a few hundred bytes).
 TAIL_BYTES = 1 << 20
 
 
-def spec_for_world(spec: RunSpec, world_size: int) -> RunSpec:
-    """The run spec the ranks train with: the plan's, or its layout re-planned for `world_size` ranks."""
-    if world_size == spec.layout.world_size:
+def spec_for_world(spec: RunSpec, world_size: int, env: dict[str, str] | None = None) -> RunSpec:
+    """The run spec the ranks train with: the plan's, or, under agents started with --nnodes MIN:MAX, its layout
+    re-planned for `world_size` ranks. Any other launch keeps the plan's layout, whose check then names a world that
+    does not fit it."""
+    if world_size == spec.layout.world_size or not (os.environ if env is None else env).get(ELASTIC_ENV):
         return spec
     model = spec.model
     layout = layout_for_world(spec.layout, world_size, heads=model.heads, layers=model.layers, seq_len=model.seq_len)

@@ -180,6 +180,9 @@ _SIGNALS = {s.value for s in signal.Signals}
 # The name a node's gpu and energy samples carry (appliance/train/worker.py): the host alone names a node when it
 # runs the only agent of the machine, not when simulated nodes share one.
 NODE_NAME_ENV = "BLOOM_NODE_NAME"
+# Set ("MIN:MAX") for the ranks of agents started with --nnodes MIN:MAX: they may re-plan for a smaller world
+# (appliance/train/elastic.py); the ranks of any other launch keep the plan's layout.
+ELASTIC_ENV = "BLOOM_ELASTIC_NODES"
 
 
 def run_agent(
@@ -220,6 +223,8 @@ def run_agent(
             env = worker_env() if lock is None else lock.child_env(worker_env())
             if multi and nodes is not None:
                 env[NODE_NAME_ENV] = nodes.node_name()
+                if nodes.elastic:
+                    env[ELASTIC_ENV] = nodes.agent_nnodes
                 if lock is None:  # a node other than 0: node 0 claimed the directory; these ranks join its lock
                     env[LOCK_ENV] = str(run_dir.run_lock)
             proc = subprocess.Popen(

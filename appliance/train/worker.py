@@ -125,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     settings, layout = spec.train, spec.layout
     node_change = _note_nodes(run_dir, rank, layout.factors)
+    if rank == 0:
+        # Ranks that start again are no longer preempted: the agent stops the workers with SIGTERM (they save and
+        # leave this marker) when a node joins (the grow-back) and starts them again, in the same launch.
+        run_dir.preempted_marker.unlink(missing_ok=True)
     try:
         # This node's torch and accelerator, before DeepSpeed would fail inside initialize (under SLURM no head
         # process checked first).
@@ -204,13 +208,13 @@ def main(argv: list[str] | None = None) -> int:
     resume_from = ckpt.find_latest(run_dir.checkpoints, warn=warn)
     if resume_from is not None:
         trainer.load(resume_from)
-        if events is not None and node_change is not None:
-            # The nodes changed: this start's recovery event waits for its first step (train/elastic.py).
-            trainer.on_step = elastic.report_at_first_step(
-                events, node_change, resumed_step=trainer.pos.step, then=watchdog.set_step
-            )
-        elif events is not None:
-            _emit_recovery(events, run_dir, resume_from, trainer.pos.step)
+    if events is not None and node_change is not None:
+        # The nodes changed: this start's recovery event waits for its first step (train/elastic.py).
+        trainer.on_step = elastic.report_at_first_step(
+            events, node_change, resumed_step=trainer.pos.step, then=watchdog.set_step
+        )
+    elif events is not None and resume_from is not None:
+        _emit_recovery(events, run_dir, resume_from, trainer.pos.step)
     if args.eval_only and resume_from is None:
         raise SystemExit(f"{run_dir.checkpoints}: no complete checkpoint to evaluate")
     try:

@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 from appliance.errors import BadInput
-from appliance.planner import parse_layout
+from appliance.hardware import load_hardware
+from appliance.planner import RunSpec, load_model_shape, make_plan, parse_layout
 from appliance.planner.shrink import layout_for_world, usable_node_counts
 from appliance.rundir import RunDir
-from appliance.train.elastic import note_nodes
+from appliance.train.elastic import check_node_range, note_nodes, spec_for_world
 from appliance.train.launch import agent_command
 from appliance.train.nodes import NodeGroup, node_group, parse_nnodes
 
@@ -95,3 +96,23 @@ def test_elastic_agents_get_min_max_and_short_keep_alives(tmp_path: Path, monkey
     assert conf == "--rdzv-conf=is_host=false,keep_alive_interval=5,keep_alive_max_attempt=3,last_call_timeout=1"
     fixed = agent_command(tmp_path, nproc_per_node=1, max_restarts=0, nnodes=2, rdzv_endpoint="127.0.0.1:1")
     assert not any(c.startswith("--rdzv-conf") for c in fixed)  # a fixed node count keeps torch's settings
+
+
+def _spec(layout: str) -> RunSpec:
+    plan = make_plan(
+        load_hardware("cpu-laptop-2core"), load_model_shape("bloom-micro-test"), layout=parse_layout(layout)
+    )
+    return plan.spec()
+
+
+def test_only_elastic_launches_re_plan_and_min_must_hold_a_layout() -> None:
+    spec = _spec("tp=1,pp=1,dp=3,mbs=1,gbs=6")
+    elastic_env = {"BLOOM_ELASTIC_NODES": "2:3"}
+    shrunk = spec_for_world(spec, 2, env=elastic_env)
+    assert (shrunk.layout.dp, shrunk.train.global_batch_size, shrunk.layout.micro_batches) == (2, 6, 3)
+    assert spec_for_world(spec, 2, env={}) is spec  # a fixed launch keeps the plan (its world check names the misfit)
+    assert check_node_range(spec, 2, 3, "plan.json") == []
+    four = _spec("tp=1,pp=1,dp=4,mbs=1,gbs=8")
+    assert check_node_range(four, 2, 4, "plan.json") == [3]  # dp3 does not divide 8: warned of
+    with pytest.raises(BadInput, match=r"--nnodes 3:4: 3 nodes x 1 ranks .* node counts that can: \[1, 2, 4\]"):
+        check_node_range(four, 3, 4, "plan.json")
