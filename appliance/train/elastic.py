@@ -45,11 +45,16 @@ def spec_for_world(spec: RunSpec, world_size: int, env: dict[str, str] | None = 
     """The run spec the ranks train with: the plan's, or, under agents started with --nnodes MIN:MAX, its layout
     re-planned for `world_size` ranks. Any other launch keeps the plan's layout, whose check then names a world that
     does not fit it."""
-    if world_size == spec.layout.world_size or not (os.environ if env is None else env).get(ELASTIC_ENV):
+    if world_size == spec.layout.world_size or not launched_elastic(env):
         return spec
     model = spec.model
     layout = layout_for_world(spec.layout, world_size, heads=model.heads, layers=model.layers, seq_len=model.seq_len)
     return spec.with_layout(layout, spec.report.estimate)
+
+
+def launched_elastic(env: dict[str, str] | None = None) -> bool:
+    """These ranks' agents were started with --nnodes MIN:MAX (appliance/train/launch.py sets ELASTIC_ENV)."""
+    return bool((os.environ if env is None else env).get(ELASTIC_ENV))
 
 
 def check_node_range(spec: RunSpec, min_nodes: int, max_nodes: int, source: str) -> list[int]:

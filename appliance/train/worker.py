@@ -242,10 +242,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _note_nodes(run_dir: RunDir, rank: int, factors: str) -> elastic.NodeChange | None:
-    """Every rank's node name to rank 0, which compares them with the last start's (train/elastic.py)."""
+    """Every rank's node name to rank 0, which records them and compares them with the last start's
+    (train/elastic.py). Only an elastic launch reports a change: a job requeued on other nodes (SLURM) is no lost
+    node, and its recovery event keeps its own lost-time rule (train/watchdog.py lost_seconds)."""
     names: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(names, elastic.this_node())
-    return elastic.note_nodes(run_dir, [str(n) for n in names], factors) if rank == 0 else None
+    if rank != 0:
+        return None
+    change = elastic.note_nodes(run_dir, [str(n) for n in names], factors)
+    return change if elastic.launched_elastic() else None
 
 
 def _start_watchdog(run_dir: RunDir, rank: int, settings: TrainSettings) -> Any:
