@@ -3,7 +3,9 @@
 `run` and `train` take `--nnodes N --node-rank R --master HOST:PORT`, or `--hostfile FILE` (one host a line; the
 first is the master, this host's line its rank unless --node-rank says). Every node runs the same command; each
 starts one elastic agent for its share of the plan's ranks (tp x pp x dp / N), and the agents meet at a c10d
-rendezvous at HOST:PORT.
+rendezvous at HOST:PORT. `--nnodes MIN:MAX`: the plan's ranks divide over MAX nodes, and the agents carry on with
+as few as MIN when a node is lost (the ranks re-plan dp: appliance/train/elastic.py); with --hostfile, MAX is its
+line count.
 
 Who hosts the rendezvous: on node 0, a small process that runs the agent as its child, not the agent. torch's
 TCPStore server listens on every interface (`*:PORT`) whatever host it is given; this process binds the listening
