@@ -91,7 +91,12 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 def _add_nodes(p: argparse.ArgumentParser) -> None:
     """Several machines without SLURM (appliance/train/nodes.py): the same command on every node."""
     g = p.add_argument_group("several nodes without SLURM (the run directory on a shared file system)")
-    g.add_argument("--nnodes", type=int, metavar="N", help="machines in the run; each starts tp*pp*dp/N ranks")
+    g.add_argument(
+        "--nnodes",
+        metavar="N|MIN:MAX",
+        help="machines in the run; each starts tp*pp*dp/N ranks (MIN:MAX: tp*pp*dp/MAX each, and the run goes on"
+        " with as few as MIN, re-planned with a smaller dp, when a node is lost; --hostfile: MAX is its line count)",
+    )
     g.add_argument("--node-rank", type=int, metavar="R", help="this machine's place, 0..N-1 (0 hosts the rendezvous)")
     g.add_argument(
         "--master",
@@ -108,9 +113,12 @@ def _add_nodes(p: argparse.ArgumentParser) -> None:
 
 
 def _nodes(args: argparse.Namespace) -> NodeGroup | None:
-    from appliance.train.nodes import node_group
+    from appliance.train.nodes import node_group, parse_nnodes
 
-    return node_group(nnodes=args.nnodes, node_rank=args.node_rank, master=args.master, hostfile=args.hostfile)
+    min_nodes, nnodes = parse_nnodes(args.nnodes)
+    return node_group(
+        nnodes=nnodes, node_rank=args.node_rank, master=args.master, hostfile=args.hostfile, min_nodes=min_nodes
+    )
 
 
 # --set on a run that has started: only the keys planner/train_settings.py lets change mid-run.

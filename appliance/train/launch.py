@@ -21,6 +21,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from appliance.errors import BadInput
 from appliance.monitor.events import EventWriter
 from appliance.planner.runspec import RunSpec, load_spec
 from appliance.rundir import RunDir
@@ -36,7 +37,7 @@ def agent_command(
     *,
     nproc_per_node: int,
     max_restarts: int,
-    nnodes: int = 1,
+    nnodes: int | str = 1,
     rdzv_endpoint: str | None = None,
     rdzv_id: str = "bloom-appliance",
     python: str = sys.executable,
@@ -44,7 +45,8 @@ def agent_command(
     store_hosted_elsewhere: bool = False,
 ) -> list[str]:
     """The agent's command line. `store_hosted_elsewhere`: every agent joins the rendezvous store as a client (the
-    launcher of node 0 hosts it, bound to the master address only; appliance/train/nodes.py)."""
+    launcher of node 0 hosts it, bound to the master address only; appliance/train/nodes.py). `nnodes` may be
+    "MIN:MAX": the agents then re-form without a lost node (rendezvous timings: `rendezvous_conf`)."""
     cmd = [
         python,
         "-m",
@@ -56,12 +58,36 @@ def agent_command(
         cmd.append("--standalone")  # c10d rendezvous on a free loopback port
     else:
         cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}"]
-        if store_hosted_elsewhere:
-            cmd.append("--rdzv-conf=is_host=false")
+        conf = rendezvous_conf(elastic=":" in str(nnodes), store_hosted_elsewhere=store_hosted_elsewhere)
+        if conf:
+            cmd.append(f"--rdzv-conf={conf}")
     # Each rank's stdout/stderr goes to run_dir/logs/<run id>/attempt_<n>/<rank>/; the console shows events.
     cmd += [f"--log-dir={Path(run_dir) / 'logs'}", "--redirects=3", "--monitor-interval=1"]
     cmd += ["-m", WORKER_MODULE, "--run-dir", str(run_dir), *worker_args]
     return cmd
+
+
+# How quickly the agents of an elastic launch (--nnodes MIN:MAX) give up on a lost node and re-form: torch's c10d
+# rendezvous declares a node dead after keep_alive_interval x keep_alive_max_attempt seconds without a keep-alive
+# (torch's defaults: 5 x 3), and, once MIN nodes have joined a new round, waits last_call_timeout for the others
+# (torch's 30 s: a node that restarts within it still joins the same round). BLOOM_RDZV_CONF (k=v,k=v) replaces or
+# adds keys, e.g. shorter timings for a test on one machine.
+ELASTIC_RDZV_CONF = {"keep_alive_interval": "5", "keep_alive_max_attempt": "3", "last_call_timeout": "30"}
+RDZV_CONF_ENV = "BLOOM_RDZV_CONF"
+
+
+def rendezvous_conf(*, elastic: bool, store_hosted_elsewhere: bool, env: dict[str, str] | None = None) -> str:
+    """The agents' --rdzv-conf: is_host=false where node 0's launcher hosts the store, the elastic timings."""
+    conf = {"is_host": "false"} if store_hosted_elsewhere else {}
+    if elastic:
+        conf |= ELASTIC_RDZV_CONF
+        extra = (os.environ if env is None else env).get(RDZV_CONF_ENV, "")
+        for item in filter(None, extra.split(",")):
+            key, sep, value = item.partition("=")
+            if not sep or not key.strip() or not value.strip():
+                raise BadInput(f"{RDZV_CONF_ENV}={extra!r}: {item!r} is not key=value")
+            conf[key.strip()] = value.strip()
+    return ",".join(f"{k}={v}" for k, v in conf.items())
 
 
 # By default the agent lets its workers share its own rendezvous store, with no per-restart prefix: after a
@@ -154,6 +180,9 @@ _SIGNALS = {s.value for s in signal.Signals}
 # The name a node's gpu and energy samples carry (appliance/train/worker.py): the host alone names a node when it
 # runs the only agent of the machine, not when simulated nodes share one.
 NODE_NAME_ENV = "BLOOM_NODE_NAME"
+# Set ("MIN:MAX") for the ranks of agents started with --nnodes MIN:MAX: they may re-plan for a smaller world
+# (appliance/train/elastic.py); the ranks of any other launch keep the plan's layout.
+ELASTIC_ENV = "BLOOM_ELASTIC_NODES"
 
 
 def run_agent(
@@ -173,7 +202,7 @@ def run_agent(
         nproc_per_node=nproc_per_node,
         max_restarts=max_restarts,
         worker_args=worker_args,
-        nnodes=1 if nodes is None else nodes.nnodes,
+        nnodes=1 if nodes is None else nodes.agent_nnodes,
         rdzv_endpoint=None if nodes is None else nodes.master,
         rdzv_id=f"bloom-{run_dir.root.resolve().name}",
         store_hosted_elsewhere=nodes is not None,
@@ -194,6 +223,8 @@ def run_agent(
             env = worker_env() if lock is None else lock.child_env(worker_env())
             if multi and nodes is not None:
                 env[NODE_NAME_ENV] = nodes.node_name()
+                if nodes.elastic:
+                    env[ELASTIC_ENV] = nodes.agent_nnodes
                 if lock is None:  # a node other than 0: node 0 claimed the directory; these ranks join its lock
                     env[LOCK_ENV] = str(run_dir.run_lock)
             proc = subprocess.Popen(
@@ -261,6 +292,17 @@ def run_plan(run_dir: RunDir, *, worker_args: tuple[str, ...] = (), nodes: NodeG
     world = spec.layout.world_size
     ranks_here = world if nodes is None else nodes.ranks_per_node(world, str(run_dir.plan))
     check_plan_runs_here(spec, str(run_dir.plan), ranks_here=ranks_here)
+    if nodes is not None and nodes.elastic and nodes.min_nodes is not None:
+        from appliance.train.elastic import check_node_range
+
+        stopping = check_node_range(spec, nodes.min_nodes, nodes.nnodes, str(run_dir.plan))
+        if stopping and nodes.is_head:
+            print(
+                f"warning: --nnodes {nodes.agent_nnodes}: should the agents re-form on {stopping} nodes, the plan's"
+                f" {spec.layout.factors} has no layout there with global batch({spec.layout.global_batch_size}),"
+                " and the run stops",
+                file=sys.stderr,
+            )
     if nodes is None or nodes.is_head:
         run_dir.preempted_marker.unlink(missing_ok=True)
         run_dir.failed_marker.unlink(missing_ok=True)

@@ -3,7 +3,9 @@
 `run` and `train` take `--nnodes N --node-rank R --master HOST:PORT`, or `--hostfile FILE` (one host a line; the
 first is the master, this host's line its rank unless --node-rank says). Every node runs the same command; each
 starts one elastic agent for its share of the plan's ranks (tp x pp x dp / N), and the agents meet at a c10d
-rendezvous at HOST:PORT.
+rendezvous at HOST:PORT. `--nnodes MIN:MAX`: the plan's ranks divide over MAX nodes, and the agents carry on with
+as few as MIN when a node is lost (the ranks re-plan dp: appliance/train/elastic.py); with --hostfile, MAX is its
+line count.
 
 Who hosts the rendezvous: on node 0, a small process that runs the agent as its child, not the agent. torch's
 TCPStore server listens on every interface (`*:PORT`) whatever host it is given; this process binds the listening
@@ -43,14 +45,17 @@ MASTER_WAIT_ENV = "BLOOM_MASTER_WAIT_S"
 class NodeGroup:
     """This node's place among `nnodes`; validated on creation, each error naming its flag."""
 
-    nnodes: int
+    nnodes: int  # the most nodes (MAX of --nnodes MIN:MAX): the plan's ranks divide over this many
     node_rank: int
     master_host: str
     master_port: int
+    min_nodes: int | None = None  # MIN of --nnodes MIN:MAX: the agents carry on with as few (None: all of nnodes)
 
     def __post_init__(self) -> None:
         if self.nnodes < 1:
             raise BadInput(f"--nnodes {self.nnodes}: must be at least 1")
+        if self.min_nodes is not None and not 1 <= self.min_nodes <= self.nnodes:
+            raise BadInput(f"--nnodes {self.min_nodes}:{self.nnodes}: MIN must be 1..MAX")
         if not 0 <= self.node_rank < self.nnodes:
             last = self.nnodes - 1
             raise BadInput(f"--node-rank {self.node_rank}: out of range for --nnodes {self.nnodes} (0..{last})")
@@ -61,6 +66,16 @@ class NodeGroup:
     def master(self) -> str:
         host = f"[{self.master_host}]" if ":" in self.master_host else self.master_host
         return f"{host}:{self.master_port}"
+
+    @property
+    def elastic(self) -> bool:
+        """The agents re-form without a lost node (and with it again when it comes back)."""
+        return self.min_nodes is not None and self.min_nodes < self.nnodes
+
+    @property
+    def agent_nnodes(self) -> str:
+        """torch.distributed.run's --nnodes: N, or MIN:MAX."""
+        return f"{self.min_nodes}:{self.nnodes}" if self.elastic else str(self.nnodes)
 
     @property
     def is_head(self) -> bool:
@@ -78,6 +93,18 @@ class NodeGroup:
     def node_name(self) -> str:
         """How this node's samples (gpu, energy events) name it: the host, and the rank where nodes share a host."""
         return f"{socket.gethostname()}/node{self.node_rank}"
+
+
+def parse_nnodes(text: str | None) -> tuple[int | None, int | None]:
+    """--nnodes N or MIN:MAX as (MIN or None, MAX); (None, None) when not given."""
+    if text is None:
+        return None, None
+    low, sep, high = text.partition(":")
+    if not (high if sep else low).strip().isdigit() or (sep and not low.strip().isdigit()):
+        raise BadInput(f"--nnodes {text!r}: expected N or MIN:MAX, e.g. 3 or 2:3")
+    if not sep:
+        return None, int(low)
+    return int(low), int(high)
 
 
 def parse_master(text: str, flag: str = "--master") -> tuple[str, int]:
@@ -125,17 +152,24 @@ def rank_in_hostfile(hosts: list[str], path: Path) -> int:
 
 
 def node_group(
-    *, nnodes: int | None, node_rank: int | None, master: str | None, hostfile: Path | None
+    *,
+    nnodes: int | None,
+    node_rank: int | None,
+    master: str | None,
+    hostfile: Path | None,
+    min_nodes: int | None = None,
 ) -> NodeGroup | None:
-    """The flags as a NodeGroup, or None for the one-node default (no flag given)."""
+    """The flags as a NodeGroup, or None for the one-node default (no flag given). `min_nodes`: MIN of
+    --nnodes MIN:MAX (`nnodes` is then MAX; with --hostfile, MAX must be its line count)."""
     if hostfile is not None:
         hosts = read_hostfile(hostfile)
         if nnodes is not None and nnodes != len(hosts):
-            raise BadInput(f"--nnodes {nnodes}: --hostfile {hostfile} lists {len(hosts)} hosts")
+            given = f"{min_nodes}:{nnodes}" if min_nodes is not None else str(nnodes)
+            raise BadInput(f"--nnodes {given}: --hostfile {hostfile} lists {len(hosts)} hosts")
         rank = node_rank if node_rank is not None else rank_in_hostfile(hosts, hostfile)
         host, port = parse_master(master) if master else (hosts[0], DEFAULT_PORT)
         parse_master(f"{host}:{port}", flag=f"--hostfile {hostfile}: first host")
-        return NodeGroup(nnodes=len(hosts), node_rank=rank, master_host=host, master_port=port)
+        return NodeGroup(nnodes=len(hosts), node_rank=rank, master_host=host, master_port=port, min_nodes=min_nodes)
     if nnodes is None and node_rank is None and master is None:
         return None
     if nnodes is None or master is None:
@@ -144,7 +178,7 @@ def node_group(
     host, port = parse_master(master)
     if nnodes > 1 and node_rank is None:
         raise BadInput(f"--node-rank: needed with --nnodes {nnodes} (0 on the master's machine)")
-    return NodeGroup(nnodes=nnodes, node_rank=node_rank or 0, master_host=host, master_port=port)
+    return NodeGroup(nnodes=nnodes, node_rank=node_rank or 0, master_host=host, master_port=port, min_nodes=min_nodes)
 
 
 def _listening_socket(host: str, port: int, flag: str) -> socket.socket:

@@ -27,7 +27,7 @@ from appliance.parallel.drift import ReplicaDriftError
 from appliance.planner.runspec import RunSpec, load_spec
 from appliance.rundir import RunDir
 from appliance.train import checkpoint as ckpt
-from appliance.train import runlock
+from appliance.train import elastic, runlock
 from appliance.train.settings import TrainSettings
 from appliance.train.state import seed_everything
 from appliance.train.trainer import UnrecoverableError
@@ -93,7 +93,6 @@ def main(argv: list[str] | None = None) -> int:
         spec = load_spec(run_dir.plan)  # an unknown, missing or mistyped key, named, before any process group forms
     except BadInput as e:
         raise SystemExit(str(e)) from None
-    settings = spec.train
 
     from appliance.data.blend import build_datasets
     from appliance.data.documents import dataset_eod_id
@@ -112,7 +111,24 @@ def main(argv: list[str] | None = None) -> int:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     events = writer_with_sinks(run_dir.metrics) if rank == 0 else None
     vocab_size = tokenizer_vocab_size(run_dir.tokenizer_json)
-    layout = spec.layout
+    try:
+        # --nnodes MIN:MAX: the agents may have re-formed without a node (or with it again); the planner's layout
+        # for the ranks there are (train/elastic.py).
+        spec = elastic.spec_for_world(spec, world_size)
+    except BadInput as e:
+        # Every rank fails alike, and again after any restart with these nodes: stop instead (see failed_marker).
+        if events is not None:
+            events.emit("failure", rank=rank, reason=str(e), fatal=True)
+            run_dir.control.mkdir(parents=True, exist_ok=True)
+            run_dir.failed_marker.write_text(f"{e}\n")
+        dist.destroy_process_group()
+        return 0
+    settings, layout = spec.train, spec.layout
+    node_change = _note_nodes(run_dir, rank, layout.factors)
+    if rank == 0:
+        # Ranks that start again are no longer preempted: the agent stops the workers with SIGTERM (they save and
+        # leave this marker) when a node joins (the grow-back) and starts them again, in the same launch.
+        run_dir.preempted_marker.unlink(missing_ok=True)
     try:
         # This node's torch and accelerator, before DeepSpeed would fail inside initialize (under SLURM no head
         # process checked first).
@@ -192,8 +208,13 @@ def main(argv: list[str] | None = None) -> int:
     resume_from = ckpt.find_latest(run_dir.checkpoints, warn=warn)
     if resume_from is not None:
         trainer.load(resume_from)
-        if events is not None:
-            _emit_recovery(events, run_dir, resume_from, trainer.pos.step)
+    if events is not None and node_change is not None:
+        # The nodes changed: this start's recovery event waits for its first step (train/elastic.py).
+        trainer.on_step = elastic.report_at_first_step(
+            events, node_change, resumed_step=trainer.pos.step, then=watchdog.set_step
+        )
+    elif events is not None and resume_from is not None:
+        _emit_recovery(events, run_dir, resume_from, trainer.pos.step)
     if args.eval_only and resume_from is None:
         raise SystemExit(f"{run_dir.checkpoints}: no complete checkpoint to evaluate")
     try:
@@ -218,6 +239,18 @@ def main(argv: list[str] | None = None) -> int:
         sampler.stop()  # takes a last sample, so the energy total covers the whole run
     dist.destroy_process_group()
     return 0
+
+
+def _note_nodes(run_dir: RunDir, rank: int, factors: str) -> elastic.NodeChange | None:
+    """Every rank's node name to rank 0, which records them and compares them with the last start's
+    (train/elastic.py). Only an elastic launch reports a change: a job requeued on other nodes (SLURM) is no lost
+    node, and its recovery event keeps its own lost-time rule (train/watchdog.py lost_seconds)."""
+    names: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(names, elastic.this_node())
+    if rank != 0:
+        return None
+    change = elastic.note_nodes(run_dir, [str(n) for n in names], factors)
+    return change if elastic.launched_elastic() else None
 
 
 def _start_watchdog(run_dir: RunDir, rank: int, settings: TrainSettings) -> Any:

@@ -1,0 +1,118 @@
+"""--nnodes MIN:MAX without launching: the layout for the ranks there are (shrink and grow back), the node record
+that names lost and returned nodes, the flags, and the agents' rendezvous settings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from appliance.errors import BadInput
+from appliance.hardware import load_hardware
+from appliance.planner import RunSpec, load_model_shape, make_plan, parse_layout
+from appliance.planner.shrink import layout_for_world, usable_node_counts
+from appliance.rundir import RunDir
+from appliance.train.elastic import check_node_range, note_nodes, spec_for_world
+from appliance.train.launch import agent_command
+from appliance.train.nodes import NodeGroup, node_group, parse_nnodes
+
+PLAN = parse_layout("tp=1,pp=1,dp=3,mbs=1,gbs=6")
+MODEL = {"heads": 4, "layers": 2, "seq_len": 64}
+
+
+def test_a_lost_node_keeps_the_global_batch_through_more_accumulation() -> None:
+    shrunk = layout_for_world(PLAN, 2, **MODEL)
+    assert (shrunk.tp, shrunk.pp, shrunk.dp, shrunk.global_batch_size) == (1, 1, 2, 6)
+    assert (PLAN.micro_batches, shrunk.micro_batches) == (2, 3)  # 6 = 1 x 3 x 2 = 1 x 2 x 3
+
+
+def test_the_plans_world_again_is_the_plans_layout_grow_back() -> None:
+    assert layout_for_world(PLAN, 3, **MODEL) is PLAN
+    shrunk = layout_for_world(PLAN, 2, **MODEL)
+    assert layout_for_world(shrunk, 3, **MODEL).dp == 3  # from the shrunk one too: dp refits both ways
+
+
+def test_no_valid_layout_names_the_factors() -> None:
+    with pytest.raises(BadInput, match=r"global batch\(6\) is not divisible by mbs\(1\) \* dp\(4\)"):
+        layout_for_world(PLAN, 4, **MODEL)
+    tp2 = parse_layout("tp=2,pp=1,dp=3,mbs=1,gbs=6")
+    with pytest.raises(BadInput, match=r"5 ranks cannot hold tp\(2\) \* pp\(1\) \* dp: .* 2 ranks of one model"):
+        layout_for_world(tp2, 5, **MODEL)
+
+
+def test_what_min_may_be_for_bloom_176b() -> None:
+    # tp4 pp12 dp8 on 48 nodes of 8 GPUs: one replica is 48 ranks = 6 nodes, and gbs 2048 / mbs 2 = 1024 micro-
+    # batches per step must divide by dp, so dp is 1, 2, 4 or 8.
+    bloom = parse_layout("tp=4,pp=12,dp=8,mbs=2,gbs=2048")
+    assert usable_node_counts(bloom, 48) == [6, 12, 24, 48]
+
+
+def test_the_node_record_names_lost_and_returned_nodes(tmp_path: Path) -> None:
+    run_dir = RunDir(tmp_path).make()
+    run_dir.metrics.write_text(json.dumps({"t": 100.0, "kind": "step", "step": 7}) + "\n{torn")
+    three, two = ["h/node0", "h/node1", "h/node2"], ["h/node1", "h/node0"]
+    assert note_nodes(run_dir, three, "tp(1) * pp(1) * dp(3)") is None  # the first start
+    assert note_nodes(run_dir, three, "tp(1) * pp(1) * dp(3)") is None  # a restart on the same nodes
+    lost = note_nodes(run_dir, two, "tp(1) * pp(1) * dp(2)")
+    assert lost is not None and (lost.lost, lost.joined) == (["h/node2"], [])
+    assert (lost.old_layout, lost.new_layout, lost.last_step, lost.last_step_time) == (
+        "tp(1) * pp(1) * dp(3)",
+        "tp(1) * pp(1) * dp(2)",
+        7,
+        100.0,
+    )
+    back = note_nodes(run_dir, three, "tp(1) * pp(1) * dp(3)")
+    assert back is not None and (back.lost, back.joined) == ([], ["h/node2"])
+
+
+def test_nnodes_min_max_flags(tmp_path: Path) -> None:
+    assert parse_nnodes("3") == (None, 3) and parse_nnodes("2:3") == (2, 3) and parse_nnodes(None) == (None, None)
+    for bad in ("2:", ":3", "two", "2:3:4"):
+        with pytest.raises(BadInput, match="--nnodes"):
+            parse_nnodes(bad)
+    with pytest.raises(BadInput, match=r"--nnodes 4:3: MIN must be 1\.\.MAX"):
+        NodeGroup(nnodes=3, node_rank=0, master_host="127.0.0.1", master_port=29500, min_nodes=4)
+    group = node_group(nnodes=3, node_rank=1, master="127.0.0.1:29611", hostfile=None, min_nodes=2)
+    assert group is not None and group.elastic and group.agent_nnodes == "2:3"
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("127.0.0.1\n192.0.2.2\n192.0.2.3\n")
+    with pytest.raises(BadInput, match=r"--nnodes 2:4: --hostfile .* lists 3 hosts"):
+        node_group(nnodes=4, node_rank=0, master=None, hostfile=hostfile, min_nodes=2)
+
+
+def test_elastic_agents_get_min_max_and_short_keep_alives(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BLOOM_RDZV_CONF", "last_call_timeout=1")
+    cmd = agent_command(
+        tmp_path,
+        nproc_per_node=1,
+        max_restarts=2,
+        nnodes="2:3",
+        rdzv_endpoint="127.0.0.1:1",
+        store_hosted_elsewhere=True,
+    )
+    conf = next(c for c in cmd if c.startswith("--rdzv-conf="))
+    assert "--nnodes=2:3" in cmd
+    assert conf == "--rdzv-conf=is_host=false,keep_alive_interval=5,keep_alive_max_attempt=3,last_call_timeout=1"
+    fixed = agent_command(tmp_path, nproc_per_node=1, max_restarts=0, nnodes=2, rdzv_endpoint="127.0.0.1:1")
+    assert not any(c.startswith("--rdzv-conf") for c in fixed)  # a fixed node count keeps torch's settings
+
+
+def _spec(layout: str) -> RunSpec:
+    plan = make_plan(
+        load_hardware("cpu-laptop-2core"), load_model_shape("bloom-micro-test"), layout=parse_layout(layout)
+    )
+    return plan.spec()
+
+
+def test_only_elastic_launches_re_plan_and_min_must_hold_a_layout() -> None:
+    spec = _spec("tp=1,pp=1,dp=3,mbs=1,gbs=6")
+    elastic_env = {"BLOOM_ELASTIC_NODES": "2:3"}
+    shrunk = spec_for_world(spec, 2, env=elastic_env)
+    assert (shrunk.layout.dp, shrunk.train.global_batch_size, shrunk.layout.micro_batches) == (2, 6, 3)
+    assert spec_for_world(spec, 2, env={}) is spec  # a fixed launch keeps the plan (its world check names the misfit)
+    assert check_node_range(spec, 2, 3, "plan.json") == []
+    four = _spec("tp=1,pp=1,dp=4,mbs=1,gbs=8")
+    assert check_node_range(four, 2, 4, "plan.json") == [3]  # dp3 does not divide 8: warned of
+    with pytest.raises(BadInput, match=r"--nnodes 3:4: 3 nodes x 1 ranks .* node counts that can: \[1, 2, 4\]"):
+        check_node_range(four, 3, 4, "plan.json")
