@@ -356,3 +356,8 @@ def expert_tier_event(counters: dict[str, dict[str, int]], placement: dict[str, 
     if placement is not None:
         field_["placement"] = dict(placement)
     return field_
+
+
+def expert_step_fields(store: ExpertStore | None) -> dict:
+    """What a step event adds for a run whose experts are in a store ({} without one)."""
+    return {} if store is None else {"expert_tier": expert_tier_event(store.counters(), store.placement())}

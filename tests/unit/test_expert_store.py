@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from appliance.errors import BadInput
-from appliance.parallel.expert_store import AdamWSettings, ExpertStore, expert_tier_event
+from appliance.monitor.events import make_event
+from appliance.monitor.state import RunState, reduce
+from appliance.parallel.expert_store import AdamWSettings, ExpertStore, expert_step_fields, expert_tier_event
 from appliance.parallel.expert_store_hooks import attach_expert_store
 from appliance.parallel.expert_store_stand_in import MoeStack, dense_parameters
 
@@ -150,6 +152,25 @@ def test_counters_count_whole_expert_moves(runs: dict) -> None:
     event = expert_tier_event(c, runs["store"].placement())
     assert event["fetches"] == host["fetches"] + disk["fetches"] and event["bytes_in"] == device["bytes_in"]
     assert sum(event["placement"].values()) == LAYERS * EXPERTS
+    # The trainer's step event carries them (a run without a store adds nothing), and the dashboard reads them
+    assert expert_step_fields(None) == {}
+    step = make_event(
+        "step",
+        t=1.0,
+        step=3,
+        loss=1.0,
+        lr=1e-3,
+        grad_norm=1.0,
+        tokens_per_s=1.0,
+        tflops_per_gpu=1.0,
+        mfu=0.1,
+        consumed_samples=24,
+        **expert_step_fields(runs["store"]),
+    )
+    state = RunState()
+    reduce(state, step)
+    assert state.experts is not None and state.experts.tier == event
+    assert state.experts.hit_rate == device["hits"] / (device["hits"] + event["fetches"])
 
 
 def test_budgets_that_cannot_work_are_refused(tmp_path: Path) -> None:
