@@ -28,11 +28,7 @@ def tensors_bytes(tensors: Tensors) -> int:
 def to_host(tensors: Tensors) -> Tensors:
     """A host copy (never an alias of the device tensors: on CPU `.to("cpu")` would return the same storage)."""
     pin = torch.cuda.is_available()  # pinned memory needs a CUDA driver; on CPU it would raise
-    host = {}
-    for name, tensor in tensors.items():
-        copy = tensor.detach().to("cpu", copy=True)
-        host[name] = copy.pin_memory() if pin else copy
-    return host
+    return {name: torch.empty_like(t, device="cpu", pin_memory=pin).copy_(t) for name, t in tensors.items()}
 
 
 def to_device(tensors: Tensors, device: torch.device) -> Tensors:
