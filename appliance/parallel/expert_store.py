@@ -36,6 +36,7 @@ from torch import nn
 
 from appliance.errors import BadInput
 from appliance.parallel.expert_store_tiers import DiskTier, Tensors, tensors_bytes, to_device, to_host
+from appliance.planner.train_settings import TrainSettings
 
 TIERS = ("device", "host", "disk")
 STATE_KEYS = ("exp_avg", "exp_avg_sq")  # AdamW's per-element state, moved with the expert
@@ -361,3 +362,24 @@ def expert_tier_event(counters: dict[str, dict[str, int]], placement: dict[str, 
 def expert_step_fields(store: ExpertStore | None) -> dict:
     """What a step event adds for a run whose experts are in a store ({} without one)."""
     return {} if store is None else {"expert_tier": expert_tier_event(store.counters(), store.placement())}
+
+
+def expert_store_for_run(
+    layers: Sequence[Sequence[nn.Module]],
+    *,
+    device: torch.device | str,
+    settings: TrainSettings,
+    disk_dir: Path | None = None,
+) -> ExpertStore | None:
+    """The store a run's settings ask for (None when `expert_device_budget_mb` is 0: every expert stays resident),
+    with the run's AdamW hyperparameters. The lr comes at each step (`ExpertStore.step(lr)`), from the schedule."""
+    if settings.expert_device_budget_mb == 0:
+        return None
+    adamw = AdamWSettings(
+        lr=settings.lr,
+        betas=(settings.adam_beta1, settings.adam_beta2),
+        eps=settings.adam_eps,
+        weight_decay=settings.weight_decay,
+    )
+    budget = settings.expert_device_budget_mb * 2**20
+    return ExpertStore(layers, device=device, device_budget_bytes=budget, disk_dir=disk_dir, adamw=adamw)

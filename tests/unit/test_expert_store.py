@@ -18,9 +18,17 @@ import torch
 from appliance.errors import BadInput
 from appliance.monitor.events import make_event
 from appliance.monitor.state import RunState, reduce
-from appliance.parallel.expert_store import AdamWSettings, ExpertStore, expert_step_fields, expert_tier_event
+from appliance.overrides import parse_overrides
+from appliance.parallel.expert_store import (
+    AdamWSettings,
+    ExpertStore,
+    expert_step_fields,
+    expert_store_for_run,
+    expert_tier_event,
+)
 from appliance.parallel.expert_store_hooks import attach_expert_store
 from appliance.parallel.expert_store_stand_in import MoeStack, dense_parameters
+from appliance.planner.train_settings import TrainSettings
 
 HIDDEN, EXPERTS, LAYERS = 8, 4, 4
 TOKENS = 16  # a micro-batch of 2 x 8 tokens: 4 per expert
@@ -192,3 +200,20 @@ def test_evicted_expert_fails_loudly_and_disk_files_are_whole(tmp_path: Path) ->
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         f"layer001-expert{i:04d}.safetensors" for i in range(1, EXPERTS)
     ]  # no .tmp left behind: written under a temporary name, then renamed
+
+
+def test_the_run_setting_builds_the_store() -> None:
+    assert parse_overrides(["expert_device_budget_mb=1"]) == {"expert_device_budget_mb": 1}
+    base = dict(
+        seq_len=8, global_batch_size=2, micro_batch_size=1, train_samples=8, lr=3e-4, min_lr=0.0, warmup_samples=0,
+        decay_samples=8, weight_decay=0.1, grad_clip=1.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
+        eval_interval=10, eval_samples=0, save_interval=10, dtype="fp32", seed=0,
+    )  # fmt: skip
+    layers = MoeStack(HIDDEN, EXPERTS, 2).expert_layers()
+    assert expert_store_for_run(layers, device="cpu", settings=TrainSettings(**base)) is None  # type: ignore[arg-type]
+    settings = TrainSettings(**base, expert_device_budget_mb=1)  # type: ignore[arg-type]
+    store = expert_store_for_run(layers, device="cpu", settings=settings)
+    assert store is not None and store.device_budget == 2**20
+    assert store.adamw == AdamWSettings(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    with pytest.raises(ValueError, match="expert_device_budget_mb must not be negative"):
+        TrainSettings(**base, expert_device_budget_mb=-1)  # type: ignore[arg-type]
