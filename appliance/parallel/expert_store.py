@@ -312,16 +312,60 @@ class ExpertStore:
                 p.grad.zero_()
 
     def read_expert(self, key: ExpertKey) -> Tensors:
-        """A CPU copy of an expert's tensors (weights, `.grad`, AdamW state) wherever it lives, moving nothing:
-        for checkpoints and for comparing runs."""
+        """A CPU copy of an expert's tensors wherever it lives, moving nothing: weights by parameter name, `.grad`,
+        `.exp_avg`, `.exp_avg_sq` and `.step` beside each. What a checkpoint saves (an evicted expert's parameters
+        are empty placeholders, so the model's own state_dict does not hold them)."""
         slot = self.slots[key]
         if slot.tier == "device":
-            return {name: t.detach().to("cpu", copy=True) for name, t in self._gather(slot).items()}
-        if slot.tier == "host":
+            tensors = {name: t.detach().to("cpu", copy=True) for name, t in self._gather(slot).items()}
+        elif slot.tier == "host":
             assert slot.host is not None
-            return {name: t.clone() for name, t in slot.host.items()}
-        assert self.disk is not None
-        return self.disk.peek(key)
+            tensors = {name: t.clone() for name, t in slot.host.items()}
+        else:
+            assert self.disk is not None
+            tensors = self.disk.peek(key)
+        for name, p in zip(slot.names, slot.params, strict=True):
+            tensors[f"{name}.step"] = slot.optimizer.state[p]["step"].clone()
+        return tensors
+
+    def load_expert(self, key: ExpertKey, tensors: Tensors) -> None:
+        """Put `tensors` (read_expert's form, e.g. from a checkpoint) into the expert, in whichever tier it is."""
+        slot = self.slots[key]
+        names = [f"{name}{suffix}" for name in slot.names for suffix in ("", ".grad", ".exp_avg", ".exp_avg_sq")]
+        steps = [f"{name}.step" for name in slot.names]
+        missing = [name for name in names + steps if name not in tensors]
+        if missing:
+            raise BadInput(f"expert store: expert {key} is missing {', '.join(missing)}")
+        for name, p in zip(slot.names, slot.params, strict=True):
+            slot.optimizer.state[p]["step"].copy_(tensors[f"{name}.step"])
+        if slot.tier == "device":
+            for name, t in self._gather(slot).items():
+                t.detach().copy_(tensors[name])
+        elif slot.tier == "host":
+            assert slot.host is not None
+            for name, t in slot.host.items():
+                t.copy_(tensors[name])
+        else:
+            assert self.disk is not None
+            self.disk.write(key, {name: tensors[name].to("cpu") for name in names})
+
+    def grad_norm_sq(self) -> float:
+        """Sum of the squares of every expert gradient (fp64), read where each expert lives, moving nothing: the
+        experts' share of the global gradient norm that clipping needs (add the dense parameters' share and reduce
+        over the ranks as the engine does, then pass the clip coefficient to `step(grad_scale=...)`)."""
+        total = 0.0
+        for slot in self.slots.values():
+            if slot.tier == "device":
+                grads = [p.grad for p in slot.params if p.grad is not None]
+            elif slot.tier == "host":
+                assert slot.host is not None
+                grads = [slot.host[f"{name}.grad"] for name in slot.names]
+            else:
+                assert self.disk is not None
+                grads = list(self.disk.peek(slot.key, [f"{name}.grad" for name in slot.names]).values())
+            for grad in grads:  # one running sum in expert order: any run of the same model adds in this order
+                total += float(grad.double().pow(2).sum())
+        return total
 
     def parameters(self) -> list[nn.Parameter]:
         """The parameters the store owns: leave them out of every other optimizer (and of DeepSpeed's)."""

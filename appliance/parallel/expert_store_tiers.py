@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from appliance.errors import BadInput
@@ -56,9 +57,12 @@ class DiskTier:
         save_file({name: t.contiguous() for name, t in tensors.items()}, str(temporary))
         os.replace(temporary, final)  # atomic on one file system: the old file or the new one, never half
 
-    def peek(self, key: tuple[int, int]) -> Tensors:
-        """The expert's tensors on CPU, leaving the file in place."""
-        return load_file(str(self.path(key)), device="cpu")
+    def peek(self, key: tuple[int, int], names: list[str] | None = None) -> Tensors:
+        """The expert's tensors (or only `names`) on CPU, leaving the file in place."""
+        if names is None:
+            return load_file(str(self.path(key)), device="cpu")
+        with safe_open(str(self.path(key)), framework="pt", device="cpu") as f:
+            return {name: f.get_tensor(name) for name in names}
 
     def read(self, key: tuple[int, int], device: torch.device) -> Tensors:
         # safetensors reads straight into the target device (no intermediate host copy on CUDA)

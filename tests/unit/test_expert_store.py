@@ -58,13 +58,15 @@ def expert_name(layer: int, index: int, name: str) -> str:
 def train_reference() -> dict:
     model = MoeStack(HIDDEN, EXPERTS, LAYERS)
     optimizer = adamw(list(model.parameters()))
-    record: dict = {"outputs": [], "grads": []}
+    record: dict = {"outputs": [], "grads": [], "expert_norm_sq": []}
     for step, micro_batches in enumerate(batches()):
         for x, target in micro_batches:
             out = model(x)
             ((out - target) ** 2).mean().backward()
             record["outputs"].append(out.detach().clone())
         record["grads"].append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        experts = [p for layer in model.expert_layers() for expert in layer for p in expert.parameters()]
+        record["expert_norm_sq"].append(sum(float(p.grad.double().pow(2).sum()) for p in experts))
         for group in optimizer.param_groups:
             group["lr"] = LRS[step]
         optimizer.step()
@@ -88,7 +90,7 @@ def train_tiered(disk_dir: Path, device_budget: int | None, host_budget: int | N
     attach_expert_store(store, model.expert_containers())
     dense = adamw(dense_parameters(model))
     dense_names = {id(p): n for n, p in model.named_parameters()}
-    record: dict = {"outputs": [], "grads": [], "placements": []}
+    record: dict = {"outputs": [], "grads": [], "placements": [], "expert_norm_sq": []}
     for step, micro_batches in enumerate(batches()):
         for x, target in micro_batches:
             out = model(x)
@@ -99,6 +101,7 @@ def train_tiered(disk_dir: Path, device_budget: int | None, host_budget: int | N
             tensors = store.read_expert((layer, index))
             grads.update({expert_name(layer, index, n[:-5]): t for n, t in tensors.items() if n.endswith(".grad")})
         record["grads"].append(grads)
+        record["expert_norm_sq"].append(store.grad_norm_sq())
         record["placements"].append(store.placement())
         for group in dense.param_groups:
             group["lr"] = LRS[step]
@@ -110,6 +113,8 @@ def train_tiered(disk_dir: Path, device_budget: int | None, host_budget: int | N
     for layer, index in store.slots:
         for name, tensor in store.read_expert((layer, index)).items():
             base, _, suffix = name.rpartition(".")
+            if suffix == "step":
+                continue
             if suffix == "exp_avg_sq":
                 record["exp_avg_sq"][expert_name(layer, index, base)] = tensor
             elif not name.endswith((".grad", ".exp_avg")):
@@ -144,6 +149,8 @@ def test_tiered_training_is_bitwise_the_all_resident_training(runs: dict) -> Non
         assert_all_equal(got, want, f"step {step} gradients")
     assert_all_equal(tiered["weights"], reference["weights"], "updated weights")
     assert_all_equal(tiered["exp_avg_sq"], reference["exp_avg_sq"], "AdamW exp_avg_sq")
+    # clipping's share: the same squares summed in the same order, read where each expert waits
+    assert tiered["expert_norm_sq"] == reference["expert_norm_sq"]
     # The point of the budget: experts did wait in every tier
     assert all(p["disk"] > 0 and p["host"] > 0 and p["device"] <= 2 * EXPERTS for p in tiered["placements"])
 
@@ -217,3 +224,21 @@ def test_the_run_setting_builds_the_store() -> None:
     assert store.adamw == AdamWSettings(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     with pytest.raises(ValueError, match="expert_device_budget_mb must not be negative"):
         TrainSettings(**base, expert_device_budget_mb=-1)  # type: ignore[arg-type]
+
+
+def test_experts_round_trip_through_read_and_load_in_every_tier(runs: dict, tmp_path: Path) -> None:
+    """What a checkpoint does: read every expert of the trained store, load them into a store of another model
+    placed differently (other experts on disk), read them back."""
+    trained: ExpertStore = runs["store"]
+    saved = {key: trained.read_expert(key) for key in trained.slots}
+    assert all(t["dense_h_to_4h.weight.step"].item() == STEPS for t in saved.values())
+    b = runs["expert_bytes"]
+    fresh = ExpertStore(MoeStack(HIDDEN, EXPERTS, LAYERS, seed=5).expert_layers(), device="cpu",
+                        device_budget_bytes=EXPERTS * b, host_budget_bytes=5 * b, disk_dir=tmp_path)  # fmt: skip
+    assert set(fresh.placement().values()) != {0} and fresh.placement()["disk"] > 0
+    for key, tensors in saved.items():
+        fresh.load_expert(key, tensors)
+    for key, tensors in saved.items():
+        assert_all_equal(fresh.read_expert(key), tensors, f"expert {key}")
+    with pytest.raises(BadInput, match=r"expert \(0, 0\) is missing dense_h_to_4h.weight.step"):
+        fresh.load_expert((0, 0), {k: v for k, v in saved[(0, 0)].items() if not k.endswith("weight.step")})
