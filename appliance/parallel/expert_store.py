@@ -55,10 +55,12 @@ class TierCounters:
 
 @dataclass(frozen=True)
 class AdamWSettings:
+    """torch.optim.AdamW's defaults; a run passes its own (expert_store_for_run)."""
+
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
-    weight_decay: float = 0.0
+    weight_decay: float = 1e-2
 
 
 @dataclass(eq=False)
