@@ -29,6 +29,7 @@ from appliance.parallel.expert_store import (
 from appliance.parallel.expert_store_hooks import attach_expert_store
 from appliance.parallel.expert_store_stand_in import MoeStack, dense_parameters
 from appliance.planner.train_settings import TrainSettings
+from appliance.rundir import RunDir
 
 HIDDEN, EXPERTS, LAYERS = 8, 4, 4
 TOKENS = 16  # a micro-batch of 2 x 8 tokens: 4 per expert
@@ -242,3 +243,21 @@ def test_experts_round_trip_through_read_and_load_in_every_tier(runs: dict, tmp_
         assert_all_equal(fresh.read_expert(key), tensors, f"expert {key}")
     with pytest.raises(BadInput, match=r"expert \(0, 0\) is missing dense_h_to_4h.weight.step"):
         fresh.load_expert((0, 0), {k: v for k, v in saved[(0, 0)].items() if not k.endswith("weight.step")})
+
+
+def test_the_trainers_step_events_carry_the_counters(tmp_path: Path) -> None:
+    from test_trainer_fp16 import ScriptedEngine, events, make_trainer, trained  # the trainer's scripted engine
+
+    run_dir = RunDir(tmp_path / "run").make()
+    dense = ScriptedEngine([trained(None), trained(None)])
+    make_trainer(run_dir, dense, steps=2, dtype="fp32").fit()
+    assert all("expert_tier" not in e for e in events(run_dir, "step"))
+
+    run_dir = RunDir(tmp_path / "moe").make()
+    moe = ScriptedEngine([trained(None), trained(None)])
+    moe.expert_store = store = ExpertStore(MoeStack(HIDDEN, EXPERTS, 1).expert_layers(), device="cpu")  # type: ignore[attr-defined]
+    store.fetch(store.slots[(0, 1)])  # one use: a hit
+    make_trainer(run_dir, moe, steps=2, dtype="fp32").fit()
+    steps = events(run_dir, "step")
+    assert [e["expert_tier"]["hits"] for e in steps] == [1, 1]
+    assert steps[-1]["expert_tier"] == expert_tier_event(store.counters(), store.placement())
