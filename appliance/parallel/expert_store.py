@@ -75,6 +75,7 @@ class ExpertSlot:
     host: Tensors | None = None
     forward_pinned: bool = False
     grads_pending: int = 0  # parameters whose gradient this backward has still to accumulate
+    grads_early: int = 0  # gradients accumulated in this backward before its first use of the weights
     backward_uses: set[int] = field(default_factory=set)
 
     @property
@@ -283,7 +284,8 @@ class ExpertStore:
         if forward_id not in slot.backward_uses:
             slot.backward_uses.add(forward_id)
             self.fetch(slot)
-            slot.grads_pending = len(slot.params)
+            # A gradient that needs no weight (a bias's) may have arrived already: pin only for the rest
+            slot.grads_pending, slot.grads_early = max(0, len(slot.params) - slot.grads_early), 0
             layer = slot.key[0]
             if all(forward_id in s.backward_uses for s in self.layers[layer]):
                 for behind in range(layer - 1, layer - 1 - self.prefetch_layers, -1):
@@ -292,13 +294,18 @@ class ExpertStore:
             self.fetch(slot, count_use=False)  # evicted after its gradients accumulated, needed again
 
     def gradient_accumulated(self, slot: ExpertSlot) -> None:
-        slot.grads_pending = max(0, slot.grads_pending - 1)
+        if slot.grads_pending > 0:
+            slot.grads_pending -= 1
+            if slot.grads_pending == 0:
+                slot.grads_early = 0
+        else:
+            slot.grads_early += 1
 
     def step(self, lr: float, grad_scale: float | None = None) -> None:
         """AdamW on every expert, then its gradients zeroed: resident experts first (no move), then the rest in
         layer order. `grad_scale` multiplies the gradients first (a clipping coefficient)."""
         for slot in self.slots.values():  # a backward that left pins (an unused expert) ends here
-            slot.grads_pending, slot.backward_uses = 0, set()
+            slot.grads_pending, slot.grads_early, slot.backward_uses = 0, 0, set()
         resident = list(self._on_device.values())
         for slot in resident + [s for s in self.slots.values() if s.tier != "device"]:
             self.fetch(slot, count_use=False)
