@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from appliance.errors import BadInput
@@ -319,6 +320,25 @@ class ExpertStore:
             for p in slot.params:
                 assert p.grad is not None
                 p.grad.zero_()
+
+    def all_reduce_grads(self, group: dist.ProcessGroup | None = None) -> None:
+        """Average every expert's gradients over `group`: the expert-data-parallel ranks, which hold the same experts.
+        DeepSpeed's engine reduces the gradients it finds on the parameters, and an evicted expert has none there.
+        Experts go in (layer, index) order, whatever their tier, so every rank issues the same collectives; each is
+        fetched and reduced on the device as one flat buffer."""
+        size = dist.get_world_size(group)
+        if size == 1:
+            return
+        for slot in self.slots.values():
+            self.fetch(slot, count_use=False)
+            grads = [p.grad for p in slot.params if p.grad is not None]
+            flat = torch.cat([g.reshape(-1) for g in grads])  # on the device, where the gradients are
+            dist.all_reduce(flat, group=group)
+            flat.div_(size)
+            offset = 0
+            for grad in grads:
+                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
 
     def read_expert(self, key: ExpertKey) -> Tensors:
         """A CPU copy of an expert's tensors wherever it lives, moving nothing: weights by parameter name, `.grad`,

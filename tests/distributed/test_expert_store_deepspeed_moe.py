@@ -1,9 +1,10 @@
 """The tiered expert store under DeepSpeed's own MoE layer (deepspeed.moe.layer.MoE: learned top-1 TopKGate, its
-capacity, the all-to-all over the expert-parallel group and the Experts container), on one gloo rank: 3 MoE layers
-of 4 BLOOM-MLP experts train 2 steps with the experts in the store under budgets that put them on device, host and
+capacity, the all-to-all over the expert-parallel group and the Experts container), on each of 2 gloo ranks: 3 MoE
+layers of 4 BLOOM-MLP experts train 2 steps with the experts in the store under budgets that put them on device, host and
 disk, and must give the same bits as the same layers all resident under torch's AdamW (foreach=False): the output,
 the aux loss, every gradient and the updated weights. Unlike the unit test's fixed routing, the gate here learns,
-so a wrong expert weight would also change which tokens go where in the second step."""
+so a wrong expert weight would also change which tokens go where in the second step. In the same launch, the
+store's all-reduce averages expert gradients over the 2 ranks (expert-data parallel), evicted experts included."""
 
 from __future__ import annotations
 
@@ -104,10 +105,56 @@ def tiered_against_resident(topology: Any) -> dict[str, Any]:
     }
 
 
-def test_tiered_deepspeed_moe_trains_like_the_resident_one() -> None:
-    (result,) = run_distributed(tiered_against_resident, 1, timeout_s=300.0)
+def both(topology: Any) -> dict[str, Any]:
+    return {"deepspeed": tiered_against_resident(topology), "reduce": reduced_grads(topology)}
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict[str, Any]]:
+    """One launch of 2 gloo ranks for both tests (a launch costs more than either check)."""
+    return run_distributed(both, 2, dp=2, timeout_s=300.0)
+
+
+def test_tiered_deepspeed_moe_trains_like_the_resident_one(ranks: list[dict[str, Any]]) -> None:
+    result = ranks[0]["deepspeed"]
     assert result["placement"] == {"device": EXPERTS, "host": 2, "disk": (LAYERS - 1) * EXPERTS - 2}
     assert all(result["outputs_equal"]), result["outputs_equal"]  # output and aux loss of each step
     assert result["weights_differ"] == [] and result["gates_equal"]
     counters = result["counters"]
     assert counters["disk"]["fetches"] > 0 and counters["host"]["fetches"] > 0 and counters["device"]["hits"] > 0
+
+
+def reduced_grads(topology: Any) -> dict[str, Any]:
+    """Each rank's expert gradients on its own data, plain and after the store's all-reduce over the 2 ranks (one
+    layer's experts on the device, the other's in host memory)."""
+    import torch.distributed as dist
+
+    from appliance.parallel.expert_store import ExpertStore
+    from appliance.parallel.expert_store_hooks import attach_expert_store
+    from appliance.parallel.expert_store_stand_in import MoeStack
+
+    x = torch.randn(2, 8, HIDDEN, generator=torch.Generator().manual_seed(10 + dist.get_rank()))
+    plain = MoeStack(HIDDEN, EXPERTS, 2)
+    plain(x).pow(2).mean().backward()
+    model = MoeStack(HIDDEN, EXPERTS, 2)
+    nbytes = 16 * sum(p.numel() for p in model.expert_layers()[0][0].parameters())
+    store = ExpertStore(model.expert_layers(), device="cpu", device_budget_bytes=EXPERTS * nbytes)
+    attach_expert_store(store, model.expert_containers())
+    model(x).pow(2).mean().backward()
+    store.all_reduce_grads()
+    return {
+        "own": {f"{li}.{ei}.{n}": p.grad for li, layer in enumerate(plain.expert_layers())
+                for ei, e in enumerate(layer) for n, p in e.named_parameters()},
+        "reduced": {f"{li}.{ei}.{n[:-5]}": t for (li, ei) in store.slots
+                    for n, t in store.read_expert((li, ei)).items() if n.endswith(".grad")},
+        "placement": store.placement(),
+    }  # fmt: skip
+
+
+def test_expert_gradients_are_averaged_over_the_expert_data_parallel_ranks(ranks: list[dict[str, Any]]) -> None:
+    ranks = [rank["reduce"] for rank in ranks]
+    assert ranks[0]["placement"] == {"device": EXPERTS, "host": EXPERTS, "disk": 0}
+    for name, own in ranks[0]["own"].items():
+        mean = (own + ranks[1]["own"][name]) / 2  # two addends: the same bits in any order
+        assert not torch.equal(own, ranks[1]["own"][name]), name  # the ranks' data differ
+        assert torch.equal(ranks[0]["reduced"][name], mean) and torch.equal(ranks[1]["reduced"][name], mean), name
