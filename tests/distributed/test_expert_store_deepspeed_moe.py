@@ -1,10 +1,11 @@
 """The tiered expert store under DeepSpeed's own MoE layer (deepspeed.moe.layer.MoE: learned top-1 TopKGate, its
 capacity, the all-to-all over the expert-parallel group and the Experts container), on each of 2 gloo ranks: 3 MoE
-layers of 4 BLOOM-MLP experts train 2 steps with the experts in the store under budgets that put them on device, host and
-disk, and must give the same bits as the same layers all resident under torch's AdamW (foreach=False): the output,
-the aux loss, every gradient and the updated weights. Unlike the unit test's fixed routing, the gate here learns,
-so a wrong expert weight would also change which tokens go where in the second step. In the same launch, the
-store's all-reduce averages expert gradients over the 2 ranks (expert-data parallel), evicted experts included."""
+layers of 4 BLOOM-MLP experts train 2 steps with the experts in the store under budgets that put them on device,
+host and disk, and must give the same bits as the same layers all resident under torch's AdamW (foreach=False):
+the output, the aux loss and the updated weights (which the gradients make). Unlike the unit test's fixed routing,
+the gate here learns, so a wrong expert weight would also change which tokens go where in the second step. In the
+same launch, the store's all-reduce averages expert gradients over the 2 ranks (expert-data parallel), evicted
+experts included."""
 
 from __future__ import annotations
 
