@@ -22,6 +22,16 @@ The policy (deterministic: the same run moves the same experts in the same order
 Counters per tier (`counters()`): hits (an expert needed on the device was there), fetches (experts brought from
 this tier to the device), evictions (experts moved out of this tier to the next one), bytes_in, bytes_out. Each
 move is whole experts, so bytes = moves x expert bytes. `expert_tier_event` sums them into a step event's field.
+
+In an engine (fp32 expert weights; after deepspeed.initialize, whose broadcast of the weights needs them whole):
+    store = expert_store_for_run([list(c.deepspeed_experts) for c in containers], device=device,
+                                 settings=train_settings, disk_dir=run_dir / "experts")   # None: budget 0
+    attach_expert_store(store, containers)          # containers: each MoE layer's deepspeed_moe.experts
+    # leave store.parameters() out of the param groups given to DeepSpeed's optimizer; then each step, after the
+    # micro-batches' backward: store.all_reduce_grads(edp_group) when edp > 1; clip with
+    # coefficient = clip / max(clip, sqrt(dense_norm_sq + store.grad_norm_sq() summed over the ranks that hold
+    # other experts)); store.step(lr, grad_scale=coefficient). Checkpoints: read_expert / load_expert per expert.
+    # Step events: the trainer adds expert_step_fields(engine.expert_store).
 """
 
 from __future__ import annotations
