@@ -56,12 +56,11 @@ def train(layers: torch.nn.ModuleList, step_experts: Any, optimizer: torch.optim
 
 
 def tiered_against_resident(topology: Any) -> dict[str, Any]:
-    import deepspeed
-
+    from appliance.parallel.deepspeed_comm import init_deepspeed_comm
     from appliance.parallel.expert_store import ExpertStore
     from appliance.parallel.expert_store_hooks import attach_expert_store
 
-    deepspeed.init_distributed(dist_backend="gloo")  # DeepSpeed's comm over the rank's existing group
+    init_deepspeed_comm("gloo")  # DeepSpeed's comm over the rank's existing group
     reference = build()
     want = train(reference, None, torch.optim.AdamW(reference.parameters(), lr=LR, foreach=False))
 
