@@ -19,6 +19,9 @@ Optional keys this reader understands beyond the required ones of events.py (all
   plan:        the plan.json object (or {"plan": {...}}): estimate.*, train.steps, train.save_interval,
                run.energy_kwh / run.co2_kg (the pre-run estimate for the whole run)
   run:         state (started, done, failed, preempted), name, reason
+  step (MoE):  moe_aux_loss (the load-balancing loss), expert_load (per MoE layer, each expert's fraction of the
+               tokens), expert_tier (the tiered expert store's counters: parallel/expert_store.py
+               expert_tier_event); any of them makes `experts` non-None and shows the experts panel
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ from appliance.monitor.events import finite
 from appliance.monitor.gpu import NodeGpus, parse_devices
 
 # Panels refresh only when their section changed; reduce() records which ones an event touched.
-SECTIONS = ("run", "throughput", "curves", "gpus", "stages", "checkpoints", "timeline", "energy", "eval", "plan")
+SECTIONS = (
+    "run", "throughput", "curves", "gpus", "stages", "checkpoints", "timeline", "energy", "eval", "plan", "experts",
+)  # fmt: skip
 TERMINAL_RUN_STATES = ("done", "failed", "preempted")
 TRAINING_STAGES = ("training", "train")
 STEP_WINDOW = 100  # step events kept for rates: with BLOOM's ~100 s steps, the last few hours
@@ -149,6 +154,36 @@ class TimelineEntry:
 
 
 @dataclass
+class ExpertsInfo:
+    """The MoE figures of the newest step events that carried them (a field an event leaves out keeps its value)."""
+
+    step: int | None = None
+    aux_loss: float | None = None
+    aux_series: Series = field(default_factory=Series)
+    load: list[list[float]] = field(default_factory=list)  # per MoE layer, each expert's fraction of the tokens
+    tier: dict[str, Any] = field(default_factory=dict)  # expert_tier as sent: cumulative counters
+
+    def imbalance(self) -> list[float | None]:
+        """max / mean load per layer: 1.0 is perfect balance, E means one expert took every token."""
+        out: list[float | None] = []
+        for loads in self.load:
+            mean = sum(loads) / len(loads) if loads else 0.0
+            out.append(max(loads) / mean if mean > 0 else None)
+        return out
+
+    @property
+    def hit_rate(self) -> float | None:
+        """Uses that found the expert on the device / all uses (hits + fetches to the device)."""
+        hits, fetches = finite(self.tier.get("hits")), finite(self.tier.get("fetches"))
+        if hits is None or fetches is None or hits + fetches <= 0:
+            return None
+        return hits / (hits + fetches)
+
+
+MOE_STEP_KEYS = ("moe_aux_loss", "expert_load", "expert_tier")
+
+
+@dataclass
 class RunState:
     """Everything the dashboard shows, as of the newest event read."""
 
@@ -197,6 +232,7 @@ class RunState:
     sample_text: str | None = None
     plan: dict[str, Any] = field(default_factory=dict)
     budget: dict[str, Any] | None = None  # the newest budget warning's object (appliance/train/budget_watch.py)
+    experts: ExpertsInfo | None = None  # None until a step event carries an MoE field
     # Control requests still waiting for the trainer (the file exists); set by the reader, not by events.
     checkpoint_requested: bool = False
     stop_requested: bool = False
@@ -265,6 +301,21 @@ class RunState:
             window_rate = (consumed - first_consumed) / span_t
         self.samples_per_s = finite(e.get("samples_per_s")) or window_rate or self.samples_per_s
         self.changed.update(("throughput", "curves", "stages", "checkpoints", "energy"))
+        if any(key in e for key in MOE_STEP_KEYS):
+            self._on_moe_step(e, int(step))
+
+    def _on_moe_step(self, e: dict[str, Any], step: int) -> None:
+        experts = self.experts = self.experts or ExpertsInfo()
+        experts.step = step
+        if "moe_aux_loss" in e:
+            experts.aux_loss = finite(e["moe_aux_loss"])
+            experts.aux_series.add(step, e["moe_aux_loss"])
+        load = e.get("expert_load")
+        if isinstance(load, list):
+            experts.load = [[finite(x) or 0.0 for x in layer] for layer in load if isinstance(layer, list)]
+        if isinstance(e.get("expert_tier"), dict):
+            experts.tier = dict(e["expert_tier"])
+        self.changed.add("experts")
 
     def _on_stage(self, e: dict[str, Any], t: float) -> None:
         name, state = str(e.get("name")), str(e.get("state"))

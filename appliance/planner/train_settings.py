@@ -71,6 +71,9 @@ class TrainSettings:
     heartbeat_interval_s: float = 5.0
     nan_rollback_after: int = 3
     max_rollbacks: int = 5
+    # MoE runs: the bytes of experts (weights, gradients, AdamW moments) each rank keeps on its device, the rest in
+    # host memory, moved by LRU with prefetch (appliance/parallel/expert_store.py); 0 keeps every expert resident.
+    expert_device_budget_mb: int = 0
 
     def __post_init__(self) -> None:
         problems = []
@@ -84,7 +87,15 @@ class TrainSettings:
         ):
             if getattr(self, key) < 1:
                 problems.append(f"{key} must be at least 1, got {getattr(self, key)!r}")
-        for key in ("warmup_samples", "decay_samples", "eval_samples", "seed", "keep_last", "drift_check_interval"):
+        for key in (
+            "warmup_samples",
+            "decay_samples",
+            "eval_samples",
+            "seed",
+            "keep_last",
+            "drift_check_interval",
+            "expert_device_budget_mb",
+        ):
             if getattr(self, key) < 0:
                 problems.append(f"{key} must not be negative, got {getattr(self, key)!r}")
         if not 0 <= self.min_lr <= self.lr:
@@ -160,6 +171,8 @@ CHANGEABLE_MID_RUN: dict[str, str] = {
     "workers": "data-stage processes; the data stages are done and keep their outputs",
     "overlap_param_gather": "when ZeRO's post-step weight all-gather runs, not what it computes: on and off train bit"
     " for bit alike (tests/distributed/test_overlap_param_gather.py); read at each launch",
+    "expert_device_budget_mb": "where experts wait between uses, not what is computed: the tiered run trains bit for"
+    " bit like the all-resident one (tests/unit/test_expert_store.py); read at each launch",
 }
 FIXED_MID_RUN: dict[str, str] = {
     "seq_len": "the data position (consumed samples) counts samples of this length, the data index is cut into"

@@ -28,6 +28,7 @@ from appliance.data.sampler import BalancedPretrainingSampler
 from appliance.monitor.events import EventWriter
 from appliance.parallel.drift import ReplicaDriftError
 from appliance.parallel.engine import ParallelEngine
+from appliance.parallel.expert_store import expert_step_fields
 from appliance.planner.train_settings import DRIFT_CHECK_INTERVAL
 from appliance.rundir import RunDir
 from appliance.train import checkpoint as ckpt
@@ -530,6 +531,8 @@ class Trainer:
             global_batch_size=int(out["batch"]),
             skipped=outcome != TRAINED,
             **fp16,
+            # MoE runs whose experts live in the tiered store (the engine's expert_store, None otherwise)
+            **expert_step_fields(getattr(self.engine, "expert_store", None)),
         )
 
     def evaluation_at_current_step(self) -> dict[str, float]:

@@ -38,6 +38,7 @@ from appliance.tui.widgets.checkpoints import CheckpointPanel
 from appliance.tui.widgets.energy import EnergyPanel
 from appliance.tui.widgets.eval_languages import LanguageScores
 from appliance.tui.widgets.eval_tasks import TaskScores
+from appliance.tui.widgets.experts import ExpertsPanel
 from appliance.tui.widgets.gpus import GpuTable
 from appliance.tui.widgets.header import RunHeader
 from appliance.tui.widgets.panel import Panel
@@ -113,6 +114,7 @@ class DashboardApp(App[int]):
                 yield GpuTable(id="gpus")
                 yield EnergyPanel(id="energy")
                 yield TimelinePanel(id="timeline")
+            yield ExpertsPanel(id="experts")  # MoE runs only (hidden until a step event carries MoE fields)
             with Horizontal(id="eval"):
                 yield LanguageScores(id="eval-languages")
                 yield TaskScores(id="eval-tasks")

@@ -1,0 +1,468 @@
+"""Tiered expert storage: each MoE expert's weights, gradients and AdamW state live on the compute device, in host
+memory or on local disk, moved by a least-recently-used policy under byte budgets, so a model whose experts do
+not fit in device memory still trains.
+
+What moves together. An expert is a unit: its parameters, their gradients and AdamW's exp_avg and exp_avg_sq, so
+its bytes are 4 x its parameter bytes (fp32: 16 bytes per parameter) in whichever tier it is. The step count is
+a 4-byte CPU scalar (as torch's AdamW keeps it) that stays in host memory whatever the tier. The store owns the
+experts' optimizer: one torch AdamW per expert (foreach=False: the per-tensor loop, whose arithmetic is
+elementwise, so stepping experts one at a time in any order gives the same bits as one AdamW over all of them).
+Gradients are allocated once (zeros) and accumulate in place, so an expert's bytes never change and a gradient
+computed on the device follows its expert into host memory or onto disk between micro-batches.
+
+The policy (deterministic: the same run moves the same experts in the same order, which the bitwise test needs):
+- `fetch` brings an expert to the device, evicting the least recently used unpinned device experts to host
+  (and, when the host budget is full, the least recently used host experts to disk).
+- A layer's experts are pinned while its forward runs, and an expert is pinned from the moment its backward
+  needs its weights until all its gradients have accumulated (`expert_store_hooks.py` does both). The device
+  budget must therefore hold one layer's experts; a smaller one is refused with the arithmetic.
+- Prefetch: before a layer's forward, the next `prefetch_layers` layers are fetched too when they fit without
+  evicting a pinned expert (all of a layer or none of it); in backward the previous layer likewise.
+
+Counters per tier (`counters()`): hits (an expert needed on the device was there), fetches (experts brought from
+this tier to the device), evictions (experts moved out of this tier to the next one), bytes_in, bytes_out. Each
+move is whole experts, so bytes = moves x expert bytes. `expert_tier_event` sums them into a step event's field.
+
+In an engine (fp32 expert weights; after deepspeed.initialize, whose broadcast of the weights needs them whole):
+    store = expert_store_for_run([list(c.deepspeed_experts) for c in containers], device=device,
+                                 settings=train_settings, disk_dir=run_dir / "experts")   # None: budget 0
+    attach_expert_store(store, containers)          # containers: each MoE layer's deepspeed_moe.experts
+    # leave store.parameters() out of the param groups given to DeepSpeed's optimizer; then each step, after the
+    # micro-batches' backward: store.all_reduce_grads(edp_group) when edp > 1; clip with
+    # coefficient = clip / max(clip, sqrt(dense_norm_sq + store.grad_norm_sq() summed over the ranks that hold
+    # other experts)); store.step(lr, grad_scale=coefficient). Checkpoints: read_expert / load_expert per expert.
+    # Step events: the trainer adds expert_step_fields(engine.expert_store).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from appliance.errors import BadInput
+from appliance.parallel.expert_store_tiers import DiskTier, Tensors, tensors_bytes, to_device, to_host
+from appliance.planner.train_settings import TrainSettings
+
+TIERS = ("device", "host", "disk")
+STATE_KEYS = ("exp_avg", "exp_avg_sq")  # AdamW's per-element state, moved with the expert
+
+ExpertKey = tuple[int, int]  # (MoE layer in forward order, expert index in the layer)
+
+
+@dataclass
+class TierCounters:
+    hits: int = 0
+    fetches: int = 0
+    evictions: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+
+@dataclass(frozen=True)
+class AdamWSettings:
+    """torch.optim.AdamW's defaults; a run passes its own (expert_store_for_run)."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 1e-2
+
+
+@dataclass(eq=False)
+class ExpertSlot:
+    key: ExpertKey
+    module: nn.Module
+    names: list[str]
+    params: list[nn.Parameter]
+    optimizer: torch.optim.AdamW
+    nbytes: int
+    tier: str = "device"
+    host: Tensors | None = None
+    forward_pinned: bool = False
+    grads_pending: int = 0  # parameters whose gradient this backward has still to accumulate
+    grads_early: int = 0  # gradients accumulated in this backward before its first use of the weights
+    backward_uses: set[int] = field(default_factory=set)
+
+    @property
+    def pinned(self) -> bool:
+        return self.forward_pinned or self.grads_pending > 0
+
+
+class ExpertStore:
+    """The experts of `layers` (one sequence of expert modules per MoE layer, in forward order), placed under the
+    byte budgets. None means unlimited; `disk_dir` None means no disk tier (then the host budget must hold the
+    rest). The modules must already be on `device`."""
+
+    def __init__(
+        self,
+        layers: Sequence[Sequence[nn.Module]],
+        *,
+        device: torch.device | str,
+        device_budget_bytes: int | None = None,
+        host_budget_bytes: int | None = None,
+        disk_dir: Path | None = None,
+        adamw: AdamWSettings | None = None,
+        prefetch_layers: int = 1,
+    ) -> None:
+        self.device = torch.device(device)
+        self.device_budget, self.host_budget = device_budget_bytes, host_budget_bytes
+        self.disk = DiskTier(disk_dir) if disk_dir is not None else None
+        self.adamw = adamw or AdamWSettings()
+        self.prefetch_layers = prefetch_layers
+        self.counters_by_tier = {tier: TierCounters() for tier in TIERS}
+        self.layers: list[list[ExpertSlot]] = [
+            [self._register((li, ei), module) for ei, module in enumerate(experts)] for li, experts in enumerate(layers)
+        ]
+        self.slots = {slot.key: slot for layer in self.layers for slot in layer}
+        self._on_device: OrderedDict[ExpertKey, ExpertSlot] = OrderedDict((k, s) for k, s in self.slots.items())
+        self._on_host: OrderedDict[ExpertKey, ExpertSlot] = OrderedDict()
+        self._check_budgets()
+        # Settle into the budgets from the last layer back, so the first layers (the first forward's) stay.
+        if self.device_budget is not None:
+            for slot in reversed(list(self.slots.values())):
+                if self._device_used() <= self.device_budget:
+                    break
+                self._evict_from_device(slot)
+
+    # ---- registration ---------------------------------------------------------------------------------------
+    def _register(self, key: ExpertKey, module: nn.Module) -> ExpertSlot:
+        names, params = zip(*module.named_parameters(), strict=True) if list(module.parameters()) else ((), ())
+        if not params:
+            raise BadInput(f"expert store: expert {key} (layer, index) has no parameters")
+        for name, p in zip(names, params, strict=True):
+            if p.device != self.device:
+                raise BadInput(f"expert store: expert {key} parameter {name} is on {p.device}, not {self.device}")
+            # Each parameter owns its storage (a view into a flat buffer would keep the buffer alive when evicted)
+            p.data = p.data.clone(memory_format=torch.contiguous_format)
+            p.grad = torch.zeros_like(p)  # allocated once: an expert's bytes never change
+        a = self.adamw
+        optimizer = torch.optim.AdamW(
+            params, lr=a.lr, betas=a.betas, eps=a.eps, weight_decay=a.weight_decay, foreach=False
+        )
+        for p in params:
+            # torch's own first-step state, made now so every expert has the same bytes from the start
+            optimizer.state[p] = {"step": torch.tensor(0.0), **{k: torch.zeros_like(p) for k in STATE_KEYS}}
+        slot = ExpertSlot(key, module, list(names), list(params), optimizer, nbytes=0)
+        slot.nbytes = tensors_bytes(self._gather(slot))
+        return slot
+
+    def _check_budgets(self) -> None:
+        widest = max(sum(s.nbytes for s in layer) for layer in self.layers)
+        if self.device_budget is not None and self.device_budget < widest:
+            sizes = ", ".join(f"layer {i}: {len(layer)} x {layer[0].nbytes:,} B" for i, layer in enumerate(self.layers))
+            raise BadInput(
+                f"expert store: the device budget ({self.device_budget:,} B) must hold one MoE layer's experts "
+                f"(params + grads + AdamW state), the largest being {widest:,} B ({sizes})"
+            )
+        if self.disk is None and self.host_budget is not None and self.device_budget is not None:
+            total = sum(s.nbytes for s in self.slots.values())
+            if self.device_budget + self.host_budget < total:
+                raise BadInput(
+                    f"expert store: device budget {self.device_budget:,} B + host budget {self.host_budget:,} B < "
+                    f"all experts' {total:,} B, and no disk directory was given"
+                )
+
+    # ---- the expert's tensors ---------------------------------------------------------------------------------
+    def _gather(self, slot: ExpertSlot) -> Tensors:
+        tensors: Tensors = {}
+        for name, p in zip(slot.names, slot.params, strict=True):
+            assert p.grad is not None
+            tensors[name], tensors[f"{name}.grad"] = p.data, p.grad
+            state = slot.optimizer.state[p]
+            tensors.update({f"{name}.{k}": state[k] for k in STATE_KEYS})
+        return tensors
+
+    def _install(self, slot: ExpertSlot, tensors: Tensors) -> None:
+        for name, p in zip(slot.names, slot.params, strict=True):
+            p.data = tensors[name]
+            p.grad = tensors[f"{name}.grad"]  # after .data: the grad must match the parameter's shape
+            state = slot.optimizer.state[p]
+            state.update({k: tensors[f"{name}.{k}"] for k in STATE_KEYS})
+
+    def _release(self, slot: ExpertSlot) -> None:
+        """Drop the device tensors: empty placeholders, so a use of an evicted expert fails on its shape."""
+        for p in slot.params:
+            p.grad = None
+            p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+            state = slot.optimizer.state[p]
+            state.update({k: torch.empty(0, dtype=p.dtype, device=self.device) for k in STATE_KEYS})
+
+    # ---- moves ------------------------------------------------------------------------------------------------
+    def _device_used(self) -> int:
+        return sum(s.nbytes for s in self._on_device.values())
+
+    def _host_used(self) -> int:
+        return sum(s.nbytes for s in self._on_host.values())
+
+    def _evict_from_device(self, slot: ExpertSlot) -> None:
+        tensors = self._gather(slot)
+        if self.host_budget is not None:
+            while self._host_used() + slot.nbytes > self.host_budget and self._on_host:
+                self._evict_from_host(next(iter(self._on_host.values())))
+        slot.host = to_host(tensors)
+        self._release(slot)
+        del self._on_device[slot.key]
+        self._on_host[slot.key], slot.tier = slot, "host"
+        self._count("device", evictions=1, bytes_out=slot.nbytes)
+        self._count("host", bytes_in=slot.nbytes)
+
+    def _evict_from_host(self, slot: ExpertSlot) -> None:
+        if self.disk is None:
+            raise BadInput(
+                f"expert store: the host budget ({self.host_budget:,} B) is full and no disk directory was given"
+            )
+        assert slot.host is not None
+        self.disk.write(slot.key, slot.host)
+        slot.host = None
+        del self._on_host[slot.key]
+        slot.tier = "disk"
+        self._count("host", evictions=1, bytes_out=slot.nbytes)
+        self._count("disk", bytes_in=slot.nbytes)
+
+    def _room_on_device(self, nbytes: int, *, evict: bool) -> bool:
+        """Whether `nbytes` fit on the device after evicting unpinned experts (evicting them when `evict`)."""
+        if self.device_budget is None:
+            return True
+        free = self.device_budget - self._device_used()
+        victims = [s for s in self._on_device.values() if not s.pinned]  # least recently used first
+        if free + sum(s.nbytes for s in victims) < nbytes:
+            return False
+        if evict:
+            while free < nbytes:
+                victim = victims.pop(0)
+                self._evict_from_device(victim)
+                free += victim.nbytes
+        return True
+
+    def fetch(self, slot: ExpertSlot, *, count_use: bool = True) -> None:
+        """Make `slot` resident on the device and most recently used; a use counts a hit when it was there."""
+        if slot.tier == "device":
+            self._on_device.move_to_end(slot.key)
+            if count_use:
+                self._count("device", hits=1)
+            return
+        if not self._room_on_device(slot.nbytes, evict=True):
+            pinned = sum(s.nbytes for s in self._on_device.values() if s.pinned)
+            raise BadInput(
+                f"expert store: expert {slot.key} ({slot.nbytes:,} B) does not fit in the device budget "
+                f"({self.device_budget:,} B) beside the {pinned:,} B of experts in use"
+            )
+        source = slot.tier
+        if source == "host":
+            assert slot.host is not None
+            tensors = to_device(slot.host, self.device)
+            slot.host = None
+            del self._on_host[slot.key]
+        else:
+            assert self.disk is not None
+            tensors = self.disk.read(slot.key, self.device)
+        self._install(slot, tensors)
+        self._on_device[slot.key], slot.tier = slot, "device"
+        self._count(source, fetches=1, bytes_out=slot.nbytes)
+        self._count("device", bytes_in=slot.nbytes)
+
+    def prefetch(self, layer: int) -> bool:
+        """Fetch all of `layer`'s experts if they fit without evicting a pinned expert; False when skipped."""
+        if not 0 <= layer < len(self.layers):
+            return False
+        missing = [s for s in self.layers[layer] if s.tier != "device"]
+        if not self._room_on_device(sum(s.nbytes for s in missing), evict=False):
+            return False
+        for slot in missing:
+            self.fetch(slot, count_use=False)
+        return True
+
+    # ---- the training step ----------------------------------------------------------------------------------
+    def begin_forward(self, layer: int) -> None:
+        for slot in self.layers[layer]:
+            self.fetch(slot)
+            slot.forward_pinned = True
+        for ahead in range(layer + 1, layer + 1 + self.prefetch_layers):
+            self.prefetch(ahead)
+
+    def end_forward(self, layer: int) -> None:
+        for slot in self.layers[layer]:
+            slot.forward_pinned = False
+
+    def begin_backward_use(self, slot: ExpertSlot, forward_id: int) -> None:
+        """The backward needs `slot`'s weights: fetch it and pin it until its gradients have accumulated."""
+        if forward_id not in slot.backward_uses:
+            slot.backward_uses.add(forward_id)
+            self.fetch(slot)
+            # A gradient that needs no weight (a bias's) may have arrived already: pin only for the rest
+            slot.grads_pending, slot.grads_early = max(0, len(slot.params) - slot.grads_early), 0
+            layer = slot.key[0]
+            if all(forward_id in s.backward_uses for s in self.layers[layer]):
+                for behind in range(layer - 1, layer - 1 - self.prefetch_layers, -1):
+                    self.prefetch(behind)
+        elif slot.tier != "device":
+            self.fetch(slot, count_use=False)  # evicted after its gradients accumulated, needed again
+
+    def gradient_accumulated(self, slot: ExpertSlot) -> None:
+        if slot.grads_pending > 0:
+            slot.grads_pending -= 1
+            if slot.grads_pending == 0:
+                slot.grads_early = 0
+        else:
+            slot.grads_early += 1
+
+    def step(self, lr: float, grad_scale: float | None = None) -> None:
+        """AdamW on every expert, then its gradients zeroed: resident experts first (no move), then the rest in
+        layer order. `grad_scale` multiplies the gradients first (a clipping coefficient)."""
+        for slot in self.slots.values():  # a backward that left pins (an unused expert) ends here
+            slot.grads_pending, slot.grads_early, slot.backward_uses = 0, 0, set()
+        resident = list(self._on_device.values())
+        for slot in resident + [s for s in self.slots.values() if s.tier != "device"]:
+            self.fetch(slot, count_use=False)
+            if grad_scale is not None:
+                for p in slot.params:
+                    assert p.grad is not None
+                    p.grad.mul_(grad_scale)
+            for group in slot.optimizer.param_groups:
+                group["lr"] = lr
+            slot.optimizer.step()
+            for p in slot.params:
+                assert p.grad is not None
+                p.grad.zero_()
+
+    def all_reduce_grads(self, group: dist.ProcessGroup | None = None) -> None:
+        """Average every expert's gradients over `group`: the expert-data-parallel ranks, which hold the same experts.
+        DeepSpeed's engine reduces the gradients it finds on the parameters, and an evicted expert has none there.
+        Experts go in (layer, index) order, whatever their tier, so every rank issues the same collectives; each is
+        fetched and reduced on the device as one flat buffer."""
+        size = dist.get_world_size(group)
+        if size == 1:
+            return
+        for slot in self.slots.values():
+            self.fetch(slot, count_use=False)
+            grads = [p.grad for p in slot.params if p.grad is not None]
+            flat = torch.cat([g.reshape(-1) for g in grads])  # on the device, where the gradients are
+            dist.all_reduce(flat, group=group)
+            flat.div_(size)
+            offset = 0
+            for grad in grads:
+                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
+
+    def read_expert(self, key: ExpertKey) -> Tensors:
+        """A CPU copy of an expert's tensors wherever it lives, moving nothing: weights by parameter name, `.grad`,
+        `.exp_avg`, `.exp_avg_sq` and `.step` beside each. What a checkpoint saves (an evicted expert's parameters
+        are empty placeholders, so the model's own state_dict does not hold them)."""
+        slot = self.slots[key]
+        if slot.tier == "device":
+            tensors = {name: t.detach().to("cpu", copy=True) for name, t in self._gather(slot).items()}
+        elif slot.tier == "host":
+            assert slot.host is not None
+            tensors = {name: t.clone() for name, t in slot.host.items()}
+        else:
+            assert self.disk is not None
+            tensors = self.disk.peek(key)
+        for name, p in zip(slot.names, slot.params, strict=True):
+            tensors[f"{name}.step"] = slot.optimizer.state[p]["step"].clone()
+        return tensors
+
+    def load_expert(self, key: ExpertKey, tensors: Tensors) -> None:
+        """Put `tensors` (read_expert's form, e.g. from a checkpoint) into the expert, in whichever tier it is."""
+        slot = self.slots[key]
+        names = [f"{name}{suffix}" for name in slot.names for suffix in ("", ".grad", ".exp_avg", ".exp_avg_sq")]
+        steps = [f"{name}.step" for name in slot.names]
+        missing = [name for name in names + steps if name not in tensors]
+        if missing:
+            raise BadInput(f"expert store: expert {key} is missing {', '.join(missing)}")
+        for name, p in zip(slot.names, slot.params, strict=True):
+            slot.optimizer.state[p]["step"].copy_(tensors[f"{name}.step"])
+        if slot.tier == "device":
+            for name, t in self._gather(slot).items():
+                t.detach().copy_(tensors[name])
+        elif slot.tier == "host":
+            assert slot.host is not None
+            for name, t in slot.host.items():
+                t.copy_(tensors[name])
+        else:
+            assert self.disk is not None
+            self.disk.write(key, {name: tensors[name].to("cpu") for name in names})
+
+    def grad_norm_sq(self) -> float:
+        """Sum of the squares of every expert gradient (fp64), read where each expert lives, moving nothing: the
+        experts' share of the global gradient norm that clipping needs (add the dense parameters' share and reduce
+        over the ranks as the engine does, then pass the clip coefficient to `step(grad_scale=...)`)."""
+        total = 0.0
+        for slot in self.slots.values():
+            if slot.tier == "device":
+                grads = [p.grad for p in slot.params if p.grad is not None]
+            elif slot.tier == "host":
+                assert slot.host is not None
+                grads = [slot.host[f"{name}.grad"] for name in slot.names]
+            else:
+                assert self.disk is not None
+                grads = list(self.disk.peek(slot.key, [f"{name}.grad" for name in slot.names]).values())
+            for grad in grads:  # one running sum in expert order: any run of the same model adds in this order
+                total += float(grad.double().pow(2).sum())
+        return total
+
+    def parameters(self) -> list[nn.Parameter]:
+        """The parameters the store owns: leave them out of every other optimizer (and of DeepSpeed's)."""
+        return [p for slot in self.slots.values() for p in slot.params]
+
+    # ---- counters ---------------------------------------------------------------------------------------------
+    def _count(self, tier: str, **amounts: int) -> None:
+        counters = self.counters_by_tier[tier]
+        for name, amount in amounts.items():
+            setattr(counters, name, getattr(counters, name) + amount)
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        return {tier: asdict(c) for tier, c in self.counters_by_tier.items()}
+
+    def placement(self) -> dict[str, int]:
+        """How many experts each tier holds now."""
+        return {tier: sum(s.tier == tier for s in self.slots.values()) for tier in TIERS}
+
+
+def expert_tier_event(counters: dict[str, dict[str, int]], placement: dict[str, int] | None = None) -> dict:
+    """The step event's `expert_tier` field (cumulative since the ranks started): hits on the device, fetches to it
+    from host and disk, evictions out of device and host, the bytes moved onto and off the device, and the
+    per-tier counters and placement for the dashboard."""
+    device, host, disk = (counters[t] for t in TIERS)
+    field_: dict = {
+        "hits": device["hits"],
+        "fetches": host["fetches"] + disk["fetches"],
+        "evictions": device["evictions"] + host["evictions"],
+        "bytes_in": device["bytes_in"],
+        "bytes_out": device["bytes_out"],
+        "by_tier": {tier: dict(counters[tier]) for tier in TIERS},
+    }
+    if placement is not None:
+        field_["placement"] = dict(placement)
+    return field_
+
+
+def expert_step_fields(store: ExpertStore | None) -> dict:
+    """What a step event adds for a run whose experts are in a store ({} without one)."""
+    return {} if store is None else {"expert_tier": expert_tier_event(store.counters(), store.placement())}
+
+
+def expert_store_for_run(
+    layers: Sequence[Sequence[nn.Module]],
+    *,
+    device: torch.device | str,
+    settings: TrainSettings,
+    disk_dir: Path | None = None,
+) -> ExpertStore | None:
+    """The store a run's settings ask for (None when `expert_device_budget_mb` is 0: every expert stays resident),
+    with the run's AdamW hyperparameters. The lr comes at each step (`ExpertStore.step(lr)`), from the schedule."""
+    if settings.expert_device_budget_mb == 0:
+        return None
+    adamw = AdamWSettings(
+        lr=settings.lr,
+        betas=(settings.adam_beta1, settings.adam_beta2),
+        eps=settings.adam_eps,
+        weight_decay=settings.weight_decay,
+    )
+    budget = settings.expert_device_budget_mb * 2**20
+    return ExpertStore(layers, device=device, device_budget_bytes=budget, disk_dir=disk_dir, adamw=adamw)
