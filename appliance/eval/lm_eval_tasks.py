@@ -25,7 +25,7 @@ import difflib
 import importlib.util
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -189,3 +189,36 @@ def write_lm_eval_files(result: dict[str, Any], run_root: Path) -> Path:
         lines = [json.dumps(sample, default=str, ensure_ascii=False) for sample in samples]
         (out / f"samples_{task}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
     return out
+
+
+def lm_eval_task_runner(
+    names: Sequence[str],
+    *,
+    run_root: Path,
+    is_writer: bool,
+    limit: int | None = None,
+    num_fewshot: int | None = None,
+    include_paths: Sequence[Path] = (),
+) -> Callable[[TaskModel, TextCodec, int, Any], dict[str, Any]]:
+    """eval/final.py's TaskRunner for `eval --tasks`: eval.json's "tasks" from lm-eval, its files written by the
+    writer rank. The window is the run's sequence length, as for the shipped tasks."""
+
+    def run(model: TaskModel, codec: TextCodec, max_length: int, group: Any) -> dict[str, Any]:
+        result = run_lm_eval_tasks(
+            names,
+            model,
+            codec,
+            max_length=max_length,
+            limit=limit,
+            num_fewshot=num_fewshot,
+            include_paths=include_paths,
+            group=group,
+        )
+        summary: dict[str, Any] = {"task_limit": limit, "task_harness": f"lm-eval {LM_EVAL_VERSION}"}
+        if result is None:  # simple_evaluate answers on rank 0 only; the other ranks write nothing
+            return summary | {"tasks": {}}
+        if is_writer:
+            summary["task_samples"] = str(write_lm_eval_files(result, run_root))
+        return summary | {"tasks": task_table(result)}
+
+    return run
