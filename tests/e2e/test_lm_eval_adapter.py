@@ -135,3 +135,86 @@ def test_accuracies_and_table_match_the_hf_backend(evaluated: dict[str, Any]) ->
     assert row["acc_stderr"] == pytest.approx(reference["acc_stderr,none"])
     assert row["n"] == LIMIT and row["num_fewshot"] == 0 and row["output_type"] == "multiple_choice"
     assert evaluated["ours"]["task_limit"] == LIMIT and "valid_loss" in evaluated["ours"]  # the rest of eval.json
+
+
+# ---- the three request types, one process, against HFLM on the same export ---------------------------------------
+WINDOW = 16  # small, so that rolling log-likelihoods span several windows and generations cut their prompts
+TEXTS = [
+    "The command lists the files of a directory.",
+    "Le fichier de configuration est lu au démarrage du service, puis à chaque signal de rechargement.",
+    "x",
+]
+
+
+@pytest.fixture(scope="module")
+def both_backends(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    """(ApplianceLM over our single-process model, lm-eval's HFLM over its export), the same weights and window;
+    HFLM conditions empty contexts on </s> as ours does (its prefix_token_id), instead of <s>."""
+    from lm_eval.models.huggingface import HFLM
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from appliance.eval.harness import TextCodec
+    from appliance.eval.hf_export import export_hf
+    from appliance.eval.lm_eval_adapter import ApplianceLM
+    from appliance.eval.scoring import ModelScorer
+    from appliance.model.bloom import BloomForCausalLM
+    from appliance.model.config import BloomConfig
+
+    root = tmp_path_factory.mktemp("requests")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    special = ["<unk>", "<s>", "</s>", "<pad>"]
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tokenizer.train_from_iterator(
+        TEXTS * 4, trainers.BpeTrainer(vocab_size=300, special_tokens=special, initial_alphabet=alphabet)
+    )
+    tokenizer.save(str(root / "tokenizer.json"))
+    config = BloomConfig(vocab_size=384, hidden_size=32, n_layer=2, n_head=4)
+    model = BloomForCausalLM(config, seed=MODEL_SEED).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.5 * torch.randn(param.shape, generator=torch.Generator().manual_seed(param.numel())))
+    export_dir = export_hf(model.state_dict(), config, root / "tokenizer.json", root / "export")
+    codec = TextCodec(root / "tokenizer.json")
+    ours = ApplianceLM(ModelScorer(model), codec, max_length=WINDOW, batch_size=2)
+    theirs = HFLM(
+        pretrained=str(export_dir), dtype="float32", device="cpu", batch_size=2, max_length=WINDOW,
+        prefix_token_id=codec.eos_id,
+    )  # fmt: skip
+    return ours, theirs
+
+
+def _requests(kind: str, arguments: list[tuple[Any, ...]]) -> list[Any]:
+    from lm_eval.api.instance import Instance
+
+    return [Instance(kind, {}, args, i, metadata=("t", i, 1)) for i, args in enumerate(arguments)]
+
+
+def test_loglikelihood_and_rolling_match_the_hf_backend(both_backends: tuple[Any, Any]) -> None:
+    ours, theirs = both_backends
+    pairs = [("The command", " lists the files"), ("", " Le fichier"), (TEXTS[1], " x" * 6)]  # empty, cut
+    mine, reference = (
+        ours.loglikelihood(_requests("loglikelihood", pairs)),
+        theirs.loglikelihood(_requests("loglikelihood", pairs)),
+    )
+    assert [ll for ll, _ in mine] == pytest.approx([ll for ll, _ in reference], abs=LL_TOLERANCE, rel=0)
+    assert [g for _, g in mine] == [g for _, g in reference]
+    texts = [(text,) for text in TEXTS]
+    assert len(ours.tok_encode(TEXTS[1])) > 2 * WINDOW and len(ours.tok_encode(TEXTS[2])) == 1  # 3+ windows, 1
+    rolling = ours.loglikelihood_rolling(_requests("loglikelihood_rolling", texts))
+    assert rolling == pytest.approx(
+        theirs.loglikelihood_rolling(_requests("loglikelihood_rolling", texts)), abs=LL_TOLERANCE, rel=0
+    )
+
+
+def test_generate_until_matches_the_hf_backend(both_backends: tuple[Any, Any]) -> None:
+    ours, theirs = both_backends
+    arguments = [
+        ("The command", {"until": ["."], "max_gen_toks": 6, "do_sample": False}),
+        (TEXTS[1], {"until": ["\n"], "max_gen_toks": 4, "do_sample": False}),  # the prompt keeps its last 12 tokens
+        ("x", {"until": ["e"], "max_gen_toks": 8, "do_sample": False}),
+    ]
+    mine = ours.generate_until(_requests("generate_until", arguments))
+    assert mine == theirs.generate_until(_requests("generate_until", arguments))
+    assert any(mine)  # something was generated
