@@ -41,7 +41,7 @@ DEFAULT_MAX_GEN_TOKS = 256
 
 
 @register_model(MODEL_NAME)
-class ApplianceLM(TemplateLM):  # type: ignore[misc]  # lm-eval ships no type information: its classes are Any
+class ApplianceLM(TemplateLM):
     """An lm-eval LM over a TaskModel. Collective over `group` (the data-parallel group; None = the default group):
     every rank must make the same calls.
 

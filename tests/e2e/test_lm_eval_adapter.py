@@ -26,7 +26,7 @@ from appliance.rundir import RunDir
 from appliance.train import checkpoint as ckpt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
-from prepared_runs import explain, prepare_run  # noqa: E402
+from prepared_runs import explain, prepare_run
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("lm_eval") is None, reason="lm-eval is not installed (./install.sh installs it)"
