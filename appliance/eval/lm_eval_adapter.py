@@ -147,8 +147,10 @@ class ApplianceLM(TemplateLM):
         for indices in groups.values():
             kwargs = normalize_gen_kwargs(requests[indices[0]].args[1], DEFAULT_MAX_GEN_TOKS)
             if kwargs.get("do_sample"):
+                first = requests[indices[0]]
                 raise ValueError(
-                    f"{MODEL_NAME} decodes greedily; a task asks for sampling ({requests[indices[0]].args[1]})"
+                    f"{MODEL_NAME} decodes greedily; task {getattr(first, 'task_name', None)!r} asks for sampling"
+                    f" ({first.args[1]})"
                 )
             until = handle_stop_sequences(kwargs.get("until"), eos=self.codec.decode([self.eot_token_id]) or None)
             stops = [stop for stop in until if stop]
