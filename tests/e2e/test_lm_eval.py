@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,12 +57,14 @@ def export(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, BloomForCaus
 
 
 @pytest.fixture(scope="module")
-def hf_model(export: tuple[Path, BloomForCausalLM]) -> Any:
-    """lm-eval's hf model on the export, loaded once for both tasks."""
+def hf_model(export: tuple[Path, BloomForCausalLM]) -> Iterator[Any]:
+    """lm-eval's hf model on the export, loaded once for both tasks; nothing asks a hub while it runs."""
     from lm_eval.models.huggingface import HFLM
 
-    os.environ.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
-    return HFLM(pretrained=str(export[0]), dtype="float32", device="cpu", batch_size=4)
+    with pytest.MonkeyPatch.context() as env:
+        for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+            env.setenv(key, "1")
+        yield HFLM(pretrained=str(export[0]), dtype="float32", device="cpu", batch_size=4)
 
 
 def run_lm_eval(task: str, hf_model: Any) -> tuple[dict, list[dict]]:
