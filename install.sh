@@ -37,13 +37,27 @@ RUNTIME=(
 BUILD=("setuptools==84.2.1" "wheel==0.48.0")
 # triton ships with CUDA builds of torch; on CPU we install it for the kernel interpreter (TRITON_INTERPRET=1).
 TRITON="triton==3.7.1"
-# Test and lint tools.
+# Test and lint tools (and lm-evaluation-harness, which `eval --tasks` needs; the rest of the appliance does not).
 DEV=(
   "pytest==8.4.2"
   "pytest-timeout==2.4.0"
   "pytest-textual-snapshot==1.1.0"  # dashboard snapshots at a fixed terminal size
   "ruff==0.17.5"
   "mypy==2.4.1"
+  # lm-evaluation-harness: `eval --tasks` runs its tasks through the appliance's model (appliance/eval/lm_eval_*.py),
+  # and the tests compare that with its hf backend on the export (its "hf" extra: accelerate and peft). Its own
+  # dependencies are pinned at what it resolves to beside the pins above (datasets and transformers stay ours).
+  "lm-eval==0.4.13"
+  "accelerate==1.15.0"
+  "peft==0.21.2"
+  "evaluate==0.4.6"
+  "rouge-score==0.1.2"
+  "sacrebleu==2.6.0"
+  "scikit-learn==1.9.1"
+  "sqlitedict==2.1.0"
+  "pytablewriter==1.2.1"
+  "word2number==1.1"
+  "more-itertools==11.2.1"
 )
 
 stamp_of() { { cat "$0" pyproject.toml; "$PYTHON" --version 2>&1; } | sha256sum | cut -d' ' -f1; }

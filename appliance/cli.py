@@ -218,6 +218,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="evaluate the newest checkpoint of a run")
     p.add_argument("--run-dir", type=Path, required=True, help="a run directory with a checkpoint; writes eval.json")
+    g = p.add_argument_group("lm-evaluation-harness tasks, through the run's own layout (needs lm-eval installed)")
+    g.add_argument(
+        "--tasks",
+        metavar="A,B",
+        help="lm-eval task names (its registry, the shipped tasks, --include-path folders) instead of the shipped"
+        " tasks; per-document answers go to <run-dir>/lm-eval/",
+    )
+    g.add_argument("--limit", type=int, metavar="N", help="with --tasks: the first N documents of each task")
+    g.add_argument("--num-fewshot", type=int, metavar="K", help="with --tasks: K examples before each document")
+    g.add_argument(
+        "--include-path",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="with --tasks: a folder of lm-eval task YAML files (repeatable)",
+    )
 
     p = sub.add_parser("export", help="write a Hugging Face transformers Bloom directory (safetensors)")
     p.add_argument("--run-dir", type=Path, required=True, help="a run directory with a checkpoint")
@@ -526,10 +543,36 @@ def _change_settings(run_dir: RunDir, items: list[str]) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    code = _launch(args.run_dir, ("--eval-only",))
+    code = _launch(args.run_dir, ("--eval-only", *_lm_eval_args(args)))
     if code == 0:
         print((args.run_dir / "eval.json").read_text())
     return code
+
+
+def _lm_eval_args(args: argparse.Namespace) -> list[str]:
+    """The worker's arguments for `eval --tasks`, checked here (exit 2) before any rank starts."""
+    if not args.tasks:
+        flags = (("--limit", args.limit), ("--num-fewshot", args.num_fewshot))
+        given = [flag for flag, value in flags if value is not None]
+        if given or args.include_path:
+            raise BadInput(f"{', '.join(given or ['--include-path'])}: only with --tasks (lm-eval task names)")
+        return []
+    from appliance.eval.lm_eval_tasks import parse_task_names, require_lm_eval, task_manager
+
+    _need_run_dir(args.run_dir)
+    if args.limit is not None and args.limit < 1:
+        raise BadInput(f"--limit {args.limit}: must be at least 1 document per task")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise BadInput(f"--num-fewshot {args.num_fewshot}: must be 0 or more examples")
+    require_lm_eval()
+    names = parse_task_names(args.tasks)
+    task_manager(names, args.include_path)
+    out = ["--tasks", ",".join(names)]
+    out += ["--limit", str(args.limit)] if args.limit is not None else []
+    out += ["--num-fewshot", str(args.num_fewshot)] if args.num_fewshot is not None else []
+    for path in args.include_path:
+        out += ["--include-path", str(path.resolve())]
+    return out
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +80,21 @@ def generation_sample(
     return codec.decode(tokens)
 
 
+# Scores the zero/few-shot tasks: (model, codec, window, dp group) -> eval.json's "tasks", "task_limit" and any
+# other keys it adds. Collective over the group. The default scores the shipped tasks with our own harness;
+# `eval --tasks` passes lm-evaluation-harness's (appliance/eval/lm_eval_tasks.py).
+TaskRunner = Callable[[TaskModel, TextCodec, int, Any], dict[str, Any]]
+
+
+def shipped_tasks_runner(trainer: Any, task_paths: Sequence[Path] = (SHIPPED_TASKS_DIR,)) -> TaskRunner:
+    def run(model: TaskModel, codec: TextCodec, max_length: int, group: Any) -> dict[str, Any]:
+        limit = task_limit(trainer)
+        tasks = run_tasks(load_tasks(task_paths), model, codec, max_length=max_length, limit=limit, group=group)
+        return {"tasks": tasks, "task_limit": limit}
+
+    return run
+
+
 def write_final_eval(
     trainer: Any,
     run_dir: RunDir,
@@ -87,6 +102,7 @@ def write_final_eval(
     vocab_size: int,
     is_writer: bool,
     task_paths: Sequence[Path] = (SHIPPED_TASKS_DIR,),
+    task_runner: TaskRunner | None = None,
 ) -> dict[str, Any]:
     started = time.time()
     losses = trainer.evaluate()
@@ -101,11 +117,8 @@ def write_final_eval(
     codec = TextCodec(run_dir.tokenizer_json)
     model = task_model(trainer)
     group = getattr(trainer, "dp_group", None)
-    limit = task_limit(trainer)
-    result["tasks"] = run_tasks(
-        load_tasks(task_paths), model, codec, max_length=trainer.s.seq_len, limit=limit, group=group
-    )
-    result["task_limit"] = limit
+    runner = task_runner or shipped_tasks_runner(trainer, task_paths)
+    result |= runner(model, codec, trainer.s.seq_len, group)
     completion = generation_sample(
         model, codec, SAMPLE_PROMPT, max_new_tokens=SAMPLE_TOKENS, max_length=trainer.s.seq_len, group=group
     )

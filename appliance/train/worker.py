@@ -86,6 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--eval-only", action="store_true", help="evaluate the newest checkpoint, do not train")
     parser.add_argument("--stop-at-step", type=int, default=None, help="save at this step and stop as if preempted")
+    # With --eval-only: lm-evaluation-harness tasks instead of the shipped ones (`eval --tasks`, eval/lm_eval_tasks.py).
+    parser.add_argument("--tasks", help="comma-separated lm-eval task names")
+    parser.add_argument("--limit", type=int, default=None, help="documents per task")
+    parser.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples per document")
+    parser.add_argument("--include-path", type=Path, action="append", default=[], help="more lm-eval task folders")
     args = parser.parse_args(argv)
     run_dir = RunDir(args.run_dir)
     runlock.join(run_dir)  # this rank keeps the run directory until it exits, even if its launcher is gone
@@ -231,7 +236,19 @@ def main(argv: list[str] | None = None) -> int:
     if outcome == "done":
         from appliance.eval.final import write_final_eval
 
-        write_final_eval(trainer, run_dir, vocab_size=vocab_size, is_writer=rank == 0)
+        task_runner = None
+        if args.tasks:
+            from appliance.eval.lm_eval_tasks import lm_eval_task_runner, parse_task_names
+
+            task_runner = lm_eval_task_runner(
+                parse_task_names(args.tasks),
+                run_root=run_dir.root,
+                is_writer=rank == 0,
+                limit=args.limit,
+                num_fewshot=args.num_fewshot,
+                include_paths=args.include_path,
+            )
+        write_final_eval(trainer, run_dir, vocab_size=vocab_size, is_writer=rank == 0, task_runner=task_runner)
     engine.close()  # the last step's weights may still be in flight over DP (overlap_param_gather)
     dist.barrier()
     watchdog.stop()

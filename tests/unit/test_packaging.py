@@ -23,6 +23,9 @@ BUILD_GROUPS = ("BUILD",)
 # index's `apex` is an unrelated project), see kernels/registry.py; Dao-AILab's flash-attn, a GPU-only peer in
 # `bench`'s kernel table, needs a CUDA build against the installed torch.
 OPTIONAL_MODULES = {"apex", "fused_layer_norm_cuda", "flash_attn"}
+# Imported only by a command that first checks for it and names the install command, and pinned with the test
+# tools (DEV): lm-evaluation-harness, for `eval --tasks` (appliance/eval/lm_eval_tasks.py).
+TEST_TOOL_MODULES = {"lm_eval": "lm-eval"}
 
 
 def canonical(name: str) -> str:
@@ -89,6 +92,10 @@ def test_every_imported_distribution_is_pinned_in_install_sh():
     problems = []
     for module, importers in sorted(imported_top_level_modules().items()):
         if module in sys.stdlib_module_names or module in OWN_PACKAGES or module in OPTIONAL_MODULES:
+            continue
+        if module in TEST_TOOL_MODULES:
+            if TEST_TOOL_MODULES[module] not in install_sh_pins(DEV_GROUPS):
+                problems.append(f"{TEST_TOOL_MODULES[module]} (import {module}) is not pinned with the test tools")
             continue
         dists = distributions.get(module)
         where = ", ".join(sorted(importers)[:3])
