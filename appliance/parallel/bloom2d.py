@@ -21,9 +21,9 @@ from appliance.model.config import BloomConfig
 from appliance.parallel.cross_entropy import HeadInput
 from appliance.parallel.layers2d import (
     Embedding2D,
-    LayerNorm2D,
-    Linear2D,
     Mesh2D,
+    apply_norm,
+    layer_norm_2d,
     loss_2d,
     sum_over_rows,
     tp2d_linear_factory,
@@ -36,8 +36,8 @@ def block_2d(config: BloomConfig, layer_number: int, mesh: Mesh2D, **tensor_kwar
     factory = tp2d_linear_factory(mesh, **tensor_kwargs)
     block = BloomBlock(config, layer_number, factory, tp_rank=mesh.col, tp_size=mesh.q)
     eps = config.layer_norm_epsilon
-    block.input_layernorm = LayerNorm2D(config.hidden_size, eps, mesh, **tensor_kwargs)  # type: ignore[arg-type]
-    block.post_attention_layernorm = LayerNorm2D(config.hidden_size, eps, mesh, **tensor_kwargs)  # type: ignore[arg-type]
+    block.input_layernorm = layer_norm_2d(config.hidden_size, eps, mesh, **tensor_kwargs)
+    block.post_attention_layernorm = layer_norm_2d(config.hidden_size, eps, mesh, **tensor_kwargs)
     return block
 
 
@@ -46,9 +46,9 @@ class _Transformer(nn.Module):
         super().__init__()
         h, eps = config.hidden_size, config.layer_norm_epsilon
         self.word_embeddings = Embedding2D(config.vocab_size, h, mesh, dtype=dtype)
-        self.word_embeddings_layernorm = LayerNorm2D(h, eps, mesh, dtype=dtype)
+        self.word_embeddings_layernorm = layer_norm_2d(h, eps, mesh, dtype=dtype)
         self.h = nn.ModuleList(block_2d(config, i, mesh, dtype=dtype) for i in range(config.n_layer))
-        self.ln_f = LayerNorm2D(h, eps, mesh, dtype=dtype)
+        self.ln_f = layer_norm_2d(h, eps, mesh, dtype=dtype)
 
 
 class Bloom2D(nn.Module):
@@ -65,10 +65,10 @@ class Bloom2D(nn.Module):
     def final_hidden(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [b, s] of the whole micro-batch -> the final LayerNorm's [b/q, s, h/q] block."""
         t = self.transformer
-        hidden = t.word_embeddings_layernorm(t.word_embeddings(ids))
+        hidden = apply_norm(t.word_embeddings_layernorm, t.word_embeddings(ids))
         for block in t.h:
             hidden = block(hidden)
-        return t.ln_f(hidden)
+        return apply_norm(t.ln_f, hidden)
 
     def head(self, ids: torch.Tensor) -> HeadInput:
         return self.transformer.word_embeddings.head_input(self.final_hidden(ids))
@@ -84,13 +84,12 @@ class Bloom2D(nn.Module):
 
     @torch.no_grad()
     def load_full(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Take this rank's blocks of a single-process (Hugging Face-named) state dict."""
-        for name, module in self.named_modules():
-            if isinstance(module, Linear2D | LayerNorm2D):
-                args = [state[f"{name}.weight"]] + ([state[f"{name}.bias"]] if module.bias is not None else [])
-                module.load_full(*args)
-            elif isinstance(module, Embedding2D):
-                module.load_full(state[f"{name}.weight"])
+        """Take this rank's blocks of a single-process (Hugging Face-named) state dict (sharding.py's 2D cut)."""
+        missing = [name for name, _ in self.named_parameters() if name not in state]
+        if missing:
+            raise ValueError(f"the state dict lacks {missing}")
+        for name, param in self.named_parameters():
+            param.copy_(self.mesh.block(state[name]))
 
 
 def build_tp2d_model(
@@ -98,8 +97,8 @@ def build_tp2d_model(
 ) -> Bloom2D:
     """This rank's Bloom2D at the topology's tp2d, holding its blocks of ``full_state`` (a BloomForCausalLM's
     state dict), in ``dtype``. Every rank of a ``run_distributed(..., tp=q * q, tp2d=q)`` run calls it."""
-    if topology.tp2d < 2 or topology.pp > 1:
-        raise ValueError(f"build_tp2d_model builds one stage at tp2d > 1, got {topology.factors}")
+    if topology.pp > 1:
+        raise ValueError(f"build_tp2d_model builds one stage (pp = 1), got {topology.factors}")
     model = Bloom2D(config, Mesh2D.of(topology), dtype=dtype)
     model.load_full({k: v.to(dtype) for k, v in full_state.items()})
     return model

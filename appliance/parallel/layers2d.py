@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from appliance.model.bloom import LINEAR_ROLES, LinearFactory
+from appliance.model import ops
+from appliance.model.bloom import LINEAR_ROLES, LinearFactory, default_linear_factory
 from appliance.parallel.context_parallel import token_weighted_loss
 from appliance.parallel.cross_entropy import HeadInput, vocab_parallel_loss
 from appliance.parallel.mappings import Group, group_rank, group_size
@@ -62,6 +63,11 @@ class Mesh2D:
     @classmethod
     def of(cls, topology: ParallelTopology) -> Mesh2D:
         return cls(topology.tp_row_group, topology.tp_col_group)
+
+    @classmethod
+    def single(cls) -> Mesh2D:
+        """The 1 x 1 mesh of a process without torch.distributed (every group helper reads None as one rank)."""
+        return cls(None, None)
 
     @property
     def q(self) -> int:
@@ -220,7 +226,7 @@ def loss_2d(
     micro-batch): the rows' shares add up to the micro-batch mean and each row's backward carries its share into the
     SUMMA reductions, which sum over the rows. "sum" is this row's sum. Report ``sum_over_rows(loss)``."""
     labels = mesh.batch_slice(labels)
-    if reduction != "mean":
+    if reduction != "mean" or mesh.q == 1:
         return vocab_parallel_loss(head, labels, mesh.row_group, ignore_index=ignore_index, reduction=reduction)
     loss_sum = vocab_parallel_loss(head, labels, mesh.row_group, ignore_index=ignore_index, reduction="sum")
     # token_weighted_loss is the context-parallel share, loss_sum * ranks / tokens (DeepSpeed then averages over
@@ -234,11 +240,28 @@ def sum_over_rows(loss: torch.Tensor, mesh: Mesh2D) -> torch.Tensor:
 
 
 def tp2d_linear_factory(mesh: Mesh2D, **tensor_kwargs: Any) -> LinearFactory:
-    """The model's linear-layer injection point at tp2d > 1: every role is the same SUMMA linear."""
+    """The model's linear-layer injection point: every role is the same SUMMA linear; on a 1 x 1 mesh the
+    single-device layers themselves (model.bloom.default_linear_factory), so q = 1 is the plain model exactly."""
 
     def make(in_features: int, out_features: int, bias: bool, role: str) -> nn.Module:
         if role not in LINEAR_ROLES:
             raise ValueError(f"unknown linear role {role!r}: expected one of {LINEAR_ROLES}")
+        if mesh.q == 1:
+            return default_linear_factory(in_features, out_features, bias, role).to(**tensor_kwargs)
         return Linear2D(in_features, out_features, bias, mesh, **tensor_kwargs)
 
     return make
+
+
+def layer_norm_2d(hidden: int, eps: float, mesh: Mesh2D, **tensor_kwargs: Any) -> nn.LayerNorm:
+    """LayerNorm2D, or on a 1 x 1 mesh the model's own nn.LayerNorm (run through ops.layer_norm)."""
+    if mesh.q == 1:
+        return nn.LayerNorm(hidden, eps=eps, **tensor_kwargs)
+    return LayerNorm2D(hidden, eps, mesh, **tensor_kwargs)
+
+
+def apply_norm(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+    """A norm as the model runs it (model/bloom.py): nn.LayerNorm through ops.layer_norm, LayerNorm2D itself."""
+    if type(norm) is nn.LayerNorm:
+        return ops.layer_norm(x, norm.weight, norm.bias, norm.eps)
+    return norm(x)
