@@ -96,9 +96,8 @@ def build_tp2d_model(
     config: BloomConfig, topology: ParallelTopology, full_state: Mapping[str, torch.Tensor], dtype: torch.dtype
 ) -> Bloom2D:
     """This rank's Bloom2D at the topology's tp2d, holding its blocks of ``full_state`` (a BloomForCausalLM's
-    state dict), in ``dtype``. Every rank of a ``run_distributed(..., tp=q * q, tp2d=q)`` run calls it."""
-    if topology.pp > 1:
-        raise ValueError(f"build_tp2d_model builds one stage (pp = 1), got {topology.factors}")
+    state dict), in ``dtype``. Every rank of a ``run_distributed(..., tp=q * q, tp2d=q)`` run calls it; with pp > 1
+    each stage's mesh holds a whole model of its own (only the mesh's groups are used)."""
     model = Bloom2D(config, Mesh2D.of(topology), dtype=dtype)
     model.load_full({k: v.to(dtype) for k, v in full_state.items()})
     return model

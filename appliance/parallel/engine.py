@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from appliance.errors import BadInput
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
 from appliance.parallel.context_parallel import local_batch
@@ -49,6 +50,7 @@ from appliance.parallel.deepspeed_comm import init_deepspeed_comm
 from appliance.parallel.deepspeed_config import deepspeed_config
 from appliance.parallel.drift import check_replicated_parameters, replicated_across_tp
 from appliance.parallel.grads import TopologyMPU, install_global_norm_clipping, register_sequence_parallel_grad_hooks
+from appliance.parallel.mappings import collective_device
 from appliance.parallel.optimizer_state import (
     dp_writers,
     load_optimizer_state,
@@ -71,6 +73,7 @@ from appliance.parallel.shards import (
     FULL_MODEL_FILE,
     ShardReader,
     gather_full_state_dict,
+    init_mesh_blocks_,
     init_shards_,
     model_sources,
     shard_file_name,
@@ -149,9 +152,16 @@ def build_engine(
     # DeepSpeed's own communication layer wraps the process group already running (the PipelineModule needs it
     # before deepspeed.initialize would set it up).
     init_deepspeed_comm(dist.get_backend())
-    loss_fn = VocabParallelLoss(topology.tp_group, topology.cp_group)
+    if topology.tp2d > 1 and (dtype != "fp32" or zero_stage > 0):
+        # Our fp32 clipping path counts each mesh-row-replicated vector once (grads._counted_here); DeepSpeed's bf16,
+        # fp16 and ZeRO optimizers count every tensor-parallel parameter on every rank, those vectors q times.
+        raise BadInput(
+            f"tp2d({topology.tp2d}) trains in fp32 without ZeRO for now, got dtype {dtype} and zero {zero_stage}: "
+            "DeepSpeed's bf16/fp16/ZeRO gradient norm would count the vectors the mesh rows share q times"
+        )
     # What each rank's layers become (tensor/sequence parallel, context parallel, recompute), decided in one place.
     parallelism = Parallelism(topology, sequence_parallel=sequence_parallel, recompute=recompute, cp_mode=cp_mode)
+    loss_fn = VocabParallelLoss(topology.tp_group, topology.cp_group, parallelism.mesh)
     # Where DeepSpeed keeps the module (cuda:<current device>, or cpu): the layers are allocated and drawn there.
     device = torch.device(get_accelerator().current_device_name())
     module: torch.nn.Module
@@ -169,7 +179,10 @@ def build_engine(
         specs = bloom_layer_specs(config, parallelism, device=device)
         module = BloomStack(specs, loss_fn, recompute_blocks=parallelism.full_recompute)
     named = [(hf_parameter_name(n, config.n_layer), p) for n, p in module.named_parameters()]
-    init_shards_(named, config, seed, topology.tp_rank(dist.get_rank()), topology.tp)
+    if parallelism.mesh is not None:
+        init_mesh_blocks_(named, config, seed, parallelism.mesh.row, parallelism.mesh.col, parallelism.mesh.q)
+    else:
+        init_shards_(named, config, seed, topology.tp_rank(dist.get_rank()), topology.tp)
     if sequence_parallel:
         register_sequence_parallel_grad_hooks(module, topology.tp_group)
     optimizer = torch.optim.AdamW(
@@ -295,6 +308,11 @@ class ParallelEngine:
             loss = float(self.engine.train_batch(self._pipeline_iter(micro_batches)))
         else:
             loss = self._train_batch_plain(micro_batches)
+        if self.topology.tp2d > 1:
+            # Each mesh row's loss is its share of the micro-batch mean (layers2d.loss_2d): the rows add up.
+            total = torch.tensor(loss, dtype=torch.float64, device=collective_device(self.topology.tp_col_group))
+            dist.all_reduce(total, group=self.topology.tp_col_group)
+            loss = float(total)
         if self.param_gather is not None and self.engine.was_step_applied() and self.param_gather.issued == issued:
             raise DeepSpeedStructureError(
                 "the optimizer step did not go through the overlapped parameter gather: DeepSpeed's step no "

@@ -98,8 +98,13 @@ def _check_divisible(what: str, sizes: dict[str, int], q: int) -> None:
 
 
 def _mark_2d(param: nn.Parameter) -> None:
-    # Each mesh rank holds a block (vectors: a slice replicated over the mesh rows); sharding.py cuts and rejoins.
-    param.tp2d_block = True  # type: ignore[attr-defined]
+    """Each mesh rank holds its own block (sharding.py cuts and rejoins): tensor-parallel, so the drift check over
+    tp leaves it alone. A vector's slice is the same on every mesh row: the global gradient norm counts it on row 0
+    only (grads._counted_here)."""
+    param.tensor_model_parallel = True  # type: ignore[attr-defined]
+    param.partition_dim = 0  # type: ignore[attr-defined]
+    if param.ndim == 1:
+        param.tp2d_row_replica = True  # type: ignore[attr-defined]
 
 
 class Linear2D(nn.Module):

@@ -53,6 +53,18 @@ def init_shards_(
         )
 
 
+@torch.no_grad()
+def init_mesh_blocks_(
+    named_params: Iterable[tuple[str, torch.Tensor]], config: BloomConfig, seed: Seed, row: int, col: int, q: int
+) -> None:
+    """``init_shards_`` for a tp2d rank at (``row``, ``col``) of the q x q mesh: the block sharding.shard_from_full_2d
+    would cut, drawn directly (a matrix's block [dim0 slice col, dim1 slice row], a vector's slice col)."""
+    for name, param in named_params:
+        full_shape = [size * q for size in param.shape]
+        offset = [col * param.shape[0]] + ([row * param.shape[1]] if param.ndim == 2 else [])
+        init_parameter_(param, name, seed=seed, std=config.initializer_range, full_shape=full_shape, offset=offset)
+
+
 def shard_files(step_dir: Path) -> dict[tuple[int, int], Path]:
     """(tp_rank, pp_rank) -> file, for the sharded form."""
     found = {}

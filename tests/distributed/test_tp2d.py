@@ -1,7 +1,9 @@
-"""2D tensor parallelism (tp2d = 2: a 2 x 2 mesh of 4 gloo ranks) trains like one process.
+"""2D tensor parallelism (tp2d = 2: a 2 x 2 mesh) trains like one process, alone and under pipeline parallelism.
 
-One launch; each rank builds the single-process BloomForCausalLM from the same seed, its own Bloom2D with its
-blocks of those weights (parallel/bloom2d.py), and trains both a few steps on the same micro-batches:
+One launch of 8 gloo ranks, tp2d = 2 and pp = 2 (spawns are the slow part). First the mesh of pipeline stage 0
+(ranks 0-3, a q = 2 layout of its own) proves the layers: each of its ranks builds the single-process
+BloomForCausalLM from the same seed, its own Bloom2D with its blocks of those weights (parallel/bloom2d.py), and
+trains both a few steps on the same micro-batches:
 
 * float64, a probe objective sum(logits * probe) through the tied head (every layer, the embedding lookup and the
   head's product included; the vocabulary-parallel cross-entropy computes in float32 by design, so it is left out
@@ -14,26 +16,35 @@ blocks of those weights (parallel/bloom2d.py), and trains both a few steps on th
   (fp32's own rounding at these sizes, measured in the rank; tests/distributed/noise_floor.py's check_floor keeps it
   plausible).
 
-The same launch also checks the checkpoint reshard 2D -> one process -> 1D (tp = 2) -> one process on the trained
+The same ranks check the checkpoint reshard 2D -> one process -> 1D (tp = 2) -> one process on the trained
 weights, that each 2D block is the sharding.py cut of the gathered weights, and that the bound has teeth (a block
 product that forgets SUMMA's reduction lands far outside).
+
+Then all 8 ranks train through the engine (build_engine: DeepSpeed's pipeline engine, 1F1B, each stage's layers on
+its mesh, the blocks drawn from the seed by shards.init_mesh_blocks_), fp32, 3 steps of 2 micro-batches with
+global-norm clipping, against reference_training's single process: losses, gradient norms and the weights gathered
+from both stages' meshes, within FP32_FACTOR x the noise floor that noise_floor.measure_floor measures here.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+import reference_training
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from noise_floor import NoiseFloor, check_floor, relative_norm
+from noise_floor import NoiseFloor, assert_within, check_floor, measure_floor, relative_norm
+from reference_training import Recipe
 
 from appliance.model import ops
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
 from appliance.parallel.bloom2d import Bloom2D, build_tp2d_model
+from appliance.parallel.engine import build_engine
 from appliance.parallel.sharding import (
     gather_state_dicts,
     gather_state_dicts_2d,
@@ -53,6 +64,17 @@ FP64_BOUND = 1e-12  # see the module docstring: measured ~1e-15
 # within about fp32's rounding (the floor) of the float64 value; measured up to ~2 x the floor, 10 x leaves room.
 FP32_FACTOR = 10.0
 TEETH = 10.0
+# The engine run against the reorderings' floor (noise_floor.py): the 2D pipeline reorders sums at more places at
+# once than any one reordering (SUMMA's partial products, the row-reduced statistics, the stage boundary, the
+# micro-batch accumulation) and AdamW's first steps turn gradient noise into weight noise, most for small biases.
+# Measured 2.0 x (losses), 1.4 x (norms), 6.2 x (weights, an MLP bias) on this CPU; 20 x leaves room for others.
+ENGINE_FACTOR = 20.0
+ENGINE_STEPS, MBS, GBS, ENGINE_SEED, CLIP = 3, 2, 4, 7, 0.5
+OPTIMIZER = {"weight_decay": 0.1, "betas": (0.9, 0.95), "eps": 1e-8}
+RECIPE = Recipe(
+    config=CONFIG, seed=ENGINE_SEED, micro_batch_size=MBS, steps=[(s * GBS, GBS) for s in range(ENGINE_STEPS)],
+    lr_at=lambda consumed: 1e-2, grad_clip=CLIP, **OPTIMIZER,
+)  # fmt: skip
 
 
 def _batches(dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -178,8 +200,7 @@ def _without_summa_reduction(topology: ParallelTopology, initial: dict[str, torc
 
 def _check(topology: ParallelTopology) -> dict[str, Any]:
     """Everything, on each rank of the 2 x 2 mesh."""
-    out: dict[str, Any] = {"groups": (dist.get_process_group_ranks(topology.tp_row_group),
-                                      dist.get_process_group_ranks(topology.tp_col_group))}  # fmt: skip
+    out: dict[str, Any] = {}
     original_norm = ops.layer_norm
     ops.layer_norm = _fp64_layer_norm  # type: ignore[assignment]
     try:
@@ -216,14 +237,57 @@ def _check(topology: ParallelTopology) -> dict[str, Any]:
     return out
 
 
+def _tokens() -> torch.Tensor:
+    return torch.randint(
+        0, CONFIG.vocab_size, (GBS * ENGINE_STEPS, SEQ + 1), generator=torch.Generator().manual_seed(0)
+    )
+
+
+def _engine_run(topology: ParallelTopology) -> dict[str, Any]:
+    """RECIPE through build_engine on every rank; per-step losses and norms, this rank's blocks by name."""
+    os.environ.setdefault("LOCAL_RANK", "0")  # read by DeepSpeed's PipelineModule
+    engine = build_engine(
+        CONFIG, topology, micro_batch_size=MBS, global_batch_size=GBS, zero_stage=0, dtype="fp32", grad_clip=CLIP,
+        recompute="none", sequence_parallel=False, lr=RECIPE.lr_at(0), seed=ENGINE_SEED, **OPTIMIZER,
+    )  # fmt: skip
+    tokens, losses, norms = _tokens(), [], []
+    for consumed, samples in RECIPE.steps:
+        micro = [reference_training.batch(tokens, range(i, i + MBS)) for i in range(consumed, consumed + samples, MBS)]
+        result = engine.train_batch(micro)
+        losses.append(result.loss)
+        norms.append(result.grad_norm)
+    weights = {name: p.detach().clone() for name, p in engine.named_parameters()}
+    return {"losses": losses, "norms": norms, "weights": weights}
+
+
+def _rank(topology: ParallelTopology) -> dict[str, Any]:
+    """Stage 0's mesh proves the layers (``_check``) while stage 1 waits; then all ranks train the engine."""
+    rank = dist.get_rank()
+    out = _check(topology) if topology.pp_rank(rank) == 0 else {}
+    out["groups"] = (dist.get_process_group_ranks(topology.tp_row_group),
+                     dist.get_process_group_ranks(topology.tp_col_group))  # fmt: skip
+    dist.barrier()
+    out["engine"] = _engine_run(topology)
+    return out
+
+
 @pytest.fixture(scope="module")
-def results() -> list[dict[str, Any]]:
-    return run_distributed(_check, Q * Q, tp=Q * Q, tp2d=Q, timeout_s=600)
+def launch() -> list[dict[str, Any]]:
+    return run_distributed(_rank, 2 * Q * Q, tp=Q * Q, pp=2, tp2d=Q, timeout_s=600)
 
 
-def test_mesh_groups_are_rows_and_columns(results: list[dict[str, Any]]) -> None:
-    assert [r["groups"] for r in results] == [([0, 1], [0, 2]), ([0, 1], [1, 3]), ([2, 3], [0, 2]), ([2, 3], [1, 3])]
-    assert results[0]["calls"].get("broadcast", 0) > 0 and results[0]["calls"].get("reduce", 0) > 0
+@pytest.fixture(scope="module")
+def results(launch: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Stage 0's mesh: the layer checks."""
+    return launch[: Q * Q]
+
+
+def test_mesh_groups_are_rows_and_columns(launch: list[dict[str, Any]]) -> None:
+    rows, columns = [[0, 1], [2, 3], [4, 5], [6, 7]], [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert [r["groups"] for r in launch] == [
+        (next(g for g in rows if rank in g), next(g for g in columns if rank in g)) for rank in range(8)
+    ]
+    assert launch[0]["calls"].get("broadcast", 0) > 0 and launch[0]["calls"].get("reduce", 0) > 0
 
 
 def test_blocks_are_the_sharding_cut(results: list[dict[str, Any]]) -> None:
@@ -254,3 +318,29 @@ def test_bound_has_teeth(results: list[dict[str, Any]]) -> None:
 
 def test_checkpoint_reshards_between_2d_1d_and_one_process(results: list[dict[str, Any]]) -> None:
     assert all(r["reshard_1d_exact"] and r["reshard_2d_exact"] for r in results)
+
+
+@pytest.fixture(scope="module")
+def engine_reference() -> tuple[dict[str, Any], NoiseFloor]:
+    trace, floor = measure_floor(lambda order: reference_training.train(RECIPE, _tokens(), order)[1])
+    check_floor(floor, ["losses", "norms", "weights"])
+    return trace, floor
+
+
+@pytest.mark.parametrize("quantity", ["losses", "norms", "weights"])
+def test_pipelined_engine_trains_like_one_process(
+    launch: list[dict[str, Any]], engine_reference: tuple[dict[str, Any], NoiseFloor], quantity: str
+) -> None:
+    """tp2d = 2 x pp = 2 through build_engine: every rank reports the same losses and norms, and the weights
+    gathered from both stages' meshes are the single process's, within the floor."""
+    want, floor = engine_reference
+    if quantity == "weights":
+        got: Any = {}
+        for stage in range(2):
+            got |= gather_state_dicts_2d(
+                [r["engine"]["weights"] for r in launch[stage * Q * Q : (stage + 1) * Q * Q]], Q
+            )
+        assert_within(got, want[quantity], quantity, floor, ENGINE_FACTOR, "tp2d=2 pp=2 weights")
+        return
+    for rank, r in enumerate(launch):
+        assert_within(r["engine"][quantity], want[quantity], quantity, floor, ENGINE_FACTOR, f"rank {rank}")
