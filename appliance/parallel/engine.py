@@ -432,6 +432,8 @@ class ParallelEngine:
         if name is None:
             return None
         meta = {**metadata, "tp": str(self.topology.tp), "pp": str(self.topology.pp), "cp": str(self.topology.cp)}
+        if self.topology.tp2d > 1:
+            meta["tp2d"] = str(self.topology.tp2d)  # the pieces are 2D blocks (shards.join_pieces)
         save_file(self.model_shard(), str(step_dir / name), metadata=meta)
         return step_dir / name
 
@@ -444,7 +446,7 @@ class ParallelEngine:
         step_dir = Path(step_dir)
         reader = ShardReader(model_sources(step_dir), what=str(step_dir))
         for name, param in self.named_parameters():
-            value = reader.read(name, name, self.tp_rank, self.topology.tp)
+            value = self._read_piece(reader, name, name)
             if value.shape != param.shape:
                 raise ValueError(
                     f"{step_dir}: {name}: slice {tuple(value.shape)} at tp={self.topology.tp} (written at "
@@ -455,6 +457,13 @@ class ParallelEngine:
             # optimizer state's own masters, where saved, replace them in load_optimizer.
             safe_set_full_fp32_param(param, value)
         self.last_checkpoint = step_dir
+
+    def _read_piece(self, reader: ShardReader, key: str, name: str) -> torch.Tensor:
+        """This rank's slice (tp) or block (tp2d) of tensor ``key`` of parameter ``name``."""
+        q = self.topology.tp2d
+        if q > 1:
+            return reader.read_block(key, name, self.tp_rank // q, self.tp_rank % q, q)
+        return reader.read(key, name, self.tp_rank, self.topology.tp)
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
         """This rank's optimizer state: its TP slice of every parameter's Adam state, whole over DP, keyed
@@ -488,7 +497,7 @@ class ParallelEngine:
             "pp": str(topology.pp),
             "dp": str(topology.dp),
             "cp": str(topology.cp),
-        }
+        } | ({"tp2d": str(topology.tp2d)} if topology.tp2d > 1 else {})
         save_file(dict(shard), str(path), metadata=meta)
         return path
 
@@ -499,12 +508,11 @@ class ParallelEngine:
         if not files:
             return False
         reader = ShardReader(files, what=f"{step_dir} optimizer state")
-        tp_rank, tp_size = self.tp_rank, self.topology.tp
         return load_optimizer_state(
             self.named_parameters(),
             self.engine.optimizer,
             reader.keys(),
-            lambda k, n: reader.read(k, n, tp_rank, tp_size),
+            lambda k, n: self._read_piece(reader, k, n),
         )
 
     # ---- the whole model, for evaluation -----------------------------------------------------------------

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -48,9 +49,12 @@ from appliance.parallel.engine import build_engine
 from appliance.parallel.sharding import (
     gather_state_dicts,
     gather_state_dicts_2d,
+    role_of_parameter,
+    shard_from_full,
     shard_from_full_2d,
     shard_state_dict,
 )
+from appliance.parallel.shards import LazyFullStateDict, ShardReader, gather_full_state_dict, model_sources
 from appliance.parallel.summa import gather_partial_grad
 from appliance.parallel.testing import collective_guard, run_distributed
 from appliance.parallel.topology import ParallelTopology
@@ -243,8 +247,9 @@ def _tokens() -> torch.Tensor:
     )
 
 
-def _engine_run(topology: ParallelTopology) -> dict[str, Any]:
-    """RECIPE through build_engine on every rank; per-step losses and norms, this rank's blocks by name."""
+def _engine_run(topology: ParallelTopology, checkpoint: Path) -> dict[str, Any]:
+    """RECIPE through build_engine on every rank; per-step losses and norms, this rank's blocks by name. Then the
+    model is saved to ``checkpoint``, the weights spoiled, and loaded back: "reloaded" says it was exact."""
     os.environ.setdefault("LOCAL_RANK", "0")  # read by DeepSpeed's PipelineModule
     engine = build_engine(
         CONFIG, topology, micro_batch_size=MBS, global_batch_size=GBS, zero_stage=0, dtype="fp32", grad_clip=CLIP,
@@ -257,23 +262,36 @@ def _engine_run(topology: ParallelTopology) -> dict[str, Any]:
         losses.append(result.loss)
         norms.append(result.grad_norm)
     weights = {name: p.detach().clone() for name, p in engine.named_parameters()}
-    return {"losses": losses, "norms": norms, "weights": weights}
+    checkpoint.mkdir(parents=True, exist_ok=True)
+    engine.save_model(checkpoint, {"step": "3"})
+    dist.barrier()
+    with torch.no_grad():
+        for _, param in engine.named_parameters():
+            param.add_(1.0)
+    engine.load_model(checkpoint)
+    reloaded = all(torch.equal(p, weights[name]) for name, p in engine.named_parameters())
+    return {"losses": losses, "norms": norms, "weights": weights, "reloaded": reloaded}
 
 
-def _rank(topology: ParallelTopology) -> dict[str, Any]:
+def _rank(topology: ParallelTopology, checkpoint: Path) -> dict[str, Any]:
     """Stage 0's mesh proves the layers (``_check``) while stage 1 waits; then all ranks train the engine."""
     rank = dist.get_rank()
     out = _check(topology) if topology.pp_rank(rank) == 0 else {}
     out["groups"] = (dist.get_process_group_ranks(topology.tp_row_group),
                      dist.get_process_group_ranks(topology.tp_col_group))  # fmt: skip
     dist.barrier()
-    out["engine"] = _engine_run(topology)
+    out["engine"] = _engine_run(topology, checkpoint)
     return out
 
 
 @pytest.fixture(scope="module")
-def launch() -> list[dict[str, Any]]:
-    return run_distributed(_rank, 2 * Q * Q, tp=Q * Q, pp=2, tp2d=Q, timeout_s=600)
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tp2d") / "step3"
+
+
+@pytest.fixture(scope="module")
+def launch(checkpoint: Path) -> list[dict[str, Any]]:
+    return run_distributed(_rank, 2 * Q * Q, checkpoint, tp=Q * Q, pp=2, tp2d=Q, timeout_s=600)
 
 
 @pytest.fixture(scope="module")
@@ -335,12 +353,34 @@ def test_pipelined_engine_trains_like_one_process(
     gathered from both stages' meshes are the single process's, within the floor."""
     want, floor = engine_reference
     if quantity == "weights":
-        got: Any = {}
-        for stage in range(2):
-            got |= gather_state_dicts_2d(
-                [r["engine"]["weights"] for r in launch[stage * Q * Q : (stage + 1) * Q * Q]], Q
-            )
+        got = _engine_weights(launch)
         assert_within(got, want[quantity], quantity, floor, ENGINE_FACTOR, "tp2d=2 pp=2 weights")
         return
     for rank, r in enumerate(launch):
         assert_within(r["engine"][quantity], want[quantity], quantity, floor, ENGINE_FACTOR, f"rank {rank}")
+
+
+def _engine_weights(launch: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    got: dict[str, torch.Tensor] = {}
+    for stage in range(2):
+        got |= gather_state_dicts_2d([r["engine"]["weights"] for r in launch[stage * Q * Q : (stage + 1) * Q * Q]], Q)
+    return got
+
+
+def test_engine_checkpoint_reshards_2d_to_one_process_and_1d(launch: list[dict[str, Any]], checkpoint: Path) -> None:
+    """The engine's tp2d checkpoint loads back into the mesh exactly, reads back whole (export, evaluation) and as
+    any 1D tp rank's slice, and any layout's file reads back as a mesh block."""
+    assert all(r["engine"]["reloaded"] for r in launch)
+    weights = _engine_weights(launch)
+    whole = gather_full_state_dict(checkpoint)
+    assert whole.keys() == weights.keys() and all(torch.equal(whole[k], weights[k]) for k in weights)
+    lazy = LazyFullStateDict(checkpoint)
+    assert all(torch.equal(lazy[k], weights[k]) for k in weights)
+    reader = ShardReader(model_sources(checkpoint), what="tp2d checkpoint")
+    for name, tensor in weights.items():
+        role, is_bias = role_of_parameter(name)
+        for rank in range(2):  # 2D -> 1D tp = 2
+            assert torch.equal(
+                reader.read(name, name, rank, 2), shard_from_full(tensor, role, rank, 2, is_bias=is_bias)
+            )
+        assert torch.equal(reader.read_block(name, name, 1, 0, Q), shard_from_full_2d(tensor, 1, 0, Q))
