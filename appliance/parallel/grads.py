@@ -100,8 +100,8 @@ def global_grad_norm(params: Iterable[torch.Tensor], topology: ParallelTopology)
     Call it once the gradients are reduced over DP (every replica then holds the same vector).
     """
     params = list(params)
-    coordinates = topology.coordinates(dist.get_rank())
-    tp_rank, mesh_row = coordinates["tp"], coordinates.get("mesh_row", 0)
+    tp_rank = topology.tp_rank(dist.get_rank())
+    mesh_row = tp_rank // topology.tp2d if topology.tp2d > 1 else 0  # tp2d: tp rank = mesh row * q + mesh column
     grads = [p.grad.detach() for p in params if p.grad is not None and _counted_here(p, tp_rank, mesh_row)]
     # Summed on the gradients' device in fp32, one number per parameter, then one collective. A rank that counts no
     # gradient (a TP rank > 0 of a stage holding only replicated parameters) still joins the collective with a zero
