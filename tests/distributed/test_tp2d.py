@@ -46,6 +46,7 @@ from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
 from appliance.parallel.bloom2d import Bloom2D, build_tp2d_model
 from appliance.parallel.engine import build_engine
+from appliance.parallel.layers2d import apply_norm
 from appliance.parallel.sharding import (
     gather_state_dicts,
     gather_state_dicts_2d,
@@ -212,8 +213,10 @@ def _check(topology: ParallelTopology) -> dict[str, Any]:
         _, exact_loss = _reference(torch.float64, "loss")
     finally:
         ops.layer_norm = original_norm  # type: ignore[assignment]
+    out["exact"] = exact
     got64 = _run_2d(topology, torch.float64, "probe", exact["initial"])
     out["fp64"] = _largest(got64, exact)
+    out["fp64_names"] = sorted(got64["weights"])
     out["cut_ok"] = got64["cut_ok"]
 
     _, want32 = _reference(torch.float32, "loss")
@@ -273,13 +276,82 @@ def _engine_run(topology: ParallelTopology, checkpoint: Path) -> dict[str, Any]:
     return {"losses": losses, "norms": norms, "weights": weights, "reloaded": reloaded}
 
 
-def _rank(topology: ParallelTopology, checkpoint: Path) -> dict[str, Any]:
-    """Stage 0's mesh proves the layers (``_check``) while stage 1 waits; then all ranks train the engine."""
+def _exact_probe_reference() -> dict[str, Any]:
+    original_norm = ops.layer_norm
+    ops.layer_norm = _fp64_layer_norm  # type: ignore[assignment]
+    try:
+        return _reference(torch.float64, "probe")[1]
+    finally:
+        ops.layer_norm = original_norm  # type: ignore[assignment]
+
+
+def _stage_of(name: str) -> int:
+    """Which of two stages holds a parameter: the embedding and block 0 on stage 0, block 1 and ln_f on stage 1 (the
+    tied embedding on both)."""
+    return 1 if ".h.1." in name or ".ln_f." in name else 0
+
+
+def _pipelined_fp64(topology: ParallelTopology, exact: dict[str, Any]) -> dict[str, Any]:
+    """The fp64 probe training with the model cut into two stages, each on its own 2 x 2 mesh: stage 0 runs the
+    embedding and block 0 and sends its [b/q, s, h/q] block to the same mesh position of stage 1, which runs block 1,
+    ln_f and the head; the activation's gradient comes back the same way, and the tied embedding's two copies sum
+    their gradients over the pp group (DeepSpeed's ReduceTiedGrads). Largest differences from the single process."""
     rank = dist.get_rank()
-    out = _check(topology) if topology.pp_rank(rank) == 0 else {}
+    stage = topology.pp_rank(rank)
+    peer = topology.rank_with(rank, pp=1 - stage)
+    model = build_tp2d_model(CONFIG, topology, exact["initial"], torch.float64)
+    t, mesh = model.transformer, model.mesh
+    embedding = t.word_embeddings.weight
+    params = {n: p for n, p in model.named_parameters() if _stage_of(n) == stage or p is embedding}
+    optimizer = torch.optim.SGD(params.values(), lr=1e-3)
+    values, grads = [], {}
+    for step, (ids, probe) in enumerate(_batches(torch.float64)):
+        optimizer.zero_grad()
+        if stage == 0:
+            hidden = t.h[0](apply_norm(t.word_embeddings_layernorm, t.word_embeddings(ids)))
+            dist.send(hidden.detach().contiguous(), peer)
+            grad = torch.empty_like(hidden)
+            dist.recv(grad, peer)
+            hidden.backward(grad)
+        else:
+            received = torch.empty(BATCH // Q, SEQ, CONFIG.hidden_size // Q, dtype=torch.float64)
+            dist.recv(received, peer)
+            received.requires_grad_(True)
+            final = apply_norm(t.ln_f, t.h[1](received))
+            whole = gather_partial_grad(final, -1, mesh.row_group)
+            logits = F.linear(whole, t.word_embeddings.vocab_slice())
+            value = (logits * mesh.batch_slice(probe).chunk(Q, dim=-1)[mesh.col]).sum()
+            value.backward()
+            dist.send(received.grad.contiguous(), peer)
+            total = value.detach().clone()
+            dist.all_reduce(total, group=topology.tp_group)
+            values.append(total)
+        assert embedding.grad is not None
+        dist.all_reduce(embedding.grad, group=topology.pp_group)  # the tied copies' gradients
+        if step == 0:
+            grads = {n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None}
+        optimizer.step()
+    weights = {n: p.detach().clone() for n, p in params.items()}
+    got = {"grads": gather_state_dicts_2d(_mesh_all(grads, topology), Q),
+           "weights": gather_state_dicts_2d(_mesh_all(weights, topology), Q)}  # fmt: skip
+    out = {key: max((relative_norm(got[key][n], exact[key][n]), n) for n in got[key]) for key in got}
+    if stage == 1:
+        out["values"] = max((relative_norm(g, w), f"step {i}") for i, (g, w) in
+                            enumerate(zip(values, exact["values"], strict=True)))  # fmt: skip
+    out["names"] = sorted(got["weights"])
+    return out
+
+
+def _rank(topology: ParallelTopology, checkpoint: Path) -> dict[str, Any]:
+    """Stage 0's mesh proves the layers (``_check``) while stage 1 computes the fp64 reference; then both stages run
+    the fp64 probe training as a two-stage pipeline, and all ranks train the engine."""
+    rank = dist.get_rank()
+    out = _check(topology) if topology.pp_rank(rank) == 0 else {"exact": _exact_probe_reference()}
     out["groups"] = (dist.get_process_group_ranks(topology.tp_row_group),
                      dist.get_process_group_ranks(topology.tp_col_group))  # fmt: skip
     dist.barrier()
+    exact = out.pop("exact")
+    out["pipelined_fp64"] = _pipelined_fp64(topology, exact)
     out["engine"] = _engine_run(topology, checkpoint)
     return out
 
@@ -384,3 +456,16 @@ def test_engine_checkpoint_reshards_2d_to_one_process_and_1d(launch: list[dict[s
                 reader.read(name, name, rank, 2), shard_from_full(tensor, role, rank, 2, is_bias=is_bias)
             )
         assert torch.equal(reader.read_block(name, name, 1, 0, Q), shard_from_full_2d(tensor, 1, 0, Q))
+
+
+@pytest.mark.parametrize("quantity", ["values", "grads", "weights"])
+def test_fp64_two_stage_pipeline_equals_one_process(launch: list[dict[str, Any]], quantity: str) -> None:
+    """tp2d = 2 x pp = 2 in float64: each stage's gathered gradients and weights, and the objective per step,
+    within FP64_BOUND of the single process; together the stages hold every parameter."""
+    stage_names = [launch[0]["pipelined_fp64"]["names"], launch[Q * Q]["pipelined_fp64"]["names"]]
+    assert set(stage_names[0]) | set(stage_names[1]) == set(launch[0]["fp64_names"])
+    for rank, r in enumerate(launch):
+        if quantity == "values" and rank < Q * Q:
+            continue  # the objective is on the last stage
+        value, where = r["pipelined_fp64"][quantity]
+        assert value <= FP64_BOUND, f"rank {rank}: fp64 pipelined {quantity} at {where}: {value:.3e}"
