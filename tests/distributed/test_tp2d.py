@@ -46,7 +46,7 @@ from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
 from appliance.parallel.bloom2d import Bloom2D, build_tp2d_model
 from appliance.parallel.engine import build_engine
-from appliance.parallel.layers2d import apply_norm
+from appliance.parallel.layers2d import Linear2D, Mesh2D, apply_norm
 from appliance.parallel.sharding import (
     gather_state_dicts,
     gather_state_dicts_2d,
@@ -56,7 +56,7 @@ from appliance.parallel.sharding import (
     shard_state_dict,
 )
 from appliance.parallel.shards import LazyFullStateDict, ShardReader, gather_full_state_dict, model_sources
-from appliance.parallel.summa import gather_partial_grad
+from appliance.parallel.summa import count_traffic, gather_partial_grad
 from appliance.parallel.testing import collective_guard, run_distributed
 from appliance.parallel.topology import ParallelTopology
 
@@ -203,6 +203,18 @@ def _without_summa_reduction(topology: ParallelTopology, initial: dict[str, torc
     return got
 
 
+def _summa_traffic(topology: ParallelTopology) -> dict[str, Any]:
+    """Bytes one SUMMA linear's forward sends, counted by summa.count_traffic, and what the algorithm says: in its q
+    steps each rank is the source of one broadcast along its row (its x block) and one along its column (its weight
+    block), and sends nothing else."""
+    mesh = Mesh2D.of(topology)
+    layer = Linear2D(16, 32, True, mesh, dtype=torch.float64)
+    x = torch.randn(BATCH // Q, SEQ, 16 // Q, dtype=torch.float64)
+    with torch.no_grad(), count_traffic() as sent:
+        layer(x)
+    return {"sent": dict(sent), "expected": {"broadcast": (x.numel() + layer.weight.numel()) * 8}}
+
+
 def _check(topology: ParallelTopology) -> dict[str, Any]:
     """Everything, on each rank of the 2 x 2 mesh."""
     out: dict[str, Any] = {}
@@ -238,6 +250,7 @@ def _check(topology: ParallelTopology) -> dict[str, Any]:
     ]  # fmt: skip
     out["reshard_2d_exact"] = all(torch.equal(v, trained[k]) for k, v in gather_state_dicts_2d(mesh_again, Q).items())
 
+    out["traffic"] = _summa_traffic(topology)
     broken = _without_summa_reduction(topology, exact["initial"])
     out["broken"] = _largest(broken, exact)
     out["calls"] = dict(collective_guard().calls)
@@ -378,6 +391,11 @@ def test_mesh_groups_are_rows_and_columns(launch: list[dict[str, Any]]) -> None:
         (next(g for g in rows if rank in g), next(g for g in columns if rank in g)) for rank in range(8)
     ]
     assert launch[0]["calls"].get("broadcast", 0) > 0 and launch[0]["calls"].get("reduce", 0) > 0
+
+
+def test_traffic_counter_counts_what_summa_sends(results: list[dict[str, Any]]) -> None:
+    for rank, r in enumerate(results):
+        assert r["traffic"]["sent"] == r["traffic"]["expected"], f"rank {rank}"
 
 
 def test_blocks_are_the_sharding_cut(results: list[dict[str, Any]]) -> None:
