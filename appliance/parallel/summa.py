@@ -36,9 +36,13 @@ import torch.distributed as dist
 
 from appliance.parallel.mappings import Group, group_rank, group_size
 
+# torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names (as mappings.py).
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 # Bytes each collective kind handed to the backend on this rank while a count_traffic() block is open (None: off).
-# A broadcast counts its tensor on the sender only, a reduce on the senders (not the root); the all-* count what
-# this rank contributes. Ring algorithms forward more than that; this is the payload, the planner's unit.
+# A broadcast counts its tensor on the sender only, a reduce on the senders (not the root), a reduce-scatter the
+# other members' chunks; the all-* count what this rank contributes. Ring algorithms forward more than that; this
+# is the payload, the planner's unit.
 traffic: Counter[str] | None = None
 
 
@@ -93,17 +97,16 @@ def _all_gather(tensor: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
 
 
 def _reduce_scatter(tensor: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
-    """The sum over members of ``tensor``, cut into ``group_size`` chunks along ``dim``: this member's chunk.
-    As a reduce of each chunk to its owner (gloo has no reduce-scatter of unequal layouts; q is small)."""
-    size, me = group_size(group), group_rank(group)
+    """The sum over members of ``tensor``, cut into ``group_size`` chunks along ``dim``: this member's chunk."""
+    size = group_size(group)
     if tensor.shape[dim] % size != 0:
         raise ValueError(f"cannot reduce-scatter dimension {dim} of size {tensor.shape[dim]} over {size} ranks")
-    mine = tensor
-    for owner, chunk in enumerate(tensor.chunk(size, dim=dim)):
-        summed = _reduce(chunk.contiguous(), owner, group)
-        if owner == me:
-            mine = summed
-    return mine
+    front = tensor.movedim(dim, 0).contiguous()  # the collective cuts along dimension 0
+    out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
+    # The payload: the other members' chunks of this rank's tensor.
+    _count("reduce_scatter", front[: front.shape[0] - out.shape[0]])
+    _reduce_scatter_single(out, front, group=group)
+    return out.movedim(0, dim).contiguous()
 
 
 # ---- SUMMA ------------------------------------------------------------------------------------------------------
