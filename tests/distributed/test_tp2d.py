@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from noise_floor import NoiseFloor, assert_within, check_floor, measure_floor, relative_norm
 from reference_training import Recipe
 
+from appliance.errors import BadInput
 from appliance.model import ops
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
@@ -286,7 +287,12 @@ def _engine_run(topology: ParallelTopology, checkpoint: Path) -> dict[str, Any]:
             param.add_(1.0)
     engine.load_model(checkpoint)
     reloaded = all(torch.equal(p, weights[name]) for name, p in engine.named_parameters())
-    return {"losses": losses, "norms": norms, "weights": weights, "reloaded": reloaded}
+    try:
+        engine.eval_sums(micro)
+        refused = ""
+    except BadInput as e:
+        refused = str(e)
+    return {"losses": losses, "norms": norms, "weights": weights, "reloaded": reloaded, "eval_refused": refused}
 
 
 def _exact_probe_reference() -> dict[str, Any]:
@@ -455,6 +461,10 @@ def _engine_weights(launch: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     for stage in range(2):
         got |= gather_state_dicts_2d([r["engine"]["weights"] for r in launch[stage * Q * Q : (stage + 1) * Q * Q]], Q)
     return got
+
+
+def test_evaluation_paths_refuse_tp2d_until_wired(launch: list[dict[str, Any]]) -> None:
+    assert all("evaluation sums at tp2d(2) are not wired yet" in r["engine"]["eval_refused"] for r in launch)
 
 
 def test_engine_checkpoint_reshards_2d_to_one_process_and_1d(launch: list[dict[str, Any]], checkpoint: Path) -> None:
