@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from appliance.errors import BadInput
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
 from appliance.parallel.context_parallel import local_batch
@@ -49,6 +50,7 @@ from appliance.parallel.deepspeed_comm import init_deepspeed_comm
 from appliance.parallel.deepspeed_config import deepspeed_config
 from appliance.parallel.drift import check_replicated_parameters, replicated_across_tp
 from appliance.parallel.grads import TopologyMPU, install_global_norm_clipping, register_sequence_parallel_grad_hooks
+from appliance.parallel.mappings import collective_device
 from appliance.parallel.optimizer_state import (
     dp_writers,
     load_optimizer_state,
@@ -71,6 +73,7 @@ from appliance.parallel.shards import (
     FULL_MODEL_FILE,
     ShardReader,
     gather_full_state_dict,
+    init_mesh_blocks_,
     init_shards_,
     model_sources,
     shard_file_name,
@@ -149,9 +152,16 @@ def build_engine(
     # DeepSpeed's own communication layer wraps the process group already running (the PipelineModule needs it
     # before deepspeed.initialize would set it up).
     init_deepspeed_comm(dist.get_backend())
-    loss_fn = VocabParallelLoss(topology.tp_group, topology.cp_group)
+    if topology.tp2d > 1 and (dtype != "fp32" or zero_stage > 0):
+        # Our fp32 clipping path counts each mesh-row-replicated vector once (grads._counted_here); DeepSpeed's bf16,
+        # fp16 and ZeRO optimizers count every tensor-parallel parameter on every rank, those vectors q times.
+        raise BadInput(
+            f"tp2d({topology.tp2d}) trains in fp32 without ZeRO for now, got dtype {dtype} and zero {zero_stage}: "
+            "DeepSpeed's bf16/fp16/ZeRO gradient norm would count the vectors the mesh rows share q times"
+        )
     # What each rank's layers become (tensor/sequence parallel, context parallel, recompute), decided in one place.
     parallelism = Parallelism(topology, sequence_parallel=sequence_parallel, recompute=recompute, cp_mode=cp_mode)
+    loss_fn = VocabParallelLoss(topology.tp_group, topology.cp_group, parallelism.mesh)
     # Where DeepSpeed keeps the module (cuda:<current device>, or cpu): the layers are allocated and drawn there.
     device = torch.device(get_accelerator().current_device_name())
     module: torch.nn.Module
@@ -169,7 +179,10 @@ def build_engine(
         specs = bloom_layer_specs(config, parallelism, device=device)
         module = BloomStack(specs, loss_fn, recompute_blocks=parallelism.full_recompute)
     named = [(hf_parameter_name(n, config.n_layer), p) for n, p in module.named_parameters()]
-    init_shards_(named, config, seed, topology.tp_rank(dist.get_rank()), topology.tp)
+    if parallelism.mesh is not None:
+        init_mesh_blocks_(named, config, seed, parallelism.mesh.row, parallelism.mesh.col, parallelism.mesh.q)
+    else:
+        init_shards_(named, config, seed, topology.tp_rank(dist.get_rank()), topology.tp)
     if sequence_parallel:
         register_sequence_parallel_grad_hooks(module, topology.tp_group)
     optimizer = torch.optim.AdamW(
@@ -295,6 +308,11 @@ class ParallelEngine:
             loss = float(self.engine.train_batch(self._pipeline_iter(micro_batches)))
         else:
             loss = self._train_batch_plain(micro_batches)
+        if self.topology.tp2d > 1:
+            # Each mesh row's loss is its share of the micro-batch mean (layers2d.loss_2d): the rows add up.
+            total = torch.tensor(loss, dtype=torch.float64, device=collective_device(self.topology.tp_col_group))
+            dist.all_reduce(total, group=self.topology.tp_col_group)
+            loss = float(total)
         if self.param_gather is not None and self.engine.was_step_applied() and self.param_gather.issued == issued:
             raise DeepSpeedStructureError(
                 "the optimizer step did not go through the overlapped parameter gather: DeepSpeed's step no "
@@ -368,6 +386,7 @@ class ParallelEngine:
         stage's TP rank 0 of every CP rank, each its own tokens; zeros elsewhere), so a sum over all ranks is the sum
         over every DP rank's samples. Every rank of the world must call it with the same number of micro-batches
         of micro_batch_size whole-sequence samples each (the CP ranks of a DP rank the same ones)."""
+        self._refuse_tp2d("evaluation sums")
         if not micro_batches:
             return 0.0, 0.0
         micro_batches = self.local_batches(micro_batches)
@@ -414,6 +433,8 @@ class ParallelEngine:
         if name is None:
             return None
         meta = {**metadata, "tp": str(self.topology.tp), "pp": str(self.topology.pp), "cp": str(self.topology.cp)}
+        if self.topology.tp2d > 1:
+            meta["tp2d"] = str(self.topology.tp2d)  # the pieces are 2D blocks (shards.join_pieces)
         save_file(self.model_shard(), str(step_dir / name), metadata=meta)
         return step_dir / name
 
@@ -426,7 +447,7 @@ class ParallelEngine:
         step_dir = Path(step_dir)
         reader = ShardReader(model_sources(step_dir), what=str(step_dir))
         for name, param in self.named_parameters():
-            value = reader.read(name, name, self.tp_rank, self.topology.tp)
+            value = self._read_piece(reader, name, name)
             if value.shape != param.shape:
                 raise ValueError(
                     f"{step_dir}: {name}: slice {tuple(value.shape)} at tp={self.topology.tp} (written at "
@@ -437,6 +458,22 @@ class ParallelEngine:
             # optimizer state's own masters, where saved, replace them in load_optimizer.
             safe_set_full_fp32_param(param, value)
         self.last_checkpoint = step_dir
+
+    def _refuse_tp2d(self, what: str) -> None:
+        # Each mesh row holds its own batch slice and the head's vocabulary is split over the mesh columns only, so
+        # the 1D paths' "count on tp rank 0" and scoring over the whole tp group would be wrong, not just slow.
+        if self.topology.tp2d > 1:
+            raise BadInput(
+                f"{what} at tp2d({self.topology.tp2d}) are not wired yet: evaluate a checkpoint at a 1D layout "
+                "(checkpoints reshard between 2D, 1D and one process)"
+            )
+
+    def _read_piece(self, reader: ShardReader, key: str, name: str) -> torch.Tensor:
+        """This rank's slice (tp) or block (tp2d) of tensor ``key`` of parameter ``name``."""
+        q = self.topology.tp2d
+        if q > 1:
+            return reader.read_block(key, name, self.tp_rank // q, self.tp_rank % q, q)
+        return reader.read(key, name, self.tp_rank, self.topology.tp)
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
         """This rank's optimizer state: its TP slice of every parameter's Adam state, whole over DP, keyed
@@ -470,7 +507,7 @@ class ParallelEngine:
             "pp": str(topology.pp),
             "dp": str(topology.dp),
             "cp": str(topology.cp),
-        }
+        } | ({"tp2d": str(topology.tp2d)} if topology.tp2d > 1 else {})
         save_file(dict(shard), str(path), metadata=meta)
         return path
 
@@ -481,12 +518,11 @@ class ParallelEngine:
         if not files:
             return False
         reader = ShardReader(files, what=f"{step_dir} optimizer state")
-        tp_rank, tp_size = self.tp_rank, self.topology.tp
         return load_optimizer_state(
             self.named_parameters(),
             self.engine.optimizer,
             reader.keys(),
-            lambda k, n: reader.read(k, n, tp_rank, tp_size),
+            lambda k, n: self._read_piece(reader, k, n),
         )
 
     # ---- the whole model, for evaluation -----------------------------------------------------------------
@@ -494,6 +530,7 @@ class ParallelEngine:
         """The evaluation harness's TaskModel: scoring and greedy decoding through this layout (collective over
         the TP x PP ranks of this replica, which must all pass the same batches; every CP rank scores whole
         sequences alone, see context_parallel.py)."""
+        self._refuse_tp2d("scoring and generation")
         self.wait_for_parameters()
         return ParallelScorer(self.engine.module, self.topology, self.engine.device)
 

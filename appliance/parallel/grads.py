@@ -86,9 +86,11 @@ class TopologyMPU:
         return self.topology.pp_group
 
 
-def _counted_here(param: torch.Tensor, tp_rank: int) -> bool:
+def _counted_here(param: torch.Tensor, tp_rank: int, mesh_row: int = 0) -> bool:
     if getattr(param, "ds_pipe_replicated", False):
         return False  # the last stage's copy of the tied embedding: the first stage counts it
+    if getattr(param, "tp2d_row_replica", False):
+        return mesh_row == 0  # tp2d: a vector's slice, the same on every mesh row (layers2d.py)
     return is_tensor_parallel(param) or tp_rank == 0
 
 
@@ -99,7 +101,8 @@ def global_grad_norm(params: Iterable[torch.Tensor], topology: ParallelTopology)
     """
     params = list(params)
     tp_rank = topology.tp_rank(dist.get_rank())
-    grads = [p.grad.detach() for p in params if p.grad is not None and _counted_here(p, tp_rank)]
+    mesh_row = tp_rank // topology.tp2d if topology.tp2d > 1 else 0  # tp2d: tp rank = mesh row * q + mesh column
+    grads = [p.grad.detach() for p in params if p.grad is not None and _counted_here(p, tp_rank, mesh_row)]
     # Summed on the gradients' device in fp32, one number per parameter, then one collective. A rank that counts no
     # gradient (a TP rank > 0 of a stage holding only replicated parameters) still joins the collective with a zero
     # on its parameters' device: a CPU zero would fail under NCCL.

@@ -7,7 +7,9 @@ engine and the pp = 1 BloomStack make the same decisions. The order, and why:
 1. Tensor parallel (+ sequence parallel): ``linear_factory`` and ``embedding_kwargs``. It comes first because it
    is structural: the linears are *built* column/row-parallel (the model takes a factory), which fixes the heads
    (and ALiBi slopes) this rank owns; sequence parallelism lives inside those same layers (the column-parallel
-   QKV gathers the sequence chunks, the row-parallel output reduce-scatters them).
+   QKV gathers the sequence chunks, the row-parallel output reduce-scatters them). With tp2d > 1 (a q x q mesh,
+   layers2d.py) every linear is a SUMMA product, the heads split over the mesh columns (``head_split``), and the
+   LayerNorms reduce their statistics along the mesh row (``layer_norm``, and in ``parallelize_block``).
 2. Context parallel: ``apply_context_parallel`` replaces a block's attention core, after TP, because it works on
    this TP rank's heads and on the CP-local sequence the QKV projection returns (with sequence parallelism, after
    its gather over TP). Which tokens a CP rank holds, and the loss over them, are context_parallel.py's.
@@ -22,10 +24,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
+from torch import nn
 
 from appliance.model.bloom import BloomBlock, LinearFactory
 from appliance.parallel.context_parallel import ContextParallelCore
 from appliance.parallel.layers import tp_linear_factory
+from appliance.parallel.layers2d import Mesh2D, layer_norm_2d, tp2d_linear_factory
 from appliance.parallel.topology import ParallelTopology
 
 SEQUENCE_DIM = 1  # activations are [batch, seq, hidden] (the transformers layout)
@@ -52,11 +56,29 @@ class Parallelism:
     def tp_rank(self) -> int:
         return dist.get_rank(self.topology.tp_group)
 
+    @property
+    def mesh(self) -> Mesh2D | None:
+        """The q x q tp mesh with tp2d > 1, else None."""
+        return Mesh2D.of(self.topology) if self.topology.tp2d > 1 else None
+
+    @property
+    def head_split(self) -> tuple[int, int]:
+        """(index, parts) of the attention heads this rank runs (and their ALiBi slopes): its tp rank of tp, or
+        with tp2d its mesh column of q."""
+        mesh = self.mesh
+        return (mesh.col, mesh.q) if mesh is not None else (self.tp_rank, self.topology.tp)
+
     # ---- 1. tensor parallel (+ sequence parallel) ----
 
     def linear_factory(self) -> LinearFactory:
-        """The blocks' linears: column/row-parallel over TP (plain nn.Linear at tp = 1)."""
+        """The blocks' linears: column/row-parallel over TP (plain nn.Linear at tp = 1), SUMMA with tp2d."""
+        if self.mesh is not None:
+            return tp2d_linear_factory(self.mesh)
         return tp_linear_factory(self.topology, sequence_parallel=self.sequence_parallel, sequence_dim=SEQUENCE_DIM)
+
+    def layer_norm(self, hidden: int, eps: float) -> nn.LayerNorm:
+        """A LayerNorm of the pieces: the model's own, or with tp2d one reducing its statistics along the mesh row."""
+        return layer_norm_2d(hidden, eps, self.mesh) if self.mesh is not None else nn.LayerNorm(hidden, eps=eps)
 
     def embedding_kwargs(self) -> dict[str, Any]:
         """VocabParallelEmbedding's split: vocabulary rows over TP, output reduce-scattered into sequence chunks
@@ -72,7 +94,11 @@ class Parallelism:
         return self.recompute == "full"
 
     def parallelize_block(self, block: BloomBlock) -> None:
-        """Steps 2 and 3 on one block built with ``linear_factory`` (step 1)."""
+        """The LayerNorms of step 1 (tp2d), then steps 2 and 3 on one block built with ``linear_factory``."""
+        if self.mesh is not None:
+            hidden, eps = block.config.hidden_size, block.config.layer_norm_epsilon
+            block.input_layernorm = self.layer_norm(hidden, eps)
+            block.post_attention_layernorm = self.layer_norm(hidden, eps)
         if self.topology.cp > 1:
             apply_context_parallel(block, ContextParallelCore(self.topology.cp_group, self.cp_mode))
         apply_selective_recompute(block, self.recompute == "selective")

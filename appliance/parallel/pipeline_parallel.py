@@ -43,13 +43,13 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from appliance.model import ops
 from appliance.model.bloom import BloomBlock
 from appliance.model.config import BloomConfig
 from appliance.model.initial_weights import empty_module
 from appliance.parallel.context_parallel import token_weighted_loss
 from appliance.parallel.cross_entropy import HeadInput, lm_head_input, vocab_parallel_loss
 from appliance.parallel.layers import VocabParallelEmbedding
+from appliance.parallel.layers2d import Embedding2D, Mesh2D, apply_norm, loss_2d
 from appliance.parallel.mappings import Group, group_size
 from appliance.parallel.parallelize import SEQUENCE_DIM, Parallelism
 
@@ -67,18 +67,28 @@ class WordEmbeddingPipe(nn.Module):
     def __init__(self, config: BloomConfig, parallelism: Parallelism) -> None:
         super().__init__()
         self.tp_group, self.sequence_parallel = parallelism.topology.tp_group, parallelism.sequence_parallel
-        self.word_embeddings = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, **parallelism.embedding_kwargs()
-        )
+        self.mesh = parallelism.mesh
+        self.word_embeddings: VocabParallelEmbedding | Embedding2D
+        if self.mesh is not None:  # tp2d: the whole micro-batch in, this rank's [b/q, s, h/q] block out
+            self.word_embeddings = Embedding2D(config.vocab_size, config.hidden_size, self.mesh)
+        else:
+            self.word_embeddings = VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, **parallelism.embedding_kwargs()
+            )
 
     def forward(self, input_ids: Activations) -> Activations:
         if isinstance(input_ids, tuple):
             ids, doc_ids = input_ids
+            if self.mesh is not None:  # the blocks see this mesh row's sequences only
+                doc_ids = self.mesh.batch_slice(doc_ids)
             return self.word_embeddings(ids), doc_ids
         return self.word_embeddings(input_ids)
 
     def head_input(self, hidden: torch.Tensor) -> HeadInput:
-        """[batch, seq(/tp), hidden] -> the whole sequence's hidden states and this rank's embedding rows."""
+        """[batch, seq(/tp), hidden] -> the whole sequence's hidden states and this rank's embedding rows (tp2d:
+        the mesh row's whole hidden states and this column's vocabulary rows, layers2d.Embedding2D)."""
+        if isinstance(self.word_embeddings, Embedding2D):
+            return self.word_embeddings.head_input(hidden)
         return lm_head_input(
             hidden,
             self.word_embeddings.weight,
@@ -96,26 +106,26 @@ def lm_head(embedding: WordEmbeddingPipe, hidden: torch.Tensor) -> HeadInput:
 
 class EmbedLayerNormPipe(nn.Module):
     # Named "Embed", not "Embedding": the partition counts only the embedding itself as a unit.
-    def __init__(self, config: BloomConfig) -> None:
+    def __init__(self, config: BloomConfig, parallelism: Parallelism) -> None:
         super().__init__()
-        self.word_embeddings_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.word_embeddings_layernorm = parallelism.layer_norm(config.hidden_size, config.layer_norm_epsilon)
 
     def forward(self, hidden: Activations) -> Activations:
         norm = self.word_embeddings_layernorm
         if isinstance(hidden, tuple):
-            return ops.layer_norm(hidden[0], norm.weight, norm.bias, norm.eps), hidden[1]
-        return ops.layer_norm(hidden, norm.weight, norm.bias, norm.eps)
+            return apply_norm(norm, hidden[0]), hidden[1]
+        return apply_norm(norm, hidden)
 
 
 class FinalLayerNormPipe(nn.Module):
-    def __init__(self, config: BloomConfig) -> None:
+    def __init__(self, config: BloomConfig, parallelism: Parallelism) -> None:
         super().__init__()
-        self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.ln_f = parallelism.layer_norm(config.hidden_size, config.layer_norm_epsilon)
 
     def forward(self, hidden: Activations) -> torch.Tensor:
         if isinstance(hidden, tuple):
             hidden = hidden[0]  # the document ids end here: the head and the loss work per token
-        return ops.layer_norm(hidden, self.ln_f.weight, self.ln_f.bias, self.ln_f.eps)
+        return apply_norm(self.ln_f, hidden)
 
 
 class TransformerLayerPipe(BloomBlock):
@@ -127,8 +137,7 @@ class TransformerLayerPipe(BloomBlock):
     """
 
     def __init__(self, config: BloomConfig, layer_number: int, parallelism: Parallelism) -> None:
-        topology = parallelism.topology
-        super().__init__(config, layer_number, parallelism.linear_factory(), parallelism.tp_rank, topology.tp)
+        super().__init__(config, layer_number, parallelism.linear_factory(), *parallelism.head_split)
         parallelism.parallelize_block(self)
 
     def forward(self, hidden: Activations, attention_mask: torch.Tensor | None = None) -> Activations:  # type: ignore[override]
@@ -173,13 +182,16 @@ class VocabParallelLoss:
     rank) the training loss is this rank's token-weighted share of the micro-batch mean
     (context_parallel.token_weighted_loss); the evaluation sum is its slice's sum."""
 
-    def __init__(self, tp_group: Group, cp_group: Group | None = None) -> None:
+    def __init__(self, tp_group: Group, cp_group: Group | None = None, mesh: Mesh2D | None = None) -> None:
         self.tp_group, self.cp_group = tp_group, cp_group
+        self.mesh = mesh  # tp2d: this mesh row's share of the micro-batch (layers2d.loss_2d)
         self.reduction = "mean"
         self.inject_nan = False  # a recovery drill's non-finite loss (appliance/train/faults.py)
 
     def __call__(self, head: HeadInput, labels: torch.Tensor) -> torch.Tensor:
-        if self.reduction == "mean" and self.cp_group is not None and group_size(self.cp_group) > 1:
+        if self.mesh is not None:
+            loss = loss_2d(head, labels, self.mesh, ignore_index=IGNORE_INDEX, reduction=self.reduction)
+        elif self.reduction == "mean" and self.cp_group is not None and group_size(self.cp_group) > 1:
             loss_sum = vocab_parallel_loss(head, labels, self.tp_group, reduction="sum")
             loss = token_weighted_loss(loss_sum, labels, self.cp_group, IGNORE_INDEX)
         else:
@@ -202,8 +214,8 @@ def bloom_layer_specs(config: BloomConfig, parallelism: Parallelism, *, device: 
     blocks = [
         EmptyLayerSpec(TransformerLayerPipe, config, i, parallelism, device=device) for i in range(config.n_layer)
     ]
-    return [embed(), EmptyLayerSpec(EmbedLayerNormPipe, config, device=device), *blocks,
-            EmptyLayerSpec(FinalLayerNormPipe, config, device=device), embed(forward_fn=lm_head)]  # fmt: skip
+    norm = partial(EmptyLayerSpec, config=config, parallelism=parallelism, device=device)
+    return [embed(), norm(EmbedLayerNormPipe), *blocks, norm(FinalLayerNormPipe), embed(forward_fn=lm_head)]
 
 
 def hf_parameter_name(pipe_name: str, n_layer: int) -> str:

@@ -7,6 +7,10 @@ both the first and the last stage's files. ``gather_full_state_dict`` turns eith
 model on CPU, without any process group, for export and evaluation samples. ``ShardReader`` reads back any
 TP rank's slice of any saved tensor, for loading weights and optimizer state at any layout. ``init_shards_`` draws
 a rank's slices of the initial weights directly.
+
+A layout with tp2d = q writes the same files, one per mesh rank (tp rank = mesh row * q + mesh column), each holding
+its 2D blocks (sharding.py), and records ``tp2d`` in the metadata; every reader here rejoins such pieces with
+``gather_to_full_2d`` (``join_pieces``), so 2D, 1D and single-process layouts load one another's checkpoints.
 """
 
 from __future__ import annotations
@@ -22,7 +26,14 @@ from safetensors.torch import load_file
 
 from appliance.model.config import BloomConfig
 from appliance.model.initial_weights import Seed, init_parameter_
-from appliance.parallel.sharding import gather_to_full, role_of_parameter, split_dim
+from appliance.parallel.sharding import (
+    gather_to_full,
+    gather_to_full_2d,
+    role_of_parameter,
+    shard_from_full,
+    shard_from_full_2d,
+    split_dim,
+)
 
 FULL_MODEL_FILE = "model.safetensors"
 _SHARD_FILE = re.compile(r"^model-tp(\d+)-pp(\d+)\.safetensors$")
@@ -53,6 +64,18 @@ def init_shards_(
         )
 
 
+@torch.no_grad()
+def init_mesh_blocks_(
+    named_params: Iterable[tuple[str, torch.Tensor]], config: BloomConfig, seed: Seed, row: int, col: int, q: int
+) -> None:
+    """``init_shards_`` for a tp2d rank at (``row``, ``col``) of the q x q mesh: the block sharding.shard_from_full_2d
+    would cut, drawn directly (a matrix's block [dim0 slice col, dim1 slice row], a vector's slice col)."""
+    for name, param in named_params:
+        full_shape = [size * q for size in param.shape]
+        offset = [col * param.shape[0]] + ([row * param.shape[1]] if param.ndim == 2 else [])
+        init_parameter_(param, name, seed=seed, std=config.initializer_range, full_shape=full_shape, offset=offset)
+
+
 def shard_files(step_dir: Path) -> dict[tuple[int, int], Path]:
     """(tp_rank, pp_rank) -> file, for the sharded form."""
     found = {}
@@ -63,7 +86,29 @@ def shard_files(step_dir: Path) -> dict[tuple[int, int], Path]:
     return found
 
 
-def assemble_full(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def join_pieces(pieces: list[torch.Tensor], name: str, tp2d: int = 1) -> torch.Tensor:
+    """The whole tensor ``name`` from its pieces in tp rank order: 1D slices along the role's dimension, or with
+    tp2d = q the q x q mesh's blocks."""
+    if tp2d > 1:
+        return gather_to_full_2d([pieces[row * tp2d : (row + 1) * tp2d] for row in range(tp2d)])
+    role, is_bias = role_of_parameter(name)
+    return gather_to_full(pieces, role, is_bias=is_bias)
+
+
+def _tp2d_of(paths: Iterable[Path]) -> int:
+    """The tp2d the files were written at (1: a 1D or single-process layout); files must agree."""
+    found = set()
+    for path in paths:
+        with safe_open(str(path), framework="pt") as f:
+            found.add(int((f.metadata() or {}).get("tp2d", 1)))
+    if len(found) > 1:
+        raise ValueError(f"files written at different tp2d sizes {sorted(found)}")
+    return found.pop() if found else 1
+
+
+def assemble_full(
+    shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]], tp2d: int = 1
+) -> dict[str, torch.Tensor]:
     """The whole model from every (tp_rank, pp_rank) position's shard (Hugging Face names).
 
     TP-replicated tensors must agree across TP ranks and the tied embedding across its two stages: a difference
@@ -78,8 +123,7 @@ def assemble_full(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]]) 
     for p in range(pp):
         stage = [shards[(t, p)] for t in range(tp)]
         for name in stage[0]:
-            role, is_bias = role_of_parameter(name)
-            tensor = gather_to_full([s[name] for s in stage], role, is_bias=is_bias)
+            tensor = join_pieces([s[name] for s in stage], name, tp2d)
             if name not in full:
                 full[name] = tensor
             elif not torch.equal(full[name], tensor):
@@ -96,7 +140,8 @@ def gather_full_state_dict(step_dir: Path) -> dict[str, torch.Tensor]:
     if not files:
         raise FileNotFoundError(f"{step_dir}: neither {FULL_MODEL_FILE} nor model-tp*-pp*.safetensors")
     try:
-        return assemble_full({position: load_file(str(path)) for position, path in files.items()})
+        tp2d = _tp2d_of(files.values())
+        return assemble_full({position: load_file(str(path)) for position, path in files.items()}, tp2d)
     except (FileNotFoundError, ValueError) as e:
         raise type(e)(f"{step_dir}: {e}") from e
 
@@ -141,6 +186,7 @@ class ShardReader:
         if len(recorded) > 1:
             raise ValueError(f"{what}: files written at different tp sizes {sorted(recorded)}")
         self.tp = recorded.pop() if recorded else counted
+        self.tp2d = _tp2d_of(path for _, _, path in sources)
         self._files: dict[str, list[Path]] = {}  # key -> its file on each TP rank, in TP order
         for p in sorted(by_stage):
             for key, pieces in by_stage[p].items():
@@ -166,6 +212,9 @@ class ShardReader:
         if key not in self._files:
             raise KeyError(f"{self.what}: no tensor {key}")
         role, is_bias = role_of_parameter(param_name)
+        if self.tp2d > 1:  # 2D blocks: the whole tensor, then this rank's slice (a 2D rank's memory is the whole)
+            whole = self._whole_2d(key, param_name)
+            return whole if not whole.ndim else shard_from_full(whole, role, tp_rank, tp_size, is_bias=is_bias)
         with ExitStack() as stack:
             handles = [stack.enter_context(safe_open(str(path), framework="pt")) for path in self._files[key]]
             pieces = [handle.get_slice(key) for handle in handles]
@@ -187,6 +236,19 @@ class ShardReader:
                     parts.append(piece[index])
                 offset += size
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+    def _whole_2d(self, key: str, param_name: str) -> torch.Tensor:
+        pieces = []
+        for path in self._files[key]:
+            with safe_open(str(path), framework="pt") as f:
+                pieces.append(f.get_tensor(key))
+        return pieces[0] if not pieces[0].ndim else join_pieces(pieces, param_name, self.tp2d)
+
+    def read_block(self, key: str, param_name: str, row: int, col: int, q: int) -> torch.Tensor:
+        """Mesh rank (``row``, ``col``)'s block of tensor ``key`` at tp2d = q (sharding.shard_from_full_2d), from
+        files of any layout; 0-d tensors whole."""
+        whole = self._whole_2d(key, param_name) if self.tp2d > 1 else self.read(key, param_name, 0, 1)
+        return whole if not whole.ndim else shard_from_full_2d(whole, row, col, q)
 
 
 class LazyFullStateDict(Mapping[str, torch.Tensor]):
@@ -211,6 +273,7 @@ class LazyFullStateDict(Mapping[str, torch.Tensor]):
         if missing:
             raise FileNotFoundError(f"{step_dir}: shards missing: {', '.join(missing)}")
         self._files: dict[str, list[Path]] = {}  # name -> the file of each TP rank, in TP order
+        self._tp2d = _tp2d_of(sources.values())
         for p in range(pp):
             stage = [sources[(t, p)] for t in range(tp)]
             with safe_open(str(stage[0]), framework="pt") as f:
@@ -222,8 +285,7 @@ class LazyFullStateDict(Mapping[str, torch.Tensor]):
         for path in self._files[name]:
             with safe_open(str(path), framework="pt") as f:
                 pieces.append(f.get_tensor(name))
-        role, is_bias = role_of_parameter(name)
-        return gather_to_full(pieces, role, is_bias=is_bias)
+        return join_pieces(pieces, name, self._tp2d)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._files)

@@ -37,9 +37,10 @@ LAYOUT_KEYS = {
     "sequence_parallel": "sequence_parallel",
     "cp": "cp",
     "cp_mode": "cp_mode",
+    "tp2d": "tp2d",
 }
 # Keys a plan.json written before context parallelism lacks; reading one fills in these defaults (runspec.py).
-LATER_LAYOUT_KEYS = ("cp", "cp_mode")
+LATER_LAYOUT_KEYS = ("cp", "cp_mode", "tp2d")
 
 
 @dataclass(frozen=True)
@@ -54,10 +55,13 @@ class Layout:
     sequence_parallel: bool = False
     cp: int = 1  # context-parallel ranks per sequence; they hold the same weights, so batch sizes count over dp
     cp_mode: str = "ulysses"
+    # 2D tensor parallelism (Optimus): Q x Q ranks in place of tp, each weight and activation split over the mesh
+    # (parallel/layers2d.py); the topology's tp axis is then those Q * Q ranks (tp_ranks).
+    tp2d: int = 1
 
     def __post_init__(self) -> None:
         problems = []
-        for key in ("tp", "pp", "dp", "cp", "micro_batch_size"):
+        for key in ("tp", "pp", "dp", "cp", "micro_batch_size", "tp2d"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 problems.append(f"{key} must be a positive integer, got {value!r}")
@@ -69,6 +73,8 @@ class Layout:
             problems.append(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}")
         if self.cp_mode not in CP_MODES:
             problems.append(f"cp_mode must be one of {', '.join(CP_MODES)}, got {self.cp_mode!r}")
+        if not problems and self.tp2d > 1:
+            problems += self._tp2d_problems()
         if problems:
             raise BadInput(f"layout {self.describe()}: " + "; ".join(problems))
         if self.zero_stage == 2 and self.pp > 1:
@@ -82,15 +88,37 @@ class Layout:
                 f" mbs({self.micro_batch_size}) * dp({self.dp}) = {self.micro_batch_size * self.dp}"
             )
 
+    def _tp2d_problems(self) -> list[str]:
+        """What 2D tensor parallelism cannot be combined with (yet), each with its reason."""
+        q, problems = self.tp2d, []
+        if self.tp > 1:
+            problems.append(f"tp2d({q}) and tp({self.tp}) are both set: tp2d's {q} x {q} ranks take tp's place")
+        if self.sequence_parallel:
+            problems.append(
+                f"tp2d({q}) with sp: the mesh already splits every activation over its rows (batch) and columns "
+                "(hidden), so there is nothing left for sequence parallelism to split"
+            )
+        if self.cp > 1:
+            problems.append(f"tp2d({q}) with cp({self.cp}): context parallelism has no 2D attention path yet")
+        if self.micro_batch_size % q:
+            problems.append(f"mbs({self.micro_batch_size}) is not divisible by tp2d({q}) (the mesh rows split it)")
+        return problems
+
+    @property
+    def tp_ranks(self) -> int:
+        """Ranks of one tensor-parallel group: tp, or tp2d x tp2d (the topology's tp axis)."""
+        return self.tp * self.tp2d * self.tp2d
+
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp * self.cp
+        return self.tp_ranks * self.pp * self.dp * self.cp
 
     @property
     def factors(self) -> str:
-        """The world size's factors for messages: ``tp(4) * pp(12) * dp(8)``, with ``* cp(C)`` when cp > 1."""
-        shown = [("tp", self.tp), ("pp", self.pp), ("dp", self.dp)] + ([("cp", self.cp)] if self.cp > 1 else [])
-        return " * ".join(f"{name}({size})" for name, size in shown)
+        """The world size's factors for messages: ``tp(4) * pp(12) * dp(8)``, with ``* cp(C)`` when cp > 1 and
+        ``tp2d(Q)^2`` in place of tp when tp2d > 1."""
+        shown = [f"tp2d({self.tp2d})^2" if self.tp2d > 1 else f"tp({self.tp})", f"pp({self.pp})", f"dp({self.dp})"]
+        return " * ".join(shown + ([f"cp({self.cp})"] if self.cp > 1 else []))
 
     @property
     def dp_cp(self) -> int:
@@ -110,6 +138,8 @@ class Layout:
             problems.append(f"{self.factors} = {self.world_size} != world size {world_size}")
         if heads % self.tp:
             problems.append(f"heads({heads}) is not divisible by tp({self.tp})")
+        elif heads % self.tp2d:
+            problems.append(f"heads({heads}) is not divisible by tp2d({self.tp2d}) (heads split over mesh columns)")
         elif self.cp > 1 and self.cp_mode == "ulysses" and (heads // self.tp) % self.cp:
             # After Ulysses' all-to-all each CP rank attends with (heads / tp) / cp whole heads.
             problems.append(
@@ -135,6 +165,10 @@ class Layout:
             raise BadInput(f"layout {self.describe()}: " + "; ".join(problems))
 
     def to_dict(self) -> dict[str, int | str | bool]:
+        # tp2d only where it is used, so plans without it read as before.
+        return self._core_dict() | ({"tp2d": self.tp2d} if self.tp2d > 1 else {})
+
+    def _core_dict(self) -> dict[str, int | str | bool]:
         return {
             "tp": self.tp,
             "pp": self.pp,
@@ -160,6 +194,7 @@ class Layout:
         if self.global_batch_size:
             text += f",gbs={self.global_batch_size}"
         text += f",zero={self.zero_stage},recompute={self.recompute},sp={int(bool(self.sequence_parallel))}"
+        text += f",tp2d={self.tp2d}" if self.tp2d > 1 else ""
         return text + (f",cp={self.cp},cp_mode={self.cp_mode}" if self.cp > 1 else "")
 
 
@@ -215,12 +250,14 @@ def parse_layout(text: str) -> Layout:
         if key not in LAYOUT_KEYS:
             raise BadInput(
                 f"--layout {text!r}: unknown key {key!r} in {part!r}"
-                " (known: tp, pp, dp, mbs, gbs, zero, recompute, sp, cp, cp_mode)"
+                " (known: tp, pp, dp, mbs, gbs, zero, recompute, sp, cp, cp_mode, tp2d)"
             )
         name = LAYOUT_KEYS[key]
         if name in values:
             raise BadInput(f"--layout {text!r}: {key!r} is given twice")
         values[name] = _layout_value(name, raw.strip(), part, text)
+    if "tp2d" in values and "tp" not in values:
+        values["tp"] = 1  # tp2d takes tp's place
     missing = [k for k in ("tp", "pp", "dp") if k not in values]
     if missing:
         raise BadInput(f"--layout {text!r}: missing {', '.join(missing)} (tp, pp and dp are required)")

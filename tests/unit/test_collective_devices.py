@@ -455,7 +455,7 @@ def test_a_rank_counting_no_gradient_joins_the_norm_on_its_parameters_device(mon
     """TP rank 1 of a stage whose parameters are all TP-replicated counts none of them (rank 0 does)."""
     params = [torch.nn.Parameter(torch.zeros(4, device="meta"))]
     params[0].grad = torch.zeros(4, device="meta")
-    topology = SimpleNamespace(tp_rank=lambda rank: 1, mp_group=None)
+    topology = SimpleNamespace(tp_rank=lambda rank: 1, tp2d=1, mp_group=None)
     monkeypatch.setattr(grads_module.dist, "get_rank", lambda *args: 1)
     monkeypatch.setattr(grads_module, "group_size", lambda group: 2)
     seen = _record_collective(monkeypatch, grads_module)

@@ -1,0 +1,499 @@
+"""2D tensor parallelism (tp2d = 2: a 2 x 2 mesh) trains like one process, alone and under pipeline parallelism.
+
+One launch of 8 gloo ranks, tp2d = 2 and pp = 2 (spawns are the slow part). First the mesh of pipeline stage 0
+(ranks 0-3, a q = 2 layout of its own) proves the layers: each of its ranks builds the single-process
+BloomForCausalLM from the same seed, its own Bloom2D with its blocks of those weights (parallel/bloom2d.py), and
+trains both a few steps on the same micro-batches:
+
+* float64, a probe objective sum(logits * probe) through the tied head (every layer, the embedding lookup and the
+  head's product included; the vocabulary-parallel cross-entropy computes in float32 by design, so it is left out
+  here): per-step objective, every parameter's gradient and every weight after SGD steps, gathered from the mesh,
+  within 1e-12 relative of the single process. fp64 rounds at 1e-16; the 2D run sums the same products in another
+  order (SUMMA's q partial products, the LayerNorm's statistics in q pieces), measured ~1e-15; a lost or doubled
+  contribution is O(1).
+* float32, the real loss (the one vocabulary-parallel cross-entropy over the mesh row) and AdamW: losses, gradients
+  and weights within FP32_FACTOR x the noise floor, the single-process fp32 run against the same run in float64
+  (fp32's own rounding at these sizes, measured in the rank; tests/distributed/noise_floor.py's check_floor keeps it
+  plausible).
+
+The same ranks check the checkpoint reshard 2D -> one process -> 1D (tp = 2) -> one process on the trained
+weights, that each 2D block is the sharding.py cut of the gathered weights, and that the bound has teeth (a block
+product that forgets SUMMA's reduction lands far outside).
+
+Then all 8 ranks train through the engine (build_engine: DeepSpeed's pipeline engine, 1F1B, each stage's layers on
+its mesh, the blocks drawn from the seed by shards.init_mesh_blocks_), fp32, 3 steps of 2 micro-batches with
+global-norm clipping, against reference_training's single process: losses, gradient norms and the weights gathered
+from both stages' meshes, within FP32_FACTOR x the noise floor that noise_floor.measure_floor measures here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import reference_training
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from noise_floor import NoiseFloor, assert_within, check_floor, measure_floor, relative_norm
+from reference_training import Recipe
+
+from appliance.errors import BadInput
+from appliance.model import ops
+from appliance.model.bloom import BloomForCausalLM
+from appliance.model.config import BloomConfig
+from appliance.parallel.bloom2d import Bloom2D, build_tp2d_model
+from appliance.parallel.engine import build_engine
+from appliance.parallel.layers2d import Linear2D, Mesh2D, apply_norm
+from appliance.parallel.sharding import (
+    gather_state_dicts,
+    gather_state_dicts_2d,
+    role_of_parameter,
+    shard_from_full,
+    shard_from_full_2d,
+    shard_state_dict,
+)
+from appliance.parallel.shards import LazyFullStateDict, ShardReader, gather_full_state_dict, model_sources
+from appliance.parallel.summa import count_traffic, gather_partial_grad
+from appliance.parallel.testing import collective_guard, run_distributed
+from appliance.parallel.topology import ParallelTopology
+
+pytestmark = pytest.mark.distributed
+
+CONFIG = BloomConfig(vocab_size=32, hidden_size=16, n_layer=2, n_head=4)
+Q, BATCH, SEQ, STEPS, SEED = 2, 4, 8, 3, 11
+FP64_BOUND = 1e-12  # see the module docstring: measured ~1e-15
+# A 2D result and the single-process one are two fp32 evaluations of the same value in another summation order, each
+# within about fp32's rounding (the floor) of the float64 value; measured up to ~2 x the floor, 10 x leaves room.
+FP32_FACTOR = 10.0
+TEETH = 10.0
+# The engine run against the reorderings' floor (noise_floor.py): the 2D pipeline reorders sums at more places at
+# once than any one reordering (SUMMA's partial products, the row-reduced statistics, the stage boundary, the
+# micro-batch accumulation) and AdamW's first steps turn gradient noise into weight noise, most for small biases.
+# Measured 2.0 x (losses), 1.4 x (norms), 6.2 x (weights, an MLP bias) on this CPU; 20 x leaves room for others.
+ENGINE_FACTOR = 20.0
+ENGINE_STEPS, MBS, GBS, ENGINE_SEED, CLIP = 3, 2, 4, 7, 0.5
+OPTIMIZER = {"weight_decay": 0.1, "betas": (0.9, 0.95), "eps": 1e-8}
+RECIPE = Recipe(
+    config=CONFIG, seed=ENGINE_SEED, micro_batch_size=MBS, steps=[(s * GBS, GBS) for s in range(ENGINE_STEPS)],
+    lr_at=lambda consumed: 1e-2, grad_clip=CLIP, **OPTIMIZER,
+)  # fmt: skip
+
+
+def _batches(dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(ids [BATCH, SEQ], probe over the logits [BATCH, SEQ, vocab]) per step, the same on every rank."""
+    g = torch.Generator().manual_seed(SEED)
+    return [
+        (torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ), generator=g),
+         torch.randn(BATCH, SEQ, CONFIG.vocab_size, generator=g, dtype=torch.float64).to(dtype))
+        for _ in range(STEPS)
+    ]  # fmt: skip
+
+
+def _fp64_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    # ops.layer_norm keeps float32 statistics by design (so float64 input would round to fp32); the float64 proof
+    # needs the same LayerNorm in the input's dtype, as LayerNorm2D computes it.
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def _reference(dtype: torch.dtype, objective: str) -> tuple[BloomForCausalLM, dict[str, Any]]:
+    """The single-process model trained STEPS steps; its initial state, per-step values, first gradients, weights."""
+    model = BloomForCausalLM(CONFIG, seed=SEED).to(dtype)
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    trace = _train(model, objective, lambda ids, probe: _reference_value(model, ids, probe, objective))
+    return model, {"initial": initial, **trace}
+
+
+def _reference_value(model: BloomForCausalLM, ids: torch.Tensor, probe: torch.Tensor, objective: str) -> torch.Tensor:
+    if objective == "loss":
+        return model.loss(ids, ids)
+    hidden = model.final_hidden(ids)
+    return (F.linear(hidden, model.lm_head.weight) * probe).sum()
+
+
+def _train(
+    model: torch.nn.Module, objective: str, value: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> dict[str, Any]:
+    """STEPS steps (SGD for the probe, AdamW for the loss); values per step, first gradients, final weights."""
+    params = dict(model.named_parameters())
+    optimizer: torch.optim.Optimizer = (
+        torch.optim.AdamW(params.values(), lr=1e-2, weight_decay=0.1)
+        if objective == "loss"
+        else torch.optim.SGD(params.values(), lr=1e-3)
+    )
+    dtype = next(iter(params.values())).dtype
+    values, grads = [], {}
+    for step, (ids, probe) in enumerate(_batches(dtype)):
+        optimizer.zero_grad()
+        out = value(ids, probe)
+        out.backward()
+        values.append(out.detach())
+        if step == 0:
+            grads = {n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None}
+        optimizer.step()
+    return {"values": values, "grads": grads, "weights": {n: p.detach().clone() for n, p in params.items()}}
+
+
+def _value_2d(model: Bloom2D, ids: torch.Tensor, probe: torch.Tensor, objective: str) -> torch.Tensor:
+    """This rank's part of the objective: the mesh row's loss share, or its probe over its logits block."""
+    if objective == "loss":
+        return model.loss(ids, ids)
+    mesh = model.mesh
+    # The row's hidden slices gathered; each column's logits give a partial gradient of them, summed back over the
+    # row by the gather's backward (the loss path's cross-entropy sums it over the row itself: Embedding2D.head_input).
+    hidden = gather_partial_grad(model.final_hidden(ids), -1, mesh.row_group)
+    logits = F.linear(hidden, model.transformer.word_embeddings.vocab_slice())  # [b/q, s, vocab/q]
+    probe_block = mesh.batch_slice(probe).chunk(mesh.q, dim=-1)[mesh.col]
+    return (logits * probe_block).sum()
+
+
+def _mesh_all(value: Any, topology: ParallelTopology) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size(topology.tp_group)
+    dist.all_gather_object(out, value, group=topology.tp_group)
+    return out
+
+
+def _run_2d(topology: ParallelTopology, dtype: torch.dtype, objective: str, initial: dict[str, torch.Tensor]) -> dict:
+    model = build_tp2d_model(CONFIG, topology, initial, dtype)
+    cut_ok = all(
+        torch.equal(p, shard_from_full_2d(initial[n], model.mesh.row, model.mesh.col, Q))
+        for n, p in model.named_parameters()
+    )
+    trace = _train(model, objective, lambda ids, probe: _value_2d(model, ids, probe, objective))
+    # Per step, the whole objective: the probe's blocks sum over the mesh, the loss's row shares over the column.
+    group = topology.tp_group if objective == "probe" else topology.tp_col_group
+    totals = []
+    for v in trace["values"]:
+        total = v.detach().clone()
+        dist.all_reduce(total, group=group)
+        totals.append(total)
+    grads = gather_state_dicts_2d(_mesh_all(trace["grads"], topology), Q)
+    weights = gather_state_dicts_2d(_mesh_all(trace["weights"], topology), Q)
+    return {"values": totals, "grads": grads, "weights": weights, "cut_ok": cut_ok}
+
+
+def _largest(got: dict[str, Any], want: dict[str, Any]) -> dict[str, tuple[float, str]]:
+    """Per quantity, the largest relative difference and where."""
+    out = {"values": max((relative_norm(g, w), f"step {i}") for i, (g, w) in
+                         enumerate(zip(got["values"], want["values"], strict=True)))}  # fmt: skip
+    for key in ("grads", "weights"):
+        if got[key].keys() != want[key].keys():
+            raise AssertionError(f"{key}: names differ: {sorted(got[key].keys() ^ want[key].keys())}")
+        out[key] = max((relative_norm(got[key][n], w), n) for n, w in want[key].items())
+    return out
+
+
+def _without_summa_reduction(topology: ParallelTopology, initial: dict[str, torch.Tensor]) -> float:
+    """The bound's teeth: the probe's first gradients when the weight gradient skips the column reduction (each
+    rank keeps its own row's partial), against the single process; must land beyond TEETH x the bound."""
+    from appliance.parallel import summa
+
+    original = summa._reduce
+
+    def row_only(tensor: torch.Tensor, root: int, group: Any) -> torch.Tensor:
+        return tensor if group is topology.tp_col_group else original(tensor, root, group)
+
+    summa._reduce = row_only
+    try:
+        got = _run_2d(topology, torch.float64, "probe", initial)
+    finally:
+        summa._reduce = original
+    return got
+
+
+def _summa_traffic(topology: ParallelTopology) -> dict[str, Any]:
+    """Bytes one SUMMA linear's forward sends, counted by summa.count_traffic, and what the algorithm says: in its q
+    steps each rank is the source of one broadcast along its row (its x block) and one along its column (its weight
+    block), and sends nothing else."""
+    mesh = Mesh2D.of(topology)
+    layer = Linear2D(16, 32, True, mesh, dtype=torch.float64)
+    x = torch.randn(BATCH // Q, SEQ, 16 // Q, dtype=torch.float64)
+    with torch.no_grad(), count_traffic() as sent:
+        layer(x)
+    return {"sent": dict(sent), "expected": {"broadcast": (x.numel() + layer.weight.numel()) * 8}}
+
+
+def _check(topology: ParallelTopology) -> dict[str, Any]:
+    """Everything, on each rank of the 2 x 2 mesh."""
+    out: dict[str, Any] = {}
+    original_norm = ops.layer_norm
+    ops.layer_norm = _fp64_layer_norm  # type: ignore[assignment]
+    try:
+        _, exact = _reference(torch.float64, "probe")
+        _, exact_loss = _reference(torch.float64, "loss")
+    finally:
+        ops.layer_norm = original_norm  # type: ignore[assignment]
+    out["exact"] = exact
+    got64 = _run_2d(topology, torch.float64, "probe", exact["initial"])
+    out["fp64"] = _largest(got64, exact)
+    out["fp64_names"] = sorted(got64["weights"])
+    out["cut_ok"] = got64["cut_ok"]
+
+    _, want32 = _reference(torch.float32, "loss")
+    got32 = _run_2d(topology, torch.float32, "loss", want32["initial"])
+    floor = _largest(want32, exact_loss)
+    # The loss comes out of the cross-entropy in float32 at every input precision, so the float64 run's loss often
+    # rounds to the same float32 value (measured floor 0): two summation orders are at least one rounding of the
+    # result apart, float32's epsilon.
+    floor["values"] = max(floor["values"], (torch.finfo(torch.float32).eps, "float32 rounding of the loss"))
+    out["fp32"], out["floor"], out["cut_ok"] = _largest(got32, want32), floor, out["cut_ok"] and got32["cut_ok"]
+
+    # Reshard the trained 2D weights: gathered -> 1D tp = 2 shards -> one process, and back onto the mesh.
+    trained = got32["weights"]
+    one_d = [shard_state_dict(trained, rank, 2) for rank in range(2)]
+    out["reshard_1d_exact"] = all(torch.equal(v, trained[k]) for k, v in gather_state_dicts(one_d).items())
+    mesh_again = [
+        {k: shard_from_full_2d(v, r, c, Q) for k, v in gather_state_dicts(one_d).items()}
+        for r in range(Q) for c in range(Q)
+    ]  # fmt: skip
+    out["reshard_2d_exact"] = all(torch.equal(v, trained[k]) for k, v in gather_state_dicts_2d(mesh_again, Q).items())
+
+    out["traffic"] = _summa_traffic(topology)
+    broken = _without_summa_reduction(topology, exact["initial"])
+    out["broken"] = _largest(broken, exact)
+    out["calls"] = dict(collective_guard().calls)
+    return out
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(
+        0, CONFIG.vocab_size, (GBS * ENGINE_STEPS, SEQ + 1), generator=torch.Generator().manual_seed(0)
+    )
+
+
+def _engine_run(topology: ParallelTopology, checkpoint: Path) -> dict[str, Any]:
+    """RECIPE through build_engine on every rank; per-step losses and norms, this rank's blocks by name. Then the
+    model is saved to ``checkpoint``, the weights spoiled, and loaded back: "reloaded" says it was exact."""
+    os.environ.setdefault("LOCAL_RANK", "0")  # read by DeepSpeed's PipelineModule
+    engine = build_engine(
+        CONFIG, topology, micro_batch_size=MBS, global_batch_size=GBS, zero_stage=0, dtype="fp32", grad_clip=CLIP,
+        recompute="none", sequence_parallel=False, lr=RECIPE.lr_at(0), seed=ENGINE_SEED, **OPTIMIZER,
+    )  # fmt: skip
+    tokens, losses, norms = _tokens(), [], []
+    for consumed, samples in RECIPE.steps:
+        micro = [reference_training.batch(tokens, range(i, i + MBS)) for i in range(consumed, consumed + samples, MBS)]
+        result = engine.train_batch(micro)
+        losses.append(result.loss)
+        norms.append(result.grad_norm)
+    weights = {name: p.detach().clone() for name, p in engine.named_parameters()}
+    checkpoint.mkdir(parents=True, exist_ok=True)
+    engine.save_model(checkpoint, {"step": "3"})
+    dist.barrier()
+    with torch.no_grad():
+        for _, param in engine.named_parameters():
+            param.add_(1.0)
+    engine.load_model(checkpoint)
+    reloaded = all(torch.equal(p, weights[name]) for name, p in engine.named_parameters())
+    try:
+        engine.eval_sums(micro)
+        refused = ""
+    except BadInput as e:
+        refused = str(e)
+    return {"losses": losses, "norms": norms, "weights": weights, "reloaded": reloaded, "eval_refused": refused}
+
+
+def _exact_probe_reference() -> dict[str, Any]:
+    original_norm = ops.layer_norm
+    ops.layer_norm = _fp64_layer_norm  # type: ignore[assignment]
+    try:
+        return _reference(torch.float64, "probe")[1]
+    finally:
+        ops.layer_norm = original_norm  # type: ignore[assignment]
+
+
+def _stage_of(name: str) -> int:
+    """Which of two stages holds a parameter: the embedding and block 0 on stage 0, block 1 and ln_f on stage 1 (the
+    tied embedding on both)."""
+    return 1 if ".h.1." in name or ".ln_f." in name else 0
+
+
+def _pipelined_fp64(topology: ParallelTopology, exact: dict[str, Any]) -> dict[str, Any]:
+    """The fp64 probe training with the model cut into two stages, each on its own 2 x 2 mesh: stage 0 runs the
+    embedding and block 0 and sends its [b/q, s, h/q] block to the same mesh position of stage 1, which runs block 1,
+    ln_f and the head; the activation's gradient comes back the same way, and the tied embedding's two copies sum
+    their gradients over the pp group (DeepSpeed's ReduceTiedGrads). Largest differences from the single process."""
+    rank = dist.get_rank()
+    stage = topology.pp_rank(rank)
+    peer = topology.rank_with(rank, pp=1 - stage)
+    model = build_tp2d_model(CONFIG, topology, exact["initial"], torch.float64)
+    t, mesh = model.transformer, model.mesh
+    embedding = t.word_embeddings.weight
+    params = {n: p for n, p in model.named_parameters() if _stage_of(n) == stage or p is embedding}
+    optimizer = torch.optim.SGD(params.values(), lr=1e-3)
+    values, grads = [], {}
+    for step, (ids, probe) in enumerate(_batches(torch.float64)):
+        optimizer.zero_grad()
+        if stage == 0:
+            hidden = t.h[0](apply_norm(t.word_embeddings_layernorm, t.word_embeddings(ids)))
+            dist.send(hidden.detach().contiguous(), peer)
+            grad = torch.empty_like(hidden)
+            dist.recv(grad, peer)
+            hidden.backward(grad)
+        else:
+            received = torch.empty(BATCH // Q, SEQ, CONFIG.hidden_size // Q, dtype=torch.float64)
+            dist.recv(received, peer)
+            received.requires_grad_(True)
+            final = apply_norm(t.ln_f, t.h[1](received))
+            whole = gather_partial_grad(final, -1, mesh.row_group)
+            logits = F.linear(whole, t.word_embeddings.vocab_slice())
+            value = (logits * mesh.batch_slice(probe).chunk(Q, dim=-1)[mesh.col]).sum()
+            value.backward()
+            dist.send(received.grad.contiguous(), peer)
+            total = value.detach().clone()
+            dist.all_reduce(total, group=topology.tp_group)
+            values.append(total)
+        assert embedding.grad is not None
+        dist.all_reduce(embedding.grad, group=topology.pp_group)  # the tied copies' gradients
+        if step == 0:
+            grads = {n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None}
+        optimizer.step()
+    weights = {n: p.detach().clone() for n, p in params.items()}
+    got = {"grads": gather_state_dicts_2d(_mesh_all(grads, topology), Q),
+           "weights": gather_state_dicts_2d(_mesh_all(weights, topology), Q)}  # fmt: skip
+    out = {key: max((relative_norm(got[key][n], exact[key][n]), n) for n in got[key]) for key in got}
+    if stage == 1:
+        out["values"] = max((relative_norm(g, w), f"step {i}") for i, (g, w) in
+                            enumerate(zip(values, exact["values"], strict=True)))  # fmt: skip
+    out["names"] = sorted(got["weights"])
+    return out
+
+
+def _rank(topology: ParallelTopology, checkpoint: Path) -> dict[str, Any]:
+    """Stage 0's mesh proves the layers (``_check``) while stage 1 computes the fp64 reference; then both stages run
+    the fp64 probe training as a two-stage pipeline, and all ranks train the engine."""
+    rank = dist.get_rank()
+    out = _check(topology) if topology.pp_rank(rank) == 0 else {"exact": _exact_probe_reference()}
+    out["groups"] = (dist.get_process_group_ranks(topology.tp_row_group),
+                     dist.get_process_group_ranks(topology.tp_col_group))  # fmt: skip
+    dist.barrier()
+    exact = out.pop("exact")
+    out["pipelined_fp64"] = _pipelined_fp64(topology, exact)
+    out["engine"] = _engine_run(topology, checkpoint)
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tp2d") / "step3"
+
+
+@pytest.fixture(scope="module")
+def launch(checkpoint: Path) -> list[dict[str, Any]]:
+    return run_distributed(_rank, 2 * Q * Q, checkpoint, tp=Q * Q, pp=2, tp2d=Q, timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def results(launch: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Stage 0's mesh: the layer checks."""
+    return launch[: Q * Q]
+
+
+def test_mesh_groups_are_rows_and_columns(launch: list[dict[str, Any]]) -> None:
+    rows, columns = [[0, 1], [2, 3], [4, 5], [6, 7]], [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert [r["groups"] for r in launch] == [
+        (next(g for g in rows if rank in g), next(g for g in columns if rank in g)) for rank in range(8)
+    ]
+    assert launch[0]["calls"].get("broadcast", 0) > 0 and launch[0]["calls"].get("reduce", 0) > 0
+
+
+def test_traffic_counter_counts_what_summa_sends(results: list[dict[str, Any]]) -> None:
+    for rank, r in enumerate(results):
+        assert r["traffic"]["sent"] == r["traffic"]["expected"], f"rank {rank}"
+
+
+def test_blocks_are_the_sharding_cut(results: list[dict[str, Any]]) -> None:
+    assert all(r["cut_ok"] for r in results)
+
+
+@pytest.mark.parametrize("quantity", ["values", "grads", "weights"])
+def test_fp64_equals_one_process(results: list[dict[str, Any]], quantity: str) -> None:
+    for rank, r in enumerate(results):
+        value, where = r["fp64"][quantity]
+        assert value <= FP64_BOUND, f"rank {rank}: fp64 {quantity} at {where}: {value:.3e} > {FP64_BOUND:.0e}"
+
+
+@pytest.mark.parametrize("quantity", ["values", "grads", "weights"])
+def test_fp32_within_noise_floor(results: list[dict[str, Any]], quantity: str) -> None:
+    for rank, r in enumerate(results):
+        floor = NoiseFloor({quantity: r["floor"][quantity][0]}, {quantity: r["floor"][quantity][1]})
+        check_floor(floor, [quantity])
+        value, where = r["fp32"][quantity]
+        limit = FP32_FACTOR * floor[quantity]
+        assert value <= limit, f"rank {rank}: fp32 {quantity} at {where}: {value:.3e} > {limit:.3e} ({floor.report()})"
+
+
+def test_bound_has_teeth(results: list[dict[str, Any]]) -> None:
+    value, where = results[0]["broken"]["grads"]
+    assert value > TEETH * FP64_BOUND, f"a SUMMA without its column reduction stayed within the bound at {where}"
+
+
+def test_checkpoint_reshards_between_2d_1d_and_one_process(results: list[dict[str, Any]]) -> None:
+    assert all(r["reshard_1d_exact"] and r["reshard_2d_exact"] for r in results)
+
+
+@pytest.fixture(scope="module")
+def engine_reference() -> tuple[dict[str, Any], NoiseFloor]:
+    trace, floor = measure_floor(lambda order: reference_training.train(RECIPE, _tokens(), order)[1])
+    check_floor(floor, ["losses", "norms", "weights"])
+    return trace, floor
+
+
+@pytest.mark.parametrize("quantity", ["losses", "norms", "weights"])
+def test_pipelined_engine_trains_like_one_process(
+    launch: list[dict[str, Any]], engine_reference: tuple[dict[str, Any], NoiseFloor], quantity: str
+) -> None:
+    """tp2d = 2 x pp = 2 through build_engine: every rank reports the same losses and norms, and the weights
+    gathered from both stages' meshes are the single process's, within the floor."""
+    want, floor = engine_reference
+    if quantity == "weights":
+        got = _engine_weights(launch)
+        assert_within(got, want[quantity], quantity, floor, ENGINE_FACTOR, "tp2d=2 pp=2 weights")
+        return
+    for rank, r in enumerate(launch):
+        assert_within(r["engine"][quantity], want[quantity], quantity, floor, ENGINE_FACTOR, f"rank {rank}")
+
+
+def _engine_weights(launch: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    got: dict[str, torch.Tensor] = {}
+    for stage in range(2):
+        got |= gather_state_dicts_2d([r["engine"]["weights"] for r in launch[stage * Q * Q : (stage + 1) * Q * Q]], Q)
+    return got
+
+
+def test_evaluation_paths_refuse_tp2d_until_wired(launch: list[dict[str, Any]]) -> None:
+    assert all("evaluation sums at tp2d(2) are not wired yet" in r["engine"]["eval_refused"] for r in launch)
+
+
+def test_engine_checkpoint_reshards_2d_to_one_process_and_1d(launch: list[dict[str, Any]], checkpoint: Path) -> None:
+    """The engine's tp2d checkpoint loads back into the mesh exactly, reads back whole (export, evaluation) and as
+    any 1D tp rank's slice, and any layout's file reads back as a mesh block."""
+    assert all(r["engine"]["reloaded"] for r in launch)
+    weights = _engine_weights(launch)
+    whole = gather_full_state_dict(checkpoint)
+    assert whole.keys() == weights.keys() and all(torch.equal(whole[k], weights[k]) for k in weights)
+    lazy = LazyFullStateDict(checkpoint)
+    assert all(torch.equal(lazy[k], weights[k]) for k in weights)
+    reader = ShardReader(model_sources(checkpoint), what="tp2d checkpoint")
+    for name, tensor in weights.items():
+        role, is_bias = role_of_parameter(name)
+        for rank in range(2):  # 2D -> 1D tp = 2
+            assert torch.equal(
+                reader.read(name, name, rank, 2), shard_from_full(tensor, role, rank, 2, is_bias=is_bias)
+            )
+        assert torch.equal(reader.read_block(name, name, 1, 0, Q), shard_from_full_2d(tensor, 1, 0, Q))
+
+
+@pytest.mark.parametrize("quantity", ["values", "grads", "weights"])
+def test_fp64_two_stage_pipeline_equals_one_process(launch: list[dict[str, Any]], quantity: str) -> None:
+    """tp2d = 2 x pp = 2 in float64: each stage's gathered gradients and weights, and the objective per step,
+    within FP64_BOUND of the single process; together the stages hold every parameter."""
+    stage_names = [launch[0]["pipelined_fp64"]["names"], launch[Q * Q]["pipelined_fp64"]["names"]]
+    assert set(stage_names[0]) | set(stage_names[1]) == set(launch[0]["fp64_names"])
+    for rank, r in enumerate(launch):
+        if quantity == "values" and rank < Q * Q:
+            continue  # the objective is on the last stage
+        value, where = r["pipelined_fp64"][quantity]
+        assert value <= FP64_BOUND, f"rank {rank}: fp64 pipelined {quantity} at {where}: {value:.3e}"
