@@ -287,9 +287,9 @@ def comparison_lines(model: ModelShape, layout: Layout, device: Device, hw: Hard
     for v in verdicts:
         no_sp = cost_1d(model, _regrouped(layout, v.q * v.q), device, hw, sp=False)
         for c in (no_sp, v.one_d, v.two_d):
-            memory = c.parameters * states + c.activation_bytes
+            memory, stored = _si_bytes(c.parameters * states + c.activation_bytes), _si_bytes(c.activation_bytes)
             out.append(
-                f"  {c.label:<12} {c.parameters / 1e6:10.1f} M {_si_bytes(memory):>10} {_si_bytes(c.activation_bytes):>12}"
+                f"  {c.label:<12} {c.parameters / 1e6:10.1f} M {memory:>10} {stored:>12}"
                 f" {_si_bytes(c.sent_bytes):>10} {c.comm_s * 1e3:7.3g} ms {c.total_s * 1e3:7.3g} ms"
             )
     for v in verdicts:
