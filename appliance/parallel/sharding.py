@@ -98,3 +98,58 @@ def gather_state_dicts(shards: Sequence[Mapping[str, torch.Tensor]]) -> dict[str
         role, is_bias = role_of_parameter(name)
         out[name] = gather_to_full([sd[name] for sd in shards], role, is_bias=is_bias)
     return out
+
+
+# ---- 2D tensor parallel (tp2d = q, parallel/summa.py) ----------------------------------------------------------
+#
+# On a q x q mesh rank (row r, column c) holds, whatever the role:
+#   a matrix [dim0, dim1] (a linear's [out, in], the embedding's [vocab, hidden]): block [dim0 slice c, dim1 slice r]
+#   a vector [n] (biases, LayerNorm weights and biases): slice c, the same on every row of the mesh
+# The linears' block is SUMMA's W(r, c) = W[out slice c, in slice r]; the embedding's makes the tied head's product
+# (hidden @ E^T, E^T block [hidden slice r, vocab slice c]) one of the same shape. Cutting the fused QKV's output
+# rows into q slices gives each column whole heads, exactly as in 1D (see above). Rejoined vectors must agree
+# exactly across the rows; a difference is drift, as for replicated parameters in 1D.
+
+
+def shard_from_full_2d(full: torch.Tensor, row: int, col: int, q: int) -> torch.Tensor:
+    """Mesh rank (``row``, ``col``)'s block of a single-process parameter (a copy)."""
+    if not (0 <= row < q and 0 <= col < q):
+        raise ValueError(f"mesh position ({row}, {col}) is outside a {q} x {q} mesh")
+    if full.dim() not in (1, 2) or any(size % q for size in full.shape):
+        raise ValueError(
+            f"tp2d({q}) cannot cut a parameter of shape {tuple(full.shape)}: every dimension % q must be 0"
+        )
+    block = full.detach().chunk(q, dim=0)[col]
+    if full.dim() == 2:
+        block = block.chunk(q, dim=1)[row]
+    return block.clone()
+
+
+def gather_to_full_2d(blocks: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+    """The single-process parameter from ``blocks[row][col]`` of every mesh rank (inverse of shard_from_full_2d)."""
+    q = len(blocks)
+    if any(len(row) != q for row in blocks):
+        raise ValueError(f"a 2D mesh needs q x q blocks, got rows of {[len(row) for row in blocks]}")
+    if blocks[0][0].dim() == 1:
+        for row in range(1, q):
+            for col in range(q):
+                if not torch.equal(blocks[row][col], blocks[0][col]):
+                    raise ValueError(f"vector slice {col} differs between mesh row 0 and mesh row {row}")
+        return torch.cat([b.detach() for b in blocks[0]], dim=0)
+    columns = [torch.cat([blocks[row][col].detach() for row in range(q)], dim=1) for col in range(q)]
+    return torch.cat(columns, dim=0)
+
+
+def shard_state_dict_2d(full: Mapping[str, torch.Tensor], row: int, col: int, q: int) -> dict[str, torch.Tensor]:
+    """A single-process state dict cut down to mesh rank (``row``, ``col``)'s blocks."""
+    return {name: shard_from_full_2d(tensor, row, col, q) for name, tensor in full.items()}
+
+
+def gather_state_dicts_2d(shards: Sequence[Mapping[str, torch.Tensor]], q: int) -> dict[str, torch.Tensor]:
+    """The single-process state dict from the q * q mesh ranks' state dicts, in tp rank order (row * q + col)."""
+    if len(shards) != q * q:
+        raise ValueError(f"tp2d({q}) needs {q * q} state dicts, got {len(shards)}")
+    return {
+        name: gather_to_full_2d([[shards[row * q + col][name] for col in range(q)] for row in range(q)])
+        for name in shards[0]
+    }

@@ -195,14 +195,14 @@ def _worker(
     rank: int,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
-    layout: tuple[int, int, int, int],
+    layout: tuple[int, int, int, int, int],
     port: int,
     timeout_s: float,
     device: str,
     results: Any,
 ) -> None:
     global _guard
-    tp, pp, dp, world_size = layout
+    tp, pp, dp, world_size, tp2d = layout
     report: tuple[int, bool, bytes | str, float]
     try:
         os.environ["GLOO_SOCKET_IFNAME"] = _loopback_interface()
@@ -211,7 +211,7 @@ def _worker(
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         try:
-            topology = ParallelTopology(tp=tp, pp=pp, dp=dp, world_size=world_size)
+            topology = ParallelTopology(tp=tp, pp=pp, dp=dp, world_size=world_size, tp2d=tp2d)
             topology.init_process_groups()
             _guard = CollectiveGuard(device)
             _guard.install()
@@ -259,10 +259,12 @@ def run_distributed(
     dp: int = 1,
     timeout_s: float = 120.0,
     device: str = "cpu",
+    tp2d: int = 1,
 ) -> list[Any]:
     """Call ``fn(topology, *args)`` on ``world_size`` spawned gloo ranks; return their results by rank.
-    ``device``: where every tensor handed to a collective must be (the engine's device)."""
-    ParallelTopology(tp=tp, pp=pp, dp=dp, world_size=world_size)  # a bad layout fails here, before spawning
+    ``device``: where every tensor handed to a collective must be (the engine's device). ``tp2d = q``: the tp
+    ranks (tp = q * q) form a q x q mesh (topology.py)."""
+    ParallelTopology(tp=tp, pp=pp, dp=dp, world_size=world_size, tp2d=tp2d)  # a bad layout fails here, before spawning
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
     listener.listen()
@@ -280,7 +282,7 @@ def run_distributed(
     with _environment(RANK_ENVIRONMENT):
         context = mp.start_processes(
             _worker,
-            args=(fn, args, (tp, pp, dp, world_size), port, timeout_s, device, results),
+            args=(fn, args, (tp, pp, dp, world_size, tp2d), port, timeout_s, device, results),
             nprocs=world_size,
             join=False,
             start_method="spawn",

@@ -35,6 +35,12 @@ Expert parallelism (ep) folds inside dp, Megatron/DeepSpeed style, and adds no r
 gradients. ep = 1 makes ``ep`` groups single ranks and ``edp`` the ``dp`` group. Experts are replicated over cp
 too, so once experts and cp > 1 meet, expert gradients reduce over edp x cp: one more ``GROUPS`` entry.
 
+2D tensor parallelism (Optimus, ``tp2d = q``) keeps the tp axis, of q * q ranks, and splits it into a mesh:
+``tp_rank = mesh_row * q + mesh_col``, so the mesh's ranks stay consecutive and every group built on tp (``tp``,
+``mp``, DeepSpeed's 'model' axis) means the whole mesh. ``tp_row`` groups (same mesh row, the ranks that hold the
+other hidden slices of the same tokens) and ``tp_col`` groups (same mesh column, the other batch slices) are the
+SUMMA broadcast groups (parallel/summa.py). A 1D layout is a 1 x tp mesh: ``tp_row`` is ``tp``, ``tp_col`` single.
+
 Axes of size 1 cost nothing: a group whose ranks equal an already created group's reuses its handle, and a group of
 one rank is this process's own single-member group, created locally without a collective over the world.
 
@@ -77,6 +83,9 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "dp_cp": ("dp", "cp"),  # data-parallel gradient reduction, DeepSpeed's data axis
     "ep": ("ep",),
     "edp": ("edp",),  # expert-data-parallel: reduces expert gradients
+    # 2D tensor parallel (tp2d = q): the tp axis is a q x q mesh, tp_rank = mesh_row * q + mesh_col.
+    "tp_row": ("mesh_col",),  # one mesh row: the ranks holding the other hidden slices of the same tokens
+    "tp_col": ("mesh_row",),  # one mesh column: the ranks holding the other batch slices of the same hidden slice
 }
 
 
@@ -102,6 +111,7 @@ class ParallelTopology:
     world_size: int
     cp: int = 1
     ep: int = 1
+    tp2d: int = 1  # q > 1: the tp ranks form a q x q mesh (Optimus 2D tensor parallelism), tp = q * q
     _groups: dict[str, dist.ProcessGroup] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -110,23 +120,39 @@ class ParallelTopology:
                 raise BadInput(f"parallel layout: {name} must be a positive integer, got {value!r}")
         if self.dp % self.ep != 0:
             raise BadInput(f"parallel layout: dp({self.dp}) % ep({self.ep}) != 0 (expert parallelism folds inside dp)")
+        if self.tp2d > 1 and self.tp != self.tp2d * self.tp2d:
+            raise BadInput(
+                f"parallel layout: tp2d({self.tp2d}) makes a {self.tp2d} x {self.tp2d} mesh of tp ranks, so tp must be "
+                f"{self.tp2d * self.tp2d}, got tp({self.tp})"
+            )
         if self.product != self.world_size:
             raise BadInput(f"parallel layout: {self.factors} = {self.product} != world size {self.world_size}")
 
     def _named_degrees(self) -> tuple[tuple[str, int], ...]:
-        return (("tp", self.tp), ("pp", self.pp), ("dp", self.dp), ("cp", self.cp), ("ep", self.ep))
+        return (
+            ("tp", self.tp), ("pp", self.pp), ("dp", self.dp), ("cp", self.cp), ("ep", self.ep), ("tp2d", self.tp2d)
+        )  # fmt: skip
 
     @classmethod
-    def from_process_group(cls, *, tp: int, pp: int, dp: int, cp: int = 1, ep: int = 1) -> ParallelTopology:
+    def from_process_group(
+        cls, *, tp: int, pp: int, dp: int, cp: int = 1, ep: int = 1, tp2d: int = 1
+    ) -> ParallelTopology:
         """The layout over the already initialized default process group, with its groups created."""
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call init_process_group first")
-        topology = cls(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, world_size=dist.get_world_size())
+        topology = cls(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, tp2d=tp2d, world_size=dist.get_world_size())
         topology.init_process_groups()
         return topology
 
     def validate_heads(self, heads: int) -> None:
-        """Each TP rank owns heads / tp whole attention heads (and the matching ALiBi slopes)."""
+        """Each TP rank owns heads / tp whole attention heads (and the matching ALiBi slopes); with tp2d = q each
+        mesh column owns heads / q of them."""
+        if self.tp2d > 1:
+            if heads % self.tp2d != 0:
+                raise BadInput(
+                    f"parallel layout: heads({heads}) % tp2d({self.tp2d}) != 0 (heads split over mesh columns)"
+                )
+            return
         if heads % self.tp != 0:
             raise BadInput(f"parallel layout: heads({heads}) % tp({self.tp}) != 0")
 
@@ -138,8 +164,13 @@ class ParallelTopology:
         return (("pp", self.pp), ("dp", self.dp), ("cp", self.cp), ("tp", self.tp))
 
     def _grid(self) -> tuple[tuple[str, int], ...]:
-        """``axes`` with dp split into (edp, ep), ep innermost: the finest grid, same rank order."""
-        return (("pp", self.pp), ("edp", self.dp // self.ep), ("ep", self.ep), ("cp", self.cp), ("tp", self.tp))
+        """``axes`` with dp split into (edp, ep), ep innermost, and tp into the mesh (mesh_row, mesh_col): the
+        finest grid, same rank order. A 1D layout is a 1 x tp mesh (mesh_row of size 1 costs nothing)."""
+        rows = self.tp2d if self.tp2d > 1 else 1
+        return (
+            ("pp", self.pp), ("edp", self.dp // self.ep), ("ep", self.ep), ("cp", self.cp),
+            ("mesh_row", rows), ("mesh_col", self.tp // rows),
+        )  # fmt: skip
 
     @property
     def product(self) -> int:
@@ -152,7 +183,8 @@ class ParallelTopology:
     def factors(self) -> str:
         """The world size's factors for messages, e.g. ``tp(4) * pp(12) * dp(8)``; cp appears once it is above 1."""
         shown = [("tp", self.tp), ("pp", self.pp), ("dp", self.dp)] + ([("cp", self.cp)] if self.cp > 1 else [])
-        return " * ".join(f"{name}({size})" for name, size in shown)
+        text = " * ".join(f"{name}({size})" for name, size in shown)
+        return text.replace(f"tp({self.tp})", f"tp2d({self.tp2d})^2", 1) if self.tp2d > 1 else text
 
     def size(self, name: str) -> int:
         """The number of ranks in one group ``name`` (an axis or a key of ``GROUPS``)."""
@@ -167,13 +199,17 @@ class ParallelTopology:
     # ---- rank arithmetic (no process group needed) ----
 
     def coordinates(self, rank: int) -> dict[str, int]:
-        """Every coordinate of ``rank``: pp, dp, cp, tp and the expert split of dp (edp, ep)."""
+        """Every coordinate of ``rank``: pp, dp, cp, tp, the expert split of dp (edp, ep) and, with tp2d > 1, the
+        mesh position of tp (mesh_row, mesh_col)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside world size {self.world_size}")
         found: dict[str, int] = {}
         for name, size in reversed(self._grid()):  # innermost first: peel the fastest-varying coordinate off
             rank, found[name] = divmod(rank, size)
         found["dp"] = found["edp"] * self.ep + found["ep"]
+        found["tp"] = found["mesh_row"] * dict(self._grid())["mesh_col"] + found["mesh_col"]
+        if self.tp2d == 1:  # a 1 x tp mesh: its coordinates are tp's own
+            del found["mesh_row"], found["mesh_col"]
         return found
 
     def coordinate(self, name: str, rank: int) -> int:
@@ -220,7 +256,8 @@ class ParallelTopology:
         return self.coordinate("cp", rank)
 
     def _varying(self, name: str) -> tuple[str, ...]:
-        return tuple(axis for entry in GROUPS[name] for axis in (("edp", "ep") if entry == "dp" else (entry,)))
+        split = {"dp": ("edp", "ep"), "tp": ("mesh_row", "mesh_col")}
+        return tuple(axis for entry in GROUPS[name] for axis in split.get(entry, (entry,)))
 
     def groups(self, name: str) -> list[list[int]]:
         """Every group ``name`` (a key of ``GROUPS``) as ascending rank lists, ordered as DeepSpeed's
@@ -342,6 +379,16 @@ class ParallelTopology:
     @property
     def cp_group(self) -> dist.ProcessGroup:
         return self.group("cp")
+
+    @property
+    def tp_row_group(self) -> dist.ProcessGroup:
+        """tp2d: this rank's mesh row (hidden slices of the same tokens); at tp2d = 1 the tp group."""
+        return self.group("tp_row")
+
+    @property
+    def tp_col_group(self) -> dist.ProcessGroup:
+        """tp2d: this rank's mesh column (batch slices of the same hidden slice); at tp2d = 1 this rank alone."""
+        return self.group("tp_col")
 
     @property
     def dp_cp_group(self) -> dist.ProcessGroup:
