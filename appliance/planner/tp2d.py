@@ -25,9 +25,11 @@ along rows and reduces the partial dB along columns. A chain reduce sends what a
 
 the issue's figure for 2D. Rows carry 3 (q-1)/q^2 7 bsh (activations and their gradients), columns 3 (q-1)/q^2
 12 h^2 (weights and weight gradients); the grid is laid so the heavier of the two runs on consecutive ranks (inside
-a node). Not counted, O(bs + h) against O(bsh + h^2): the LayerNorm statistics all-reduced along rows (2 per token
-each way) and the bias broadcasts and reductions. Full recompute runs the forward twice: (n + 2)/3 of the above with
-n = 2 forwards, 1D likewise 6 all-reduces instead of 4.
+a node). Our layers (parallel/layers2d.py) add O(bs + h) against O(bsh + h^2), counted in sent_2d: the LayerNorm
+statistics all-reduced along rows (2 per token each way) and the bias and LayerNorm gradients all-reduced along
+columns, 2 (q-1)/q (8 bs/q + (9h + f)/q) per block; bench/tp2d_memory.py measures the total on 4 gloo ranks to the
+byte. Full recompute runs the forward twice: (n + 2)/3 of the above with n = 2 forwards, 1D likewise 6 all-reduces
+instead of 4.
 
 With t = q^2 ranks, 2D sends fewer bytes than 1D when 3 (7 + 12 h/(bs)) < 8 (q + 1), that is when a micro-batch
 holds bs > 36 h / (8q - 13) tokens: 12 h at q = 2, 1.9 h at q = 4, 0.71 h at q = 8 (BLOOM-176B, h = 14336: 172k,
@@ -93,9 +95,18 @@ def sent_2d_axes(model: ModelShape, b: int, s: int, q: int, recompute: str = "no
     return share * b * s * (3 * h + f), share * (4 * h * h + 2 * h * f)
 
 
+def sent_2d_vectors(model: ModelShape, b: int, s: int, q: int, recompute: str = "none") -> float:
+    """The O(bs + h) rest: each LayerNorm all-reduces 2 statistics per token of its row forward and 2 backward
+    (2 LayerNorms: 4n + 4 per token over the bs/q tokens, n forward passes), and the gradients of the biases and
+    LayerNorm vectors ((9h + f)/q per rank) are all-reduced along columns once per micro-batch. All-reduces over
+    q ranks: 2 (q-1)/q of each."""
+    per_token = 4 * forward_passes(recompute) + 4
+    return 2 * (q - 1) / q * (per_token * b * s / q + (9 * model.hidden + model.ffn_hidden) / q)
+
+
 def sent_2d(model: ModelShape, b: int, s: int, q: int, recompute: str = "none") -> float:
-    """3 (q-1)/q^2 (7 bsh + 12 h^2) without recompute."""
-    return sum(sent_2d_axes(model, b, s, q, recompute))
+    """3 (q-1)/q^2 (7 bsh + 12 h^2) without recompute, plus the O(bs + h) vector traffic."""
+    return sum(sent_2d_axes(model, b, s, q, recompute)) + sent_2d_vectors(model, b, s, q, recompute)
 
 
 def break_even_tokens(model: ModelShape, q: int) -> float:

@@ -49,11 +49,13 @@ def test_formulas_on_a_small_block() -> None:
     rows, columns = sent_2d_axes(SMALL, 4, 64, 2)
     assert rows == pytest.approx(0.75 * 7 * bsh, rel=EXACT)
     assert columns == pytest.approx(0.75 * 12 * hh, rel=EXACT)
-    assert sent_2d(SMALL, 4, 64, 2) == pytest.approx(122880, rel=EXACT)  # 0.75 * (114688 + 49152)
-    assert sent_2d(SMALL, 4, 64, 4) == pytest.approx(3 * 3 / 16 * (7 * bsh + 12 * hh), rel=EXACT)
+    # plus the vectors: LayerNorm statistics 2 (q-1)/q * 8 bs/q = 1024, bias and LayerNorm gradients
+    # 2 (q-1)/q * 13h/q = 416: 0.75 * (114688 + 49152) + 1440
+    assert sent_2d(SMALL, 4, 64, 2) == pytest.approx(122880 + 1440, rel=EXACT)
+    assert sum(sent_2d_axes(SMALL, 4, 64, 4)) == pytest.approx(3 * 3 / 16 * (7 * bsh + 12 * hh), rel=EXACT)
     # bs > 36 h / (8q - 13): 768 tokens at q = 2, where 1D's 6 bs h meets 2D's 0.75 (7 bs h + 12 h^2)
     assert break_even_tokens(SMALL, 2) == pytest.approx(768, rel=EXACT)
-    assert sent_1d(SMALL, 12, 64, 4) == pytest.approx(sent_2d(SMALL, 12, 64, 2), rel=EXACT)  # b s = 768
+    assert sent_1d(SMALL, 12, 64, 4) == pytest.approx(sum(sent_2d_axes(SMALL, 12, 64, 2)), rel=EXACT)  # bs = 768
     # parameters: 1D (12 h^2 + 3h + f)/4 + 6h = 12400 + 384; 2D 12 h^2/4 + (9h + f)/2 = 12288 + 416
     assert parameters_1d(SMALL, 4) == 12784
     assert parameters_2d(SMALL, 2) == 12704
@@ -95,34 +97,35 @@ def test_plan_prints_the_comparison() -> None:
 
 
 def _counted(topology: ParallelTopology) -> dict[str, float]:
-    """On 2 ranks: known collectives through the wrapper, then one 1D block without and with sequence parallelism."""
-    group, n = topology.tp_group, 1000
+    """On 4 ranks (tp = 4, also a 2 x 2 mesh): known collectives through the wrapper over a 2-rank mesh row, then
+    one block of each scheme (bench/tp2d_memory.py's launch)."""
+    group, n = topology.tp_row_group, 1000
     out: dict[str, float] = {}
     with tp2d_memory.counting_sent_bytes() as counter:
         dist.all_reduce(torch.ones(n), group=group)
         out["all_reduce"] = counter.sent
-        dist.broadcast(torch.ones(n), src=0, group=group)
+        dist.broadcast(torch.ones(n), src=dist.get_global_rank(group, 0), group=group)
         out["broadcast"] = counter.sent - out["all_reduce"]
         before = counter.sent
-        mappings._gather(torch.ones(n, 2), 0, group)  # the module-bound all_gather_single our layers use
+        mappings._gather(torch.ones(n, 2), 0, group)  # the module-bound all_gather_single our 1D layers use
         out["all_gather"] = counter.sent - before
-    for scheme in ("1d", "1d+sp"):
-        for key, value in tp2d_memory.measure_scheme(topology, scheme).items():
-            out[f"{scheme} {key}"] = value
+    for scheme, measured in tp2d_memory._measure_all(topology, list(tp2d_memory.SCHEMES)).items():
+        out.update({f"{scheme} {key}": value for key, value in measured.items()})
     return out
 
 
 @pytest.mark.distributed
-def test_byte_counter_and_1d_block_on_gloo() -> None:
+def test_byte_counter_and_blocks_on_gloo() -> None:
     """Pass: over 2 ranks an all-reduce of 4000 bytes counts 4000 sent, a broadcast 2000, an all-gather of an
-    8000-byte piece 8000; a real 1D block (tp=2, with and without sequence parallelism) sends exactly the
-    planner's 8 (t-1)/t bsh and holds its parameter count; sequence parallelism keeps fewer activations."""
-    results = run_distributed(_counted, 2, tp=2, timeout_s=240)
+    8000-byte piece 8000; real blocks on 4 ranks (1D tp=4 with and without sequence parallelism, 2D on 2 x 2) send
+    exactly the planner's bytes (1D: 8 (t-1)/t bsh; 2D: 3 (q-1)/q^2 (7 bsh + 12 h^2) plus the vector terms) and
+    hold its parameter counts; the 2D block keeps fewer activations than 1D+sp, which keeps fewer than 1D."""
+    results = run_distributed(_counted, 4, tp=4, tp2d=2, timeout_s=300)
     model = tp2d_memory.block_shape()
     for rank in results:
         assert rank["all_reduce"] == 4000 and rank["broadcast"] == 2000 and rank["all_gather"] == 8000
-        for scheme in ("1d", "1d+sp"):
-            want = tp2d_memory.predicted(scheme, model, ranks=2)
-            assert rank[f"{scheme} sent_bytes"] == pytest.approx(want["sent_bytes"], rel=EXACT)
-            assert rank[f"{scheme} parameters"] == want["parameters"]
-        assert rank["1d+sp activation_bytes"] < rank["1d activation_bytes"]
+        for scheme in tp2d_memory.SCHEMES:
+            want = tp2d_memory.predicted(scheme, model)
+            assert rank[f"{scheme} sent_bytes"] == pytest.approx(want["sent_bytes"], rel=EXACT), scheme
+            assert rank[f"{scheme} parameters"] == want["parameters"], scheme
+        assert rank["2d activation_bytes"] < rank["1d+sp activation_bytes"] < rank["1d activation_bytes"]
