@@ -2,10 +2,11 @@
 dimensions (a q x q grid of ranks multiplying by SUMMA): what one rank holds and sends per block, how long the
 block takes, and which of the two is faster where.
 
-Per block and micro-batch: b sequences of s tokens, hidden h, f = 4h, t ranks in the tensor-parallel group (t = q^2
-for 2D). BLOOM's block multiplies four weights, QKV [h, 3h], dense [h, h], fc1 [h, f] and fc2 [f, h]; their inputs
-(the A operands) hold bsh + bsh + bsh + bsf = 7 bsh elements and the weights (the B operands) 3h^2 + h^2 + 4h^2 +
-4h^2 = 12 h^2. Sizes are elements; bytes are act_bytes per element (activations and weights in the compute dtype).
+Per block and micro-batch: b sequences of s tokens (s/cp of them on a rank under context parallelism), hidden h,
+f = 4h, t ranks in the tensor-parallel group (t = q^2 for 2D). BLOOM's block multiplies four weights, QKV [h, 3h],
+dense [h, h], fc1 [h, f] and fc2 [f, h]; their inputs (the A operands) hold bsh + bsh + bsh + bsf = 7 bsh elements
+and the weights (the B operands) 3h^2 + h^2 + 4h^2 + 4h^2 = 12 h^2. Sizes are elements; bytes are act_bytes per
+element (activations and weights in the compute dtype).
 
 1D, Megatron: the attention output and the MLP output are all-reduced forward, their input gradients backward:
 4 all-reduces of bsh, a ring sending 2 (t-1)/t of it from each rank: 8 (t-1)/t bsh per block. Sequence parallelism
@@ -55,6 +56,7 @@ import math
 from dataclasses import dataclass, replace
 
 from appliance.hardware.profile import Hardware
+from appliance.planner.context_parallel import local_tokens
 from appliance.planner.device import Device, Link, dp_link, tp_link
 from appliance.planner.kernel_path import KernelPath, kernels_for
 from appliance.planner.layout import Layout, pipeline_partition
@@ -171,10 +173,10 @@ def cost_1d(
     kernels = kernels_for(device, model)
     lay = replace(layout, sequence_parallel=sp)
     b, t, act = lay.micro_batch_size, lay.tp, device.act_bytes
-    sent = act * sent_1d(model, b, s, t, lay.recompute)
+    sent = act * sent_1d(model, b, local_tokens(s, lay.cp), t, lay.recompute)
     rings = 2 * forward_passes(lay.recompute) + 2
     comm = _hops_time(sent, rings * 2 * (t - 1), tp_link(hw, device, t)) if t > 1 else 0.0
-    stored = activation_bytes_per_layer(model, b, t, lay.recompute, sp, act, s, kernels=kernels)
+    stored = activation_bytes_per_layer(model, b, t, lay.recompute, sp, act, s, kernels=kernels, cp=lay.cp)
     return BlockCost(
         "1D+sp" if sp else "1D",
         t,
@@ -190,7 +192,8 @@ def comm_2d_s(model: ModelShape, layout: Layout, device: Device, hw: Hardware, q
     """Seconds of the SUMMA collectives of one block: the heavier axis on the q consecutive ranks (rows), the other
     on q ranks strided by q (columns)."""
     activations, weights = (
-        device.act_bytes * x for x in sent_2d_axes(model, layout.micro_batch_size, s, q, layout.recompute)
+        device.act_bytes * x
+        for x in sent_2d_axes(model, layout.micro_batch_size, local_tokens(s, layout.cp), q, layout.recompute)
     )
     collectives = PRODUCTS * q * (forward_passes(layout.recompute) + 2)  # per axis
     hops = collectives * (q - 1)
@@ -204,13 +207,13 @@ def cost_2d(model: ModelShape, layout: Layout, device: Device, hw: Hardware, q: 
     kernels = kernels_for(device, model)
     lay = replace(layout, tp=q * q, sequence_parallel=True)  # every tensor split both ways: as 1D+sp at t = q^2
     b, act = lay.micro_batch_size, device.act_bytes
-    stored = activation_bytes_per_layer(model, b, q * q, lay.recompute, True, act, s, kernels=kernels)
+    stored = activation_bytes_per_layer(model, b, q * q, lay.recompute, True, act, s, kernels=kernels, cp=lay.cp)
     return BlockCost(
         "2D",
         q * q,
         parameters_2d(model, q),
         stored,
-        act * sent_2d(model, b, s, q, lay.recompute),
+        act * sent_2d(model, b, local_tokens(s, lay.cp), q, lay.recompute),
         comm_2d_s(model, lay, device, hw, q, s),
         _compute_s(model, lay, device, hw, s, kernels),
     )
@@ -259,7 +262,7 @@ def compare(model: ModelShape, layout: Layout, device: Device, hw: Hardware, q: 
     which block is faster, and why."""
     lay = _regrouped(layout, q * q)
     one, two = cost_1d(model, lay, device, hw, sp=True), cost_2d(model, lay, device, hw, q)
-    t, tokens = q * q, lay.micro_batch_size * model.seq_len
+    t, tokens = q * q, lay.micro_batch_size * local_tokens(model.seq_len, lay.cp)
     bytes_text = f"sends {_si_bytes(two.sent_bytes)} against {_si_bytes(one.sent_bytes)} per rank and block"
     across = t > device.ranks_per_node
     wins = two.total_s < one.total_s
@@ -285,16 +288,19 @@ def compare(model: ModelShape, layout: Layout, device: Device, hw: Hardware, q: 
 def comparison_lines(model: ModelShape, layout: Layout, device: Device, hw: Hardware) -> list[str]:
     """The plan's "tensor parallel: 1D vs 2D" section: per block and micro-batch at the chosen micro-batch and
     recompute, 1D without and with sequence parallelism against a q x q grid for each q in GRID_SIDES, the
-    verdicts, and the chosen layout's step if its TP group were a grid (when tp is a square)."""
+    verdicts, and the chosen layout's step if its TP group were a grid (when tp is a square). Only grids of at
+    most the allocation's GPUs are shown."""
     s, act = model.seq_len, device.act_bytes
+    cp = f" of which {s // layout.cp:,} per rank at cp={layout.cp}" if layout.cp > 1 else ""
     states = sum(state_bytes(1.0, layout.zero_stage, layout.dp_cp, device.dtype).values())  # bytes per parameter
     out = [
-        f"per block and micro-batch (b={layout.micro_batch_size}, s={s:,}, h={model.hidden:,}, {device.dtype},"
+        f"per block and micro-batch (b={layout.micro_batch_size}, s={s:,}{cp}, h={model.hidden:,}, {device.dtype},"
         f" recompute {layout.recompute}); memory = model states ({states:g} B/parameter) + stored activations:",
         f"  {'scheme':<12} {'params/rank':>12} {'memory':>10} {'activations':>12} {'sent/rank':>10} {'comm':>9}"
         f" {'block':>9}",
     ]
-    verdicts = [compare(model, layout, device, hw, q) for q in GRID_SIDES]
+    world = hw.world_gpus if hw.has_gpus else layout.world_size
+    verdicts = [compare(model, layout, device, hw, q) for q in GRID_SIDES if q * q <= world]  # groups that exist
     for v in verdicts:
         no_sp = cost_1d(model, _regrouped(layout, v.q * v.q), device, hw, sp=False)
         for c in (no_sp, v.one_d, v.two_d):
@@ -310,7 +316,8 @@ def comparison_lines(model: ModelShape, layout: Layout, device: Device, hw: Hard
             out.append(f"  q={v.q}: 2D's block stays slower up to micro-batch {MAX_MICRO_BATCH}")
         elif b != layout.micro_batch_size:
             at = compare(model, _regrouped(layout, v.q * v.q, b), device, hw, v.q)
-            out.append(f"  q={v.q}, from b={b} ({b * s:,} tokens per micro-batch): {at.reason}")
+            tokens = b * local_tokens(s, layout.cp)
+            out.append(f"  q={v.q}, from b={b} ({tokens:,} tokens per micro-batch): {at.reason}")
     out.append(_chosen_line(model, layout, device, hw, act))
     return out
 
