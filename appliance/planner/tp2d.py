@@ -83,13 +83,13 @@ def forward_passes(recompute: str) -> int:
 # ---- elements sent per rank, per block and micro-batch (module docstring) ----
 
 
-def sent_1d(model: ModelShape, b: int, s: int, t: int, recompute: str = "none") -> float:
+def sent_1d(model: ModelShape, b: int, s: float, t: int, recompute: str = "none") -> float:
     """8 (t-1)/t bsh: 4 all-reduces (or all-gather + reduce-scatter pairs) of bsh; 6 under full recompute."""
     allreduces = 2 * forward_passes(recompute) + 2
     return allreduces * 2 * (t - 1) / t * b * s * model.hidden if t > 1 else 0.0
 
 
-def sent_2d_axes(model: ModelShape, b: int, s: int, q: int, recompute: str = "none") -> tuple[float, float]:
+def sent_2d_axes(model: ModelShape, b: int, s: float, q: int, recompute: str = "none") -> tuple[float, float]:
     """(activation axis, weight axis): (n+2)(q-1)/q^2 * 7 bsh and (n+2)(q-1)/q^2 * 12 h^2, n forward passes."""
     h, f = model.hidden, model.ffn_hidden
     share = (forward_passes(recompute) + 2) * (q - 1) / q**2
@@ -97,7 +97,7 @@ def sent_2d_axes(model: ModelShape, b: int, s: int, q: int, recompute: str = "no
     return share * b * s * (3 * h + f), share * (4 * h * h + 2 * h * f)
 
 
-def sent_2d_vectors(model: ModelShape, b: int, s: int, q: int, recompute: str = "none") -> float:
+def sent_2d_vectors(model: ModelShape, b: int, s: float, q: int, recompute: str = "none") -> float:
     """The O(bs + h) rest: each LayerNorm all-reduces 2 statistics per token of its row forward and 2 backward
     (2 LayerNorms: 4n + 4 per token over the bs/q tokens, n forward passes), and the gradients of the biases and
     LayerNorm vectors ((9h + f)/q per rank) are all-reduced along columns once per micro-batch. All-reduces over
@@ -106,7 +106,7 @@ def sent_2d_vectors(model: ModelShape, b: int, s: int, q: int, recompute: str = 
     return 2 * (q - 1) / q * (per_token * b * s / q + (9 * model.hidden + model.ffn_hidden) / q)
 
 
-def sent_2d(model: ModelShape, b: int, s: int, q: int, recompute: str = "none") -> float:
+def sent_2d(model: ModelShape, b: int, s: float, q: int, recompute: str = "none") -> float:
     """3 (q-1)/q^2 (7 bsh + 12 h^2) without recompute, plus the O(bs + h) vector traffic."""
     return sum(sent_2d_axes(model, b, s, q, recompute)) + sent_2d_vectors(model, b, s, q, recompute)
 
