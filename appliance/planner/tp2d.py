@@ -65,7 +65,6 @@ from appliance.planner.model_shape import ModelShape
 from appliance.planner.timing import _block
 
 PRODUCTS = 4  # weight products per block
-SUMMA_COLLECTIVES_PER_AXIS = 3  # per product and step: forward broadcast; backward broadcast + reduce
 GRID_SIDES = (2, 4, 8)  # the q x q grids the comparison scans: 4, 16 and 64 ranks
 MAX_MICRO_BATCH = 256  # how far the break-even scan doubles the micro-batch
 
@@ -188,6 +187,11 @@ def cost_1d(
     )
 
 
+def summa_collectives_per_axis(q: int, recompute: str) -> int:
+    """Per block: 4 products x q steps x (one broadcast per forward pass, a broadcast and a reduce backward)."""
+    return PRODUCTS * q * (forward_passes(recompute) + 2)
+
+
 def comm_2d_s(model: ModelShape, layout: Layout, device: Device, hw: Hardware, q: int, s: int) -> float:
     """Seconds of the SUMMA collectives of one block: the heavier axis on the q consecutive ranks (rows), the other
     on q ranks strided by q (columns)."""
@@ -195,7 +199,7 @@ def comm_2d_s(model: ModelShape, layout: Layout, device: Device, hw: Hardware, q
         device.act_bytes * x
         for x in sent_2d_axes(model, layout.micro_batch_size, local_tokens(s, layout.cp), q, layout.recompute)
     )
-    collectives = PRODUCTS * q * (forward_passes(layout.recompute) + 2)  # per axis
+    collectives = summa_collectives_per_axis(q, layout.recompute)
     hops = collectives * (q - 1)
     rows, columns = tp_link(hw, device, q), dp_link(hw, device, q, q)
     heavy, light = max(activations, weights), min(activations, weights)
@@ -279,7 +283,7 @@ def compare(model: ModelShape, layout: Layout, device: Device, hw: Hardware, q: 
         )
     else:
         reason = (
-            f"1D+sp is better because, although 2D {bytes_text}, its {PRODUCTS * q * 3 * 2} collectives per block"
+            f"1D+sp is better because, although 2D {bytes_text}, its {summa_collectives_per_axis(q, lay.recompute)} collectives per block"
             f" and axis (chains of {q - 1} hops) cost more latency than 1D's {4 * 2 * (t - 1)} ring steps"
         )
     return Verdict(q, one, two, wins, reason, _faster_from(model, layout, device, hw, q))
