@@ -282,9 +282,11 @@ def compare(model: ModelShape, layout: Layout, device: Device, hw: Hardware, q: 
             f" {even:,.0f} tokens"
         )
     else:
+        collectives = summa_collectives_per_axis(q, lay.recompute)
+        ring_steps = (2 * forward_passes(lay.recompute) + 2) * 2 * (t - 1)
         reason = (
-            f"1D+sp is better because, although 2D {bytes_text}, its {summa_collectives_per_axis(q, lay.recompute)} collectives per block"
-            f" and axis (chains of {q - 1} hops) cost more latency than 1D's {4 * 2 * (t - 1)} ring steps"
+            f"1D+sp is better because, although 2D {bytes_text}, its {collectives} collectives per block and axis"
+            f" (chains of {q - 1} hops) cost more latency than 1D's {ring_steps} ring steps"
         )
     return Verdict(q, one, two, wins, reason, _faster_from(model, layout, device, hw, q))
 
