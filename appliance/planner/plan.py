@@ -30,6 +30,7 @@ from appliance.planner.sizing import (
     tokens_text,
 )
 from appliance.planner.timing import StepTime
+from appliance.planner.tp2d import comparison_lines
 from appliance.planner.train_settings import TrainSettings
 
 MAX_REJECTED_PER_KIND = 6
@@ -66,6 +67,8 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     model_choice: list[str] = field(default_factory=list)  # the ladder's reasoning when no model was named
     sizing: list[str] = field(default_factory=list)  # the token count, the limit that bound it, what more would buy
+    # 1D (with and without sequence parallelism) against Optimus 2D tensor parallelism (planner/tp2d.py), GPUs only
+    tensor_parallel: list[str] = field(default_factory=list)
     candidates: int = 0
     search_seconds: float = 0.0
 
@@ -286,6 +289,7 @@ def make_plan(
         notes=notes,
         model_choice=choice_lines,
         sizing=sizing,
+        tensor_parallel=comparison_lines(model, layout, device, hardware) if hardware.has_gpus else [],
         train=train,
         run=run,
         candidates=candidates,

@@ -62,6 +62,10 @@ def format_plan(plan: Plan) -> str:
             out.append(f"  {key:<18} {seconds:9.3g} s {seconds / total:6.1%}")
     out.append(f"  {'total':<18} {total:9.3g} s")
 
+    if plan.tensor_parallel:
+        out.append("Tensor parallel: 1D vs 2D (a comparison only: the search places 1D groups):")
+        out += [f"  {line}" for line in plan.tensor_parallel]
+
     if plan.rejected:
         counts = ", ".join(f"{n} {k}" for k, n in plan.rejected_counts.items() if n)
         out.append(f"Rejected alternatives ({counts or 'see below'}):")
