@@ -6,10 +6,12 @@ BloomForCausalLM, so a state_dict moves between the two unchanged.
 
 The model is built from three kinds of pieces, BloomEmbedding, BloomBlock and BloomFinal, that also stand alone:
 the parallel layer turns them into pipeline stages. Linear layers come from a factory, so tensor-parallel linears
-can be put in place of nn.Linear without changing this file. In a BLOOM-MoE model (config.moe_num_experts > 0)
-every moe_every-th block's MLP is a mixture of experts (model/moe.py); its load-balancing loss joins ``loss``. A factory module may set `skip_bias_add = True` (the
+can be put in place of nn.Linear without changing this file. A factory module may set `skip_bias_add = True` (the
 Megatron convention): its forward then returns x @ W^T only, and the model adds `module.bias` inside the next
 fused op (bias+GeLU, bias+dropout+residual).
+
+In a BLOOM-MoE model (config.moe_num_experts > 0) every moe_every-th block's MLP is a mixture of experts
+(model/moe.py); ``loss`` adds their load-balancing loss.
 """
 
 from __future__ import annotations

@@ -44,7 +44,8 @@ def canonical_moe_name(name: str, expert_offset: int = 0) -> str:
     name = _GATE.sub(r"\1gate.", name)
     match = _EXPERT.search(name)
     if match:
-        name = f"{name[: match.start()]}{match.group(1)}experts.{int(match.group(2)) + expert_offset}.{name[match.end() :]}"
+        index = int(match.group(2)) + expert_offset
+        name = f"{name[: match.start()]}{match.group(1)}experts.{index}.{name[match.end() :]}"
     return name
 
 
@@ -54,7 +55,8 @@ def deepspeed_moe_name(name: str, expert_offset: int = 0) -> str:
     match = _CANONICAL_EXPERT.search(name)
     if match:
         local = int(match.group(2)) - expert_offset
-        name = f"{name[: match.start()]}{match.group(1)}deepspeed_moe.experts.deepspeed_experts.{local}.{name[match.end() :]}"
+        inner = f"deepspeed_moe.experts.deepspeed_experts.{local}."
+        name = f"{name[: match.start()]}{match.group(1)}{inner}{name[match.end() :]}"
     return name
 
 
@@ -66,7 +68,7 @@ def select_all_to_all() -> type[torch.autograd.Function]:
 
 def install_all_to_all(function: type[torch.autograd.Function]) -> None:
     """Make DeepSpeed's MoE layers use ``function``: MOELayer.forward calls the module-level ``_AllToAll``."""
-    sharded_moe._AllToAll = function  # type: ignore[misc]
+    sharded_moe._AllToAll = function
 
 
 def _plain_linear(in_features: int, out_features: int, bias: bool, role: str) -> nn.Module:
@@ -105,12 +107,17 @@ class BloomMoE(MoE):
         self.expert_offset = 0  # this rank's first global expert; the parallel layer sets it
         self.aux_loss: torch.Tensor | None = None  # the last forward's load-balancing loss (scalar, fp32)
         self.expert_counts: torch.Tensor | None = None  # the last forward's tokens per expert, [experts]
+        # Tokens per expert summed over the training forwards since the trainer last read them (a recomputed
+        # forward counts again, every micro-batch alike, so the fractions hold).
+        self.step_counts: torch.Tensor | None = None
         self._register_state_dict_hook(_canonical_state_dict)
         self._register_load_state_dict_pre_hook(_deepspeed_state_dict, with_module=True)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
         out, aux_loss, counts = super().forward(x)
         self.aux_loss, self.expert_counts = aux_loss, counts
+        if self.training:
+            self.step_counts = counts if self.step_counts is None else self.step_counts + counts
         return out.to(x.dtype), None
 
 
@@ -149,4 +156,3 @@ def expert_load(counts: list[torch.Tensor]) -> list[list[float]]:
         total = float(c.sum())
         out.append([float(x) / total if total else 0.0 for x in c.tolist()])
     return out
-

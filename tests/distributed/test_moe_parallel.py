@@ -1,0 +1,239 @@
+"""Expert parallelism computes what one process computes: BLOOM-MoE's losses and gradients at ep = 2 and 4 equal the
+single-process model's with the same weights, and a checkpoint written at ep = 2 (with pp = 2) loads at ep = 1 and
+in one process.
+
+Deterministic routing (docs/MOE.md): no token is dropped (each expert's capacity is its largest load, agreed over
+the ep group) and no routing is random (no random token selection, no sampled second expert), so every token meets
+the same experts whatever the layout and only the order of sums differs.
+
+Two levels:
+- the MoE layer alone in fp64 (``BloomMoE`` with DeepSpeed's all-to-all over our ep group against the same layer
+  at ep = 1 on each rank's tokens): the same arithmetic, the all-to-all only moves rows, so a tight bound;
+- the whole engine in fp32 (``build_engine`` at dp = ep = 2, 4 and at pp = 2, dp = ep = 2), one step's loss and
+  gradients against the single-process model on the same micro-batches, within a few fp32 noise floors measured
+  here (the reference's own fp32-vs-fp64 gap).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from appliance.model.bloom import BloomForCausalLM
+from appliance.model.config import BloomConfig
+from appliance.model.moe import BloomMoE, canonical_moe_name
+from appliance.parallel.deepspeed_comm import init_deepspeed_comm
+from appliance.parallel.engine import build_engine
+from appliance.parallel.expert_parallel import register_expert_groups
+from appliance.parallel.testing import run_distributed
+from appliance.parallel.topology import ParallelTopology
+
+pytestmark = pytest.mark.distributed
+
+# 4 blocks, MoE at blocks 1 and 3 (one per stage at pp = 2); 4 experts so ep = 1, 2, 4 all divide them; top-2 so
+# the second expert's all-to-all path is exercised.
+CONFIG = BloomConfig(
+    vocab_size=256,
+    hidden_size=32,
+    n_layer=4,
+    n_head=4,
+    moe_num_experts=4,
+    moe_top_k=2,
+    moe_every=2,
+    moe_drop_tokens=False,
+    moe_random_routing=False,
+    moe_aux_loss_coef=0.1,  # large enough that a lost or doubled load-balancing loss shows in the gradients
+)
+SEQ, MBS, SEED = 16, 2, 7
+# fp32 bound: the layouts reorder the same sums as fp32 rounding does, at more places (the all-to-all's expert
+# order, DP averaging, ZeRO), so a few times the reference's own rounding; measured 0.3-2 x, bound 10 x.
+FP32_FACTOR = 10.0
+FP64_BOUND = 1e-10  # fp64 rounding (1e-16) amplified through a few layers stays far below this
+
+
+def batches(dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One micro-batch per DP rank: token ids with something to learn (arithmetic progressions)."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(dp):
+        start = torch.randint(0, 200, (MBS, 1), generator=g)
+        stride = torch.randint(1, 7, (MBS, 1), generator=g)
+        ids = (start + stride * torch.arange(SEQ)) % 200
+        out.append((ids, ids.clone()))
+    return out
+
+
+def reference(dp: int, dtype: torch.dtype) -> tuple[float, dict[str, torch.Tensor]]:
+    """The single-process model on every DP rank's micro-batch: mean loss (language model's) and the gradient of
+    the mean optimized loss (with the load-balancing loss), by layout-free name."""
+    model = BloomForCausalLM(CONFIG, seed=SEED).to(dtype)
+    losses = []
+    total = torch.zeros((), dtype=dtype)
+    for ids, labels in batches(dp):
+        loss = model.loss(ids, labels)
+        total = total + loss / dp
+        losses.append(float(loss) - CONFIG.moe_aux_loss_coef * float(model.moe_aux_loss()))
+    total.backward()
+    grads = {canonical_moe_name(n): p.grad.detach().clone() for n, p in model.named_parameters()}
+    return sum(losses) / dp, grads
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+# ---- the layer alone, fp64 -------------------------------------------------------------------------------------
+def _layer_at(topology: ParallelTopology, ep: int) -> dict[str, Any]:
+    """BloomMoE at ep over this rank's tokens: output, input gradient and this rank's experts' gradients (fp64)."""
+    topology = ParallelTopology(tp=1, pp=1, dp=topology.dp, ep=ep, world_size=topology.world_size)
+    topology.init_process_groups()
+    init_deepspeed_comm(dist.get_backend())  # DeepSpeed's gate asks its own comm layer for the ep group's size
+    register_expert_groups(topology)
+    dense = BloomForCausalLM(CONFIG, seed=SEED).double()  # the weights every layout draws
+    layer = BloomMoE(CONFIG, ep_size=ep).double()
+    layer.set_deepspeed_parallelism()
+    ep_rank = topology.coordinate("ep", dist.get_rank())
+    layer.expert_offset = ep_rank * layer.num_local_experts
+    full = dense.transformer.h[1].mlp.state_dict(prefix="")
+    layer.load_state_dict({k: v for k, v in full.items() if _held(k, layer)})
+    g = torch.Generator().manual_seed(100 + dist.get_rank())
+    x = torch.randn(MBS, SEQ, CONFIG.hidden_size, generator=g, dtype=torch.float64, requires_grad=True)
+    out, _ = layer(x)
+    (out.square().sum() + layer.aux_loss).backward()
+    grads = {canonical_moe_name(n, layer.expert_offset): p.grad for n, p in layer.named_parameters()}
+    return {"x": x.detach(), "out": out.detach(), "x_grad": x.grad, "grads": grads}
+
+
+def _held(name: str, layer: BloomMoE) -> bool:
+    if ".experts." not in f".{name}":
+        return True
+    index = int(name.split("experts.")[1].split(".")[0])
+    return layer.expert_offset <= index < layer.expert_offset + layer.num_local_experts
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_moe_layer_fp64_at_ep_equals_one_process(ep: int) -> None:
+    results = run_distributed(_layer_at, ep, ep, dp=ep)
+    dense = BloomForCausalLM(CONFIG, seed=SEED).double()
+    reference = BloomMoE(CONFIG).double()
+    reference.load_state_dict(dense.transformer.h[1].mlp.state_dict())
+    grads: dict[str, torch.Tensor] = {}
+    for rank, got in enumerate(results):
+        reference.zero_grad()
+        x = got["x"].clone().requires_grad_(True)
+        out, _ = reference(x)
+        (out.square().sum() + reference.aux_loss).backward()
+        assert relative(got["out"], out) < FP64_BOUND, f"rank {rank} output"
+        assert relative(got["x_grad"], x.grad) < FP64_BOUND, f"rank {rank} input gradient"
+        for name, p in reference.named_parameters():
+            grads[canonical_moe_name(name)] = grads.get(canonical_moe_name(name), 0) + p.grad
+    # An expert's gradient lives on one ep rank and sums every rank's tokens (the all-to-all brought them there).
+    for rank, got in enumerate(results):
+        for name, grad in got["grads"].items():
+            if ".experts." in name:
+                assert relative(grad, grads[name]) < FP64_BOUND, f"rank {rank} {name}"
+    experts = sorted(n for got in results for n in got["grads"] if n.startswith("experts."))
+    assert len(set(experts)) == len(experts) == CONFIG.moe_num_experts * 4, "each expert on exactly one ep rank"
+
+
+# ---- the engine, fp32 ------------------------------------------------------------------------------------------
+def _engine_step(topology: ParallelTopology, ep: int, pp: int, save_to: str | None) -> dict[str, Any]:
+    dp = topology.world_size // pp
+    topology = ParallelTopology(tp=1, pp=pp, dp=dp, ep=ep, world_size=topology.world_size)
+    engine = build_engine(
+        CONFIG,
+        topology,
+        micro_batch_size=MBS,
+        global_batch_size=MBS * dp,
+        zero_stage=0,
+        dtype="fp32",
+        grad_clip=0.0,
+        recompute="none",
+        sequence_parallel=False,
+        lr=0.0,  # the step leaves the weights as drawn: the gradients are what is compared
+        weight_decay=0.0,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        seed=SEED,
+    )
+    captured: dict[str, torch.Tensor] = {}
+    named = engine.named_parameters()
+
+    def keep(name: str, param: torch.Tensor) -> None:
+        param.register_hook(lambda g: captured.__setitem__(name, captured.get(name, 0) + g.detach().clone()))
+
+    for name, param in named:
+        keep(name, param)
+    dp_rank = topology.coordinate("dp", dist.get_rank())
+    result = engine.train_batch([batches(dp)[dp_rank]])
+    out = {"loss": result.loss, "aux": result.moe_aux_loss, "load": result.expert_load, "grads": captured}
+    if save_to is not None:
+        step_dir = Path(save_to)
+        engine.save_model(step_dir, {"step": "1"})
+        dist.barrier()
+        out["loaded_equal"] = _reload_equal(engine, step_dir)
+    engine.close()
+    return out
+
+
+def _reload_equal(engine: Any, step_dir: Path) -> bool:
+    before = {n: p.detach().clone() for n, p in engine.named_parameters()}
+    with torch.no_grad():
+        for _, p in engine.named_parameters():
+            p.zero_()
+    engine.load_model(step_dir)
+    return all(torch.equal(before[n], p) for n, p in engine.named_parameters())
+
+
+def _check_engine(results: list[dict[str, Any]], dp: int) -> None:
+    loss32, grads32 = reference(dp, torch.float32)
+    loss64, grads64 = reference(dp, torch.float64)
+    floor = max(relative(grads32[n], grads64[n]) for n in grads64)
+    # DP averages the loss and every gradient over the ranks' micro-batches; a parameter's hook saw this rank's
+    # micro-batch only, so the sum over the ranks that hold it, over dp, is the averaged gradient.
+    summed: dict[str, torch.Tensor] = {}
+    for got in results:
+        for name, grad in got["grads"].items():
+            summed[name] = summed.get(name, 0) + grad.double() / dp
+    assert set(summed) == set(grads64), sorted(set(summed) ^ set(grads64))
+    for name, grad in summed.items():
+        assert relative(grad, grads64[name]) < FP32_FACTOR * floor, name
+    for got in results:
+        assert abs(got["loss"] - loss64) / abs(loss64) < FP32_FACTOR * max(floor, 1e-7)
+        assert got["aux"] is not None and got["aux"] > 0
+        assert len(got["load"]) == len(CONFIG.moe_blocks)
+        assert all(abs(sum(row) - 1.0) < 1e-9 for row in got["load"])
+    assert all(got["load"] == results[0]["load"] for got in results), "expert load agreed by every rank"
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_engine_at_ep_equals_one_process(ep: int) -> None:
+    _check_engine(run_distributed(_engine_step, ep, ep, 1, None, dp=ep), dp=ep)
+
+
+def test_engine_pp2_ep2_equals_one_process_and_checkpoint_reloads(tmp_path: Path) -> None:
+    results = run_distributed(_engine_step, 4, 2, 2, str(tmp_path), pp=2, dp=2)
+    _check_engine(results, dp=2)
+    assert all(got["loaded_equal"] for got in results)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [
+        "experts-tp00-pp00-ep01.safetensors",
+        "experts-tp00-pp01-ep01.safetensors",
+        "model-tp00-pp00.safetensors",
+        "model-tp00-pp01.safetensors",
+    ], names
+    # Resharded to one process: the whole model from the ep = 2, pp = 2 files equals the weights drawn in one.
+    from appliance.parallel.shards import gather_full_state_dict
+
+    whole = BloomForCausalLM(CONFIG, seed=0)
+    missing, unexpected = whole.load_state_dict(gather_full_state_dict(tmp_path), strict=False)
+    assert not unexpected and missing == ["lm_head.weight"]
+    drawn = BloomForCausalLM(dataclasses.replace(CONFIG), seed=SEED)
+    for (name, got), (_, want) in zip(whole.state_dict().items(), drawn.state_dict().items(), strict=True):
+        assert torch.equal(got, want), name
