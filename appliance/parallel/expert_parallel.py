@@ -79,7 +79,9 @@ def moe_param_groups(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]
     engine and ZeRO look for)."""
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
-    return split_params_into_different_moe_groups_for_optimizer(param_groups)
+    # DeepSpeed names each expert group after the group it came from.
+    named = [{"name": f"group{i}", **group} for i, group in enumerate(param_groups)]
+    return split_params_into_different_moe_groups_for_optimizer(named)
 
 
 def is_expert_parameter(param: torch.Tensor) -> bool:

@@ -16,7 +16,9 @@ Two levels:
 
 from __future__ import annotations
 
-import dataclasses
+import copy
+import functools
+import os
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +29,11 @@ import torch.distributed as dist
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
 from appliance.model.moe import BloomMoE, canonical_moe_name
+from appliance.model.ops import cross_entropy
 from appliance.parallel.deepspeed_comm import init_deepspeed_comm
 from appliance.parallel.engine import build_engine
 from appliance.parallel.expert_parallel import register_expert_groups
+from appliance.parallel.shards import gather_full_state_dict
 from appliance.parallel.testing import run_distributed
 from appliance.parallel.topology import ParallelTopology
 
@@ -57,27 +61,36 @@ FP64_BOUND = 1e-10  # fp64 rounding (1e-16) amplified through a few layers stays
 
 
 def batches(dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One micro-batch per DP rank: token ids with something to learn (arithmetic progressions)."""
+    """One micro-batch per DP rank, (inputs, labels) as the engine takes them (labels are the next tokens):
+    arithmetic progressions, something to learn."""
     g = torch.Generator().manual_seed(3)
     out = []
     for _ in range(dp):
         start = torch.randint(0, 200, (MBS, 1), generator=g)
         stride = torch.randint(1, 7, (MBS, 1), generator=g)
-        ids = (start + stride * torch.arange(SEQ)) % 200
-        out.append((ids, ids.clone()))
+        tokens = (start + stride * torch.arange(SEQ + 1)) % 200
+        out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
     return out
 
 
+@functools.cache
+def drawn() -> BloomForCausalLM:
+    """The single-process model as every layout draws it (drawing is the slow part: once per process)."""
+    return BloomForCausalLM(CONFIG, seed=SEED)
+
+
+@functools.cache
 def reference(dp: int, dtype: torch.dtype) -> tuple[float, dict[str, torch.Tensor]]:
     """The single-process model on every DP rank's micro-batch: mean loss (language model's) and the gradient of
     the mean optimized loss (with the load-balancing loss), by layout-free name."""
-    model = BloomForCausalLM(CONFIG, seed=SEED).to(dtype)
+    model = copy.deepcopy(drawn()).to(dtype)
     losses = []
     total = torch.zeros((), dtype=dtype)
     for ids, labels in batches(dp):
-        loss = model.loss(ids, labels)
+        lm_loss = cross_entropy(model(ids), labels)
+        loss = lm_loss + CONFIG.moe_aux_loss_coef * model.moe_aux_loss()
         total = total + loss / dp
-        losses.append(float(loss) - CONFIG.moe_aux_loss_coef * float(model.moe_aux_loss()))
+        losses.append(float(lm_loss.detach()))
     total.backward()
     grads = {canonical_moe_name(n): p.grad.detach().clone() for n, p in model.named_parameters()}
     return sum(losses) / dp, grads
@@ -95,7 +108,7 @@ def _layer_at(topology: ParallelTopology, ep: int) -> dict[str, Any]:
     topology.init_process_groups()
     init_deepspeed_comm(dist.get_backend())  # DeepSpeed's gate asks its own comm layer for the ep group's size
     register_expert_groups(topology)
-    dense = BloomForCausalLM(CONFIG, seed=SEED).double()  # the weights every layout draws
+    dense = copy.deepcopy(drawn()).double()  # the weights every layout draws
     layer = BloomMoE(CONFIG, ep_size=ep).double()
     layer.set_deepspeed_parallelism()
     ep_rank = topology.coordinate("ep", dist.get_rank())
@@ -117,33 +130,9 @@ def _held(name: str, layer: BloomMoE) -> bool:
     return layer.expert_offset <= index < layer.expert_offset + layer.num_local_experts
 
 
-@pytest.mark.parametrize("ep", [2, 4])
-def test_moe_layer_fp64_at_ep_equals_one_process(ep: int) -> None:
-    results = run_distributed(_layer_at, ep, ep, dp=ep)
-    dense = BloomForCausalLM(CONFIG, seed=SEED).double()
-    reference = BloomMoE(CONFIG).double()
-    reference.load_state_dict(dense.transformer.h[1].mlp.state_dict())
-    grads: dict[str, torch.Tensor] = {}
-    for rank, got in enumerate(results):
-        reference.zero_grad()
-        x = got["x"].clone().requires_grad_(True)
-        out, _ = reference(x)
-        (out.square().sum() + reference.aux_loss).backward()
-        assert relative(got["out"], out) < FP64_BOUND, f"rank {rank} output"
-        assert relative(got["x_grad"], x.grad) < FP64_BOUND, f"rank {rank} input gradient"
-        for name, p in reference.named_parameters():
-            grads[canonical_moe_name(name)] = grads.get(canonical_moe_name(name), 0) + p.grad
-    # An expert's gradient lives on one ep rank and sums every rank's tokens (the all-to-all brought them there).
-    for rank, got in enumerate(results):
-        for name, grad in got["grads"].items():
-            if ".experts." in name:
-                assert relative(grad, grads[name]) < FP64_BOUND, f"rank {rank} {name}"
-    experts = sorted(n for got in results for n in got["grads"] if n.startswith("experts."))
-    assert len(set(experts)) == len(experts) == CONFIG.moe_num_experts * 4, "each expert on exactly one ep rank"
-
-
 # ---- the engine, fp32 ------------------------------------------------------------------------------------------
 def _engine_step(topology: ParallelTopology, ep: int, pp: int, save_to: str | None) -> dict[str, Any]:
+    os.environ.setdefault("LOCAL_RANK", "0")  # read by DeepSpeed
     dp = topology.world_size // pp
     topology = ParallelTopology(tp=1, pp=pp, dp=dp, ep=ep, world_size=topology.world_size)
     engine = build_engine(
@@ -192,7 +181,7 @@ def _reload_equal(engine: Any, step_dir: Path) -> bool:
 
 
 def _check_engine(results: list[dict[str, Any]], dp: int) -> None:
-    loss32, grads32 = reference(dp, torch.float32)
+    _, grads32 = reference(dp, torch.float32)
     loss64, grads64 = reference(dp, torch.float64)
     floor = max(relative(grads32[n], grads64[n]) for n in grads64)
     # DP averages the loss and every gradient over the ranks' micro-batches; a parameter's hook saw this rank's
@@ -212,28 +201,86 @@ def _check_engine(results: list[dict[str, Any]], dp: int) -> None:
     assert all(got["load"] == results[0]["load"] for got in results), "expert load agreed by every rank"
 
 
-@pytest.mark.parametrize("ep", [2, 4])
-def test_engine_at_ep_equals_one_process(ep: int) -> None:
-    _check_engine(run_distributed(_engine_step, ep, ep, 1, None, dp=ep), dp=ep)
+# ---- one launch of 4 ranks for everything (spawning is the slow part) --------------------------------------------
+LAYER_EPS = (2, 4)  # the MoE layer alone over dp = 4
+ENGINE_LAYOUTS = ((1, 2), (1, 4), (2, 2))  # (pp, ep): edp = 2 and 1 at pp = 1, and the pipeline at dp = ep = 2
 
 
-def test_engine_pp2_ep2_equals_one_process_and_checkpoint_reloads(tmp_path: Path) -> None:
-    results = run_distributed(_engine_step, 4, 2, 2, str(tmp_path), pp=2, dp=2)
-    _check_engine(results, dp=2)
-    assert all(got["loaded_equal"] for got in results)
-    names = sorted(p.name for p in tmp_path.iterdir())
+def _all_checks(topology: ParallelTopology, save_to: str) -> dict[str, Any]:
+    out: dict[str, Any] = {f"layer_ep{ep}": _layer_at(topology, ep) for ep in LAYER_EPS}
+    for pp, ep in ENGINE_LAYOUTS:
+        save = save_to if (pp, ep) == (2, 2) else None
+        out[f"engine_pp{pp}_ep{ep}"] = _engine_step(topology, ep, pp, save)
+    return out
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
+    step_dir = tmp_path_factory.mktemp("moe_checkpoint")
+    return run_distributed(_all_checks, 4, str(step_dir), dp=4, timeout_s=300.0), step_dir
+
+
+@pytest.mark.parametrize("ep", LAYER_EPS)
+def test_moe_layer_fp64_at_ep_equals_one_process(launched: tuple[list[dict[str, Any]], Path], ep: int) -> None:
+    results = [got[f"layer_ep{ep}"] for got in launched[0]]
+    dense = copy.deepcopy(drawn()).double()
+    reference = BloomMoE(CONFIG).double()
+    reference.load_state_dict(dense.transformer.h[1].mlp.state_dict())
+    grads: dict[str, torch.Tensor] = {}
+    for rank, got in enumerate(results):
+        reference.zero_grad()
+        x = got["x"].clone().requires_grad_(True)
+        out, _ = reference(x)
+        (out.square().sum() + reference.aux_loss).backward()
+        assert relative(got["out"], out) < FP64_BOUND, f"rank {rank} output"
+        assert relative(got["x_grad"], x.grad) < FP64_BOUND, f"rank {rank} input gradient"
+        for name, p in reference.named_parameters():
+            grads[canonical_moe_name(name)] = grads.get(canonical_moe_name(name), 0) + p.grad
+    # An expert's gradient sums the tokens of its ep group's ranks (the all-to-all brought them to it); the
+    # reference's sums every rank's, so compare per ep group: each group must hold every expert exactly once.
+    ep_groups = [list(range(g * ep, (g + 1) * ep)) for g in range(4 // ep)]
+    for ranks in ep_groups:
+        experts: dict[str, torch.Tensor] = {}
+        for rank in ranks:
+            for name, grad in results[rank]["grads"].items():
+                if name.startswith("experts."):
+                    assert name not in experts, f"{name} on two ep ranks"
+                    experts[name] = grad
+        assert len(experts) == CONFIG.moe_num_experts * 4, "every expert on one ep rank of the group"
+        want = _expert_grads_of(ranks, results, reference)
+        for name, grad in experts.items():
+            assert relative(grad, want[name]) < FP64_BOUND, f"ep group {ranks}: {name}"
+
+
+def _expert_grads_of(ranks: list[int], results: list[dict[str, Any]], reference: BloomMoE) -> dict[str, torch.Tensor]:
+    reference.zero_grad()
+    for rank in ranks:
+        out, _ = reference(results[rank]["x"])
+        (out.square().sum() + reference.aux_loss).backward()
+    return {canonical_moe_name(n): p.grad.clone() for n, p in reference.named_parameters()}
+
+
+@pytest.mark.parametrize(("pp", "ep"), ENGINE_LAYOUTS)
+def test_engine_at_ep_equals_one_process(launched: tuple[list[dict[str, Any]], Path], pp: int, ep: int) -> None:
+    _check_engine([got[f"engine_pp{pp}_ep{ep}"] for got in launched[0]], dp=4 // pp)
+
+
+def test_checkpoint_at_pp2_ep2_reloads_and_reshards_to_one_process(
+    launched: tuple[list[dict[str, Any]], Path],
+) -> None:
+    results, step_dir = launched
+    assert all(got["engine_pp2_ep2"]["loaded_equal"] for got in results)
+    names = sorted(p.name for p in step_dir.iterdir())
     assert names == [
         "experts-tp00-pp00-ep01.safetensors",
         "experts-tp00-pp01-ep01.safetensors",
         "model-tp00-pp00.safetensors",
         "model-tp00-pp01.safetensors",
     ], names
-    # Resharded to one process: the whole model from the ep = 2, pp = 2 files equals the weights drawn in one.
-    from appliance.parallel.shards import gather_full_state_dict
-
+    # Resharded to one process: the whole model from the ep = 2, pp = 2 files equals the weights drawn in one
+    # (lr 0: the step left them as drawn).
     whole = BloomForCausalLM(CONFIG, seed=0)
-    missing, unexpected = whole.load_state_dict(gather_full_state_dict(tmp_path), strict=False)
+    missing, unexpected = whole.load_state_dict(gather_full_state_dict(step_dir), strict=False)
     assert not unexpected and missing == ["lm_head.weight"]
-    drawn = BloomForCausalLM(dataclasses.replace(CONFIG), seed=SEED)
-    for (name, got), (_, want) in zip(whole.state_dict().items(), drawn.state_dict().items(), strict=True):
+    for (name, got), (_, want) in zip(whole.state_dict().items(), drawn().state_dict().items(), strict=True):
         assert torch.equal(got, want), name
