@@ -104,6 +104,7 @@ class BloomMoE(MoE):
             use_rts=config.moe_random_routing,
             top2_2nd_expert_sampling=config.moe_random_routing,
         )
+        self.min_capacity = config.moe_min_capacity
         self.expert_offset = 0  # this rank's first global expert; the parallel layer sets it
         self.aux_loss: torch.Tensor | None = None  # the last forward's load-balancing loss (scalar, fp32)
         self.expert_counts: torch.Tensor | None = None  # the last forward's tokens per expert, [experts]
@@ -114,6 +115,10 @@ class BloomMoE(MoE):
         self._register_load_state_dict_pre_hook(_deepspeed_state_dict, with_module=True)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        # DeepSpeed's top-1 gate refuses fewer tokens than min_capacity (a short prompt in greedy decoding): such a
+        # call's floor is its token count. Every rank of an ep group passes as many tokens, so they still agree.
+        gate = self.deepspeed_moe.gate
+        gate.min_capacity = min(self.min_capacity, x.numel() // x.shape[-1])
         out, aux_loss, counts = super().forward(x)
         self.aux_loss, self.expert_counts = aux_loss, counts
         if self.training:

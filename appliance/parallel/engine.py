@@ -219,7 +219,10 @@ def build_engine(
     if not (engine.bfloat16_enabled() or engine.zero_optimization()):
         install_global_norm_clipping(engine, topology)
     min_loss_scale = keep_training_at_the_minimum_scale(engine.optimizer) if engine.fp16_enabled() else None
-    gather = build_overlap(engine.optimizer, module, topology.groups("dp_cp"), overlap_param_gather)
+    # BLOOM-MoE: ZeRO partitions the expert groups over edp, not dp; the overlapped gather knows dp only, so an MoE
+    # model keeps DeepSpeed's own gather inside the step.
+    overlap = overlap_param_gather and not config.is_moe
+    gather = build_overlap(engine.optimizer, module, topology.groups("dp_cp"), overlap)
     return ParallelEngine(
         engine,
         topology,
