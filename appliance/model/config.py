@@ -141,7 +141,15 @@ class BloomConfig:
         return {name.removeprefix("moe_"): getattr(self, name) for name in MOE_FIELDS}
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The keys of transformers' BloomConfig (config.json of BloomForCausalLM)."""
+        """The keys of transformers' BloomConfig (config.json of BloomForCausalLM). A BLOOM-MoE model's are BLOOM's
+        under model_type "bloom_moe" (no transformers class loads it) with its MoE fields under "moe"
+        (docs/MOE.md)."""
+        if self.is_moe:
+            dense = self.to_hf_dict_dense()
+            return dense | {"model_type": "bloom_moe", "architectures": ["BloomMoEForCausalLM"], "moe": self.moe_dict()}
+        return self.to_hf_dict_dense()
+
+    def to_hf_dict_dense(self) -> dict[str, Any]:
         return {
             "model_type": "bloom",
             "architectures": ["BloomForCausalLM"],
