@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +41,7 @@ from appliance.parallel.testing import run_distributed
 from appliance.parallel.topology import ParallelTopology
 
 pytestmark = pytest.mark.distributed
+ROOT = Path(__file__).resolve().parents[2]
 
 # 4 blocks, MoE at blocks 1 and 3 (one per stage at pp = 2); 4 experts so ep = 1, 2, 4 all divide them; top-2 so
 # the second expert's all-to-all path is exercised.
@@ -284,3 +288,29 @@ def test_checkpoint_at_pp2_ep2_reloads_and_reshards_to_one_process(
     assert not unexpected and missing == ["lm_head.weight"]
     for (name, got), (_, want) in zip(whole.state_dict().items(), drawn().state_dict().items(), strict=True):
         assert torch.equal(got, want), name
+
+
+# ---- `run` end to end ------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_run_trains_bloom_moe_tiny_at_pp2_dp2_ep2(tmp_path: Path) -> None:
+    """`run` on the sample corpus at tp=1, pp=2, dp=2, ep=2: plan, data, 2 training steps with the MoE figures in
+    the step events, the final evaluation (lock-stepped over the ep groups) and the MoE export all finish."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bloom_appliance.py"), "run", "--headless", "--model", "bloom-moe-tiny-cpu",
+         "--layout", "tp=1,pp=2,dp=2,ep=2,mbs=2", "--max-steps", "2", "--run-dir", "runs/moe",
+         "--set", "eval_task_limit=4", "--set", "eval_samples=2", "--set", "max_restarts=0"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "moe"
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [e for e in events if e["kind"] == "step"]
+    assert [e["step"] for e in steps] == [1, 2]
+    for e in steps:
+        assert isinstance(e["moe_aux_loss"], float) and e["moe_aux_loss"] > 0
+        assert len(e["expert_load"]) == 2 and all(len(row) == 4 for row in e["expert_load"])
+        assert all(abs(sum(row) - 1.0) < 1e-9 for row in e["expert_load"])
+    step_dir = sorted((run_dir / "checkpoints").iterdir())[-1]
+    assert (step_dir / "experts-tp00-pp01-ep01.safetensors").is_file()
+    config = json.loads((run_dir / "export" / "config.json").read_text())
+    assert config["model_type"] == "bloom_moe" and config["moe"]["num_experts"] == 4
