@@ -107,7 +107,7 @@ def global_grad_norm(params: Iterable[torch.Tensor], topology: ParallelTopology)
         squares = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
     else:
         squares = torch.zeros((), device=params[0].device if params else collective_device())
-    if topology.ep > 1:
+    if getattr(topology, "ep", 1) > 1:  # (a layout without expert parallelism may be a stand-in without ep)
         # BLOOM-MoE: each ep rank of a replica holds other experts (marked allreduce=False by DeepSpeed), so their
         # squares are summed over the ep group too before the replica's sum.
         experts = [p.grad.detach() for p in params if p.grad is not None and getattr(p, "allreduce", True) is False]

@@ -98,14 +98,28 @@ class ModelShape:
         for key in ("init_std", "layer_norm_epsilon"):
             if not getattr(self, key) > 0:
                 raise BadInput(f"model {self.name}: {key} must be > 0, got {getattr(self, key)!r}")
-        if self.moe_num_experts:
-            from appliance.model.config import MOE_FIELDS, BloomConfig
+        problems = self._moe_problems()
+        if problems:
+            raise BadInput(f"model {self.name}: " + "; ".join(problems))
 
-            try:  # the model's own checks, every MoE field named
-                BloomConfig(self.padded_vocab(), self.hidden, self.layers, self.heads,
-                            **{k: getattr(self, k) for k in MOE_FIELDS})  # fmt: skip
-            except ValueError as e:
-                raise BadInput(f"model {self.name}: {e}") from e
+    def _moe_problems(self) -> list[str]:
+        """The MoE keys' rules (model/config.py checks the same on the model it builds), every key named."""
+        problems = []
+        if not isinstance(self.moe_num_experts, int) or self.moe_num_experts < 0:
+            problems.append(f"moe_num_experts must be an integer >= 0, got {self.moe_num_experts!r}")
+        elif self.moe_num_experts:
+            if self.moe_top_k not in (1, 2):
+                problems.append(f"moe_top_k must be 1 or 2, got {self.moe_top_k!r}")
+            elif self.moe_top_k > self.moe_num_experts:
+                problems.append(f"moe_top_k({self.moe_top_k}) > moe_num_experts({self.moe_num_experts})")
+            if not 1 <= self.moe_every <= self.layers:
+                problems.append(f"moe_every must be in 1..layers({self.layers}), got {self.moe_every!r}")
+            for key in ("moe_capacity_factor", "moe_eval_capacity_factor"):
+                if not getattr(self, key) > 0:
+                    problems.append(f"{key} must be > 0, got {getattr(self, key)!r}")
+            if not self.moe_aux_loss_coef >= 0:
+                problems.append(f"moe_aux_loss_coef must be >= 0, got {self.moe_aux_loss_coef!r}")
+        return problems
 
     # ---- mixture of experts (the MoE cost model reads these) ----
 
