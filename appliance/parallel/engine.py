@@ -449,7 +449,7 @@ class ParallelEngine:
     def model_shard(self) -> dict[str, torch.Tensor]:
         """This rank's weights, Hugging Face names, fp32 on CPU (bf16 values convert exactly); on an ep rank >= 1
         of an MoE model its experts only (ep rank 0's file has the rest)."""
-        experts_only = self.dp_rank != 0
+        experts_only = self.config.is_moe and self.dp_rank != 0
         return {
             name: p.detach().float().contiguous().cpu()
             for name, p in self.named_parameters()

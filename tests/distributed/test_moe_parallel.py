@@ -135,7 +135,7 @@ def _held(name: str, layer: BloomMoE) -> bool:
 
 
 # ---- the engine, fp32 ------------------------------------------------------------------------------------------
-def _engine_step(topology: ParallelTopology, ep: int, pp: int, save_to: str | None) -> dict[str, Any]:
+def _engine_step(topology: ParallelTopology, ep: int, pp: int, save_to: str, save: bool) -> dict[str, Any]:
     os.environ.setdefault("LOCAL_RANK", "0")  # read by DeepSpeed
     dp = topology.world_size // pp
     topology = ParallelTopology(tp=1, pp=pp, dp=dp, ep=ep, world_size=topology.world_size)
@@ -149,7 +149,7 @@ def _engine_step(topology: ParallelTopology, ep: int, pp: int, save_to: str | No
         grad_clip=0.0,
         recompute="none",
         sequence_parallel=False,
-        lr=0.0,  # the step leaves the weights as drawn: the gradients are what is compared
+        lr=1e-2,  # the gradients are captured before the step; the step makes the saved weights differ from a draw
         weight_decay=0.0,
         betas=(0.9, 0.95),
         eps=1e-8,
@@ -166,11 +166,14 @@ def _engine_step(topology: ParallelTopology, ep: int, pp: int, save_to: str | No
     dp_rank = topology.coordinate("dp", dist.get_rank())
     result = engine.train_batch([batches(dp)[dp_rank]])
     out = {"loss": result.loss, "aux": result.moe_aux_loss, "load": result.expert_load, "grads": captured}
-    if save_to is not None:
-        step_dir = Path(save_to)
+    step_dir = Path(save_to)
+    if save:  # the first layout writes the checkpoint and reloads it at its own layout
         engine.save_model(step_dir, {"step": "1"})
         dist.barrier()
         out["loaded_equal"] = _reload_equal(engine, step_dir)
+    else:  # the others load it at theirs (another ep, another pp): this rank's slices, layout-free names
+        engine.load_model(step_dir)
+        out["loaded"] = {n: p.detach().clone() for n, p in engine.named_parameters()}
     engine.close()
     return out
 
@@ -207,14 +210,14 @@ def _check_engine(results: list[dict[str, Any]], dp: int) -> None:
 
 # ---- one launch of 4 ranks for everything (spawning is the slow part) --------------------------------------------
 LAYER_EPS = (2, 4)  # the MoE layer alone over dp = 4
-ENGINE_LAYOUTS = ((1, 2), (1, 4), (2, 2))  # (pp, ep): edp = 2 and 1 at pp = 1, and the pipeline at dp = ep = 2
+# (pp, ep): the pipeline at dp = ep = 2 first (it writes the checkpoint the others load), then edp = 2 and 1 at pp = 1.
+ENGINE_LAYOUTS = ((2, 2), (1, 2), (1, 4))
 
 
 def _all_checks(topology: ParallelTopology, save_to: str) -> dict[str, Any]:
     out: dict[str, Any] = {f"layer_ep{ep}": _layer_at(topology, ep) for ep in LAYER_EPS}
     for pp, ep in ENGINE_LAYOUTS:
-        save = save_to if (pp, ep) == (2, 2) else None
-        out[f"engine_pp{pp}_ep{ep}"] = _engine_step(topology, ep, pp, save)
+        out[f"engine_pp{pp}_ep{ep}"] = _engine_step(topology, ep, pp, save_to, save=(pp, ep) == ENGINE_LAYOUTS[0])
     return out
 
 
@@ -281,13 +284,25 @@ def test_checkpoint_at_pp2_ep2_reloads_and_reshards_to_one_process(
         "model-tp00-pp00.safetensors",
         "model-tp00-pp01.safetensors",
     ], names
-    # Resharded to one process: the whole model from the ep = 2, pp = 2 files equals the weights drawn in one
-    # (lr 0: the step left them as drawn).
+    # Resharded to one process: the whole model from the ep = 2, pp = 2 files, trained one step away from the draw.
+    saved = gather_full_state_dict(step_dir)
     whole = BloomForCausalLM(CONFIG, seed=0)
-    missing, unexpected = whole.load_state_dict(gather_full_state_dict(step_dir), strict=False)
+    missing, unexpected = whole.load_state_dict(saved, strict=False)
     assert not unexpected and missing == ["lm_head.weight"]
-    for (name, got), (_, want) in zip(whole.state_dict().items(), drawn().state_dict().items(), strict=True):
-        assert torch.equal(got, want), name
+    assert set(whole.state_dict()) - {"lm_head.weight"} == set(saved)
+    for name, want in whole.state_dict().items():
+        key = "transformer.word_embeddings.weight" if name == "lm_head.weight" else name
+        assert torch.equal(saved[key], want), name
+    assert not torch.equal(saved["transformer.h.1.mlp.experts.3.dense_h_to_4h.weight"],
+                           drawn().state_dict()["transformer.h.1.mlp.experts.3.dense_h_to_4h.weight"])  # fmt: skip
+    # Resharded to pp = 1 at ep = 2 and ep = 4: every rank's parameters are the saved tensors, experts by global index.
+    for layout in ("engine_pp1_ep2", "engine_pp1_ep4"):
+        for rank, got in enumerate(results):
+            assert got[layout]["loaded"].keys() <= saved.keys()
+            for name, value in got[layout]["loaded"].items():
+                assert torch.equal(value, saved[name]), f"{layout} rank {rank}: {name}"
+    experts = {n for got in results for n in got["engine_pp1_ep4"]["loaded"] if ".experts." in n}
+    assert len(experts) == 2 * 4 * 4  # two MoE blocks, four experts, four tensors each: all of them, once
 
 
 # ---- `run` end to end ------------------------------------------------------------------------------------------
