@@ -169,11 +169,14 @@ def _engine_step(topology: ParallelTopology, ep: int, pp: int, save_to: str, sav
     step_dir = Path(save_to)
     if save:  # the first layout writes the checkpoint and reloads it at its own layout
         engine.save_model(step_dir, {"step": "1"})
+        engine.save_optimizer(step_dir, engine.optimizer_shard(), {"step": "1"})
         dist.barrier()
         out["loaded_equal"] = _reload_equal(engine, step_dir)
     else:  # the others load it at theirs (another ep, another pp): this rank's slices, layout-free names
         engine.load_model(step_dir)
+        assert engine.load_optimizer(step_dir)
         out["loaded"] = {n: p.detach().clone() for n, p in engine.named_parameters()}
+        out["loaded_adam"] = engine.optimizer_state()
     engine.close()
     return out
 
@@ -277,7 +280,7 @@ def test_checkpoint_at_pp2_ep2_reloads_and_reshards_to_one_process(
 ) -> None:
     results, step_dir = launched
     assert all(got["engine_pp2_ep2"]["loaded_equal"] for got in results)
-    names = sorted(p.name for p in step_dir.iterdir())
+    names = sorted(p.name for p in step_dir.iterdir() if not p.name.startswith("optim-"))
     assert names == [
         "experts-tp00-pp00-ep01.safetensors",
         "experts-tp00-pp01-ep01.safetensors",
@@ -301,6 +304,20 @@ def test_checkpoint_at_pp2_ep2_reloads_and_reshards_to_one_process(
             assert got[layout]["loaded"].keys() <= saved.keys()
             for name, value in got[layout]["loaded"].items():
                 assert torch.equal(value, saved[name]), f"{layout} rank {rank}: {name}"
+    # Adam's state too: every parameter's moments and step, experts' from the ep rank that wrote them.
+    from safetensors.torch import load_file
+
+    from appliance.parallel.optimizer_state import optimizer_files
+
+    adam: dict[str, torch.Tensor] = {}
+    for _, _, path in optimizer_files(step_dir):
+        adam |= load_file(str(path))
+    assert {k.rsplit(".", 1)[0] for k in adam} == set(saved), "state for every parameter, written once"
+    for layout in ("engine_pp1_ep2", "engine_pp1_ep4"):
+        for rank, got in enumerate(results):
+            assert got[layout]["loaded_adam"], f"{layout} rank {rank}: no optimizer state"
+            for key, value in got[layout]["loaded_adam"].items():
+                assert torch.equal(value, adam[key]), f"{layout} rank {rank}: {key}"
     experts = {n for got in results for n in got["engine_pp1_ep4"]["loaded"] if ".experts." in n}
     assert len(experts) == 2 * 4 * 4  # two MoE blocks, four experts, four tensors each: all of them, once
 
