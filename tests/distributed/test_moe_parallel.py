@@ -64,10 +64,10 @@ FP32_FACTOR = 10.0
 FP64_BOUND = 1e-10  # fp64 rounding (1e-16) amplified through a few layers stays far below this
 
 
-def batches(dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(dp: int, seed: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One micro-batch per DP rank, (inputs, labels) as the engine takes them (labels are the next tokens):
     arithmetic progressions, something to learn."""
-    g = torch.Generator().manual_seed(3)
+    g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(dp):
         start = torch.randint(0, 200, (MBS, 1), generator=g)
@@ -135,11 +135,11 @@ def _held(name: str, layer: BloomMoE) -> bool:
 
 
 # ---- the engine, fp32 ------------------------------------------------------------------------------------------
-def _engine_step(topology: ParallelTopology, ep: int, pp: int, save_to: str, save: bool) -> dict[str, Any]:
+def _engine(topology: ParallelTopology, ep: int, pp: int) -> Any:
     os.environ.setdefault("LOCAL_RANK", "0")  # read by DeepSpeed
     dp = topology.world_size // pp
     topology = ParallelTopology(tp=1, pp=pp, dp=dp, ep=ep, world_size=topology.world_size)
-    engine = build_engine(
+    return build_engine(
         CONFIG,
         topology,
         micro_batch_size=MBS,
@@ -155,16 +155,39 @@ def _engine_step(topology: ParallelTopology, ep: int, pp: int, save_to: str, sav
         eps=1e-8,
         seed=SEED,
     )
+
+
+def _second_step(engine: Any) -> dict[str, Any]:
+    """Another step on other micro-batches: its loss and the weights after it (exact resume compares them)."""
+    dp_rank = engine.topology.coordinate("dp", dist.get_rank())
+    result = engine.train_batch([batches(engine.topology.dp, seed=4)[dp_rank]])
+    return {"loss": result.loss, "weights": {n: p.detach().clone() for n, p in engine.named_parameters()}}
+
+
+def _resumed(topology: ParallelTopology, step_dir: str) -> dict[str, Any]:
+    """The layout that wrote the checkpoint, started afresh from it, then the second step."""
+    engine = _engine(topology, 2, 2)
+    engine.load_model(Path(step_dir))
+    assert engine.load_optimizer(Path(step_dir))
+    out = _second_step(engine)
+    engine.close()
+    return out
+
+
+def _engine_step(topology: ParallelTopology, ep: int, pp: int, save_to: str, save: bool) -> dict[str, Any]:
+    engine = _engine(topology, ep, pp)
+    dp = engine.topology.dp
     captured: dict[str, torch.Tensor] = {}
     named = engine.named_parameters()
 
-    def keep(name: str, param: torch.Tensor) -> None:
-        param.register_hook(lambda g: captured.__setitem__(name, captured.get(name, 0) + g.detach().clone()))
+    def keep(name: str, param: torch.Tensor) -> Any:
+        return param.register_hook(lambda g: captured.__setitem__(name, captured.get(name, 0) + g.detach().clone()))
 
-    for name, param in named:
-        keep(name, param)
-    dp_rank = topology.coordinate("dp", dist.get_rank())
+    hooks = [keep(name, param) for name, param in named]
+    dp_rank = engine.topology.coordinate("dp", dist.get_rank())
     result = engine.train_batch([batches(dp)[dp_rank]])
+    for hook in hooks:  # this step's gradients only
+        hook.remove()
     out = {"loss": result.loss, "aux": result.moe_aux_loss, "load": result.expert_load, "grads": captured}
     step_dir = Path(save_to)
     if save:  # the first layout writes the checkpoint and reloads it at its own layout
@@ -172,6 +195,7 @@ def _engine_step(topology: ParallelTopology, ep: int, pp: int, save_to: str, sav
         engine.save_optimizer(step_dir, engine.optimizer_shard(), {"step": "1"})
         dist.barrier()
         out["loaded_equal"] = _reload_equal(engine, step_dir)
+        out["continued"] = _second_step(engine)
     else:  # the others load it at theirs (another ep, another pp): this rank's slices, layout-free names
         engine.load_model(step_dir)
         assert engine.load_optimizer(step_dir)
@@ -221,6 +245,7 @@ def _all_checks(topology: ParallelTopology, save_to: str) -> dict[str, Any]:
     out: dict[str, Any] = {f"layer_ep{ep}": _layer_at(topology, ep) for ep in LAYER_EPS}
     for pp, ep in ENGINE_LAYOUTS:
         out[f"engine_pp{pp}_ep{ep}"] = _engine_step(topology, ep, pp, save_to, save=(pp, ep) == ENGINE_LAYOUTS[0])
+    out["resumed"] = _resumed(topology, save_to)
     return out
 
 
@@ -273,6 +298,16 @@ def _expert_grads_of(ranks: list[int], results: list[dict[str, Any]], reference:
 @pytest.mark.parametrize(("pp", "ep"), ENGINE_LAYOUTS)
 def test_engine_at_ep_equals_one_process(launched: tuple[list[dict[str, Any]], Path], pp: int, ep: int) -> None:
     _check_engine([got[f"engine_pp{pp}_ep{ep}"] for got in launched[0]], dp=4 // pp)
+
+
+def test_resume_at_pp2_ep2_is_exact(launched: tuple[list[dict[str, Any]], Path]) -> None:
+    """Continuing after the save and restarting from it give the same next step, bit for bit."""
+    for rank, got in enumerate(launched[0]):
+        continued, resumed = got["engine_pp2_ep2"]["continued"], got["resumed"]
+        assert resumed["loss"] == continued["loss"], f"rank {rank}"
+        assert resumed["weights"].keys() == continued["weights"].keys()
+        for name, value in resumed["weights"].items():
+            assert torch.equal(value, continued["weights"][name]), f"rank {rank}: {name}"
 
 
 def test_checkpoint_at_pp2_ep2_reloads_and_reshards_to_one_process(
