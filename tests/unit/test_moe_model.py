@@ -126,3 +126,14 @@ def test_a_dense_model_is_unchanged() -> None:
     torch.testing.assert_close(
         dense.loss(ids, ids), ops.vocab_cross_entropy(dense.final_hidden(ids)[:, :-1], dense.lm_head.weight, ids[:, 1:])
     )
+
+
+def test_the_planner_sizes_the_176b_active_preset_at_tp1() -> None:
+    """The planner sizes bloom-moe-176b on BLOOM's 384 A100s (whether it fits is the MoE cost model's call) and
+    offers no tp > 1 layout, which the engine refuses for experts."""
+    from appliance.hardware import load_hardware
+    from appliance.planner import make_plan
+
+    plan = make_plan(load_hardware("jean-zay-a100-48n"), load_model_shape("bloom-moe-176b"))
+    assert plan.layout.tp == 1 and plan.layout.cp == 1
+    assert plan.model.parameters() > 1.0e12
