@@ -84,6 +84,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-steps", type=int, help="stop after N optimizer steps")
     p.add_argument("--budget", help=BUDGET_HELP)
     p.add_argument("--prepare-only", action="store_true", help="stop after plan, prep, tokenizer and data")
+    p.add_argument("--layout", help="train at this layout instead of the planner's choice, e.g. tp=1,pp=2,dp=2,ep=2")
     _add_set(p, "override a training setting (e.g. lr=3e-4); unknown keys are an error; " + SET_RESUMED_HELP)
     _add_nodes(p)
 
@@ -298,6 +299,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         prepare_only=args.prepare_only,
         budget_s=parse_duration(args.budget) if args.budget else None,
         nodes=_nodes(args),
+        layout=args.layout,
     )
     headless = args.headless or not sys.stdout.isatty() or (req.nodes is not None and not req.nodes.is_head)
     if not headless:

@@ -39,6 +39,7 @@ class RunRequest:
     prepare_only: bool = False  # stop after the data stages (a SLURM job then trains; see train/slurm.py)
     budget_s: float | None = None  # --budget: wall time for the whole run; None: default_budget_s
     nodes: NodeGroup | None = None  # --nnodes/--node-rank/--master: this node's share (appliance/train/nodes.py)
+    layout: str | None = None  # --layout: this layout instead of the planner's search (e.g. ep for an MoE model)
 
 
 def default_run_dir(model_name: str) -> Path:
@@ -67,7 +68,7 @@ def make_run_plan(req: RunRequest) -> RunSpec:
     """The plan for this run, with --max-steps and --set applied. Validates the model and hardware names. Sized to
     the budget; the corpus is not counted yet (size_to_corpus re-fixes the plan after the data stage)."""
     from appliance.hardware import detect, load_hardware
-    from appliance.planner import Budget, load_model_shape, make_plan
+    from appliance.planner import Budget, load_model_shape, make_plan, parse_layout
 
     if req.budget_s is not None and req.budget_s <= 0:
         raise BadInput(f"--budget {req.budget_s}: must be positive")
@@ -79,6 +80,7 @@ def make_run_plan(req: RunRequest) -> RunSpec:
         shape,
         budget=Budget(seconds=seconds, train_tokens=req.overrides.get("train_tokens")),
         precision=req.overrides.get("dtype"),  # --set precision= (or dtype=)
+        layout=parse_layout(req.layout) if req.layout else None,
     )
     if not plan.feasible:
         reasons = "; ".join(plan.reasons) or "see `plan`"
@@ -403,7 +405,8 @@ def size_to_corpus(spec: RunSpec, req: RunRequest, run_dir: RunDir, stages: Stag
     seq_len = spec.model.seq_len
     plan = make_plan(spec.hardware, None, seq_len=seq_len, budget=budget) if ladder_chose else None
     if plan is None or plan.model.vocab_size != spec.model.vocab_size:
-        plan = make_plan(spec.hardware, spec.model, seq_len=seq_len, budget=budget)
+        given = spec.layout if req.layout else None  # a --layout stays the layout
+        plan = make_plan(spec.hardware, spec.model, seq_len=seq_len, budget=budget, layout=given)
     if not plan.feasible:
         return None  # the plan that passed the checks stays
     return apply_request(replace(plan.spec(), init=spec.init), req)

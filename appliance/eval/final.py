@@ -117,6 +117,14 @@ def write_final_eval(
     codec = TextCodec(run_dir.tokenizer_json)
     model = task_model(trainer)
     group = getattr(trainer, "dp_group", None)
+    topology = getattr(trainer.engine, "topology", None)
+    if topology is not None and topology.ep > 1:
+        # BLOOM-MoE at ep > 1: an expert group spans DP replicas, whose MoE layers exchange tokens at every forward,
+        # so every replica must score the same batches: each scores every document (docs/MOE.md), its requests
+        # split over a group of itself alone.
+        import torch.distributed as dist
+
+        group = dist.new_group(ranks=[dist.get_rank()], use_local_synchronization=True)
     runner = task_runner or shipped_tasks_runner(trainer, task_paths)
     result |= runner(model, codec, trainer.s.seq_len, group)
     completion = generation_sample(

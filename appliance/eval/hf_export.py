@@ -4,6 +4,10 @@ An export directory loads with `BloomForCausalLM.from_pretrained(dir)` and `Auto
 config.json, generation_config.json, model.safetensors (or numbered shards plus model.safetensors.index.json),
 tokenizer.json, tokenizer_config.json, special_tokens_map.json. Weights are read and written with safetensors
 only; pickled checkpoints (pytorch_model.bin) are never opened.
+
+A BLOOM-MoE model (config.moe_num_experts > 0) has no transformers class: it exports to the same directory layout
+with its MoE blocks' gate and experts under their own names and a config.json of model_type "bloom_moe" (the
+format is docs/MOE.md's); transformers' BloomForCausalLM refuses it by its model_type, as ``import_hf`` does.
 """
 
 from __future__ import annotations
@@ -50,11 +54,18 @@ def expected_shapes(config: BloomConfig) -> dict[str, tuple[int, ...]]:
             p + "self_attention.dense.bias": (h,),
             p + "post_attention_layernorm.weight": (h,),
             p + "post_attention_layernorm.bias": (h,),
-            p + "mlp.dense_h_to_4h.weight": (ffn, h),
-            p + "mlp.dense_h_to_4h.bias": (ffn,),
-            p + "mlp.dense_4h_to_h.weight": (h, ffn),
-            p + "mlp.dense_4h_to_h.bias": (h,),
         }
+        mlps = [f"{p}mlp."]
+        if config.is_moe_block(i):  # docs/MOE.md: the gate, then every expert, a BLOOM MLP each
+            shapes[f"{p}mlp.gate.weight"] = (config.moe_num_experts, h)
+            mlps = [f"{p}mlp.experts.{e}." for e in range(config.moe_num_experts)]
+        for m in mlps:
+            shapes |= {
+                m + "dense_h_to_4h.weight": (ffn, h),
+                m + "dense_h_to_4h.bias": (ffn,),
+                m + "dense_4h_to_h.weight": (h, ffn),
+                m + "dense_4h_to_h.bias": (h,),
+            }
     shapes |= {"transformer.ln_f.weight": (h,), "transformer.ln_f.bias": (h,)}
     return shapes
 

@@ -9,6 +9,9 @@ the parallel layer turns them into pipeline stages. Linear layers come from a fa
 can be put in place of nn.Linear without changing this file. A factory module may set `skip_bias_add = True` (the
 Megatron convention): its forward then returns x @ W^T only, and the model adds `module.bias` inside the next
 fused op (bias+GeLU, bias+dropout+residual).
+
+In a BLOOM-MoE model (config.moe_num_experts > 0) every moe_every-th block's MLP is a mixture of experts
+(model/moe.py); ``loss`` adds their load-balancing loss.
 """
 
 from __future__ import annotations
@@ -164,7 +167,8 @@ class BloomEmbedding(nn.Module):
 class BloomBlock(nn.Module):
     """One pre-LN transformer layer: x + attn(LN(x)), then x + mlp(LN(x)); [B, S, hidden] -> [B, S, hidden].
 
-    tp_rank/tp_size choose which heads' ALiBi slopes this block applies when its linears are tensor-parallel.
+    tp_rank/tp_size choose which heads' ALiBi slopes this block applies when its linears are tensor-parallel;
+    ep_size is how many expert-parallel ranks share an MoE block's experts.
     """
 
     def __init__(
@@ -174,6 +178,7 @@ class BloomBlock(nn.Module):
         linear_factory: LinearFactory | None = None,
         tp_rank: int = 0,
         tp_size: int = 1,
+        ep_size: int = 1,
     ) -> None:
         super().__init__()
         factory = linear_factory or default_linear_factory
@@ -183,7 +188,13 @@ class BloomBlock(nn.Module):
         self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
         self.self_attention = BloomAttention(config, factory, tp_size)
         self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
-        self.mlp = BloomMLP(config, factory)
+        self.mlp: nn.Module
+        if config.is_moe_block(layer_number):
+            from appliance.model.moe import BloomMoE
+
+            self.mlp = BloomMoE(config, ep_size)
+        else:
+            self.mlp = BloomMLP(config, factory)
         self.alibi = RankAlibi(config.n_head, tp_rank, tp_size)
 
     def forward(
@@ -276,7 +287,10 @@ class BloomForCausalLM(nn.Module):
         layout's shards, drawn from the same seed, are slices of this model. A torch.Generator stands for its initial
         seed: ``init_weights(torch.Generator().manual_seed(s))`` equals ``init_weights(s)``.
         """
+        from appliance.model.moe import canonical_moe_name
+
         for name, param in self.named_parameters():
+            name = canonical_moe_name(name)  # an expert draws by its global index (model/moe.py)
             if getattr(param, "tensor_model_parallel", False):
                 raise ValueError(
                     f"{name} is a tensor-parallel shard: a split model draws its shards through "
@@ -321,9 +335,19 @@ class BloomForCausalLM(nn.Module):
         doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Mean next-token cross-entropy; labels as input_ids (shifted inside), -100 where no loss is wanted (all
-        ignored: 0). Chunked over tokens against the head's weight: the [B, S, vocab] logits are never formed."""
+        ignored: 0). Chunked over tokens against the head's weight: the [B, S, vocab] logits are never formed.
+        An MoE model adds moe_aux_loss_coef x the MoE blocks' summed load-balancing loss (``moe_aux_loss``)."""
         hidden = self.final_hidden(input_ids, attention_mask, doc_ids)
-        return ops.vocab_cross_entropy(hidden[:, :-1], self.lm_head.weight, labels[:, 1:])
+        loss = ops.vocab_cross_entropy(hidden[:, :-1], self.lm_head.weight, labels[:, 1:])
+        if self.config.is_moe:
+            loss = loss + self.config.moe_aux_loss_coef * self.moe_aux_loss().to(loss.dtype)
+        return loss
+
+    def moe_aux_loss(self) -> torch.Tensor:
+        """The MoE blocks' load-balancing losses of the last forward, summed (unweighted; 0 for a dense model)."""
+        from appliance.model.moe import aux_loss_sum, moe_layers
+
+        return aux_loss_sum(moe_layers(self), self.lm_head.weight)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:

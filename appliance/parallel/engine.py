@@ -20,6 +20,9 @@ How the layout maps onto DeepSpeed, in the order it is applied:
    runs per layer in the background, each layer's next forward waiting for its own (param_gather.py). Everything
    here that reads or writes parameters outside the training forward waits for all of it first
    (``wait_for_parameters``).
+5. BLOOM-MoE (expert_parallel.py, docs/MOE.md): DeepSpeed's expert groups are our topology's ep and edp groups,
+   the expert parameters get optimizer groups of their own, and each step reports the load-balancing loss
+   (``moe_aux_loss``, travelling through the pipeline) and the experts' token shares (``expert_load``).
 Every layout starts from the weights a single process draws from the same seed, each weight matrix and the word
 embedding from N(0, config.initializer_range), the plan's model.init_std: the layers are built without values on
 the engine's device, and each rank draws only its own shards there (shards.init_shards_: every element is a
@@ -45,10 +48,18 @@ from safetensors.torch import save_file
 from appliance.errors import BadInput
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
+from appliance.model.moe import install_all_to_all, select_all_to_all
 from appliance.parallel.context_parallel import local_batch
 from appliance.parallel.deepspeed_comm import init_deepspeed_comm
 from appliance.parallel.deepspeed_config import deepspeed_config
 from appliance.parallel.drift import check_replicated_parameters, replicated_across_tp
+from appliance.parallel.expert_parallel import (
+    check_moe_layout,
+    moe_param_groups,
+    moe_step_figures,
+    register_expert_groups,
+    set_expert_offsets,
+)
 from appliance.parallel.grads import TopologyMPU, install_global_norm_clipping, register_sequence_parallel_grad_hooks
 from appliance.parallel.mappings import collective_device
 from appliance.parallel.optimizer_state import (
@@ -72,6 +83,7 @@ from appliance.parallel.scoring import ParallelScorer
 from appliance.parallel.shards import (
     FULL_MODEL_FILE,
     ShardReader,
+    expert_file_name,
     gather_full_state_dict,
     init_mesh_blocks_,
     init_shards_,
@@ -94,6 +106,11 @@ class StepResult:
     # fp16: DeepSpeed skipped the update because the scaled gradients overflowed at a scale above its minimum
     # (it lowers the scale; a normal event under dynamic scaling). The same on every rank.
     overflow: bool = False
+    # BLOOM-MoE only (None for a dense model): the summed, unweighted load-balancing loss (``loss`` is the language
+    # model's alone; the optimized loss adds moe_aux_loss_coef times this), and per MoE block each expert's share
+    # of the routed tokens. The same on every rank.
+    moe_aux_loss: float | None = None
+    expert_load: list[list[float]] | None = None
 
 
 def _pipeline_batches(micro_batches: Sequence[Batch]) -> list[Any]:
@@ -148,7 +165,11 @@ def build_engine(
     from appliance.planner.layout import pipeline_partition
 
     topology.validate_heads(config.n_head)
+    check_moe_layout(config, topology)
     topology.init_process_groups()
+    if config.is_moe:
+        register_expert_groups(topology)  # before DeepSpeed would make its own (expert_parallel.py)
+        install_all_to_all(select_all_to_all())
     # DeepSpeed's own communication layer wraps the process group already running (the PipelineModule needs it
     # before deepspeed.initialize would set it up).
     init_deepspeed_comm(dist.get_backend())
@@ -161,7 +182,7 @@ def build_engine(
         )
     # What each rank's layers become (tensor/sequence parallel, context parallel, recompute), decided in one place.
     parallelism = Parallelism(topology, sequence_parallel=sequence_parallel, recompute=recompute, cp_mode=cp_mode)
-    loss_fn = VocabParallelLoss(topology.tp_group, topology.cp_group, parallelism.mesh)
+    loss_fn = VocabParallelLoss(topology.tp_group, topology.cp_group, parallelism.mesh, config.moe_aux_loss_coef)
     # Where DeepSpeed keeps the module (cuda:<current device>, or cpu): the layers are allocated and drawn there.
     device = torch.device(get_accelerator().current_device_name())
     module: torch.nn.Module
@@ -178,16 +199,19 @@ def build_engine(
     else:
         specs = bloom_layer_specs(config, parallelism, device=device)
         module = BloomStack(specs, loss_fn, recompute_blocks=parallelism.full_recompute)
-    named = [(hf_parameter_name(n, config.n_layer), p) for n, p in module.named_parameters()]
+    set_expert_offsets(module, topology)
+    expert_offset = _expert_offset(config, topology)
+    named = [(hf_parameter_name(n, config.n_layer, expert_offset), p) for n, p in module.named_parameters()]
     if parallelism.mesh is not None:
         init_mesh_blocks_(named, config, seed, parallelism.mesh.row, parallelism.mesh.col, parallelism.mesh.q)
     else:
         init_shards_(named, config, seed, topology.tp_rank(dist.get_rank()), topology.tp)
     if sequence_parallel:
         register_sequence_parallel_grad_hooks(module, topology.tp_group)
-    optimizer = torch.optim.AdamW(
-        param_groups(named, weight_decay), lr=lr, betas=betas, eps=eps, **adamw_kernel(device)
-    )
+    groups = param_groups(named, weight_decay)
+    if config.is_moe:
+        groups = moe_param_groups(groups)
+    optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **adamw_kernel(device))
     ds_config = deepspeed_config(
         # DeepSpeed's data-parallel world is dp x cp and it counts one micro-batch per rank of it, so its batch is
         # the global batch (sequences, over dp) times cp: the same number of micro-batches per step, e.g. 8
@@ -208,7 +232,10 @@ def build_engine(
     if not (engine.bfloat16_enabled() or engine.zero_optimization()):
         install_global_norm_clipping(engine, topology)
     min_loss_scale = keep_training_at_the_minimum_scale(engine.optimizer) if engine.fp16_enabled() else None
-    gather = build_overlap(engine.optimizer, module, topology.groups("dp_cp"), overlap_param_gather)
+    # BLOOM-MoE: ZeRO partitions the expert groups over edp, not dp; the overlapped gather knows dp only, so an MoE
+    # model keeps DeepSpeed's own gather inside the step.
+    overlap = overlap_param_gather and not config.is_moe
+    gather = build_overlap(engine.optimizer, module, topology.groups("dp_cp"), overlap)
     return ParallelEngine(
         engine,
         topology,
@@ -219,6 +246,13 @@ def build_engine(
         min_loss_scale=min_loss_scale,
         param_gather=gather,
     )
+
+
+def _expert_offset(config: BloomConfig, topology: ParallelTopology) -> int:
+    """This rank's first global expert: ep rank r holds experts [r * E/ep, (r + 1) * E/ep)."""
+    if not config.is_moe:
+        return 0
+    return topology.coordinate("ep", dist.get_rank()) * (config.moe_num_experts // topology.ep)
 
 
 class ParallelEngine:
@@ -250,10 +284,13 @@ class ParallelEngine:
         self.data_rank = self.dp_rank * topology.cp + self.cp_rank
         self.pipelined = topology.pp > 1
         self.is_last_stage = self.pp_rank == topology.pp - 1
-        self.sharded = topology.tp > 1 or topology.pp > 1
+        # An MoE model at ep > 1 is split too: each ep rank holds other experts.
+        self.sharded = topology.tp > 1 or topology.pp > 1 or (config.is_moe and topology.ep > 1)
+        self.ep_rank = topology.coordinate("ep", self.rank)
         self.last_checkpoint: Path | None = None  # where the weights were last saved to or loaded from
         self._dense: tuple[Path | None, BloomForCausalLM] | None = None
-        self._pipeline_carries_doc_ids = False  # what the pipeline's stages last sent each other
+        self._pipeline_carries: tuple[bool, bool] = (False, False)  # (doc_ids, MoE loss) the stages last sent
+        self.expert_offset = _expert_offset(config, topology)
 
     @property
     def ds_config(self) -> dict[str, Any]:
@@ -276,7 +313,8 @@ class ParallelEngine:
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """This rank's parameters under their Hugging Face names (TP slices where split), current on every rank."""
         self.wait_for_parameters()
-        return [(hf_parameter_name(n, self.config.n_layer), p) for n, p in self.engine.module.named_parameters()]
+        names = self.engine.module.named_parameters()
+        return [(hf_parameter_name(n, self.config.n_layer, self.expert_offset), p) for n, p in names]
 
     def set_lr(self, lr: float) -> None:
         for group in self.engine.optimizer.param_groups:
@@ -304,8 +342,10 @@ class ParallelEngine:
             self.engine.set_train_batch_size(count * self.micro_batch_size * self.topology.dp * self.topology.cp)
         scale = self.loss_scale
         issued = self.param_gather.issued if self.param_gather is not None else 0
+        self.loss_fn.lm_losses.clear()
+        self.loss_fn.aux_losses.clear()
         if self.pipelined:
-            loss = float(self.engine.train_batch(self._pipeline_iter(micro_batches)))
+            loss = float(self.engine.train_batch(self._pipeline_iter(micro_batches, training=True)))
         else:
             loss = self._train_batch_plain(micro_batches)
         if self.topology.tp2d > 1:
@@ -313,6 +353,13 @@ class ParallelEngine:
             total = torch.tensor(loss, dtype=torch.float64, device=collective_device(self.topology.tp_col_group))
             dist.all_reduce(total, group=self.topology.tp_col_group)
             loss = float(total)
+        moe_aux_loss, expert_load = None, None
+        if self.config.is_moe:
+            moe_aux_loss, expert_load = moe_step_figures(
+                self.engine.module, self.config, self.topology, self.loss_fn.aux_losses
+            )
+            # DeepSpeed's loss is the optimized one; report the language model's, as for a dense model.
+            loss -= self.config.moe_aux_loss_coef * moe_aux_loss
         if self.param_gather is not None and self.engine.was_step_applied() and self.param_gather.issued == issued:
             raise DeepSpeedStructureError(
                 "the optimizer step did not go through the overlapped parameter gather: DeepSpeed's step no "
@@ -328,6 +375,8 @@ class ParallelEngine:
             grad_norm=float(norm) if norm is not None else float("nan"),
             loss_scale=scale,
             overflow=overflow,
+            moe_aux_loss=moe_aux_loss,
+            expert_load=expert_load,
         )
 
     # ---- fp16 loss scaling --------------------------------------------------------------------------------
@@ -346,13 +395,15 @@ class ParallelEngine:
             raise ValueError("a loss scaler state is for an fp16 engine; this one trains in bf16 or fp32")
         load_loss_scaler_state(self.engine.optimizer, state)
 
-    def _pipeline_iter(self, micro_batches: Sequence[Batch]) -> Iterator[Any]:
-        carries = any(len(batch) > 2 for batch in micro_batches)
-        if carries != self._pipeline_carries_doc_ids:
+    def _pipeline_iter(self, micro_batches: Sequence[Batch], *, training: bool) -> Iterator[Any]:
+        # An MoE model's training carries its load-balancing loss between stages, evaluation does not
+        # (pipeline_parallel.py).
+        carries = (any(len(batch) > 2 for batch in micro_batches), training and self.config.is_moe)
+        if carries != self._pipeline_carries:
             # DeepSpeed's stages exchange the activations' shapes and types once, then reuse their buffers: hidden
             # states alone and (hidden, doc_ids) need the exchange again.
             self.engine.reset_activation_shape()
-            self._pipeline_carries_doc_ids = carries
+            self._pipeline_carries = carries
         return iter(_pipeline_batches(micro_batches))
 
     def _train_batch_plain(self, micro_batches: Sequence[Batch]) -> float:
@@ -395,7 +446,7 @@ class ParallelEngine:
         try:
             if self.pipelined:
                 outputs = self.engine.eval_batch(
-                    self._pipeline_iter(micro_batches),
+                    self._pipeline_iter(micro_batches, training=False),
                     num_micro_batches=len(micro_batches),
                     reduce_output=None,
                     bcast_loss=False,
@@ -415,15 +466,25 @@ class ParallelEngine:
 
     # ---- checkpoints --------------------------------------------------------------------------------------
     def model_shard(self) -> dict[str, torch.Tensor]:
-        """This rank's weights, Hugging Face names, fp32 on CPU (bf16 values convert exactly)."""
-        return {name: p.detach().float().contiguous().cpu() for name, p in self.named_parameters()}
+        """This rank's weights, Hugging Face names, fp32 on CPU (bf16 values convert exactly); on an ep rank >= 1
+        of an MoE model its experts only (ep rank 0's file has the rest)."""
+        experts_only = self.config.is_moe and self.dp_rank != 0
+        return {
+            name: p.detach().float().contiguous().cpu()
+            for name, p in self.named_parameters()
+            if not experts_only or ".mlp.experts." in name
+        }
 
     def model_file_name(self) -> str | None:
         """The model file this rank writes into a checkpoint, or None: DP rank 0 and CP rank 0 of each (tp, pp)
         position writes its shard (the other CP ranks hold the same weights); with tp = pp = 1 rank 0 writes the
-        whole model as model.safetensors."""
-        if self.dp_rank != 0 or self.cp_rank != 0:
+        whole model as model.safetensors. An MoE model's ep ranks >= 1 of expert-data-parallel rank 0 write their
+        experts beside it (shards.py)."""
+        if self.cp_rank != 0:
             return None
+        if self.dp_rank != 0:
+            first_edp = self.dp_rank < self.topology.ep
+            return expert_file_name(self.tp_rank, self.pp_rank, self.ep_rank) if first_edp else None
         return shard_file_name(self.tp_rank, self.pp_rank) if self.sharded else FULL_MODEL_FILE
 
     def save_model(self, step_dir: Path, metadata: Mapping[str, str]) -> Path | None:
@@ -435,6 +496,8 @@ class ParallelEngine:
         meta = {**metadata, "tp": str(self.topology.tp), "pp": str(self.topology.pp), "cp": str(self.topology.cp)}
         if self.topology.tp2d > 1:
             meta["tp2d"] = str(self.topology.tp2d)  # the pieces are 2D blocks (shards.join_pieces)
+        if self.config.is_moe:
+            meta["ep"] = str(self.topology.ep)
         save_file(self.model_shard(), str(step_dir / name), metadata=meta)
         return step_dir / name
 
@@ -490,6 +553,17 @@ class ParallelEngine:
         hold the same parameters, so they share the writing like DP ranks). Collective over that group: call it on
         every rank before anything that may fail on one."""
         named = self.named_parameters()
+        if self.config.is_moe and self.topology.ep > 1:
+            # Each ep rank holds other experts: the dense parameters are shared out over dp as usual, and each
+            # ep rank's experts are written by its expert-data-parallel rank 0 (dp ranks 0 .. ep - 1).
+            dense = [(n, p) for n, p in named if ".mlp.experts." not in n]
+            writers = dp_writers(dense, self.topology.dp * self.topology.cp)
+            first_edp = self.dp_rank < self.topology.ep
+            return optimizer_state(
+                named,
+                self.engine.optimizer,
+                keep=lambda name: writers[name] == self.data_rank if name in writers else first_edp,
+            )
         writers = dp_writers(named, self.topology.dp * self.topology.cp)
         return optimizer_state(named, self.engine.optimizer, keep=lambda name: writers[name] == self.data_rank)
 

@@ -110,6 +110,18 @@ def global_grad_norm(params: Iterable[torch.Tensor], topology: ParallelTopology)
         squares = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
     else:
         squares = torch.zeros((), device=params[0].device if params else collective_device())
+    if getattr(topology, "ep", 1) > 1:  # (a layout without expert parallelism may be a stand-in without ep)
+        # BLOOM-MoE: each ep rank of a replica holds other experts (marked allreduce=False by DeepSpeed), so their
+        # squares are summed over the ep group too before the replica's sum.
+        experts = [p.grad.detach() for p in params if p.grad is not None and getattr(p, "allreduce", True) is False]
+        expert_squares = torch.zeros((), device=squares.device)
+        if experts:
+            expert_squares = torch.stack([g.float().pow(2).sum() for g in experts]).sum()
+        if tp_rank != 0:
+            expert_squares = expert_squares * 0.0  # replicated over tp: counted on tp rank 0
+        squares = squares - expert_squares
+        dist.all_reduce(expert_squares, group=topology.group("ep"))
+        squares = squares + expert_squares
     if group_size(topology.mp_group) > 1:
         dist.all_reduce(squares, group=topology.mp_group)
     return math.sqrt(float(squares))

@@ -27,6 +27,12 @@ only for the floating-point ones. doc_ids [batch, seq] covers the whole sequence
 CP rank's slice of it, cut with the tokens); ln_f drops it.
 Parameter names map to the Hugging Face ones with ``hf_parameter_name``.
 
+BLOOM-MoE (docs/MOE.md): in training, the MoE blocks' load-balancing loss travels with the activations as one more
+tensor, the last of the tuple: a float32 [1] that the word embedding starts at zero (a leaf that requires grad, so
+a first stage without MoE blocks still has a gradient to send back), each MoE block adds its layer's loss to, and
+the loss function adds, times moe_aux_loss_coef, to the language-model loss; DeepSpeed's pipeline sends it between
+stages and returns its gradient like the hidden states'. In evaluation (module.eval()) nothing extra travels.
+
 Every spec builds its layer on the meta device and then allocates its parameters on the rank's device, without
 values (no layer draws a default init, the tensor-parallel ones a whole matrix): the engine then draws this rank's
 shards in place (shards.init_shards_).
@@ -46,6 +52,7 @@ from torch.utils.checkpoint import checkpoint
 from appliance.model.bloom import BloomBlock
 from appliance.model.config import BloomConfig
 from appliance.model.initial_weights import empty_module
+from appliance.model.moe import canonical_moe_name
 from appliance.parallel.context_parallel import token_weighted_loss
 from appliance.parallel.cross_entropy import HeadInput, lm_head_input, vocab_parallel_loss
 from appliance.parallel.layers import VocabParallelEmbedding
@@ -57,8 +64,25 @@ EMBED_KEY = "embed"
 IGNORE_INDEX = -100  # labels that count no loss (vocab_parallel_loss's default)
 BLOCK_OFFSET = 2  # pipeline index of block 0: the word embedding and its LayerNorm come first
 CHECKPOINTED_LAYERS = ["TransformerLayerPipe"]
-# What flows between layers: hidden states (token ids into the first), or with packed documents (hidden, doc_ids).
-Activations = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+# What flows between layers: hidden states (token ids into the first), or with packed documents (hidden, doc_ids),
+# and in an MoE model's training the load-balancing loss last: (hidden, aux) or (hidden, doc_ids, aux).
+Activations = torch.Tensor | tuple[torch.Tensor, ...]
+AUX_SHAPE = (1,)  # the travelling load-balancing loss: float32 [1] (a 0-d tensor has no shape to exchange)
+
+
+def split_aux(x: Any) -> tuple[Any, torch.Tensor | None]:
+    """(activations without the MoE loss, the loss or None). The loss is the tuple's last tensor, float [1]; hidden
+    states are [batch, seq, hidden] and document ids integers, so nothing else looks like it."""
+    if isinstance(x, tuple) and x[-1].is_floating_point() and tuple(x[-1].shape) == AUX_SHAPE:
+        rest = x[:-1]
+        return (rest[0] if len(rest) == 1 else rest), x[-1]
+    return x, None
+
+
+def with_aux(x: Any, aux: torch.Tensor | None) -> Any:
+    if aux is None:
+        return x
+    return (*x, aux) if isinstance(x, tuple) else (x, aux)
 
 
 class WordEmbeddingPipe(nn.Module):
@@ -68,6 +92,7 @@ class WordEmbeddingPipe(nn.Module):
         super().__init__()
         self.tp_group, self.sequence_parallel = parallelism.topology.tp_group, parallelism.sequence_parallel
         self.mesh = parallelism.mesh
+        self.is_moe = config.is_moe
         self.word_embeddings: VocabParallelEmbedding | Embedding2D
         if self.mesh is not None:  # tp2d: the whole micro-batch in, this rank's [b/q, s, h/q] block out
             self.word_embeddings = Embedding2D(config.vocab_size, config.hidden_size, self.mesh)
@@ -77,12 +102,16 @@ class WordEmbeddingPipe(nn.Module):
             )
 
     def forward(self, input_ids: Activations) -> Activations:
+        aux = None
+        if self.is_moe and self.training:  # the MoE loss starts here (module docstring)
+            device = self.word_embeddings.weight.device
+            aux = torch.zeros(AUX_SHAPE, dtype=torch.float32, device=device, requires_grad=torch.is_grad_enabled())
         if isinstance(input_ids, tuple):
             ids, doc_ids = input_ids
             if self.mesh is not None:  # the blocks see this mesh row's sequences only
                 doc_ids = self.mesh.batch_slice(doc_ids)
-            return self.word_embeddings(ids), doc_ids
-        return self.word_embeddings(input_ids)
+            return with_aux((self.word_embeddings(ids), doc_ids), aux)
+        return with_aux(self.word_embeddings(input_ids), aux)
 
     def head_input(self, hidden: torch.Tensor) -> HeadInput:
         """[batch, seq(/tp), hidden] -> the whole sequence's hidden states and this rank's embedding rows (tp2d:
@@ -98,10 +127,12 @@ class WordEmbeddingPipe(nn.Module):
         )
 
 
-def lm_head(embedding: WordEmbeddingPipe, hidden: torch.Tensor) -> HeadInput:
+def lm_head(embedding: WordEmbeddingPipe, hidden: Activations) -> HeadInput | tuple[HeadInput, torch.Tensor]:
     """``forward_fn`` of the last stage's tied spec: the embedding matrix as the output layer, handed to the loss
-    (or to scoring) with the hidden states rather than multiplied here."""
-    return embedding.head_input(hidden)
+    (or to scoring) with the hidden states rather than multiplied here; the MoE loss, where it travels, beside."""
+    final, aux = split_aux(hidden)
+    head = embedding.head_input(final)
+    return head if aux is None else (head, aux)
 
 
 class EmbedLayerNormPipe(nn.Module):
@@ -112,9 +143,10 @@ class EmbedLayerNormPipe(nn.Module):
 
     def forward(self, hidden: Activations) -> Activations:
         norm = self.word_embeddings_layernorm
+        hidden, aux = split_aux(hidden)
         if isinstance(hidden, tuple):
-            return apply_norm(norm, hidden[0]), hidden[1]
-        return apply_norm(norm, hidden)
+            return with_aux((apply_norm(norm, hidden[0]), hidden[1]), aux)
+        return with_aux(apply_norm(norm, hidden), aux)
 
 
 class FinalLayerNormPipe(nn.Module):
@@ -122,10 +154,11 @@ class FinalLayerNormPipe(nn.Module):
         super().__init__()
         self.ln_f = parallelism.layer_norm(config.hidden_size, config.layer_norm_epsilon)
 
-    def forward(self, hidden: Activations) -> torch.Tensor:
+    def forward(self, hidden: Activations) -> Activations:
+        hidden, aux = split_aux(hidden)
         if isinstance(hidden, tuple):
             hidden = hidden[0]  # the document ids end here: the head and the loss work per token
-        return apply_norm(self.ln_f, hidden)
+        return with_aux(apply_norm(self.ln_f, hidden), aux)
 
 
 class TransformerLayerPipe(BloomBlock):
@@ -137,15 +170,23 @@ class TransformerLayerPipe(BloomBlock):
     """
 
     def __init__(self, config: BloomConfig, layer_number: int, parallelism: Parallelism) -> None:
-        super().__init__(config, layer_number, parallelism.linear_factory(), *parallelism.head_split)
+        super().__init__(
+            config, layer_number, parallelism.linear_factory(), *parallelism.head_split, parallelism.topology.ep
+        )
         parallelism.parallelize_block(self)
 
     def forward(self, hidden: Activations, attention_mask: torch.Tensor | None = None) -> Activations:  # type: ignore[override]
         if attention_mask is not None:
             raise ValueError("pipeline blocks train on unpadded samples: attention_mask must be None")
+        hidden, aux = split_aux(hidden)
         if isinstance(hidden, tuple):
-            return super().forward(hidden[0], None, hidden[1]), hidden[1]
-        return super().forward(hidden)
+            out: Activations = (super().forward(hidden[0], None, hidden[1]), hidden[1])
+        else:
+            out = super().forward(hidden)
+        moe_loss = getattr(self.mlp, "aux_loss", None)
+        if aux is not None and moe_loss is not None:
+            aux = aux + moe_loss.float().reshape(AUX_SHAPE)
+        return with_aux(out, aux)
 
 
 class EmptyLayerSpec(LayerSpec):
@@ -182,13 +223,35 @@ class VocabParallelLoss:
     rank) the training loss is this rank's token-weighted share of the micro-batch mean
     (context_parallel.token_weighted_loss); the evaluation sum is its slice's sum."""
 
-    def __init__(self, tp_group: Group, cp_group: Group | None = None, mesh: Mesh2D | None = None) -> None:
+    def __init__(
+        self,
+        tp_group: Group,
+        cp_group: Group | None = None,
+        mesh: Mesh2D | None = None,
+        moe_aux_loss_coef: float = 0.0,
+    ) -> None:
         self.tp_group, self.cp_group = tp_group, cp_group
         self.mesh = mesh  # tp2d: this mesh row's share of the micro-batch (layers2d.loss_2d)
         self.reduction = "mean"
         self.inject_nan = False  # a recovery drill's non-finite loss (appliance/train/faults.py)
+        self.moe_aux_loss_coef = moe_aux_loss_coef
+        # BLOOM-MoE, per training micro-batch since the engine last read them: the language-model loss and the
+        # summed (unweighted) MoE load-balancing loss, detached.
+        self.lm_losses: list[torch.Tensor] = []
+        self.aux_losses: list[torch.Tensor] = []
 
-    def __call__(self, head: HeadInput, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(self, head: HeadInput | tuple[HeadInput, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+        aux = None
+        if not isinstance(head, HeadInput):
+            head, aux = head  # an MoE model's training output: (HeadInput, the travelling MoE loss)
+        loss = self._lm_loss(head, labels)
+        if aux is not None:
+            self.lm_losses.append(loss.detach())
+            self.aux_losses.append(aux.detach().sum())
+            loss = loss + self.moe_aux_loss_coef * aux.sum().to(loss.dtype)
+        return loss
+
+    def _lm_loss(self, head: HeadInput, labels: torch.Tensor) -> torch.Tensor:
         if self.mesh is not None:
             loss = loss_2d(head, labels, self.mesh, ignore_index=IGNORE_INDEX, reduction=self.reduction)
         elif self.reduction == "mean" and self.cp_group is not None and group_size(self.cp_group) > 1:
@@ -218,14 +281,16 @@ def bloom_layer_specs(config: BloomConfig, parallelism: Parallelism, *, device: 
     return [embed(), norm(EmbedLayerNormPipe), *blocks, norm(FinalLayerNormPipe), embed(forward_fn=lm_head)]
 
 
-def hf_parameter_name(pipe_name: str, n_layer: int) -> str:
+def hf_parameter_name(pipe_name: str, n_layer: int, expert_offset: int = 0) -> str:
     """The Hugging Face name of a parameter of a PipelineModule or BloomStack built from ``bloom_layer_specs``:
     ``tied_modules.embed.word_embeddings.weight`` -> ``transformer.word_embeddings.weight``,
-    ``3.self_attention.dense.bias`` -> ``transformer.h.1.self_attention.dense.bias``."""
+    ``3.self_attention.dense.bias`` -> ``transformer.h.1.self_attention.dense.bias``; an MoE block's parameters by
+    their layout-free names (model/moe.py), this rank's experts numbered from ``expert_offset``."""
     head, _, rest = pipe_name.partition(".")
     if head == "tied_modules":
         return "transformer." + rest.partition(".")[2]
     block = int(head) - BLOCK_OFFSET
+    rest = canonical_moe_name(rest, expert_offset)
     return f"transformer.h.{block}.{rest}" if 0 <= block < n_layer else "transformer." + rest
 
 
@@ -306,4 +371,6 @@ class BloomStack(nn.Module):
         recompute = self.recompute_blocks and torch.is_grad_enabled()
         for layer in self._layers:
             x = _recompute(layer, x) if recompute and isinstance(layer, TransformerLayerPipe) else layer(x)
-        return x if labels is None else self.loss_fn(x, labels)
+        if labels is None:
+            return x if isinstance(x, HeadInput) else x[0]  # scoring reads the HeadInput (a training MoE loss aside)
+        return self.loss_fn(x, labels)

@@ -11,6 +11,10 @@ a rank's slices of the initial weights directly.
 A layout with tp2d = q writes the same files, one per mesh rank (tp rank = mesh row * q + mesh column), each holding
 its 2D blocks (sharding.py), and records ``tp2d`` in the metadata; every reader here rejoins such pieces with
 ``gather_to_full_2d`` (``join_pieces``), so 2D, 1D and single-process layouts load one another's checkpoints.
+BLOOM-MoE at ep > 1 (docs/MOE.md): the model file of a position holds the dense tensors and the experts of ep rank
+0; ep rank e >= 1 writes its own experts to ``experts-tp{t}-pp{p}-ep{e}.safetensors`` (layout-free names,
+``transformer.h.<block>.mlp.experts.<global index>.*``). Every reader here merges those files in, so the whole
+model, and any layout's slices, come back from them as from a dense checkpoint.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from appliance.parallel.sharding import (
 
 FULL_MODEL_FILE = "model.safetensors"
 _SHARD_FILE = re.compile(r"^model-tp(\d+)-pp(\d+)\.safetensors$")
+_EXPERT_FILE = re.compile(r"^experts-tp(\d+)-pp(\d+)-ep(\d+)\.safetensors$")
 
 
 def shard_file_name(tp_rank: int, pp_rank: int) -> str:
@@ -44,6 +49,27 @@ def shard_file_name(tp_rank: int, pp_rank: int) -> str:
 
 
 @torch.no_grad()
+def expert_file_name(tp_rank: int, pp_rank: int, ep_rank: int) -> str:
+    return f"experts-tp{tp_rank:02d}-pp{pp_rank:02d}-ep{ep_rank:02d}.safetensors"
+
+
+def expert_files(step_dir: Path) -> list[tuple[int, int, Path]]:
+    """(tp_rank, pp_rank, file) of the expert files of ep ranks >= 1 (none for a dense model or ep = 1)."""
+    found = []
+    for path in sorted(Path(step_dir).iterdir()):
+        match = _EXPERT_FILE.match(path.name)
+        if match:
+            found.append((int(match[1]), int(match[2]), path))
+    return found
+
+
+def _with_experts(step_dir: Path, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    for _, _, path in expert_files(step_dir):  # experts are whole on every TP rank: any TP rank's copy will do
+        for name, tensor in load_file(str(path)).items():
+            full.setdefault(name, tensor)
+    return full
+
+
 def init_shards_(
     named_params: Iterable[tuple[str, torch.Tensor]], config: BloomConfig, seed: Seed, tp_rank: int, tp_size: int
 ) -> None:
@@ -135,13 +161,14 @@ def gather_full_state_dict(step_dir: Path) -> dict[str, torch.Tensor]:
     """The whole model, Hugging Face names to CPU tensors, from a checkpoint directory in either form."""
     step_dir = Path(step_dir)
     if (step_dir / FULL_MODEL_FILE).is_file():
-        return load_file(str(step_dir / FULL_MODEL_FILE))
+        return _with_experts(step_dir, load_file(str(step_dir / FULL_MODEL_FILE)))
     files = shard_files(step_dir)
     if not files:
         raise FileNotFoundError(f"{step_dir}: neither {FULL_MODEL_FILE} nor model-tp*-pp*.safetensors")
     try:
         tp2d = _tp2d_of(files.values())
-        return assemble_full({position: load_file(str(path)) for position, path in files.items()}, tp2d)
+        full = assemble_full({position: load_file(str(path)) for position, path in files.items()}, tp2d)
+        return _with_experts(step_dir, full)
     except (FileNotFoundError, ValueError) as e:
         raise type(e)(f"{step_dir}: {e}") from e
 
@@ -150,11 +177,11 @@ def model_sources(step_dir: Path) -> list[tuple[int, int, Path]]:
     """(tp_rank, pp_rank, file) of every model file of a checkpoint, in either form."""
     step_dir = Path(step_dir)
     if (step_dir / FULL_MODEL_FILE).is_file():
-        return [(0, 0, step_dir / FULL_MODEL_FILE)]
+        return [(0, 0, step_dir / FULL_MODEL_FILE), *expert_files(step_dir)]
     files = shard_files(step_dir)
     if not files:
         raise FileNotFoundError(f"{step_dir}: neither {FULL_MODEL_FILE} nor model-tp*-pp*.safetensors")
-    return [(t, p, path) for (t, p), path in sorted(files.items())]
+    return [(t, p, path) for (t, p), path in sorted(files.items())] + expert_files(step_dir)
 
 
 class ShardReader:
@@ -279,6 +306,10 @@ class LazyFullStateDict(Mapping[str, torch.Tensor]):
             with safe_open(str(stage[0]), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
                     self._files.setdefault(name, stage)
+        for _, _, path in expert_files(step_dir):  # replicated over TP: one file is the whole tensor
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                    self._files.setdefault(name, [path])
 
     def __getitem__(self, name: str) -> torch.Tensor:
         pieces = []

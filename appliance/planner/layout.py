@@ -38,9 +38,10 @@ LAYOUT_KEYS = {
     "cp": "cp",
     "cp_mode": "cp_mode",
     "tp2d": "tp2d",
+    "ep": "ep",
 }
 # Keys a plan.json written before context parallelism lacks; reading one fills in these defaults (runspec.py).
-LATER_LAYOUT_KEYS = ("cp", "cp_mode", "tp2d")
+LATER_LAYOUT_KEYS = ("cp", "cp_mode", "tp2d", "ep")
 
 
 @dataclass(frozen=True)
@@ -58,10 +59,13 @@ class Layout:
     # 2D tensor parallelism (Optimus): Q x Q ranks in place of tp, each weight and activation split over the mesh
     # (parallel/layers2d.py); the topology's tp axis is then those Q * Q ranks (tp_ranks).
     tp2d: int = 1
+    # Expert parallelism (BLOOM-MoE, docs/MOE.md): ep ranks share each MoE block's experts. It folds inside dp
+    # (dp = edp x ep, parallel/topology.py), so it adds no rank: the world is still tp * pp * dp * cp.
+    ep: int = 1
 
     def __post_init__(self) -> None:
         problems = []
-        for key in ("tp", "pp", "dp", "cp", "micro_batch_size", "tp2d"):
+        for key in ("tp", "pp", "dp", "cp", "micro_batch_size", "tp2d", "ep"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 problems.append(f"{key} must be a positive integer, got {value!r}")
@@ -75,6 +79,8 @@ class Layout:
             problems.append(f"cp_mode must be one of {', '.join(CP_MODES)}, got {self.cp_mode!r}")
         if not problems and self.tp2d > 1:
             problems += self._tp2d_problems()
+        if not problems and self.dp % self.ep:
+            problems.append(f"dp({self.dp}) % ep({self.ep}) != 0 (expert parallelism folds inside dp)")
         if problems:
             raise BadInput(f"layout {self.describe()}: " + "; ".join(problems))
         if self.zero_stage == 2 and self.pp > 1:
@@ -131,9 +137,16 @@ class Layout:
         """Micro-batches per step and pipeline (gradient-accumulation steps)."""
         return self.global_batch_size // (self.micro_batch_size * self.dp) if self.global_batch_size else 0
 
-    def validate(self, world_size: int, heads: int, layers: int, seq_len: int | None = None) -> None:
-        """Check the layout against a world size and a model; BadInput listing every broken rule, every factor named."""
+    def validate(
+        self, world_size: int, heads: int, layers: int, seq_len: int | None = None, *, moe_num_experts: int = 0
+    ) -> None:
+        """Check the layout against a world size and a model; BadInput listing every broken rule, every factor named.
+        ``moe_num_experts``: the model's experts per MoE block (0: a dense model, which ep > 1 cannot split)."""
         problems = []
+        if self.ep > 1 and not moe_num_experts:
+            problems.append(f"ep({self.ep}) > 1 needs an MoE model (moe_num_experts > 0); this one is dense")
+        elif moe_num_experts % self.ep:
+            problems.append(f"moe_num_experts({moe_num_experts}) is not divisible by ep({self.ep})")
         if self.world_size != world_size:
             problems.append(f"{self.factors} = {self.world_size} != world size {world_size}")
         if heads % self.tp:
@@ -180,6 +193,7 @@ class Layout:
             "sequence_parallel": self.sequence_parallel,
             "cp": self.cp,
             "cp_mode": self.cp_mode,
+            "ep": self.ep,
         }
 
     @property
@@ -195,7 +209,8 @@ class Layout:
             text += f",gbs={self.global_batch_size}"
         text += f",zero={self.zero_stage},recompute={self.recompute},sp={int(bool(self.sequence_parallel))}"
         text += f",tp2d={self.tp2d}" if self.tp2d > 1 else ""
-        return text + (f",cp={self.cp},cp_mode={self.cp_mode}" if self.cp > 1 else "")
+        text += f",cp={self.cp},cp_mode={self.cp_mode}" if self.cp > 1 else ""
+        return text + (f",ep={self.ep}" if self.ep > 1 else "")
 
 
 @dataclass(frozen=True)
@@ -235,9 +250,9 @@ def pipeline_partition(layers: int, pp: int) -> Partition:
 
 
 def parse_layout(text: str) -> Layout:
-    """Parse "tp=4,pp=12,dp=8,mbs=2[,gbs=2048][,zero=1][,recompute=full][,sp=1][,cp=2][,cp_mode=ring]"; BadInput
-    naming the bad part. tp, pp and dp are required; mbs defaults to 1; zero, recompute and sp default to
-    BLOOM-176B's (1, full, 0); cp to 1 and cp_mode to ulysses."""
+    """Parse "tp=4,pp=12,dp=8,mbs=2[,gbs=2048][,zero=1][,recompute=full][,sp=1][,cp=2][,cp_mode=ring][,ep=2]";
+    BadInput naming the bad part. tp, pp and dp are required; mbs defaults to 1; zero, recompute and sp default to
+    BLOOM-176B's (1, full, 0); cp to 1 and cp_mode to ulysses; ep to 1."""
     values: dict[str, int | str | bool] = {}
     parts = [p for p in re.split(r"[,\s]+", text.strip()) if p]
     if not parts:
@@ -250,7 +265,7 @@ def parse_layout(text: str) -> Layout:
         if key not in LAYOUT_KEYS:
             raise BadInput(
                 f"--layout {text!r}: unknown key {key!r} in {part!r}"
-                " (known: tp, pp, dp, mbs, gbs, zero, recompute, sp, cp, cp_mode, tp2d)"
+                " (known: tp, pp, dp, mbs, gbs, zero, recompute, sp, cp, cp_mode, tp2d, ep)"
             )
         name = LAYOUT_KEYS[key]
         if name in values:

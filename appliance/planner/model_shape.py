@@ -75,6 +75,16 @@ class ModelShape:
     init_std: float = DEFAULT_INIT_STD  # every weight matrix and the embedding draw from N(0, init_std)
     layer_norm_epsilon: float = 1e-5
     recipe: TrainRecipe = field(default_factory=TrainRecipe)
+    # BLOOM-MoE (model/config.py, docs/MOE.md): 0 experts is dense BLOOM and changes no count below.
+    moe_num_experts: int = 0
+    moe_top_k: int = 1
+    moe_every: int = 2
+    moe_capacity_factor: float = 1.0
+    moe_eval_capacity_factor: float = 1.0
+    moe_min_capacity: int = 4
+    moe_aux_loss_coef: float = 0.01
+    moe_drop_tokens: bool = True
+    moe_random_routing: bool = True
 
     def __post_init__(self) -> None:
         if self.ffn_hidden == 0:
@@ -88,6 +98,47 @@ class ModelShape:
         for key in ("init_std", "layer_norm_epsilon"):
             if not getattr(self, key) > 0:
                 raise BadInput(f"model {self.name}: {key} must be > 0, got {getattr(self, key)!r}")
+        problems = self._moe_problems()
+        if problems:
+            raise BadInput(f"model {self.name}: " + "; ".join(problems))
+
+    def _moe_problems(self) -> list[str]:
+        """The MoE keys' rules (model/config.py checks the same on the model it builds), every key named."""
+        problems = []
+        if not isinstance(self.moe_num_experts, int) or self.moe_num_experts < 0:
+            problems.append(f"moe_num_experts must be an integer >= 0, got {self.moe_num_experts!r}")
+        elif self.moe_num_experts:
+            if self.moe_top_k not in (1, 2):
+                problems.append(f"moe_top_k must be 1 or 2, got {self.moe_top_k!r}")
+            elif self.moe_top_k > self.moe_num_experts:
+                problems.append(f"moe_top_k({self.moe_top_k}) > moe_num_experts({self.moe_num_experts})")
+            if not 1 <= self.moe_every <= self.layers:
+                problems.append(f"moe_every must be in 1..layers({self.layers}), got {self.moe_every!r}")
+            for key in ("moe_capacity_factor", "moe_eval_capacity_factor"):
+                if not getattr(self, key) > 0:
+                    problems.append(f"{key} must be > 0, got {getattr(self, key)!r}")
+            if not self.moe_aux_loss_coef >= 0:
+                problems.append(f"moe_aux_loss_coef must be >= 0, got {self.moe_aux_loss_coef!r}")
+        return problems
+
+    # ---- mixture of experts (the MoE cost model reads these) ----
+
+    @property
+    def moe_layers(self) -> int:
+        """Blocks with experts: every moe_every-th block."""
+        return self.layers // self.moe_every if self.moe_num_experts else 0
+
+    def expert_parameters(self) -> int:
+        """One expert, a BLOOM MLP: 2hf + f + h."""
+        return 2 * self.hidden * self.ffn_hidden + self.ffn_hidden + self.hidden
+
+    def all_expert_parameters(self) -> int:
+        """Every expert of every MoE block (what expert parallelism splits over ep ranks)."""
+        return self.moe_layers * self.moe_num_experts * self.expert_parameters()
+
+    def gate_parameters(self) -> int:
+        """The gates' [experts, hidden] weights (no bias), one per MoE block."""
+        return self.moe_layers * self.moe_num_experts * self.hidden
 
     @property
     def head_dim(self) -> int:
@@ -109,12 +160,17 @@ class ModelShape:
 
     def parameters(self, tp: int = 1) -> int:
         """All parameters: blocks, tied embedding with its LayerNorm, final LayerNorm (BLOOM-176B: 176,247,271,424)."""
-        return self.layers * self.layer_parameters() + self.embedding_parameters(tp) + 2 * self.hidden
+        dense = self.layers * self.layer_parameters() + self.embedding_parameters(tp) + 2 * self.hidden
+        # An MoE block's experts replace its one MLP; its gate is extra.
+        moe = self.all_expert_parameters() - self.moe_layers * self.expert_parameters() + self.gate_parameters()
+        return dense + moe
 
     def matmul_parameters(self, tp: int = 1) -> int:
-        """N in '6N': weights used in matrix multiplies (blocks' linear weights and the LM head)."""
+        """N in '6N': weights used in matrix multiplies (blocks' linear weights and the LM head). An MoE block's
+        token passes through top_k experts and the gate, so it counts k MLPs' weights plus the gate's."""
         h, f = self.hidden, self.ffn_hidden
-        return self.layers * (4 * h * h + 2 * h * f) + self.padded_vocab(tp) * h
+        moe = self.moe_layers * ((self.moe_top_k - 1) * 2 * h * f + self.moe_num_experts * h)
+        return self.layers * (4 * h * h + 2 * h * f) + self.padded_vocab(tp) * h + moe
 
     def flops_per_token(self, seq_len: int | None = None, *, recompute: str = "none", tp: int = 1) -> float:
         """Training FLOPs per token, causal attention counted as computed (the module docstring). recompute="none"
@@ -145,7 +201,22 @@ class ModelShape:
 
 
 SHAPE_KEYS = {"layers", "hidden", "heads", "vocab_size", "seq_len"}
-OPTIONAL_KEYS = {"ffn_hidden": int, "name": str, "description": str, "init_std": float, "layer_norm_epsilon": float}
+OPTIONAL_KEYS = {
+    "ffn_hidden": int,
+    "name": str,
+    "description": str,
+    "init_std": float,
+    "layer_norm_epsilon": float,
+    "moe_num_experts": int,
+    "moe_top_k": int,
+    "moe_every": int,
+    "moe_capacity_factor": float,
+    "moe_eval_capacity_factor": float,
+    "moe_min_capacity": int,
+    "moe_aux_loss_coef": float,
+    "moe_drop_tokens": bool,
+    "moe_random_routing": bool,
+}
 RECIPE_INT_KEYS = {
     "global_batch_size",
     "train_tokens",
@@ -176,7 +247,12 @@ def model_from_table(table: dict[str, Any], source: str) -> ModelShape:
         if key not in table:
             continue
         value = table[key]
-        ok = _is_int(value) and value > 0 if kind is int else isinstance(value, str) if kind is str else _is_num(value)
+        if kind is bool:
+            ok = isinstance(value, bool)
+        elif kind is int:
+            ok = _is_int(value) and value > 0
+        else:
+            ok = isinstance(value, str) if kind is str else _is_num(value)
         if not ok:
             raise BadInput(f"{source}: key {key!r} has a bad value {value!r}")
         values[key] = float(value) if kind is float else value

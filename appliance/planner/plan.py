@@ -343,7 +343,7 @@ def _evaluate_given(
 ) -> Outcome:
     """`plan --layout`: shape errors are bad input; a layout that cannot run is a plan with feasible=False."""
     world = _world_for(hardware, layout)
-    layout.validate(world, model.heads, model.layers, model.seq_len)
+    layout.validate(world, model.heads, model.layers, model.seq_len, moe_num_experts=model.moe_num_experts)
     if not layout.global_batch_size:
         layout = replace(layout, global_batch_size=gbs)
     device = make_device(hardware, world, precision)

@@ -163,7 +163,13 @@ class RunSpec:
         ]
         if problems:
             raise BadInput("; ".join(problems))
-        lay.validate(lay.world_size, self.model.heads, self.model.layers, self.model.seq_len)
+        lay.validate(
+            lay.world_size,
+            self.model.heads,
+            self.model.layers,
+            self.model.seq_len,
+            moe_num_experts=self.model.moe_num_experts,
+        )
 
     # ---- reading -------------------------------------------------------------------------------------------
     @classmethod

@@ -168,6 +168,9 @@ def search_layouts(
         if model.heads % tp:
             reject({"tp": tp}, f"heads({model.heads}) is not divisible by tp({tp})")
             continue
+        if model.moe_num_experts and tp > 1:
+            reject({"tp": tp}, "BLOOM-MoE trains at tp = 1 for now (docs/MOE.md)")
+            continue
         pps = [p for p in range(1, world // tp + 1) if (world // tp) % p == 0] if hardware.has_gpus else [1]
         for pp in pps:
             if world % (tp * pp):
@@ -177,7 +180,7 @@ def search_layouts(
                 reject({"tp": tp, "pp": pp}, problem)
                 continue
             cps = _powers_of_two(world // (tp * pp)) if hardware.has_gpus else [1]
-            for cp in (c for c in cps if (world // (tp * pp)) % c == 0):
+            for cp in (c for c in cps if (world // (tp * pp)) % c == 0 and (c == 1 or not model.moe_num_experts)):
                 dp = world // (tp * pp * cp)
                 where = {"tp": tp, "pp": pp, "dp": dp} | ({"cp": cp} if cp > 1 else {})
                 if gbs % dp:

@@ -241,6 +241,8 @@ class Trainer:
             "batch": float(batch),
             "loss_scale": result.loss_scale,
             "overflow": result.overflow,
+            "moe_aux_loss": result.moe_aux_loss,
+            "expert_load": result.expert_load,
         }
 
     def step_outcome(self, out: Mapping[str, Any]) -> str:
@@ -514,6 +516,10 @@ class Trainer:
                 "skipped_steps": self.overflow_steps,
                 "overflow": outcome == OVERFLOW,
             }
+        moe: dict[str, Any] = {}
+        if out.get("moe_aux_loss") is not None:
+            # BLOOM-MoE: the summed load-balancing loss (unweighted) and, per MoE block, each expert's token share.
+            moe = {"moe_aux_loss": out["moe_aux_loss"], "expert_load": out["expert_load"]}
         self._emit(
             "step",
             step=self.pos.step,
@@ -533,6 +539,7 @@ class Trainer:
             **fp16,
             # MoE runs whose experts live in the tiered store (the engine's expert_store, None otherwise)
             **expert_step_fields(getattr(self.engine, "expert_store", None)),
+            **moe,
         )
 
     def evaluation_at_current_step(self) -> dict[str, float]:

@@ -143,10 +143,18 @@ def main(argv: list[str] | None = None) -> int:
         # Every broken rule at once, each factor named: tp * pp * dp * cp against the world, heads % tp (and over cp
         # for ulysses), the blocks over pp, the sequence over the cp chunks. The process groups are built once,
         # here, TP innermost, then CP, then DP, then PP.
-        layout.validate(world_size, config.n_head, config.n_layer, settings.seq_len)
+        layout.validate(
+            world_size, config.n_head, config.n_layer, settings.seq_len, moe_num_experts=config.moe_num_experts
+        )
         topology = ParallelTopology(
-            tp=layout.tp_ranks, pp=layout.pp, dp=layout.dp, cp=layout.cp, tp2d=layout.tp2d, world_size=world_size
-        )  # tp2d = Q: the tp axis is Q * Q ranks, a Q x Q mesh
+            tp=layout.tp_ranks,
+            pp=layout.pp,
+            dp=layout.dp,
+            cp=layout.cp,
+            tp2d=layout.tp2d,  # tp2d = Q: the tp axis is Q * Q ranks, a Q x Q mesh
+            ep=layout.ep,
+            world_size=world_size,
+        )
         # reset_attention_mask: documents end at the datasets' EOD token (refused, naming datasets.json, without one).
         eod_id = dataset_eod_id(run_dir.data) if settings.reset_attention_mask else None
     except (BadInput, ValueError) as e:

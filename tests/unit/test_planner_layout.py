@@ -123,7 +123,7 @@ def test_zero2_with_a_pipeline_is_refused_and_never_searched() -> None:
         ("", "--layout is empty"),
         ("tp=4,pp=12", "missing dp"),
         ("tp=4,pp=12,dp=8,mbs=two", "'mbs=two': 'two' is not a non-negative integer"),
-        ("tp=4,pp=12,dp=8,ep=2", "unknown key 'ep' in 'ep=2'"),
+        ("tp=4,pp=12,dp=8,xp=2", "unknown key 'xp' in 'xp=2'"),
         ("tp=4,pp=12,dp=8,cp=2,cp_mode=flat", "'cp_mode=flat': cp_mode must be one of ulysses, ring"),
         ("tp=4,pp=12,dp=8,cp=0", "cp must be a positive integer"),
         ("tp=4,pp=12,dp=8,recompute=most", "'recompute=most': recompute must be one of none, selective, full"),

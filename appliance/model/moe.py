@@ -1,0 +1,163 @@
+"""BLOOM-MoE's mixture-of-experts MLP, built on DeepSpeed's MoE layer (``deepspeed.moe.layer.MoE``).
+
+An MoE block (config.is_moe_block) keeps BLOOM's attention and replaces its MLP by ``BloomMoE``: a top-k gate
+(DeepSpeed's TopKGate, a [experts, hidden] linear without bias, softmax in fp32) sends each token to k of
+``moe_num_experts`` experts, each one BLOOM's own MLP (dense_h_to_4h, tanh GeLU, dense_4h_to_h, biases added in
+place). DeepSpeed computes GShard's load-balancing loss (mean over experts of token fraction x mean gate
+probability, times experts^2) and the tokens each expert got; the block keeps both from its last forward
+(``aux_loss``, ``expert_counts``) for the model's loss and for the step events.
+
+Expert parallelism: with ep > 1 each rank of an ``ep`` group holds experts [ep_rank * E/ep, (ep_rank + 1) * E/ep)
+and DeepSpeed exchanges tokens over the group with two all-to-alls per layer and pass. Which all-to-all is used is
+chosen in one place, ``select_all_to_all`` (the seam for a hierarchical one).
+
+Names. DeepSpeed names its parameters ``deepspeed_moe.gate.wg.weight`` and
+``deepspeed_moe.experts.deepspeed_experts.<local index>.<linear>.<leaf>``; checkpoints, initial weights and exports
+use the layout-free names ``mlp.gate.weight`` and ``mlp.experts.<global index>.<linear>.<leaf>``
+(``canonical_moe_name``), so the same expert has the same name and the same initial values at every ep.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from deepspeed.moe import sharded_moe
+from deepspeed.moe.layer import MoE
+from torch import nn
+
+from appliance.model.config import BloomConfig
+
+_GATE = re.compile(r"(^|\.)deepspeed_moe\.gate\.wg\.")
+_EXPERT = re.compile(r"(^|\.)deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.")
+_CANONICAL_GATE = re.compile(r"(^|\.)gate\.(?=weight$)")
+_CANONICAL_EXPERT = re.compile(r"(^|\.)experts\.(\d+)\.")
+
+# DeepSpeed's own autograd all-to-all, kept before anything replaces it.
+DEEPSPEED_ALL_TO_ALL: type[torch.autograd.Function] = sharded_moe._AllToAll
+
+
+def canonical_moe_name(name: str, expert_offset: int = 0) -> str:
+    """DeepSpeed's parameter name -> the layout-free one; ``expert_offset`` is this rank's first global expert
+    (ep_rank * experts / ep). Names of non-MoE parameters come back unchanged."""
+    name = _GATE.sub(r"\1gate.", name)
+    match = _EXPERT.search(name)
+    if match:
+        index = int(match.group(2)) + expert_offset
+        name = f"{name[: match.start()]}{match.group(1)}experts.{index}.{name[match.end() :]}"
+    return name
+
+
+def deepspeed_moe_name(name: str, expert_offset: int = 0) -> str:
+    """The inverse of ``canonical_moe_name`` (for ``load_state_dict``)."""
+    name = _CANONICAL_GATE.sub(r"\1deepspeed_moe.gate.wg.", name)
+    match = _CANONICAL_EXPERT.search(name)
+    if match:
+        local = int(match.group(2)) - expert_offset
+        inner = f"deepspeed_moe.experts.deepspeed_experts.{local}."
+        name = f"{name[: match.start()]}{match.group(1)}{inner}{name[match.end() :]}"
+    return name
+
+
+def select_all_to_all() -> type[torch.autograd.Function]:
+    """The autograd all-to-all every MoE layer exchanges tokens with, (group, tensor) -> tensor: DeepSpeed's flat
+    one. The one place to choose another (a hierarchical all-to-all that crosses nodes once)."""
+    return DEEPSPEED_ALL_TO_ALL
+
+
+def install_all_to_all(function: type[torch.autograd.Function]) -> None:
+    """Make DeepSpeed's MoE layers use ``function``: MOELayer.forward calls the module-level ``_AllToAll``."""
+    sharded_moe._AllToAll = function
+
+
+def _plain_linear(in_features: int, out_features: int, bias: bool, role: str) -> nn.Module:
+    # Experts are whole on every rank they live on (replicated over tp, DeepSpeed's default), and DeepSpeed's
+    # Experts drops a returned bias: a plain nn.Linear adds its own.
+    return nn.Linear(in_features, out_features, bias=bias)
+
+
+class BloomMoE(MoE):
+    """The MoE MLP of a BLOOM block: forward(x [..., hidden]) -> (y [..., hidden], None), as BloomMLP's
+    (output, bias still to add). ``ep_size`` ranks share the experts (1: all of them here)."""
+
+    def __init__(self, config: BloomConfig, ep_size: int = 1) -> None:
+        from appliance.model.bloom import BloomMLP  # bloom.py builds this module
+
+        if not config.is_moe:
+            raise ValueError("BloomMoE needs moe_num_experts > 0")
+        if config.moe_num_experts % ep_size:
+            raise ValueError(
+                f"moe_num_experts({config.moe_num_experts}) % ep({ep_size}) = {config.moe_num_experts % ep_size}, "
+                "must be 0 so every expert-parallel rank holds the same number of experts"
+            )
+        super().__init__(
+            config.hidden_size,
+            BloomMLP(config, _plain_linear),
+            num_experts=config.moe_num_experts,
+            ep_size=ep_size,
+            k=config.moe_top_k,
+            capacity_factor=config.moe_capacity_factor,
+            eval_capacity_factor=config.moe_eval_capacity_factor,
+            min_capacity=config.moe_min_capacity,
+            drop_tokens=config.moe_drop_tokens,
+            use_rts=config.moe_random_routing,
+            top2_2nd_expert_sampling=config.moe_random_routing,
+        )
+        self.min_capacity = config.moe_min_capacity
+        self.expert_offset = 0  # this rank's first global expert; the parallel layer sets it
+        self.aux_loss: torch.Tensor | None = None  # the last forward's load-balancing loss (scalar, fp32)
+        self.expert_counts: torch.Tensor | None = None  # the last forward's tokens per expert, [experts]
+        # Tokens per expert summed over the training forwards since the trainer last read them (a recomputed
+        # forward counts again, every micro-batch alike, so the fractions hold).
+        self.step_counts: torch.Tensor | None = None
+        self._register_state_dict_hook(_canonical_state_dict)
+        self._register_load_state_dict_pre_hook(_deepspeed_state_dict, with_module=True)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        # DeepSpeed's top-1 gate refuses fewer tokens than min_capacity (a short prompt in greedy decoding): such a
+        # call's floor is its token count. Every rank of an ep group passes as many tokens, so they still agree.
+        gate = self.deepspeed_moe.gate
+        gate.min_capacity = min(self.min_capacity, x.numel() // x.shape[-1])
+        out, aux_loss, counts = super().forward(x)
+        self.aux_loss, self.expert_counts = aux_loss, counts
+        if self.training:
+            self.step_counts = counts if self.step_counts is None else self.step_counts + counts
+        return out.to(x.dtype), None
+
+
+def _canonical_state_dict(module: BloomMoE, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        new = prefix + canonical_moe_name(key[len(prefix) :], module.expert_offset)
+        if new != key:
+            state_dict[new] = state_dict.pop(key)
+
+
+def _deepspeed_state_dict(module: BloomMoE, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        new = prefix + deepspeed_moe_name(key[len(prefix) :], module.expert_offset)
+        if new != key:
+            state_dict[new] = state_dict.pop(key)
+
+
+def moe_layers(model: nn.Module) -> list[BloomMoE]:
+    """The model's MoE MLPs, in block order."""
+    return [m for m in model.modules() if isinstance(m, BloomMoE)]
+
+
+def aux_loss_sum(layers: list[BloomMoE], like: torch.Tensor) -> torch.Tensor:
+    """The summed load-balancing loss of ``layers``' last forward (0 on ``like``'s device when there is none)."""
+    total = torch.zeros((), dtype=torch.float32, device=like.device)
+    for layer in layers:
+        if layer.aux_loss is not None:
+            total = total + layer.aux_loss.float()
+    return total
+
+
+def expert_load(counts: list[torch.Tensor]) -> list[list[float]]:
+    """Per MoE layer, the fraction of routed tokens each expert got (the step events' ``expert_load``)."""
+    out = []
+    for c in counts:
+        total = float(c.sum())
+        out.append([float(x) / total if total else 0.0 for x in c.tolist()])
+    return out

@@ -1,0 +1,121 @@
+"""Expert parallelism (ep) for BLOOM-MoE: DeepSpeed's MoE machinery wired to our topology, and the step's MoE
+figures.
+
+One source of truth for the groups. DeepSpeed's MoE layers and engine look their groups up by name
+(``ep_size_<E>``) in ``deepspeed.utils.groups``, and create them there on first use with their own rank arithmetic.
+``register_expert_groups`` fills those tables with OUR topology's ``ep`` and ``edp`` groups before DeepSpeed looks
+(topology.py: ep folds inside dp, dp = edp x ep, the ep ranks of one expert group consecutive dp ranks), so
+DeepSpeed's all-to-all runs over our ``ep`` group and its expert-gradient reduction over our ``edp`` group:
+dense parameters are averaged over dp, expert parameters summed over edp and divided by dp (every token of the dp
+group reached its expert through the all-to-all, so that is the same average), which DeepSpeed does itself in
+``_reduce_expert_gradients`` once the groups are ours.
+
+The optimizer needs the expert parameters in param groups of their own (``moe_param_groups``: DeepSpeed's
+``split_params_into_different_moe_groups_for_optimizer``), which ZeRO partitions over edp instead of dp.
+
+Not yet: experts with tp > 1 or cp > 1 (``check_moe_layout`` refuses them with the reason); docs/MOE.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from appliance.errors import BadInput
+from appliance.model.config import BloomConfig
+from appliance.model.moe import BloomMoE
+from appliance.parallel.mappings import collective_device, group_size
+from appliance.parallel.topology import ParallelTopology
+
+
+def check_moe_layout(config: BloomConfig, topology: ParallelTopology) -> None:
+    """BadInput naming every factor when the layout cannot run this model's experts."""
+    problems = []
+    if topology.ep > 1 and not config.is_moe:
+        problems.append(f"ep({topology.ep}) > 1 needs an MoE model (moe_num_experts > 0)")
+    if config.is_moe:
+        if config.moe_num_experts % topology.ep:
+            problems.append(f"moe_num_experts({config.moe_num_experts}) % ep({topology.ep}) != 0")
+        if topology.tp > 1:
+            problems.append(f"tp({topology.tp}) > 1 with experts is not supported yet (docs/MOE.md)")
+        if topology.cp > 1:
+            problems.append(f"cp({topology.cp}) > 1 with experts is not supported yet (docs/MOE.md)")
+    if problems:
+        raise BadInput(f"parallel layout {topology.factors}, ep({topology.ep}): " + "; ".join(problems))
+
+
+def expert_group_name(ep: int) -> str:
+    """DeepSpeed's key for the expert groups of an ep-way split (deepspeed.moe.layer.MoE.expert_group_name)."""
+    return f"ep_size_{ep}"
+
+
+def register_expert_groups(topology: ParallelTopology) -> None:
+    """Make DeepSpeed's expert-parallel and expert-data-parallel groups our topology's (module docstring).
+    Local: the groups exist already (topology.init_process_groups)."""
+    from deepspeed.utils import groups
+
+    name = expert_group_name(topology.ep)
+    rank = dist.get_rank()
+    groups._EXPERT_PARALLEL_GROUP[name] = topology.group("ep")
+    groups._EXPERT_PARALLEL_GROUP_RANKS[name] = topology.group_ranks("ep", rank)
+    groups._EXPERT_DATA_PARALLEL_GROUP[name] = topology.group("edp")
+    groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = topology.group_ranks("edp", rank)
+
+
+def set_expert_offsets(module: nn.Module, topology: ParallelTopology) -> None:
+    """Tell every MoE layer which global experts it holds: ep rank r holds [r * E/ep, (r + 1) * E/ep)."""
+    ep_rank = topology.coordinate("ep", dist.get_rank())
+    for layer in module.modules():
+        if isinstance(layer, BloomMoE):
+            layer.expert_offset = ep_rank * layer.num_local_experts
+
+
+def moe_param_groups(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The expert parameters of each group moved into groups of their own, marked ``moe`` (what DeepSpeed's
+    engine and ZeRO look for)."""
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    # DeepSpeed names each expert group after the group it came from.
+    named = [{"name": f"group{i}", **group} for i, group in enumerate(param_groups)]
+    return split_params_into_different_moe_groups_for_optimizer(named)
+
+
+def is_expert_parameter(param: torch.Tensor) -> bool:
+    """DeepSpeed's Experts mark their parameters ``allreduce = False`` (reduced over edp, not dp)."""
+    return getattr(param, "allreduce", True) is False
+
+
+def moe_step_figures(
+    module: nn.Module, config: BloomConfig, topology: ParallelTopology, aux_losses: Iterable[torch.Tensor]
+) -> tuple[float, list[list[float]]]:
+    """(moe_aux_loss, expert_load) of the step just trained, the same on every rank (collective over dp and pp).
+
+    moe_aux_loss: the summed load-balancing loss of the MoE blocks, unweighted, averaged over the step's
+    micro-batches and dp ranks (``aux_losses``: the last stage's, one per micro-batch; empty on other stages).
+    expert_load: per MoE block in block order, the fraction of routed tokens each expert got over the step, every
+    dp rank's tokens together (each rank's gate counts its own tokens for all experts)."""
+    from appliance.parallel.pipeline_parallel import TransformerLayerPipe
+
+    blocks = config.moe_blocks
+    device = collective_device(topology.dp_group)
+    aux = list(aux_losses)
+    figures = torch.zeros(1 + len(blocks) * config.moe_num_experts, dtype=torch.float64, device=device)
+    if aux:
+        figures[0] = torch.stack([a.double() for a in aux]).mean().to(device)
+    counts = figures[1:].view(len(blocks), config.moe_num_experts)
+    for layer in module.modules():
+        if isinstance(layer, TransformerLayerPipe) and isinstance(layer.mlp, BloomMoE):
+            if layer.mlp.step_counts is not None:
+                counts[blocks.index(layer.layer_number)] += layer.mlp.step_counts.to(device, torch.float64)
+            layer.mlp.step_counts = None
+    if group_size(topology.dp_group) > 1:
+        dist.all_reduce(figures, group=topology.dp_group)
+    figures[0] /= topology.dp
+    if group_size(topology.pp_group) > 1:  # each stage filled its own blocks' rows, the last stage the loss
+        dist.all_reduce(figures, group=topology.pp_group)
+    totals = counts.sum(dim=1, keepdim=True).clamp(min=1.0)
+    return float(figures[0]), (counts / totals).tolist()

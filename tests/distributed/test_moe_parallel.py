@@ -1,0 +1,383 @@
+"""Expert parallelism computes what one process computes: BLOOM-MoE's losses and gradients at ep = 2 and 4 equal the
+single-process model's with the same weights, and a checkpoint written at ep = 2 (with pp = 2) loads at ep = 1 and
+in one process.
+
+Deterministic routing (docs/MOE.md): no token is dropped (each expert's capacity is its largest load, agreed over
+the ep group) and no routing is random (no random token selection, no sampled second expert), so every token meets
+the same experts whatever the layout and only the order of sums differs.
+
+Two levels:
+- the MoE layer alone in fp64 (``BloomMoE`` with DeepSpeed's all-to-all over our ep group against the same layer
+  at ep = 1 on each rank's tokens): the same arithmetic, the all-to-all only moves rows, so a tight bound;
+- the whole engine in fp32 (``build_engine`` at dp = ep = 2, 4 and at pp = 2, dp = ep = 2), one step's loss and
+  gradients against the single-process model on the same micro-batches, within a few fp32 noise floors measured
+  here (the reference's own fp32-vs-fp64 gap).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from appliance.model.bloom import BloomForCausalLM
+from appliance.model.config import BloomConfig
+from appliance.model.moe import BloomMoE, canonical_moe_name
+from appliance.model.ops import cross_entropy
+from appliance.parallel.deepspeed_comm import init_deepspeed_comm
+from appliance.parallel.engine import build_engine
+from appliance.parallel.expert_parallel import register_expert_groups
+from appliance.parallel.shards import gather_full_state_dict
+from appliance.parallel.testing import run_distributed
+from appliance.parallel.topology import ParallelTopology
+
+pytestmark = pytest.mark.distributed
+ROOT = Path(__file__).resolve().parents[2]
+
+# 4 blocks, MoE at blocks 1 and 3 (one per stage at pp = 2); 4 experts so ep = 1, 2, 4 all divide them; top-2 so
+# the second expert's all-to-all path is exercised.
+CONFIG = BloomConfig(
+    vocab_size=256,
+    hidden_size=32,
+    n_layer=4,
+    n_head=4,
+    moe_num_experts=4,
+    moe_top_k=2,
+    moe_every=2,
+    moe_drop_tokens=False,
+    moe_random_routing=False,
+    moe_aux_loss_coef=0.1,  # large enough that a lost or doubled load-balancing loss shows in the gradients
+)
+SEQ, MBS, SEED = 16, 2, 7
+# fp32 bound: the layouts reorder the same sums as fp32 rounding does, at more places (the all-to-all's expert
+# order, DP averaging, ZeRO), so a few times the reference's own rounding; measured 0.3-2 x, bound 10 x.
+FP32_FACTOR = 10.0
+FP64_BOUND = 1e-10  # fp64 rounding (1e-16) amplified through a few layers stays far below this
+
+
+def batches(dp: int, seed: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One micro-batch per DP rank, (inputs, labels) as the engine takes them (labels are the next tokens):
+    arithmetic progressions, something to learn."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(dp):
+        start = torch.randint(0, 200, (MBS, 1), generator=g)
+        stride = torch.randint(1, 7, (MBS, 1), generator=g)
+        tokens = (start + stride * torch.arange(SEQ + 1)) % 200
+        out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+    return out
+
+
+@functools.cache
+def drawn() -> BloomForCausalLM:
+    """The single-process model as every layout draws it (drawing is the slow part: once per process)."""
+    return BloomForCausalLM(CONFIG, seed=SEED)
+
+
+@functools.cache
+def reference(dp: int, dtype: torch.dtype) -> tuple[float, dict[str, torch.Tensor]]:
+    """The single-process model on every DP rank's micro-batch: mean loss (language model's) and the gradient of
+    the mean optimized loss (with the load-balancing loss), by layout-free name."""
+    model = copy.deepcopy(drawn()).to(dtype)
+    losses = []
+    total = torch.zeros((), dtype=dtype)
+    for ids, labels in batches(dp):
+        lm_loss = cross_entropy(model(ids), labels)
+        loss = lm_loss + CONFIG.moe_aux_loss_coef * model.moe_aux_loss()
+        total = total + loss / dp
+        losses.append(float(lm_loss.detach()))
+    total.backward()
+    grads = {canonical_moe_name(n): p.grad.detach().clone() for n, p in model.named_parameters()}
+    return sum(losses) / dp, grads
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+# ---- the layer alone, fp64 -------------------------------------------------------------------------------------
+def _layer_at(topology: ParallelTopology, ep: int) -> dict[str, Any]:
+    """BloomMoE at ep over this rank's tokens: output, input gradient and this rank's experts' gradients (fp64)."""
+    topology = ParallelTopology(tp=1, pp=1, dp=topology.dp, ep=ep, world_size=topology.world_size)
+    topology.init_process_groups()
+    init_deepspeed_comm(dist.get_backend())  # DeepSpeed's gate asks its own comm layer for the ep group's size
+    register_expert_groups(topology)
+    dense = copy.deepcopy(drawn()).double()  # the weights every layout draws
+    layer = BloomMoE(CONFIG, ep_size=ep).double()
+    layer.set_deepspeed_parallelism()
+    ep_rank = topology.coordinate("ep", dist.get_rank())
+    layer.expert_offset = ep_rank * layer.num_local_experts
+    full = dense.transformer.h[1].mlp.state_dict(prefix="")
+    layer.load_state_dict({k: v for k, v in full.items() if _held(k, layer)})
+    g = torch.Generator().manual_seed(100 + dist.get_rank())
+    x = torch.randn(MBS, SEQ, CONFIG.hidden_size, generator=g, dtype=torch.float64, requires_grad=True)
+    out, _ = layer(x)
+    (out.square().sum() + layer.aux_loss).backward()
+    grads = {canonical_moe_name(n, layer.expert_offset): p.grad for n, p in layer.named_parameters()}
+    return {"x": x.detach(), "out": out.detach(), "x_grad": x.grad, "grads": grads}
+
+
+def _held(name: str, layer: BloomMoE) -> bool:
+    if ".experts." not in f".{name}":
+        return True
+    index = int(name.split("experts.")[1].split(".")[0])
+    return layer.expert_offset <= index < layer.expert_offset + layer.num_local_experts
+
+
+# ---- the engine, fp32 ------------------------------------------------------------------------------------------
+def _engine(topology: ParallelTopology, ep: int, pp: int) -> Any:
+    os.environ.setdefault("LOCAL_RANK", "0")  # read by DeepSpeed
+    dp = topology.world_size // pp
+    topology = ParallelTopology(tp=1, pp=pp, dp=dp, ep=ep, world_size=topology.world_size)
+    return build_engine(
+        CONFIG,
+        topology,
+        micro_batch_size=MBS,
+        global_batch_size=MBS * dp,
+        zero_stage=0,
+        dtype="fp32",
+        grad_clip=0.0,
+        recompute="none",
+        sequence_parallel=False,
+        lr=1e-2,  # the gradients are captured before the step; the step makes the saved weights differ from a draw
+        weight_decay=0.0,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        seed=SEED,
+    )
+
+
+def _second_step(engine: Any) -> dict[str, Any]:
+    """Another step on other micro-batches: its loss and the weights after it (exact resume compares them)."""
+    dp_rank = engine.topology.coordinate("dp", dist.get_rank())
+    result = engine.train_batch([batches(engine.topology.dp, seed=4)[dp_rank]])
+    return {"loss": result.loss, "weights": {n: p.detach().clone() for n, p in engine.named_parameters()}}
+
+
+def _resumed(topology: ParallelTopology, step_dir: str) -> dict[str, Any]:
+    """The layout that wrote the checkpoint, started afresh from it, then the second step."""
+    engine = _engine(topology, 2, 2)
+    engine.load_model(Path(step_dir))
+    assert engine.load_optimizer(Path(step_dir))
+    out = _second_step(engine)
+    engine.close()
+    return out
+
+
+def _engine_step(topology: ParallelTopology, ep: int, pp: int, save_to: str, save: bool) -> dict[str, Any]:
+    engine = _engine(topology, ep, pp)
+    dp = engine.topology.dp
+    captured: dict[str, torch.Tensor] = {}
+    named = engine.named_parameters()
+
+    def keep(name: str, param: torch.Tensor) -> Any:
+        return param.register_hook(lambda g: captured.__setitem__(name, captured.get(name, 0) + g.detach().clone()))
+
+    hooks = [keep(name, param) for name, param in named]
+    dp_rank = engine.topology.coordinate("dp", dist.get_rank())
+    result = engine.train_batch([batches(dp)[dp_rank]])
+    for hook in hooks:  # this step's gradients only
+        hook.remove()
+    out = {"loss": result.loss, "aux": result.moe_aux_loss, "load": result.expert_load, "grads": captured}
+    step_dir = Path(save_to)
+    if save:  # the first layout writes the checkpoint and reloads it at its own layout
+        engine.save_model(step_dir, {"step": "1"})
+        engine.save_optimizer(step_dir, engine.optimizer_shard(), {"step": "1"})
+        dist.barrier()
+        out["loaded_equal"] = _reload_equal(engine, step_dir)
+        out["continued"] = _second_step(engine)
+    else:  # the others load it at theirs (another ep, another pp): this rank's slices, layout-free names
+        engine.load_model(step_dir)
+        assert engine.load_optimizer(step_dir)
+        out["loaded"] = {n: p.detach().clone() for n, p in engine.named_parameters()}
+        out["loaded_adam"] = engine.optimizer_state()
+    engine.close()
+    return out
+
+
+def _reload_equal(engine: Any, step_dir: Path) -> bool:
+    before = {n: p.detach().clone() for n, p in engine.named_parameters()}
+    with torch.no_grad():
+        for _, p in engine.named_parameters():
+            p.zero_()
+    engine.load_model(step_dir)
+    return all(torch.equal(before[n], p) for n, p in engine.named_parameters())
+
+
+def _check_engine(results: list[dict[str, Any]], dp: int) -> None:
+    _, grads32 = reference(dp, torch.float32)
+    loss64, grads64 = reference(dp, torch.float64)
+    floor = max(relative(grads32[n], grads64[n]) for n in grads64)
+    # DP averages the loss and every gradient over the ranks' micro-batches; a parameter's hook saw this rank's
+    # micro-batch only, so the sum over the ranks that hold it, over dp, is the averaged gradient.
+    summed: dict[str, torch.Tensor] = {}
+    for got in results:
+        for name, grad in got["grads"].items():
+            summed[name] = summed.get(name, 0) + grad.double() / dp
+    assert set(summed) == set(grads64), sorted(set(summed) ^ set(grads64))
+    for name, grad in summed.items():
+        assert relative(grad, grads64[name]) < FP32_FACTOR * floor, name
+    for got in results:
+        assert abs(got["loss"] - loss64) / abs(loss64) < FP32_FACTOR * max(floor, 1e-7)
+        assert got["aux"] is not None and got["aux"] > 0
+        assert len(got["load"]) == len(CONFIG.moe_blocks)
+        assert all(abs(sum(row) - 1.0) < 1e-9 for row in got["load"])
+    assert all(got["load"] == results[0]["load"] for got in results), "expert load agreed by every rank"
+
+
+# ---- one launch of 4 ranks for everything (spawning is the slow part) --------------------------------------------
+LAYER_EPS = (2, 4)  # the MoE layer alone over dp = 4
+# (pp, ep): the pipeline at dp = ep = 2 first (it writes the checkpoint the others load), then edp = 2 and 1 at pp = 1.
+ENGINE_LAYOUTS = ((2, 2), (1, 2), (1, 4))
+
+
+def _all_checks(topology: ParallelTopology, save_to: str) -> dict[str, Any]:
+    out: dict[str, Any] = {f"layer_ep{ep}": _layer_at(topology, ep) for ep in LAYER_EPS}
+    for pp, ep in ENGINE_LAYOUTS:
+        out[f"engine_pp{pp}_ep{ep}"] = _engine_step(topology, ep, pp, save_to, save=(pp, ep) == ENGINE_LAYOUTS[0])
+    out["resumed"] = _resumed(topology, save_to)
+    return out
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
+    step_dir = tmp_path_factory.mktemp("moe_checkpoint")
+    return run_distributed(_all_checks, 4, str(step_dir), dp=4, timeout_s=300.0), step_dir
+
+
+@pytest.mark.parametrize("ep", LAYER_EPS)
+def test_moe_layer_fp64_at_ep_equals_one_process(launched: tuple[list[dict[str, Any]], Path], ep: int) -> None:
+    results = [got[f"layer_ep{ep}"] for got in launched[0]]
+    dense = copy.deepcopy(drawn()).double()
+    reference = BloomMoE(CONFIG).double()
+    reference.load_state_dict(dense.transformer.h[1].mlp.state_dict())
+    grads: dict[str, torch.Tensor] = {}
+    for rank, got in enumerate(results):
+        reference.zero_grad()
+        x = got["x"].clone().requires_grad_(True)
+        out, _ = reference(x)
+        (out.square().sum() + reference.aux_loss).backward()
+        assert relative(got["out"], out) < FP64_BOUND, f"rank {rank} output"
+        assert relative(got["x_grad"], x.grad) < FP64_BOUND, f"rank {rank} input gradient"
+        for name, p in reference.named_parameters():
+            grads[canonical_moe_name(name)] = grads.get(canonical_moe_name(name), 0) + p.grad
+    # An expert's gradient sums the tokens of its ep group's ranks (the all-to-all brought them to it); the
+    # reference's sums every rank's, so compare per ep group: each group must hold every expert exactly once.
+    ep_groups = [list(range(g * ep, (g + 1) * ep)) for g in range(4 // ep)]
+    for ranks in ep_groups:
+        experts: dict[str, torch.Tensor] = {}
+        for rank in ranks:
+            for name, grad in results[rank]["grads"].items():
+                if name.startswith("experts."):
+                    assert name not in experts, f"{name} on two ep ranks"
+                    experts[name] = grad
+        assert len(experts) == CONFIG.moe_num_experts * 4, "every expert on one ep rank of the group"
+        want = _expert_grads_of(ranks, results, reference)
+        for name, grad in experts.items():
+            assert relative(grad, want[name]) < FP64_BOUND, f"ep group {ranks}: {name}"
+
+
+def _expert_grads_of(ranks: list[int], results: list[dict[str, Any]], reference: BloomMoE) -> dict[str, torch.Tensor]:
+    reference.zero_grad()
+    for rank in ranks:
+        out, _ = reference(results[rank]["x"])
+        (out.square().sum() + reference.aux_loss).backward()
+    return {canonical_moe_name(n): p.grad.clone() for n, p in reference.named_parameters()}
+
+
+@pytest.mark.parametrize(("pp", "ep"), ENGINE_LAYOUTS)
+def test_engine_at_ep_equals_one_process(launched: tuple[list[dict[str, Any]], Path], pp: int, ep: int) -> None:
+    _check_engine([got[f"engine_pp{pp}_ep{ep}"] for got in launched[0]], dp=4 // pp)
+
+
+def test_resume_at_pp2_ep2_is_exact(launched: tuple[list[dict[str, Any]], Path]) -> None:
+    """Continuing after the save and restarting from it give the same next step, bit for bit."""
+    for rank, got in enumerate(launched[0]):
+        continued, resumed = got["engine_pp2_ep2"]["continued"], got["resumed"]
+        assert resumed["loss"] == continued["loss"], f"rank {rank}"
+        assert resumed["weights"].keys() == continued["weights"].keys()
+        for name, value in resumed["weights"].items():
+            assert torch.equal(value, continued["weights"][name]), f"rank {rank}: {name}"
+
+
+def test_checkpoint_at_pp2_ep2_reloads_and_reshards_to_one_process(
+    launched: tuple[list[dict[str, Any]], Path],
+) -> None:
+    results, step_dir = launched
+    assert all(got["engine_pp2_ep2"]["loaded_equal"] for got in results)
+    names = sorted(p.name for p in step_dir.iterdir() if not p.name.startswith("optim-"))
+    assert names == [
+        "experts-tp00-pp00-ep01.safetensors",
+        "experts-tp00-pp01-ep01.safetensors",
+        "model-tp00-pp00.safetensors",
+        "model-tp00-pp01.safetensors",
+    ], names
+    # Resharded to one process: the whole model from the ep = 2, pp = 2 files, trained one step away from the draw.
+    saved = gather_full_state_dict(step_dir)
+    whole = BloomForCausalLM(CONFIG, seed=0)
+    missing, unexpected = whole.load_state_dict(saved, strict=False)
+    assert not unexpected and missing == ["lm_head.weight"]
+    assert set(whole.state_dict()) - {"lm_head.weight"} == set(saved)
+    for name, want in whole.state_dict().items():
+        key = "transformer.word_embeddings.weight" if name == "lm_head.weight" else name
+        assert torch.equal(saved[key], want), name
+    assert not torch.equal(saved["transformer.h.1.mlp.experts.3.dense_h_to_4h.weight"],
+                           drawn().state_dict()["transformer.h.1.mlp.experts.3.dense_h_to_4h.weight"])  # fmt: skip
+    # Resharded to pp = 1 at ep = 2 and ep = 4: every rank's parameters are the saved tensors, experts by global index.
+    for layout in ("engine_pp1_ep2", "engine_pp1_ep4"):
+        for rank, got in enumerate(results):
+            assert got[layout]["loaded"].keys() <= saved.keys()
+            for name, value in got[layout]["loaded"].items():
+                assert torch.equal(value, saved[name]), f"{layout} rank {rank}: {name}"
+    # Adam's state too: every parameter's moments and step, experts' from the ep rank that wrote them.
+    from safetensors.torch import load_file
+
+    from appliance.parallel.optimizer_state import optimizer_files
+
+    adam: dict[str, torch.Tensor] = {}
+    for _, _, path in optimizer_files(step_dir):
+        adam |= load_file(str(path))
+    assert {k.rsplit(".", 1)[0] for k in adam} == set(saved), "state for every parameter, written once"
+    for layout in ("engine_pp1_ep2", "engine_pp1_ep4"):
+        for rank, got in enumerate(results):
+            assert got[layout]["loaded_adam"], f"{layout} rank {rank}: no optimizer state"
+            for key, value in got[layout]["loaded_adam"].items():
+                assert torch.equal(value, adam[key]), f"{layout} rank {rank}: {key}"
+    experts = {n for got in results for n in got["engine_pp1_ep4"]["loaded"] if ".experts." in n}
+    assert len(experts) == 2 * 4 * 4  # two MoE blocks, four experts, four tensors each: all of them, once
+
+
+# ---- `run` end to end ------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_run_trains_bloom_moe_tiny_at_pp2_dp2_ep2(tmp_path: Path) -> None:
+    """`run` on the sample corpus at tp=1, pp=2, dp=2, ep=2: plan, data, 2 training steps with the MoE figures in
+    the step events, the final evaluation (lock-stepped over the ep groups) and the MoE export all finish."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bloom_appliance.py"), "run", "--headless", "--model", "bloom-moe-tiny-cpu",
+         "--layout", "tp=1,pp=2,dp=2,ep=2,mbs=2", "--max-steps", "2", "--run-dir", "runs/moe",
+         "--set", "eval_task_limit=4", "--set", "eval_samples=2", "--set", "max_restarts=0"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "moe"
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [e for e in events if e["kind"] == "step"]
+    assert [e["step"] for e in steps] == [1, 2]
+    for e in steps:
+        assert isinstance(e["moe_aux_loss"], float) and e["moe_aux_loss"] > 0
+        assert len(e["expert_load"]) == 2 and all(len(row) == 4 for row in e["expert_load"])
+        assert all(abs(sum(row) - 1.0) < 1e-9 for row in e["expert_load"])
+    step_dir = sorted((run_dir / "checkpoints").iterdir())[-1]
+    assert (step_dir / "experts-tp00-pp01-ep01.safetensors").is_file()
+    config = json.loads((run_dir / "export" / "config.json").read_text())
+    assert config["model_type"] == "bloom_moe" and config["moe"]["num_experts"] == 4
