@@ -152,12 +152,12 @@ def build_engine(
     # DeepSpeed's own communication layer wraps the process group already running (the PipelineModule needs it
     # before deepspeed.initialize would set it up).
     init_deepspeed_comm(dist.get_backend())
-    if topology.tp2d > 1 and (dtype != "fp32" or zero_stage > 0):
-        # Our fp32 clipping path counts each mesh-row-replicated vector once (grads._counted_here); DeepSpeed's bf16,
-        # fp16 and ZeRO optimizers count every tensor-parallel parameter on every rank, those vectors q times.
+    if topology.tp2d > 1 and (dtype == "fp16" or zero_stage > 1):
+        # bf16 and ZeRO-1 count the mesh-row-replicated vectors once (layers2d._mark_2d) and are proven at tp2d = 2
+        # (tests/distributed/test_tp2d.py); fp16's loss scaler and ZeRO-2's gradient partitions are not yet.
         raise BadInput(
-            f"tp2d({topology.tp2d}) trains in fp32 without ZeRO for now, got dtype {dtype} and zero {zero_stage}: "
-            "DeepSpeed's bf16/fp16/ZeRO gradient norm would count the vectors the mesh rows share q times"
+            f"tp2d({topology.tp2d}) trains in fp32 or bf16 at ZeRO 0 or 1, got dtype {dtype} and zero {zero_stage}: "
+            "fp16 and ZeRO 2/3 are not proven with the 2D mesh yet"
         )
     # What each rank's layers become (tensor/sequence parallel, context parallel, recompute), decided in one place.
     parallelism = Parallelism(topology, sequence_parallel=sequence_parallel, recompute=recompute, cp_mode=cp_mode)
