@@ -383,10 +383,10 @@ class ParallelEngine:
     @torch.no_grad()
     def eval_sums(self, micro_batches: Sequence[Batch]) -> tuple[float, float]:
         """(summed token loss, tokens) of these micro-batches, counted on one rank per replica and CP slice (the last
-        stage's TP rank 0 of every CP rank, each its own tokens; zeros elsewhere), so a sum over all ranks is the sum
+        stage's TP rank 0 of every CP rank, each its own tokens; at tp2d the last stage's mesh column 0 of every mesh
+        row, each its row's batch slice; zeros elsewhere), so a sum over all ranks is the sum
         over every DP rank's samples. Every rank of the world must call it with the same number of micro-batches
         of micro_batch_size whole-sequence samples each (the CP ranks of a DP rank the same ones)."""
-        self._refuse_tp2d("evaluation sums")
         if not micro_batches:
             return 0.0, 0.0
         micro_batches = self.local_batches(micro_batches)
@@ -408,9 +408,17 @@ class ParallelEngine:
                 self.engine.train()
         finally:
             self.loss_fn.reduction = "mean"
-        if not (self.is_last_stage and self.tp_rank == 0):
+        mesh = self.loss_fn.mesh
+        if mesh is not None:
+            # tp2d: each mesh row's loss is its batch slice's sum, the same on the row's ranks: column 0 counts it.
+            if not (self.is_last_stage and mesh.col == 0):
+                return 0.0, 0.0
+            labels = [mesh.batch_slice(batch[1]) for batch in micro_batches]
+        elif not (self.is_last_stage and self.tp_rank == 0):
             return 0.0, 0.0
-        tokens = sum(int((batch[1] != IGNORE_INDEX).sum()) for batch in micro_batches)
+        else:
+            labels = [batch[1] for batch in micro_batches]
+        tokens = sum(int((label != IGNORE_INDEX).sum()) for label in labels)
         return float(sum(float(loss) for loss in losses)), float(tokens)
 
     # ---- checkpoints --------------------------------------------------------------------------------------

@@ -40,11 +40,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from noise_floor import (
     NoiseFloor,
+    Order,
     assert_outside,
     assert_within,
     check_floor,
     floor_of,
     measure_floor,
+    pinned_threads,
     relative_norm,
 )
 from reference_training import Recipe
@@ -56,6 +58,8 @@ from appliance.model.config import BloomConfig
 from appliance.parallel.bloom2d import Bloom2D, build_tp2d_model
 from appliance.parallel.engine import build_engine
 from appliance.parallel.layers2d import Linear2D, Mesh2D, apply_norm
+from appliance.parallel.mappings import collective_device
+from appliance.parallel.pipeline_parallel import IGNORE_INDEX
 from appliance.parallel.sharding import (
     gather_state_dicts,
     gather_state_dicts_2d,
@@ -308,7 +312,6 @@ def _engine_run(topology: ParallelTopology, checkpoint: Path) -> dict[str, Any]:
     saved to ``checkpoint``, the weights spoiled, and loaded back: "reloaded" says it was exact."""
     engine, trace = _train_engine(topology, "fp32", 0)
     losses, norms = trace["losses"], trace["norms"]
-    micro = [reference_training.batch(_tokens(), range(i, i + MBS)) for i in range(0, GBS, MBS)]
     weights = {name: p.detach().clone() for name, p in engine.named_parameters()}
     checkpoint.mkdir(parents=True, exist_ok=True)
     engine.save_model(checkpoint, {"step": "3"})
@@ -318,12 +321,22 @@ def _engine_run(topology: ParallelTopology, checkpoint: Path) -> dict[str, Any]:
             param.add_(1.0)
     engine.load_model(checkpoint)
     reloaded = all(torch.equal(p, weights[name]) for name, p in engine.named_parameters())
+    sums = torch.tensor(engine.eval_sums(_eval_batches()), dtype=torch.float64, device=collective_device())
+    dist.all_reduce(sums)  # the trainer's reduction: every rank's (loss sum, tokens), zeros where not counted
     try:
-        engine.eval_sums(micro)
+        engine.task_model()
         refused = ""
     except BadInput as e:
         refused = str(e)
-    return {"losses": losses, "norms": norms, "weights": weights, "reloaded": reloaded, "eval_refused": refused}
+    return {"losses": losses, "norms": norms, "weights": weights, "reloaded": reloaded, "eval_sums": sums.tolist(),
+            "scoring_refused": refused}  # fmt: skip
+
+
+def _eval_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Two validation micro-batches of the trained model, the last sample's tail ignored (the trainer's padding)."""
+    micro = [reference_training.batch(_tokens(), range(i, i + MBS)) for i in range(0, GBS, MBS)]
+    micro[-1][1][-1, SEQ // 2 :] = IGNORE_INDEX
+    return micro
 
 
 def _exact_probe_reference() -> dict[str, Any]:
@@ -468,10 +481,26 @@ def test_checkpoint_reshards_between_2d_1d_and_one_process(results: list[dict[st
     assert all(r["reshard_1d_exact"] and r["reshard_2d_exact"] for r in results)
 
 
+def _reference_trace(order: Order) -> dict[str, Any]:
+    """The single process trained in ``order``, and its validation sums (loss sum, tokens) on _eval_batches, summed
+    in that order too (one-sample batches, last to first): the trained weights alone differ below the fp32 loss
+    sum's rounding here, and the mesh rows sum their batch slices apart, as one-sample batches do."""
+    model, trace = reference_training.train(RECIPE, _tokens(), order)
+    with pinned_threads(order.threads), torch.no_grad():
+        batches = _eval_batches()
+        if order.split_micro_batches:
+            batches = [(x[i : i + 1], y[i : i + 1]) for x, y in batches for i in range(len(x))]
+        if order.reverse_micro_batches:
+            batches.reverse()
+        loss = sum(float(ops.cross_entropy(model(x), y, reduction="sum")) for x, y in batches)
+        tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)
+    return trace | {"eval_sum": loss, "eval_tokens": tokens}
+
+
 @pytest.fixture(scope="module")
 def engine_reference() -> tuple[dict[str, Any], NoiseFloor]:
-    trace, floor = measure_floor(lambda order: reference_training.train(RECIPE, _tokens(), order)[1])
-    check_floor(floor, ["losses", "norms", "weights"])
+    trace, floor = measure_floor(_reference_trace)
+    check_floor(floor, ["losses", "norms", "weights", "eval_sum"])
     return trace, floor
 
 
@@ -506,7 +535,8 @@ BF16_LOSS_FACTOR = 40.0
 def bf16_floor(engine_reference: tuple[dict[str, Any], NoiseFloor]) -> NoiseFloor:
     """How far DeepSpeed's bf16 recipe moves the single process from its fp32 run (reference_training.train)."""
     bf16 = reference_training.train(RECIPE, _tokens(), dtype="bf16")[1]
-    return floor_of(engine_reference[0], [("bf16 reference", bf16)])
+    fp32 = {key: engine_reference[0][key] for key in bf16}  # the training trace (losses, norms, weights)
+    return floor_of(fp32, [("bf16 reference", bf16)])
 
 
 def _norm_counting_vectors_q_times() -> tuple[float, float]:
@@ -568,8 +598,20 @@ def _engine_weights(launch: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     return got
 
 
-def test_evaluation_paths_refuse_tp2d_until_wired(launch: list[dict[str, Any]]) -> None:
-    assert all("evaluation sums at tp2d(2) are not wired yet" in r["engine"]["eval_refused"] for r in launch)
+def test_validation_loss_equals_one_process(
+    launch: list[dict[str, Any]], engine_reference: tuple[dict[str, Any], NoiseFloor]
+) -> None:
+    """eval_sums through the trained tp2d = 2 x pp = 2 engine, summed over the world as the trainer does: the
+    tokens exactly, the loss sum within the floor (each mesh row counts its batch slice once, on its column 0)."""
+    want, floor = engine_reference
+    for rank, r in enumerate(launch):
+        loss, tokens = r["engine"]["eval_sums"]
+        assert tokens == want["eval_tokens"], f"rank {rank}"
+        assert_within(loss, want["eval_sum"], "eval_sum", floor, ENGINE_FACTOR, f"rank {rank} validation loss sum")
+
+
+def test_scoring_refuses_tp2d_until_wired(launch: list[dict[str, Any]]) -> None:
+    assert all("scoring and generation at tp2d(2) are not wired yet" in r["engine"]["scoring_refused"] for r in launch)
 
 
 def test_engine_checkpoint_reshards_2d_to_one_process_and_1d(launch: list[dict[str, Any]], checkpoint: Path) -> None:
