@@ -467,15 +467,6 @@ class ParallelEngine:
             safe_set_full_fp32_param(param, value)
         self.last_checkpoint = step_dir
 
-    def _refuse_tp2d(self, what: str) -> None:
-        # Each mesh row holds its own batch slice and the head's vocabulary is split over the mesh columns only, so
-        # the 1D paths' "count on tp rank 0" and scoring over the whole tp group would be wrong, not just slow.
-        if self.topology.tp2d > 1:
-            raise BadInput(
-                f"{what} at tp2d({self.topology.tp2d}) are not wired yet: evaluate a checkpoint at a 1D layout "
-                "(checkpoints reshard between 2D, 1D and one process)"
-            )
-
     def _read_piece(self, reader: ShardReader, key: str, name: str) -> torch.Tensor:
         """This rank's slice (tp) or block (tp2d) of tensor ``key`` of parameter ``name``."""
         q = self.topology.tp2d
@@ -538,9 +529,8 @@ class ParallelEngine:
         """The evaluation harness's TaskModel: scoring and greedy decoding through this layout (collective over
         the TP x PP ranks of this replica, which must all pass the same batches; every CP rank scores whole
         sequences alone, see context_parallel.py)."""
-        self._refuse_tp2d("scoring and generation")
         self.wait_for_parameters()
-        return ParallelScorer(self.engine.module, self.topology, self.engine.device)
+        return ParallelScorer(self.engine.module, self.topology, self.engine.device, self.loss_fn.mesh)
 
     @property
     def module(self) -> BloomForCausalLM:

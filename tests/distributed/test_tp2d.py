@@ -51,7 +51,7 @@ from noise_floor import (
 )
 from reference_training import Recipe
 
-from appliance.errors import BadInput
+from appliance.eval.scoring import ModelScorer
 from appliance.model import ops
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
@@ -323,13 +323,21 @@ def _engine_run(topology: ParallelTopology, checkpoint: Path) -> dict[str, Any]:
     reloaded = all(torch.equal(p, weights[name]) for name, p in engine.named_parameters())
     sums = torch.tensor(engine.eval_sums(_eval_batches()), dtype=torch.float64, device=collective_device())
     dist.all_reduce(sums)  # the trainer's reduction: every rank's (loss sum, tokens), zeros where not counted
-    try:
-        engine.task_model()
-        refused = ""
-    except BadInput as e:
-        refused = str(e)
+    scorer = engine.task_model()
+    ids, targets, mask = _score_batch()
+    logprobs, greedy = scorer.target_logprobs(ids, targets)
+    scores = {"logprobs": logprobs, "greedy": greedy, "next": scorer.next_tokens(ids * mask, mask)}
     return {"losses": losses, "norms": norms, "weights": weights, "reloaded": reloaded, "eval_sums": sums.tolist(),
-            "scoring_refused": refused}  # fmt: skip
+            "scores": scores}  # fmt: skip
+
+
+def _score_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Three rows (not a multiple of the mesh's 2 rows: the scorer pads) to score: ids, targets, a left-padded mask
+    of two prompt lengths for the next token."""
+    tokens = _tokens()[:3]
+    mask = torch.ones(3, SEQ, dtype=torch.int64)
+    mask[1, :2] = 0
+    return tokens[:, :-1], tokens[:, 1:], mask
 
 
 def _eval_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -494,13 +502,17 @@ def _reference_trace(order: Order) -> dict[str, Any]:
             batches.reverse()
         loss = sum(float(ops.cross_entropy(model(x), y, reduction="sum")) for x, y in batches)
         tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)
-    return trace | {"eval_sum": loss, "eval_tokens": tokens}
+        ids, targets, mask = _score_batch()
+        scorer = ModelScorer(model, torch.device("cpu"))
+        logprobs, greedy = scorer.target_logprobs(ids, targets)
+        scores = {"logprobs": logprobs, "greedy": greedy, "next": scorer.next_tokens(ids * mask, mask)}
+    return trace | {"eval_sum": loss, "eval_tokens": tokens} | scores
 
 
 @pytest.fixture(scope="module")
 def engine_reference() -> tuple[dict[str, Any], NoiseFloor]:
     trace, floor = measure_floor(_reference_trace)
-    check_floor(floor, ["losses", "norms", "weights", "eval_sum"])
+    check_floor(floor, ["losses", "norms", "weights", "eval_sum", "logprobs"])
     return trace, floor
 
 
@@ -610,8 +622,17 @@ def test_validation_loss_equals_one_process(
         assert_within(loss, want["eval_sum"], "eval_sum", floor, ENGINE_FACTOR, f"rank {rank} validation loss sum")
 
 
-def test_scoring_refuses_tp2d_until_wired(launch: list[dict[str, Any]]) -> None:
-    assert all("scoring and generation at tp2d(2) are not wired yet" in r["engine"]["scoring_refused"] for r in launch)
+def test_scoring_equals_one_process(
+    launch: list[dict[str, Any]], engine_reference: tuple[dict[str, Any], NoiseFloor]
+) -> None:
+    """task_model through the trained tp2d = 2 x pp = 2 engine: target log-probabilities within the floor (each mesh
+    row scores its batch slice, the vocabulary over its columns), the greedy verdicts and next tokens equal."""
+    want, floor = engine_reference
+    for rank, r in enumerate(launch):
+        got = r["engine"]["scores"]
+        assert_within(got["logprobs"], want["logprobs"], "logprobs", floor, ENGINE_FACTOR, f"rank {rank}")
+        assert torch.equal(got["greedy"], want["greedy"]), f"rank {rank}"
+        assert torch.equal(got["next"], want["next"]), f"rank {rank}"
 
 
 def test_engine_checkpoint_reshards_2d_to_one_process_and_1d(launch: list[dict[str, Any]], checkpoint: Path) -> None:
