@@ -173,12 +173,12 @@ def build_engine(
     # DeepSpeed's own communication layer wraps the process group already running (the PipelineModule needs it
     # before deepspeed.initialize would set it up).
     init_deepspeed_comm(dist.get_backend())
-    if topology.tp2d > 1 and (dtype != "fp32" or zero_stage > 0):
-        # Our fp32 clipping path counts each mesh-row-replicated vector once (grads._counted_here); DeepSpeed's bf16,
-        # fp16 and ZeRO optimizers count every tensor-parallel parameter on every rank, those vectors q times.
+    if topology.tp2d > 1 and (dtype == "fp16" or zero_stage > 1):
+        # bf16 and ZeRO-1 count the mesh-row-replicated vectors once (layers2d._mark_2d) and are proven at tp2d = 2
+        # (tests/distributed/test_tp2d.py); fp16's loss scaler and ZeRO-2's gradient partitions are not yet.
         raise BadInput(
-            f"tp2d({topology.tp2d}) trains in fp32 without ZeRO for now, got dtype {dtype} and zero {zero_stage}: "
-            "DeepSpeed's bf16/fp16/ZeRO gradient norm would count the vectors the mesh rows share q times"
+            f"tp2d({topology.tp2d}) trains in fp32 or bf16 at ZeRO 0 or 1, got dtype {dtype} and zero {zero_stage}: "
+            "fp16 and ZeRO 2/3 are not proven with the 2D mesh yet"
         )
     # What each rank's layers become (tensor/sequence parallel, context parallel, recompute), decided in one place.
     parallelism = Parallelism(topology, sequence_parallel=sequence_parallel, recompute=recompute, cp_mode=cp_mode)
@@ -434,10 +434,10 @@ class ParallelEngine:
     @torch.no_grad()
     def eval_sums(self, micro_batches: Sequence[Batch]) -> tuple[float, float]:
         """(summed token loss, tokens) of these micro-batches, counted on one rank per replica and CP slice (the last
-        stage's TP rank 0 of every CP rank, each its own tokens; zeros elsewhere), so a sum over all ranks is the sum
+        stage's TP rank 0 of every CP rank, each its own tokens; at tp2d the last stage's mesh column 0 of every mesh
+        row, each its row's batch slice; zeros elsewhere), so a sum over all ranks is the sum
         over every DP rank's samples. Every rank of the world must call it with the same number of micro-batches
         of micro_batch_size whole-sequence samples each (the CP ranks of a DP rank the same ones)."""
-        self._refuse_tp2d("evaluation sums")
         if not micro_batches:
             return 0.0, 0.0
         micro_batches = self.local_batches(micro_batches)
@@ -459,9 +459,17 @@ class ParallelEngine:
                 self.engine.train()
         finally:
             self.loss_fn.reduction = "mean"
-        if not (self.is_last_stage and self.tp_rank == 0):
+        mesh = self.loss_fn.mesh
+        if mesh is not None:
+            # tp2d: each mesh row's loss is its batch slice's sum, the same on the row's ranks: column 0 counts it.
+            if not (self.is_last_stage and mesh.col == 0):
+                return 0.0, 0.0
+            labels = [mesh.batch_slice(batch[1]) for batch in micro_batches]
+        elif not (self.is_last_stage and self.tp_rank == 0):
             return 0.0, 0.0
-        tokens = sum(int((batch[1] != IGNORE_INDEX).sum()) for batch in micro_batches)
+        else:
+            labels = [batch[1] for batch in micro_batches]
+        tokens = sum(int((label != IGNORE_INDEX).sum()) for label in labels)
         return float(sum(float(loss) for loss in losses)), float(tokens)
 
     # ---- checkpoints --------------------------------------------------------------------------------------
@@ -521,15 +529,6 @@ class ParallelEngine:
             # optimizer state's own masters, where saved, replace them in load_optimizer.
             safe_set_full_fp32_param(param, value)
         self.last_checkpoint = step_dir
-
-    def _refuse_tp2d(self, what: str) -> None:
-        # Each mesh row holds its own batch slice and the head's vocabulary is split over the mesh columns only, so
-        # the 1D paths' "count on tp rank 0" and scoring over the whole tp group would be wrong, not just slow.
-        if self.topology.tp2d > 1:
-            raise BadInput(
-                f"{what} at tp2d({self.topology.tp2d}) are not wired yet: evaluate a checkpoint at a 1D layout "
-                "(checkpoints reshard between 2D, 1D and one process)"
-            )
 
     def _read_piece(self, reader: ShardReader, key: str, name: str) -> torch.Tensor:
         """This rank's slice (tp) or block (tp2d) of tensor ``key`` of parameter ``name``."""
@@ -604,9 +603,8 @@ class ParallelEngine:
         """The evaluation harness's TaskModel: scoring and greedy decoding through this layout (collective over
         the TP x PP ranks of this replica, which must all pass the same batches; every CP rank scores whole
         sequences alone, see context_parallel.py)."""
-        self._refuse_tp2d("scoring and generation")
         self.wait_for_parameters()
-        return ParallelScorer(self.engine.module, self.topology, self.engine.device)
+        return ParallelScorer(self.engine.module, self.topology, self.engine.device, self.loss_fn.mesh)
 
     @property
     def module(self) -> BloomForCausalLM:
