@@ -263,3 +263,15 @@ def test_the_trainers_step_events_carry_the_counters(tmp_path: Path) -> None:
     steps = events(run_dir, "step")
     assert [e["expert_tier"]["hits"] for e in steps] == [1, 1]
     assert steps[-1]["expert_tier"] == expert_tier_event(store.counters(), store.placement())
+
+
+def test_the_engine_refuses_the_store_where_it_is_not_wired() -> None:
+    """bf16, ZeRO 1 and pp 2 are refused in one message naming each key; fp32 ZeRO 0 pp 1 passes."""
+    from appliance.errors import BadInput
+    from appliance.parallel.expert_store_engine import check_store_layout
+
+    check_store_layout(is_moe=True, dtype="fp32", zero_stage=0, pp=1)
+    with pytest.raises(BadInput) as refused:
+        check_store_layout(is_moe=False, dtype="bf16", zero_stage=1, pp=2)
+    for key in ("expert_device_budget_mb", "moe_num_experts", "train.dtype is bf16", "zero_stage is 1", "pp is 2"):
+        assert key in str(refused.value), key
