@@ -60,6 +60,13 @@ from appliance.parallel.expert_parallel import (
     register_expert_groups,
     set_expert_offsets,
 )
+from appliance.parallel.expert_store_engine import (
+    EngineExpertStore,
+    build_engine_store,
+    check_store_layout,
+    dense_for_optimizer,
+    install_store_step,
+)
 from appliance.parallel.grads import TopologyMPU, install_global_norm_clipping, register_sequence_parallel_grad_hooks
 from appliance.parallel.mappings import collective_device
 from appliance.parallel.optimizer_state import (
@@ -157,6 +164,8 @@ def build_engine(
     seed: int,
     overlap_param_gather: bool = TrainSettings.overlap_param_gather,
     cp_mode: str = "ulysses",
+    expert_device_budget_bytes: int = 0,
+    expert_disk_dir: Path | None = None,
 ) -> ParallelEngine:
     """Build this rank's part of the model and its DeepSpeed engine. Collective: every rank calls it."""
     import deepspeed
@@ -166,6 +175,9 @@ def build_engine(
 
     topology.validate_heads(config.n_head)
     check_moe_layout(config, topology)
+    tiered = expert_device_budget_bytes > 0  # the experts in the tiered store (expert_store_engine.py)
+    if tiered:
+        check_store_layout(is_moe=config.is_moe, dtype=dtype, zero_stage=zero_stage, pp=topology.pp)
     topology.init_process_groups()
     if config.is_moe:
         register_expert_groups(topology)  # before DeepSpeed would make its own (expert_parallel.py)
@@ -208,8 +220,9 @@ def build_engine(
         init_shards_(named, config, seed, topology.tp_rank(dist.get_rank()), topology.tp)
     if sequence_parallel:
         register_sequence_parallel_grad_hooks(module, topology.tp_group)
-    groups = param_groups(named, weight_decay)
-    if config.is_moe:
+    # With the store, the experts' AdamW is the store's own, so DeepSpeed's optimizer gets the dense parameters only.
+    groups = param_groups(dense_for_optimizer(named) if tiered else named, weight_decay)
+    if config.is_moe and not tiered:
         groups = moe_param_groups(groups)
     optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **adamw_kernel(device))
     ds_config = deepspeed_config(
@@ -231,6 +244,20 @@ def build_engine(
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config, mpu=mpu)
     if not (engine.bfloat16_enabled() or engine.zero_optimization()):
         install_global_norm_clipping(engine, topology)
+    experts = None
+    if tiered:
+        experts = build_engine_store(
+            module,
+            named,
+            device=device,
+            budget_bytes=expert_device_budget_bytes,
+            disk_dir=expert_disk_dir,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+        )
+        install_store_step(engine, experts, topology)
     min_loss_scale = keep_training_at_the_minimum_scale(engine.optimizer) if engine.fp16_enabled() else None
     # BLOOM-MoE: ZeRO partitions the expert groups over edp, not dp; the overlapped gather knows dp only, so an MoE
     # model keeps DeepSpeed's own gather inside the step.
@@ -245,6 +272,7 @@ def build_engine(
         loss_fn=loss_fn,
         min_loss_scale=min_loss_scale,
         param_gather=gather,
+        experts=experts,
     )
 
 
@@ -269,8 +297,13 @@ class ParallelEngine:
         min_loss_scale: float | None = None,
         param_gather: OverlappedParamGather | None = None,
         cp_mode: str = "ulysses",
+        experts: EngineExpertStore | None = None,
     ) -> None:
         self.engine = engine
+        # BLOOM-MoE with expert_device_budget_mb > 0: the experts live in the tiered store (expert_store_engine.py);
+        # the trainer reports `expert_store`'s moves in each step event.
+        self.experts = experts
+        self.expert_store = experts.store if experts is not None else None
         self.param_gather = param_gather  # None: DeepSpeed gathers the updated weights inside its step
         self.min_loss_scale = min_loss_scale  # fp16 only: the smallest scale the loss scaler may reach
         self.topology = topology
@@ -477,11 +510,12 @@ class ParallelEngine:
         """This rank's weights, Hugging Face names, fp32 on CPU (bf16 values convert exactly); on an ep rank >= 1
         of an MoE model its experts only (ep rank 0's file has the rest)."""
         experts_only = self.config.is_moe and self.dp_rank != 0
-        return {
+        shard = {
             name: p.detach().float().contiguous().cpu()
             for name, p in self.named_parameters()
-            if not experts_only or ".mlp.experts." in name
+            if (not experts_only or ".mlp.experts." in name) and not (self.experts and self.experts.holds(p))
         }
+        return shard | (self.experts.weights() if self.experts is not None else {})
 
     def model_file_name(self) -> str | None:
         """The model file this rank writes into a checkpoint, or None: DP rank 0 and CP rank 0 of each (tp, pp)
@@ -517,7 +551,11 @@ class ParallelEngine:
 
         step_dir = Path(step_dir)
         reader = ShardReader(model_sources(step_dir), what=str(step_dir))
+        if self.experts is not None:  # wherever each expert is (an evicted one's parameters are placeholders)
+            self.experts.load_weights(lambda name: self._read_piece(reader, name, name))
         for name, param in self.named_parameters():
+            if self.experts is not None and self.experts.holds(param):
+                continue
             value = self._read_piece(reader, name, name)
             if value.shape != param.shape:
                 raise ValueError(
@@ -540,31 +578,47 @@ class ParallelEngine:
     def optimizer_state(self) -> dict[str, torch.Tensor]:
         """This rank's optimizer state: its TP slice of every parameter's Adam state, whole over DP, keyed
         ``<Hugging Face name>.<state>`` (optimizer_state.py). Collective over the DP group."""
-        return optimizer_state(self.named_parameters(), self.engine.optimizer)
+        return optimizer_state(self._dense_named(), self.engine.optimizer) | self._expert_optimizer_state()
+
+    def _dense_named(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The parameters DeepSpeed's optimizer steps: all of them, but the tiered store's experts."""
+        experts = self.experts
+        return [(n, p) for n, p in self.named_parameters() if experts is None or not experts.holds(p)]
+
+    def _expert_optimizer_state(self) -> dict[str, torch.Tensor]:
+        return self.experts.optimizer_state() if self.experts is not None else {}
 
     def load_optimizer_state(self, state: Mapping[str, torch.Tensor]) -> bool:
         """Load what ``optimizer_state`` returned on a rank of the same (tp, pp) position."""
-        return load_optimizer_state(self.named_parameters(), self.engine.optimizer, state.keys(), lambda k, _: state[k])
+        dense = load_optimizer_state(self._dense_named(), self.engine.optimizer, state.keys(), lambda k, _: state[k])
+        if self.experts is None:
+            return dense
+        return self.experts.load_optimizer_state(set(state.keys()), lambda k, _: state[k]) or dense
 
     def optimizer_shard(self) -> dict[str, torch.Tensor]:
         """The optimizer state this rank writes into a checkpoint: that of the parameters ``dp_writers`` gives
         this rank of DeepSpeed's data-parallel group (dp x cp: ZeRO partitions the state over it, and its CP ranks
         hold the same parameters, so they share the writing like DP ranks). Collective over that group: call it on
         every rank before anything that may fail on one."""
-        named = self.named_parameters()
+        named = self._dense_named()
+        # The tiered store's experts: written, as DeepSpeed's are, by expert-data-parallel rank 0 (dp ranks < ep).
+        stored = self._expert_optimizer_state() if self.dp_rank < self.topology.ep else {}
         if self.config.is_moe and self.topology.ep > 1:
             # Each ep rank holds other experts: the dense parameters are shared out over dp as usual, and each
             # ep rank's experts are written by its expert-data-parallel rank 0 (dp ranks 0 .. ep - 1).
             dense = [(n, p) for n, p in named if ".mlp.experts." not in n]
             writers = dp_writers(dense, self.topology.dp * self.topology.cp)
             first_edp = self.dp_rank < self.topology.ep
-            return optimizer_state(
-                named,
-                self.engine.optimizer,
-                keep=lambda name: writers[name] == self.data_rank if name in writers else first_edp,
+            return (
+                optimizer_state(
+                    named,
+                    self.engine.optimizer,
+                    keep=lambda name: writers[name] == self.data_rank if name in writers else first_edp,
+                )
+                | stored
             )
         writers = dp_writers(named, self.topology.dp * self.topology.cp)
-        return optimizer_state(named, self.engine.optimizer, keep=lambda name: writers[name] == self.data_rank)
+        return optimizer_state(named, self.engine.optimizer, keep=lambda name: writers[name] == self.data_rank) | stored
 
     def save_optimizer(
         self, step_dir: Path, shard: Mapping[str, torch.Tensor], metadata: Mapping[str, str]
@@ -591,11 +645,16 @@ class ParallelEngine:
         if not files:
             return False
         reader = ShardReader(files, what=f"{step_dir} optimizer state")
-        return load_optimizer_state(
-            self.named_parameters(),
+        dense = load_optimizer_state(
+            self._dense_named(),
             self.engine.optimizer,
             reader.keys(),
             lambda k, n: self._read_piece(reader, k, n),
+        )
+        if self.experts is None:
+            return dense
+        return (
+            self.experts.load_optimizer_state(set(reader.keys()), lambda k, n: self._read_piece(reader, k, n)) or dense
         )
 
     # ---- the whole model, for evaluation -----------------------------------------------------------------
