@@ -3,8 +3,8 @@ one row per compiled specialisation with registers per thread, spills and shared
 
     .venv/bin/python -m bench.kernels_compile [--quick] [--json PATH]
 
-Shapes: each GPU model preset (presets/models, without the CPU presets bloom-tiny-cpu and bloom-micro-test) as
-one tensor-parallel rank sees it at the layout of its reference run (presets/reference: BLOOM-176B at tp=4,
+Shapes: each GPU model preset (presets/models, without CPU_PRESETS below) as one tensor-parallel rank sees it at
+the layout of its reference run (presets/reference: BLOOM-176B at tp=4,
 micro-batch 2), else tp=1 and micro-batch 1. Inputs are bf16, what training runs on these GPUs; flash attention
 is also compiled for fp32 inputs, which its launcher gives their own tiles on CUDA. The launchers pick every
 configuration themselves (kernels.launch.recording); kernels.aot compiles what they launch. --quick: one
@@ -36,7 +36,11 @@ import torch  # noqa: E402
 from appliance.planner.model_shape import load_model_shape  # noqa: E402
 from appliance.presets import list_presets, load_preset  # noqa: E402
 
-CPU_PRESETS = ("bloom-tiny-cpu", "bloom-micro-test")  # sized for the CPU smoke run and the unit tests
+CPU_PRESETS = (
+    "bloom-tiny-cpu",
+    "bloom-micro-test",
+    "bloom-moe-tiny-cpu",
+)  # sized for CPU smoke runs and the unit tests
 EXTRA_DTYPES = {"flash_attention": (torch.bfloat16, torch.float32)}
 
 

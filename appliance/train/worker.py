@@ -129,11 +129,6 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
         return 0
     settings, layout = spec.train, spec.layout
-    node_change = _note_nodes(run_dir, rank, layout.factors)
-    if rank == 0:
-        # Ranks that start again are no longer preempted: the agent stops the workers with SIGTERM (they save and
-        # leave this marker) when a node joins (the grow-back) and starts them again, in the same launch.
-        run_dir.preempted_marker.unlink(missing_ok=True)
     try:
         # This node's torch and accelerator, before DeepSpeed would fail inside initialize (under SLURM no head
         # process checked first).
@@ -161,6 +156,13 @@ def main(argv: list[str] | None = None) -> int:
         if events is not None:
             events.emit("failure", rank=rank, reason=f"{run_dir.plan}: {e}")
         raise SystemExit(f"{run_dir.plan}: {e}") from None
+    # The first collective comes after every rank's own checks above, so a plan this node cannot run stops each rank
+    # with its reason instead of leaving the others waiting in it.
+    node_change = _note_nodes(run_dir, rank, layout.factors)
+    if rank == 0:
+        # Ranks that start again are no longer preempted: the agent stops the workers with SIGTERM (they save and
+        # leave this marker) when a node joins (the grow-back) and starts them again, in the same launch.
+        run_dir.preempted_marker.unlink(missing_ok=True)
     topology.init_process_groups()
     # The sampler deals samples by the dp coordinate only: the CP ranks of a DP rank take the same sequences.
     dp_rank, dp_size = topology.dp_rank(rank), topology.dp

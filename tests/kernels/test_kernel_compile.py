@@ -131,10 +131,12 @@ def test_launchers_pick_tiles_for_the_recorded_target() -> None:
 
 
 def test_matrix_covers_every_gpu_preset_head_dim() -> None:
-    # BLOOM-560m 64, 1b1 96, 1b7 128, 3b 80, 7b1 128, 176b 128 (hidden / heads in presets/models)
+    # BLOOM-560m 64, 1b1 96, 1b7 128, 3b 80, 7b1 128, 176b 128 (hidden / heads in presets/models); BLOOM-MoE-176b
+    # has 176b's attention (its experts are BLOOM MLPs: the same GeLU and GEMM shapes)
     shapes = {s.model: s for s in training_shapes()}
     assert {name: s.head_dim for name, s in shapes.items()} == {
         "bloom-560m": 64, "bloom-1b1": 96, "bloom-1b7": 128, "bloom-3b": 80, "bloom-7b1": 128, "bloom-176b": 128,
+        "bloom-moe-176b": 128,
     }  # fmt: skip
     # BLOOM-176B per rank at its reference layout (tp=4): 28 heads, a quarter of the padded vocabulary
     assert (shapes["bloom-176b"].tp, shapes["bloom-176b"].heads, shapes["bloom-176b"].vocab) == (4, 28, 62720)

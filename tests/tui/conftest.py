@@ -62,3 +62,8 @@ def cpu_run(tmp_path: Path) -> RunDir:
 @pytest.fixture
 def gpu_run(tmp_path: Path) -> RunDir:
     return fixture_run("gpu-8xa100", tmp_path)
+
+
+@pytest.fixture
+def moe_run(tmp_path: Path) -> RunDir:
+    return fixture_run("moe-cpu", tmp_path)

@@ -3,8 +3,6 @@ from a dense one. Snapshot at the dashboard's fixed size of the recorded run fix
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from test_tui_panels import drive
 from test_tui_snapshots import SIZE, loaded
 from textual.pilot import Pilot
@@ -15,17 +13,11 @@ from appliance.tui.app import DashboardApp, make_app
 from appliance.tui.widgets.experts import ExpertsPanel, load_bars
 
 
-def moe_run(tmp_path: Path) -> RunDir:
-    from conftest import fixture_run
-
-    return fixture_run("moe-cpu", tmp_path)
+def test_moe_run(snap_compare, moe_run: RunDir) -> None:  # type: ignore[no-untyped-def]
+    assert snap_compare(make_app(moe_run.root, follow=False), terminal_size=SIZE, run_before=loaded)
 
 
-def test_moe_run(snap_compare, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    assert snap_compare(make_app(moe_run(tmp_path).root, follow=False), terminal_size=SIZE, run_before=loaded)
-
-
-def test_the_panel_shows_only_for_moe_runs(tmp_path: Path, cpu_run: RunDir) -> None:
+def test_the_panel_shows_only_for_moe_runs(cpu_run: RunDir, moe_run: RunDir) -> None:
     async def check(app: DashboardApp, pilot: Pilot[int]) -> None:
         panel = app.query_one(ExpertsPanel)
         shown.append(panel.display)
@@ -33,7 +25,7 @@ def test_the_panel_shows_only_for_moe_runs(tmp_path: Path, cpu_run: RunDir) -> N
 
     shown: list[bool] = []
     texts: list[str] = []
-    drive(moe_run(tmp_path).root, check)
+    drive(moe_run.root, check)
     drive(cpu_run.root, check)
     assert shown == [True, False]
     # the recorded run's last step: 4 layers, layer 3 the least balanced (0.2777 / 0.125 = 2.22)

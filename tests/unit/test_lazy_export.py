@@ -56,6 +56,9 @@ def test_tp2_pp2_shards_read_back_as_the_full_model_lazily(tmp_path, monkeypatch
         def keys(self):  # type: ignore[no-untyped-def]
             return self.inner.keys()
 
+        def metadata(self):  # type: ignore[no-untyped-def]
+            return self.inner.metadata()
+
         def get_tensor(self, name):  # type: ignore[no-untyped-def]
             reads.append(name)
             return self.inner.get_tensor(name)
