@@ -439,5 +439,8 @@ def test_run_trains_bloom_moe_tiny_at_pp2_dp2_ep2(tmp_path: Path) -> None:
         assert all(abs(sum(row) - 1.0) < 1e-9 for row in e["expert_load"])
     step_dir = sorted((run_dir / "checkpoints").iterdir())[-1]
     assert (step_dir / "experts-tp00-pp01-ep01.safetensors").is_file()
+    # The exchange the engine picked, with its reason: one host, so DeepSpeed's flat one.
+    recorded = json.loads((run_dir / "ds_config.json").read_text())["moe_all_to_all"]
+    assert recorded["kind"] == "flat" and "one node" in recorded["reason"], recorded
     config = json.loads((run_dir / "export" / "config.json").read_text())
     assert config["model_type"] == "bloom_moe" and config["moe"]["num_experts"] == 4
