@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from appliance.parallel.layers import is_tensor_parallel
 from appliance.parallel.mappings import Group, group_size
 
 # Position weights for the second checksum, so that values swapped between elements also change it.
@@ -28,7 +29,7 @@ _BITS_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def replicated_across_tp(named_params: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
     """The parameters every TP rank must hold identically: all those not split by a tensor-parallel layer."""
-    return [(name, p) for name, p in named_params if not getattr(p, "tensor_model_parallel", False)]
+    return [(name, p) for name, p in named_params if not is_tensor_parallel(p)]
 
 
 @dataclass(frozen=True)

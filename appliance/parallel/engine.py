@@ -60,6 +60,13 @@ from appliance.parallel.expert_parallel import (
     register_expert_groups,
     set_expert_offsets,
 )
+from appliance.parallel.expert_store_engine import (
+    EngineExpertStore,
+    build_engine_store,
+    check_store_layout,
+    dense_for_optimizer,
+    install_store_step,
+)
 from appliance.parallel.grads import TopologyMPU, install_global_norm_clipping, register_sequence_parallel_grad_hooks
 from appliance.parallel.mappings import collective_device
 from appliance.parallel.optimizer_state import (
@@ -157,6 +164,8 @@ def build_engine(
     seed: int,
     overlap_param_gather: bool = TrainSettings.overlap_param_gather,
     cp_mode: str = "ulysses",
+    expert_device_budget_bytes: int = 0,
+    expert_disk_dir: Path | None = None,
     seq_len: int | None = None,  # MoE: sizes the exchanges the all-to-all choice weighs (model/moe.py)
 ) -> ParallelEngine:
     """Build this rank's part of the model and its DeepSpeed engine. Collective: every rank calls it."""
@@ -167,6 +176,9 @@ def build_engine(
 
     topology.validate_heads(config.n_head)
     check_moe_layout(config, topology)
+    tiered = expert_device_budget_bytes > 0  # the experts in the tiered store (expert_store_engine.py)
+    if tiered:
+        check_store_layout(is_moe=config.is_moe, dtype=dtype, zero_stage=zero_stage, pp=topology.pp)
     topology.init_process_groups()
     if config.is_moe:
         register_expert_groups(topology)  # before DeepSpeed would make its own (expert_parallel.py)
@@ -177,12 +189,12 @@ def build_engine(
     # DeepSpeed's own communication layer wraps the process group already running (the PipelineModule needs it
     # before deepspeed.initialize would set it up).
     init_deepspeed_comm(dist.get_backend())
-    if topology.tp2d > 1 and (dtype != "fp32" or zero_stage > 0):
-        # Our fp32 clipping path counts each mesh-row-replicated vector once (grads._counted_here); DeepSpeed's bf16,
-        # fp16 and ZeRO optimizers count every tensor-parallel parameter on every rank, those vectors q times.
+    if topology.tp2d > 1 and (dtype == "fp16" or zero_stage > 1):
+        # bf16 and ZeRO-1 count the mesh-row-replicated vectors once (layers2d._mark_2d) and are proven at tp2d = 2
+        # (tests/distributed/test_tp2d.py); fp16's loss scaler and ZeRO-2's gradient partitions are not yet.
         raise BadInput(
-            f"tp2d({topology.tp2d}) trains in fp32 without ZeRO for now, got dtype {dtype} and zero {zero_stage}: "
-            "DeepSpeed's bf16/fp16/ZeRO gradient norm would count the vectors the mesh rows share q times"
+            f"tp2d({topology.tp2d}) trains in fp32 or bf16 at ZeRO 0 or 1, got dtype {dtype} and zero {zero_stage}: "
+            "fp16 and ZeRO 2/3 are not proven with the 2D mesh yet"
         )
     # What each rank's layers become (tensor/sequence parallel, context parallel, recompute), decided in one place.
     parallelism = Parallelism(topology, sequence_parallel=sequence_parallel, recompute=recompute, cp_mode=cp_mode)
@@ -212,8 +224,9 @@ def build_engine(
         init_shards_(named, config, seed, topology.tp_rank(dist.get_rank()), topology.tp)
     if sequence_parallel:
         register_sequence_parallel_grad_hooks(module, topology.tp_group)
-    groups = param_groups(named, weight_decay)
-    if config.is_moe:
+    # With the store, the experts' AdamW is the store's own, so DeepSpeed's optimizer gets the dense parameters only.
+    groups = param_groups(dense_for_optimizer(named) if tiered else named, weight_decay)
+    if config.is_moe and not tiered:
         groups = moe_param_groups(groups)
     optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **adamw_kernel(device))
     ds_config = deepspeed_config(
@@ -235,6 +248,20 @@ def build_engine(
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config, mpu=mpu)
     if not (engine.bfloat16_enabled() or engine.zero_optimization()):
         install_global_norm_clipping(engine, topology)
+    experts = None
+    if tiered:
+        experts = build_engine_store(
+            module,
+            named,
+            device=device,
+            budget_bytes=expert_device_budget_bytes,
+            disk_dir=expert_disk_dir,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+        )
+        install_store_step(engine, experts, topology)
     min_loss_scale = keep_training_at_the_minimum_scale(engine.optimizer) if engine.fp16_enabled() else None
     # BLOOM-MoE: ZeRO partitions the expert groups over edp, not dp; the overlapped gather knows dp only, so an MoE
     # model keeps DeepSpeed's own gather inside the step.
@@ -249,6 +276,7 @@ def build_engine(
         loss_fn=loss_fn,
         min_loss_scale=min_loss_scale,
         param_gather=gather,
+        experts=experts,
     )
 
 
@@ -273,8 +301,13 @@ class ParallelEngine:
         min_loss_scale: float | None = None,
         param_gather: OverlappedParamGather | None = None,
         cp_mode: str = "ulysses",
+        experts: EngineExpertStore | None = None,
     ) -> None:
         self.engine = engine
+        # BLOOM-MoE with expert_device_budget_mb > 0: the experts live in the tiered store (expert_store_engine.py);
+        # the trainer reports `expert_store`'s moves in each step event.
+        self.experts = experts
+        self.expert_store = experts.store if experts is not None else None
         self.param_gather = param_gather  # None: DeepSpeed gathers the updated weights inside its step
         self.min_loss_scale = min_loss_scale  # fp16 only: the smallest scale the loss scaler may reach
         self.topology = topology
@@ -438,10 +471,10 @@ class ParallelEngine:
     @torch.no_grad()
     def eval_sums(self, micro_batches: Sequence[Batch]) -> tuple[float, float]:
         """(summed token loss, tokens) of these micro-batches, counted on one rank per replica and CP slice (the last
-        stage's TP rank 0 of every CP rank, each its own tokens; zeros elsewhere), so a sum over all ranks is the sum
+        stage's TP rank 0 of every CP rank, each its own tokens; at tp2d the last stage's mesh column 0 of every mesh
+        row, each its row's batch slice; zeros elsewhere), so a sum over all ranks is the sum
         over every DP rank's samples. Every rank of the world must call it with the same number of micro-batches
         of micro_batch_size whole-sequence samples each (the CP ranks of a DP rank the same ones)."""
-        self._refuse_tp2d("evaluation sums")
         if not micro_batches:
             return 0.0, 0.0
         micro_batches = self.local_batches(micro_batches)
@@ -463,9 +496,17 @@ class ParallelEngine:
                 self.engine.train()
         finally:
             self.loss_fn.reduction = "mean"
-        if not (self.is_last_stage and self.tp_rank == 0):
+        mesh = self.loss_fn.mesh
+        if mesh is not None:
+            # tp2d: each mesh row's loss is its batch slice's sum, the same on the row's ranks: column 0 counts it.
+            if not (self.is_last_stage and mesh.col == 0):
+                return 0.0, 0.0
+            labels = [mesh.batch_slice(batch[1]) for batch in micro_batches]
+        elif not (self.is_last_stage and self.tp_rank == 0):
             return 0.0, 0.0
-        tokens = sum(int((batch[1] != IGNORE_INDEX).sum()) for batch in micro_batches)
+        else:
+            labels = [batch[1] for batch in micro_batches]
+        tokens = sum(int((label != IGNORE_INDEX).sum()) for label in labels)
         return float(sum(float(loss) for loss in losses)), float(tokens)
 
     # ---- checkpoints --------------------------------------------------------------------------------------
@@ -473,11 +514,12 @@ class ParallelEngine:
         """This rank's weights, Hugging Face names, fp32 on CPU (bf16 values convert exactly); on an ep rank >= 1
         of an MoE model its experts only (ep rank 0's file has the rest)."""
         experts_only = self.config.is_moe and self.dp_rank != 0
-        return {
+        shard = {
             name: p.detach().float().contiguous().cpu()
             for name, p in self.named_parameters()
-            if not experts_only or ".mlp.experts." in name
+            if (not experts_only or ".mlp.experts." in name) and not (self.experts and self.experts.holds(p))
         }
+        return shard | (self.experts.weights() if self.experts is not None else {})
 
     def model_file_name(self) -> str | None:
         """The model file this rank writes into a checkpoint, or None: DP rank 0 and CP rank 0 of each (tp, pp)
@@ -513,7 +555,11 @@ class ParallelEngine:
 
         step_dir = Path(step_dir)
         reader = ShardReader(model_sources(step_dir), what=str(step_dir))
+        if self.experts is not None:  # wherever each expert is (an evicted one's parameters are placeholders)
+            self.experts.load_weights(lambda name: self._read_piece(reader, name, name))
         for name, param in self.named_parameters():
+            if self.experts is not None and self.experts.holds(param):
+                continue
             value = self._read_piece(reader, name, name)
             if value.shape != param.shape:
                 raise ValueError(
@@ -526,15 +572,6 @@ class ParallelEngine:
             safe_set_full_fp32_param(param, value)
         self.last_checkpoint = step_dir
 
-    def _refuse_tp2d(self, what: str) -> None:
-        # Each mesh row holds its own batch slice and the head's vocabulary is split over the mesh columns only, so
-        # the 1D paths' "count on tp rank 0" and scoring over the whole tp group would be wrong, not just slow.
-        if self.topology.tp2d > 1:
-            raise BadInput(
-                f"{what} at tp2d({self.topology.tp2d}) are not wired yet: evaluate a checkpoint at a 1D layout "
-                "(checkpoints reshard between 2D, 1D and one process)"
-            )
-
     def _read_piece(self, reader: ShardReader, key: str, name: str) -> torch.Tensor:
         """This rank's slice (tp) or block (tp2d) of tensor ``key`` of parameter ``name``."""
         q = self.topology.tp2d
@@ -545,31 +582,47 @@ class ParallelEngine:
     def optimizer_state(self) -> dict[str, torch.Tensor]:
         """This rank's optimizer state: its TP slice of every parameter's Adam state, whole over DP, keyed
         ``<Hugging Face name>.<state>`` (optimizer_state.py). Collective over the DP group."""
-        return optimizer_state(self.named_parameters(), self.engine.optimizer)
+        return optimizer_state(self._dense_named(), self.engine.optimizer) | self._expert_optimizer_state()
+
+    def _dense_named(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The parameters DeepSpeed's optimizer steps: all of them, but the tiered store's experts."""
+        experts = self.experts
+        return [(n, p) for n, p in self.named_parameters() if experts is None or not experts.holds(p)]
+
+    def _expert_optimizer_state(self) -> dict[str, torch.Tensor]:
+        return self.experts.optimizer_state() if self.experts is not None else {}
 
     def load_optimizer_state(self, state: Mapping[str, torch.Tensor]) -> bool:
         """Load what ``optimizer_state`` returned on a rank of the same (tp, pp) position."""
-        return load_optimizer_state(self.named_parameters(), self.engine.optimizer, state.keys(), lambda k, _: state[k])
+        dense = load_optimizer_state(self._dense_named(), self.engine.optimizer, state.keys(), lambda k, _: state[k])
+        if self.experts is None:
+            return dense
+        return self.experts.load_optimizer_state(set(state.keys()), lambda k, _: state[k]) or dense
 
     def optimizer_shard(self) -> dict[str, torch.Tensor]:
         """The optimizer state this rank writes into a checkpoint: that of the parameters ``dp_writers`` gives
         this rank of DeepSpeed's data-parallel group (dp x cp: ZeRO partitions the state over it, and its CP ranks
         hold the same parameters, so they share the writing like DP ranks). Collective over that group: call it on
         every rank before anything that may fail on one."""
-        named = self.named_parameters()
+        named = self._dense_named()
+        # The tiered store's experts: written, as DeepSpeed's are, by expert-data-parallel rank 0 (dp ranks < ep).
+        stored = self._expert_optimizer_state() if self.dp_rank < self.topology.ep else {}
         if self.config.is_moe and self.topology.ep > 1:
             # Each ep rank holds other experts: the dense parameters are shared out over dp as usual, and each
             # ep rank's experts are written by its expert-data-parallel rank 0 (dp ranks 0 .. ep - 1).
             dense = [(n, p) for n, p in named if ".mlp.experts." not in n]
             writers = dp_writers(dense, self.topology.dp * self.topology.cp)
             first_edp = self.dp_rank < self.topology.ep
-            return optimizer_state(
-                named,
-                self.engine.optimizer,
-                keep=lambda name: writers[name] == self.data_rank if name in writers else first_edp,
+            return (
+                optimizer_state(
+                    named,
+                    self.engine.optimizer,
+                    keep=lambda name: writers[name] == self.data_rank if name in writers else first_edp,
+                )
+                | stored
             )
         writers = dp_writers(named, self.topology.dp * self.topology.cp)
-        return optimizer_state(named, self.engine.optimizer, keep=lambda name: writers[name] == self.data_rank)
+        return optimizer_state(named, self.engine.optimizer, keep=lambda name: writers[name] == self.data_rank) | stored
 
     def save_optimizer(
         self, step_dir: Path, shard: Mapping[str, torch.Tensor], metadata: Mapping[str, str]
@@ -596,11 +649,16 @@ class ParallelEngine:
         if not files:
             return False
         reader = ShardReader(files, what=f"{step_dir} optimizer state")
-        return load_optimizer_state(
-            self.named_parameters(),
+        dense = load_optimizer_state(
+            self._dense_named(),
             self.engine.optimizer,
             reader.keys(),
             lambda k, n: self._read_piece(reader, k, n),
+        )
+        if self.experts is None:
+            return dense
+        return (
+            self.experts.load_optimizer_state(set(reader.keys()), lambda k, n: self._read_piece(reader, k, n)) or dense
         )
 
     # ---- the whole model, for evaluation -----------------------------------------------------------------
@@ -608,9 +666,8 @@ class ParallelEngine:
         """The evaluation harness's TaskModel: scoring and greedy decoding through this layout (collective over
         the TP x PP ranks of this replica, which must all pass the same batches; every CP rank scores whole
         sequences alone, see context_parallel.py)."""
-        self._refuse_tp2d("scoring and generation")
         self.wait_for_parameters()
-        return ParallelScorer(self.engine.module, self.topology, self.engine.device)
+        return ParallelScorer(self.engine.module, self.topology, self.engine.device, self.loss_fn.mesh)
 
     @property
     def module(self) -> BloomForCausalLM:

@@ -72,6 +72,12 @@ class AdamWSettings:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 1e-2
+    # Megatron's split, as the engine's dense optimizer has it (engine.param_groups): no decay on biases (1-D)
+    decay_vectors: bool = True
+    # torch's fused kernel instead of the per-tensor loop: also elementwise, so the same bits per expert as one fused
+    # AdamW over every parameter (what the engine's dense optimizer runs on CPU, engine.adamw_kernel). It reads the
+    # step count on the parameters' device, so only where that is the host (CPU); foreach=False elsewhere.
+    fused: bool = False
 
 
 @dataclass(eq=False)
@@ -142,9 +148,12 @@ class ExpertStore:
             p.data = p.data.clone(memory_format=torch.contiguous_format)
             p.grad = torch.zeros_like(p)  # allocated once: an expert's bytes never change
         a = self.adamw
-        optimizer = torch.optim.AdamW(
-            params, lr=a.lr, betas=a.betas, eps=a.eps, weight_decay=a.weight_decay, foreach=False
-        )
+        decay = [p for p in params if a.decay_vectors or p.ndim >= 2]
+        groups = [{"params": decay, "weight_decay": a.weight_decay}]
+        if len(decay) < len(params):
+            groups.append({"params": [p for p in params if not any(p is d for d in decay)], "weight_decay": 0.0})
+        kernel = {"fused": True} if a.fused else {"foreach": False}
+        optimizer = torch.optim.AdamW(groups, lr=a.lr, betas=a.betas, eps=a.eps, **kernel)
         for p in params:
             # torch's own first-step state, made now so every expert has the same bytes from the start
             optimizer.state[p] = {"step": torch.tensor(0.0), **{k: torch.zeros_like(p) for k in STATE_KEYS}}
@@ -331,20 +340,32 @@ class ExpertStore:
                 assert p.grad is not None
                 p.grad.zero_()
 
-    def all_reduce_grads(self, group: dist.ProcessGroup | None = None) -> None:
-        """Average every expert's gradients over `group`: the expert-data-parallel ranks, which hold the same experts.
-        DeepSpeed's engine reduces the gradients it finds on the parameters, and an evicted expert has none there.
-        Experts go in (layer, index) order, whatever their tier, so every rank issues the same collectives; each is
-        fetched and reduced on the device as one flat buffer."""
-        size = dist.get_world_size(group)
-        if size == 1:
+    def zero_grads(self) -> None:
+        """Zero every expert's gradients without a step (a step skipped for a non-finite gradient norm)."""
+        for slot in self.slots.values():
+            self.fetch(slot, count_use=False)
+            for p in slot.params:
+                assert p.grad is not None
+                p.grad.zero_()
+
+    def all_reduce_grads(self, group: dist.ProcessGroup | None = None, *, divide_by: int | None = None) -> None:
+        """Sum every expert's gradients over `group` (the expert-data-parallel ranks, which hold the same experts) and
+        divide by `divide_by` (default the group's size: the average). An engine at ep > 1 divides by dp, as
+        DeepSpeed does for its expert gradients (every token of the dp group reached its expert through the
+        all-to-all). DeepSpeed's engine reduces the gradients it finds on the parameters, and an evicted expert
+        has none there. Experts go in (layer, index) order, whatever their tier, so every rank issues the same
+        collectives; each is fetched and reduced on the device as one flat buffer."""
+        size = dist.get_world_size(group) if dist.is_initialized() else 1
+        divisor = size if divide_by is None else divide_by
+        if size == 1 and divisor == 1:
             return
         for slot in self.slots.values():
             self.fetch(slot, count_use=False)
             grads = [p.grad for p in slot.params if p.grad is not None]
             flat = torch.cat([g.reshape(-1) for g in grads])  # on the device, where the gradients are
-            dist.all_reduce(flat, group=group)
-            flat.div_(size)
+            if size > 1:
+                dist.all_reduce(flat, group=group)
+            flat.div_(divisor)
             offset = 0
             for grad in grads:
                 grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))

@@ -94,10 +94,14 @@ def _counted_here(param: torch.Tensor, tp_rank: int, mesh_row: int = 0) -> bool:
     return is_tensor_parallel(param) or tp_rank == 0
 
 
-def global_grad_norm(params: Iterable[torch.Tensor], topology: ParallelTopology) -> float:
+def global_grad_norm(
+    params: Iterable[torch.Tensor], topology: ParallelTopology, store_squares: float | None = None
+) -> float:
     """The 2-norm of the whole model's gradient, the same on every rank (collective over ``topology.mp_group``).
 
-    Call it once the gradients are reduced over DP (every replica then holds the same vector).
+    Call it once the gradients are reduced over DP (every replica then holds the same vector). ``store_squares``:
+    the sum of squares of the experts the tiered store holds on this rank (expert_store.py; those parameters are
+    left out of ``params``), counted like the other experts: summed over the ep group.
     """
     params = list(params)
     tp_rank = topology.tp_rank(dist.get_rank())
@@ -110,6 +114,8 @@ def global_grad_norm(params: Iterable[torch.Tensor], topology: ParallelTopology)
         squares = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
     else:
         squares = torch.zeros((), device=params[0].device if params else collective_device())
+    if store_squares is not None and getattr(topology, "ep", 1) == 1:
+        squares = squares + store_squares
     if getattr(topology, "ep", 1) > 1:  # (a layout without expert parallelism may be a stand-in without ep)
         # BLOOM-MoE: each ep rank of a replica holds other experts (marked allreduce=False by DeepSpeed), so their
         # squares are summed over the ep group too before the replica's sum.
@@ -120,6 +126,8 @@ def global_grad_norm(params: Iterable[torch.Tensor], topology: ParallelTopology)
         if tp_rank != 0:
             expert_squares = expert_squares * 0.0  # replicated over tp: counted on tp rank 0
         squares = squares - expert_squares
+        if store_squares is not None:  # not in `squares`: added after the subtraction
+            expert_squares = expert_squares + (store_squares if tp_rank == 0 else 0.0)
         dist.all_reduce(expert_squares, group=topology.group("ep"))
         squares = squares + expert_squares
     if group_size(topology.mp_group) > 1:
@@ -127,12 +135,21 @@ def global_grad_norm(params: Iterable[torch.Tensor], topology: ParallelTopology)
     return math.sqrt(float(squares))
 
 
-def clip_by_global_norm(params: Iterable[torch.Tensor], max_norm: float, topology: ParallelTopology) -> float:
-    """Scale every gradient by min(1, max_norm / (norm + 1e-6)); returns the norm before clipping."""
-    params = list(params)
-    norm = global_grad_norm(params, topology)
+def clip_coefficient(norm: float, max_norm: float) -> float | None:
+    """The factor clipping multiplies every gradient by, min(1, max_norm / (norm + 1e-6)); None when it is 1."""
     coefficient = max_norm / (norm + _CLIP_EPS)
-    if max_norm > 0 and coefficient < 1.0:
+    return coefficient if max_norm > 0 and coefficient < 1.0 else None
+
+
+def clip_by_global_norm(
+    params: Iterable[torch.Tensor], max_norm: float, topology: ParallelTopology, store_squares: float | None = None
+) -> float:
+    """Scale every gradient by min(1, max_norm / (norm + 1e-6)); returns the norm before clipping. The tiered
+    expert store's gradients (``store_squares``, global_grad_norm) are its own to scale (clip_coefficient)."""
+    params = list(params)
+    norm = global_grad_norm(params, topology, store_squares)
+    coefficient = clip_coefficient(norm, max_norm)
+    if coefficient is not None:
         for p in params:
             if p.grad is not None:
                 p.grad.detach().mul_(coefficient)

@@ -59,7 +59,9 @@ def mark_tensor_parallel(param: nn.Parameter, partition_dim: int) -> None:
 
 
 def is_tensor_parallel(param: torch.Tensor) -> bool:
-    return bool(getattr(param, "tensor_model_parallel", False))
+    """Split over TP: a 1D shard, or any tp2d block (a vector's block is DeepSpeed-unmarked on mesh rows > 0 so that
+    DeepSpeed's gradient norm counts it once, layers2d._mark_2d, but it is still this column's slice)."""
+    return bool(getattr(param, "tensor_model_parallel", False) or getattr(param, "tp2d_row_replica", False))
 
 
 def _linear_weight_init(weight: torch.Tensor, generator: torch.Generator | None) -> None:

@@ -97,14 +97,22 @@ def _check_divisible(what: str, sizes: dict[str, int], q: int) -> None:
         raise ValueError(f"{what}: {', '.join(bad)} % tp2d({q}) != 0")
 
 
-def _mark_2d(param: nn.Parameter) -> None:
-    """Each mesh rank holds its own block (sharding.py cuts and rejoins): tensor-parallel, so the drift check over
-    tp leaves it alone. A vector's slice is the same on every mesh row: the global gradient norm counts it on row 0
-    only (grads._counted_here)."""
-    param.tensor_model_parallel = True  # type: ignore[attr-defined]
+def _mark_2d(param: nn.Parameter, mesh: Mesh2D) -> None:
+    """Each mesh rank holds its own block (sharding.py cuts and rejoins), so the drift check over tp leaves it alone.
+
+    A vector's slice (biases, LayerNorms) is the same on every mesh row, and every gradient norm must count it once.
+    Ours (grads._counted_here) reads ``tp2d_row_replica``. DeepSpeed's bf16 and ZeRO optimizers count a parameter on
+    every tensor rank when ``is_model_parallel_parameter`` (its ``tensor_model_parallel``) says split, and on tensor
+    rank 0 only otherwise. So the vector is marked split on mesh row 0 only (its q column slices differ) and
+    replicated on rows > 0, whose tensor ranks row * q + col are all > 0: DeepSpeed then counts row 0's copies,
+    once each, as ours does. ``is_tensor_parallel`` reads both attributes, so our own code sees every block as split.
+    """
     param.partition_dim = 0  # type: ignore[attr-defined]
     if param.ndim == 1:
         param.tp2d_row_replica = True  # type: ignore[attr-defined]
+        param.tensor_model_parallel = mesh.row == 0  # type: ignore[attr-defined]
+    else:
+        param.tensor_model_parallel = True  # type: ignore[attr-defined]
 
 
 class Linear2D(nn.Module):
@@ -121,11 +129,11 @@ class Linear2D(nn.Module):
         self.in_features, self.out_features, self.mesh = in_features, out_features, mesh
         q = mesh.q
         self.weight = nn.Parameter(torch.empty(out_features // q, in_features // q, dtype=dtype, device=device))
-        _mark_2d(self.weight)
+        _mark_2d(self.weight, mesh)
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features // q, dtype=dtype, device=device))
-            _mark_2d(self.bias)
+            _mark_2d(self.bias, mesh)
 
     @torch.no_grad()
     def load_full(self, full_weight: torch.Tensor, full_bias: torch.Tensor | None = None) -> None:
@@ -156,8 +164,8 @@ class LayerNorm2D(nn.LayerNorm):
         _check_divisible("LayerNorm2D", {"hidden": hidden}, mesh.q)
         super().__init__(hidden // mesh.q, eps=eps, dtype=dtype, device=device)
         self.hidden, self.mesh = hidden, mesh
-        _mark_2d(self.weight)
-        _mark_2d(self.bias)
+        _mark_2d(self.weight, mesh)
+        _mark_2d(self.bias, mesh)
 
     @torch.no_grad()
     def load_full(self, full_weight: torch.Tensor, full_bias: torch.Tensor) -> None:
@@ -193,7 +201,7 @@ class Embedding2D(nn.Module):
         _check_divisible("Embedding2D", {"vocab": vocab, "hidden": hidden}, mesh.q)
         self.vocab, self.hidden, self.mesh = vocab, hidden, mesh
         self.weight = nn.Parameter(torch.empty(vocab // mesh.q, hidden // mesh.q, dtype=dtype, device=device))
-        _mark_2d(self.weight)
+        _mark_2d(self.weight, mesh)
         per_col = vocab // mesh.q
         self.vocab_start, self.vocab_end = mesh.col * per_col, (mesh.col + 1) * per_col
 

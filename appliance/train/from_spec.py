@@ -52,6 +52,8 @@ def engine_for(
         eps=train.adam_eps,
         seed=train.seed,
         overlap_param_gather=train.overlap_param_gather,
+        # BLOOM-MoE: 0 keeps every expert resident; else the tiered expert store (expert_store_engine.py)
+        expert_device_budget_bytes=train.expert_device_budget_mb * 2**20,
     )
     if run_dir is not None and dist.get_rank() == 0:
         record = engine.ds_config

@@ -249,6 +249,7 @@ def _all_checks(topology: ParallelTopology, save_to: str) -> dict[str, Any]:
     for pp, ep in ENGINE_LAYOUTS:
         out[f"engine_pp{pp}_ep{ep}"] = _engine_step(topology, ep, pp, save_to, save=(pp, ep) == ENGINE_LAYOUTS[0])
     out["resumed"] = _resumed(topology, save_to)
+    out["tiered"] = _tiered(topology, str(Path(save_to).parent / "tiered"))
     out["hierarchical"] = _hierarchical_step(topology)  # last: it installs the hierarchical exchange
     return out
 
@@ -290,6 +291,65 @@ def _hierarchical_step(topology: ParallelTopology) -> dict[str, Any]:
         "loss": result.loss,
         "grads": captured,
     }
+
+
+# ---- the tiered expert store in the engine (expert_store_engine.py) ---------------------------------------------
+# pp = 1, dp = 4, ep = 2 (edp = 2): each rank holds 2 experts of each of the 2 MoE blocks. An expert is BLOOM's MLP,
+# 2 x 32 x 128 weights + 128 + 32 biases = 8,352 fp32 parameters, x 4 copies (weights, gradients, Adam's two
+# moments) = 133,632 B; the device budget holds one block's 2 experts, so every forward and backward evicts the
+# other block's to host memory and fetches it back.
+EXPERT_BYTES = 16 * (2 * CONFIG.hidden_size * 4 * CONFIG.hidden_size + 5 * CONFIG.hidden_size)
+TIERED_BUDGET = 2 * EXPERT_BYTES
+TIERED_STEPS = 3
+
+
+def _tiered_engine(topology: ParallelTopology, budget: int) -> Any:
+    os.environ.setdefault("LOCAL_RANK", "0")
+    topology = ParallelTopology(tp=1, pp=1, dp=4, ep=2, world_size=topology.world_size)
+    return build_engine(CONFIG, topology, micro_batch_size=MBS, global_batch_size=MBS * 8, zero_stage=0, dtype="fp32",
+                        grad_clip=1.0, recompute="none", sequence_parallel=False, lr=1e-2, weight_decay=0.1,
+                        betas=(0.9, 0.95), eps=1e-8, seed=SEED, expert_device_budget_bytes=budget)  # fmt: skip
+
+
+def _tiered_steps(engine: Any, first: int, last: int) -> dict[str, Any]:
+    """Steps first..last-1 (2 micro-batches each: gradients accumulate while experts move), with clipping at 1.0
+    and weight decay on (the store's AdamW must split decay as the dense optimizer does)."""
+    from appliance.parallel.expert_store import expert_step_fields
+
+    dp_rank = engine.topology.coordinate("dp", dist.get_rank())
+    losses, norms, events = [], [], []
+    for step in range(first, last):
+        result = engine.train_batch([batches(4, seed=10 * step + k)[dp_rank] for k in range(2)])
+        losses.append(result.loss)
+        norms.append(result.grad_norm)
+        events.append(expert_step_fields(engine.expert_store))
+    return {"losses": losses, "norms": norms, "events": events, "weights": engine.model_shard()}
+
+
+def _tiered(topology: ParallelTopology, save_to: str) -> dict[str, Any]:
+    """All-resident and tiered engines train the same steps; the tiered one saves after step 1, and a fresh
+    tiered engine resumed from that checkpoint repeats the rest."""
+    resident = _tiered_engine(topology, 0)
+    want = _tiered_steps(resident, 0, TIERED_STEPS)
+    resident.close()
+    tiered = _tiered_engine(topology, TIERED_BUDGET)
+    got = _tiered_steps(tiered, 0, 1)
+    step_dir = Path(save_to)
+    if dist.get_rank() == 0:
+        step_dir.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    tiered.save_model(step_dir, {"step": "1"})
+    tiered.save_optimizer(step_dir, tiered.optimizer_shard(), {"step": "1"})
+    dist.barrier()
+    rest = _tiered_steps(tiered, 1, TIERED_STEPS)
+    placement = tiered.expert_store.placement()
+    tiered.close()
+    resumed = _tiered_engine(topology, TIERED_BUDGET)
+    resumed.load_model(step_dir)
+    assert resumed.load_optimizer(step_dir)
+    again = _tiered_steps(resumed, 1, TIERED_STEPS)
+    resumed.close()
+    return {"resident": want, "tiered_first": got, "tiered_rest": rest, "resumed": again, "placement": placement}
 
 
 @pytest.fixture(scope="module")
@@ -444,3 +504,34 @@ def test_run_trains_bloom_moe_tiny_at_pp2_dp2_ep2(tmp_path: Path) -> None:
     assert recorded["kind"] == "flat" and "one node" in recorded["reason"], recorded
     config = json.loads((run_dir / "export" / "config.json").read_text())
     assert config["model_type"] == "bloom_moe" and config["moe"]["num_experts"] == 4
+
+
+# ---- the tiered expert store ------------------------------------------------------------------------------------
+def test_tiered_experts_train_like_resident_ones(launched: tuple[list[dict[str, Any]], Path]) -> None:
+    """expert_device_budget_bytes = one MoE block's experts: the same losses, norms and weights as all resident."""
+    for rank, got in enumerate(launched[0]):
+        t = got["tiered"]
+        want = t["resident"]
+        losses = t["tiered_first"]["losses"] + t["tiered_rest"]["losses"]
+        norms = t["tiered_first"]["norms"] + t["tiered_rest"]["norms"]
+        assert t["placement"] == {"device": 2, "host": 2, "disk": 0}, f"rank {rank}"
+        assert losses == want["losses"], f"rank {rank}: {losses} != {want['losses']}"
+        # The norm adds the store's squares summed in fp64 to the dense ones in fp32, where the resident run sums all
+        # in fp32: one fp32 rounding of a sum of ~10^5 squares apart (measured 5e-8 relative). Clipping at 1.0 is not
+        # reached (norms ~0.55), so the weights stay bitwise.
+        assert all(abs(a - b) / b < 1e-5 for a, b in zip(norms, want["norms"], strict=True)), f"rank {rank}"
+        assert t["tiered_rest"]["weights"].keys() == want["weights"].keys()
+        for name, value in want["weights"].items():
+            assert torch.equal(t["tiered_rest"]["weights"][name], value), f"rank {rank}: {name}"
+        fields = [e["expert_tier"] for e in t["tiered_first"]["events"] + t["tiered_rest"]["events"]]
+        assert fields[0]["fetches"] > 0 and fields[0]["evictions"] > 0 and fields[0]["hits"] > 0
+        assert fields[-1]["fetches"] > fields[0]["fetches"]  # cumulative: every step moves experts
+
+
+def test_tiered_experts_resume_from_a_checkpoint(launched: tuple[list[dict[str, Any]], Path]) -> None:
+    """Saved after step 1 with experts evicted, a fresh tiered engine repeats steps 2-3 bit for bit."""
+    for rank, got in enumerate(launched[0]):
+        rest, resumed = got["tiered"]["tiered_rest"], got["tiered"]["resumed"]
+        assert resumed["losses"] == rest["losses"], f"rank {rank}"
+        for name, value in rest["weights"].items():
+            assert torch.equal(resumed["weights"][name], value), f"rank {rank}: {name}"

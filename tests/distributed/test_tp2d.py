@@ -38,16 +38,28 @@ import reference_training
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from noise_floor import NoiseFloor, assert_within, check_floor, measure_floor, relative_norm
+from noise_floor import (
+    NoiseFloor,
+    Order,
+    assert_outside,
+    assert_within,
+    check_floor,
+    floor_of,
+    measure_floor,
+    pinned_threads,
+    relative_norm,
+)
 from reference_training import Recipe
 
-from appliance.errors import BadInput
+from appliance.eval.scoring import ModelScorer
 from appliance.model import ops
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
 from appliance.parallel.bloom2d import Bloom2D, build_tp2d_model
 from appliance.parallel.engine import build_engine
 from appliance.parallel.layers2d import Linear2D, Mesh2D, apply_norm
+from appliance.parallel.mappings import collective_device
+from appliance.parallel.pipeline_parallel import IGNORE_INDEX
 from appliance.parallel.sharding import (
     gather_state_dicts,
     gather_state_dicts_2d,
@@ -264,13 +276,12 @@ def _tokens() -> torch.Tensor:
     )
 
 
-def _engine_run(topology: ParallelTopology, checkpoint: Path) -> dict[str, Any]:
-    """RECIPE through build_engine on every rank; per-step losses and norms, this rank's blocks by name. Then the
-    model is saved to ``checkpoint``, the weights spoiled, and loaded back: "reloaded" says it was exact."""
+def _train_engine(topology: ParallelTopology, dtype: str, zero_stage: int) -> tuple[Any, dict[str, Any]]:
+    """RECIPE through build_engine on every rank: the engine, its per-step losses and norms, and its optimizer."""
     os.environ.setdefault("LOCAL_RANK", "0")  # read by DeepSpeed's PipelineModule
     engine = build_engine(
-        CONFIG, topology, micro_batch_size=MBS, global_batch_size=GBS, zero_stage=0, dtype="fp32", grad_clip=CLIP,
-        recompute="none", sequence_parallel=False, lr=RECIPE.lr_at(0), seed=ENGINE_SEED, **OPTIMIZER,
+        CONFIG, topology, micro_batch_size=MBS, global_batch_size=GBS, zero_stage=zero_stage, dtype=dtype,
+        grad_clip=CLIP, recompute="none", sequence_parallel=False, lr=RECIPE.lr_at(0), seed=ENGINE_SEED, **OPTIMIZER,
     )  # fmt: skip
     tokens, losses, norms = _tokens(), [], []
     for consumed, samples in RECIPE.steps:
@@ -278,6 +289,29 @@ def _engine_run(topology: ParallelTopology, checkpoint: Path) -> dict[str, Any]:
         result = engine.train_batch(micro)
         losses.append(result.loss)
         norms.append(result.grad_norm)
+    return engine, {"losses": losses, "norms": norms, "optimizer": type(engine.engine.optimizer).__name__,
+                    "norm_elements": _elements_deepspeed_norms(engine.engine)}  # fmt: skip
+
+
+def _elements_deepspeed_norms(engine: Any) -> int:
+    """How many of this rank's parameter elements DeepSpeed's bf16 and ZeRO optimizers put into the gradient norm:
+    their own test (bf16_optimizer.get_grads_for_norm, stage_1_and_2.get_grad_norm_direct, DeepSpeed 0.19.8)."""
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+    from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
+
+    tensor_rank = bwc_tensor_model_parallel_rank(engine.mpu)  # the pipeline's grid, or grads.TopologyMPU
+    return sum(
+        p.numel()
+        for p in engine.module.parameters()
+        if not getattr(p, "ds_pipe_replicated", False) and (tensor_rank == 0 or is_model_parallel_parameter(p))
+    )
+
+
+def _engine_run(topology: ParallelTopology, checkpoint: Path) -> dict[str, Any]:
+    """RECIPE through build_engine in fp32; per-step losses and norms, this rank's blocks by name. Then the model is
+    saved to ``checkpoint``, the weights spoiled, and loaded back: "reloaded" says it was exact."""
+    engine, trace = _train_engine(topology, "fp32", 0)
+    losses, norms = trace["losses"], trace["norms"]
     weights = {name: p.detach().clone() for name, p in engine.named_parameters()}
     checkpoint.mkdir(parents=True, exist_ok=True)
     engine.save_model(checkpoint, {"step": "3"})
@@ -287,12 +321,30 @@ def _engine_run(topology: ParallelTopology, checkpoint: Path) -> dict[str, Any]:
             param.add_(1.0)
     engine.load_model(checkpoint)
     reloaded = all(torch.equal(p, weights[name]) for name, p in engine.named_parameters())
-    try:
-        engine.eval_sums(micro)
-        refused = ""
-    except BadInput as e:
-        refused = str(e)
-    return {"losses": losses, "norms": norms, "weights": weights, "reloaded": reloaded, "eval_refused": refused}
+    sums = torch.tensor(engine.eval_sums(_eval_batches()), dtype=torch.float64, device=collective_device())
+    dist.all_reduce(sums)  # the trainer's reduction: every rank's (loss sum, tokens), zeros where not counted
+    scorer = engine.task_model()
+    ids, targets, mask = _score_batch()
+    logprobs, greedy = scorer.target_logprobs(ids, targets)
+    scores = {"logprobs": logprobs, "greedy": greedy, "next": scorer.next_tokens(ids * mask, mask)}
+    return {"losses": losses, "norms": norms, "weights": weights, "reloaded": reloaded, "eval_sums": sums.tolist(),
+            "scores": scores}  # fmt: skip
+
+
+def _score_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Three rows (not a multiple of the mesh's 2 rows: the scorer pads) to score: ids, targets, a left-padded mask
+    of two prompt lengths for the next token."""
+    tokens = _tokens()[:3]
+    mask = torch.ones(3, SEQ, dtype=torch.int64)
+    mask[1, :2] = 0
+    return tokens[:, :-1], tokens[:, 1:], mask
+
+
+def _eval_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Two validation micro-batches of the trained model, the last sample's tail ignored (the trainer's padding)."""
+    micro = [reference_training.batch(_tokens(), range(i, i + MBS)) for i in range(0, GBS, MBS)]
+    micro[-1][1][-1, SEQ // 2 :] = IGNORE_INDEX
+    return micro
 
 
 def _exact_probe_reference() -> dict[str, Any]:
@@ -372,6 +424,9 @@ def _rank(topology: ParallelTopology, checkpoint: Path) -> dict[str, Any]:
     exact = out.pop("exact")
     out["pipelined_fp64"] = _pipelined_fp64(topology, exact)
     out["engine"] = _engine_run(topology, checkpoint)
+    # DeepSpeed's own optimizers, whose gradient norm must count the mesh rows' shared vectors once (_mark_2d).
+    out["bf16"] = _train_engine(topology, "bf16", 0)[1]
+    out["zero1"] = _train_engine(topology, "fp32", 1)[1]
     return out
 
 
@@ -434,10 +489,30 @@ def test_checkpoint_reshards_between_2d_1d_and_one_process(results: list[dict[st
     assert all(r["reshard_1d_exact"] and r["reshard_2d_exact"] for r in results)
 
 
+def _reference_trace(order: Order) -> dict[str, Any]:
+    """The single process trained in ``order``, and its validation sums (loss sum, tokens) on _eval_batches, summed
+    in that order too (one-sample batches, last to first): the trained weights alone differ below the fp32 loss
+    sum's rounding here, and the mesh rows sum their batch slices apart, as one-sample batches do."""
+    model, trace = reference_training.train(RECIPE, _tokens(), order)
+    with pinned_threads(order.threads), torch.no_grad():
+        batches = _eval_batches()
+        if order.split_micro_batches:
+            batches = [(x[i : i + 1], y[i : i + 1]) for x, y in batches for i in range(len(x))]
+        if order.reverse_micro_batches:
+            batches.reverse()
+        loss = sum(float(ops.cross_entropy(model(x), y, reduction="sum")) for x, y in batches)
+        tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)
+        ids, targets, mask = _score_batch()
+        scorer = ModelScorer(model, torch.device("cpu"))
+        logprobs, greedy = scorer.target_logprobs(ids, targets)
+        scores = {"logprobs": logprobs, "greedy": greedy, "next": scorer.next_tokens(ids * mask, mask)}
+    return trace | {"eval_sum": loss, "eval_tokens": tokens} | scores
+
+
 @pytest.fixture(scope="module")
 def engine_reference() -> tuple[dict[str, Any], NoiseFloor]:
-    trace, floor = measure_floor(lambda order: reference_training.train(RECIPE, _tokens(), order)[1])
-    check_floor(floor, ["losses", "norms", "weights"])
+    trace, floor = measure_floor(_reference_trace)
+    check_floor(floor, ["losses", "norms", "weights", "eval_sum", "logprobs"])
     return trace, floor
 
 
@@ -456,6 +531,78 @@ def test_pipelined_engine_trains_like_one_process(
         assert_within(r["engine"][quantity], want[quantity], quantity, floor, ENGINE_FACTOR, f"rank {rank}")
 
 
+# DeepSpeed's bf16 run against the fp32 reference: as test_3d_equivalence.py's BF16_FACTOR, the run's own bf16
+# rounding is about the bf16 reference's gap to fp32 (the floor), so its gap is at most about twice that; 4 x.
+BF16_FACTOR = 4.0
+# The losses: the 2D bf16 run's last loss measured 13 x that floor from the fp32 reference (5.7e-4 relative) where
+# 1D bf16 layouts (tp 2, tp 4, tp 2 x pp 2) stay within 1 x; its first-step norm is as close to fp32 as theirs.
+# SUMMA rounds every linear's q partial products into bf16 (forward and both backward products), 1D only its
+# row-parallel layers' sums, and AdamW's first updates (about lr x sign(gradient)) turn that gradient noise into
+# weight noise. 40 x leaves room for other CPUs; the bugs this guards (the rows' losses not summed, a row's tokens
+# lost, a wrong clip) move the losses by percents.
+BF16_LOSS_FACTOR = 40.0
+
+
+@pytest.fixture(scope="module")
+def bf16_floor(engine_reference: tuple[dict[str, Any], NoiseFloor]) -> NoiseFloor:
+    """How far DeepSpeed's bf16 recipe moves the single process from its fp32 run (reference_training.train)."""
+    bf16 = reference_training.train(RECIPE, _tokens(), dtype="bf16")[1]
+    fp32 = {key: engine_reference[0][key] for key in bf16}  # the training trace (losses, norms, weights)
+    return floor_of(fp32, [("bf16 reference", bf16)])
+
+
+def _norm_counting_vectors_q_times() -> tuple[float, float]:
+    """The first step's gradient norm of the single process, and what a norm counting each bias and LayerNorm
+    vector once per mesh row (q times, DeepSpeed's count without _mark_2d) would report instead."""
+    model = BloomForCausalLM(CONFIG)
+    model.init_weights(torch.Generator().manual_seed(ENGINE_SEED))
+    consumed, samples = RECIPE.steps[0]
+    micro = range(consumed, consumed + samples, MBS)
+    for i in micro:
+        inputs, labels = reference_training.batch(_tokens(), range(i, i + MBS))
+        (ops.cross_entropy(model(inputs), labels) / len(micro)).backward()
+    grads = [p.grad.double() for p in model.parameters() if p.grad is not None]
+    once = sum(float(g.pow(2).sum()) for g in grads)
+    vectors = sum(float(g.pow(2).sum()) for g in grads if g.ndim == 1)
+    return once**0.5, (once + (Q - 1) * vectors) ** 0.5
+
+
+@pytest.mark.parametrize("run", ["bf16", "zero1"])
+def test_deepspeed_optimizers_count_shared_vectors_once(launch: list[dict[str, Any]], run: str) -> None:
+    """DeepSpeed's bf16 and ZeRO-1 optimizers put every element of the model into the gradient norm exactly once
+    over the 8 ranks (the tied embedding once): each mesh row holds the same bias and LayerNorm slices, and
+    without _mark_2d they would count them on every row (q times)."""
+    whole = sum(p.numel() for p in BloomForCausalLM(CONFIG).parameters())  # the tied head appears once
+    assert sum(r[run]["norm_elements"] for r in launch) == whole
+
+
+@pytest.mark.parametrize("run", ["bf16", "zero1"])
+def test_deepspeed_optimizers_train_like_one_process(
+    launch: list[dict[str, Any]],
+    engine_reference: tuple[dict[str, Any], NoiseFloor],
+    bf16_floor: NoiseFloor,
+    run: str,
+) -> None:
+    """tp2d = 2 x pp = 2 under DeepSpeed's bf16 optimizer (bf16, ZeRO 0) and its ZeRO stage-1 optimizer (fp32):
+    losses and gradient norms are the single process's within the floor. For ZeRO-1 the bound has teeth: a norm
+    counting the mesh rows' shared vectors q times lands outside it on the first step (before clipping moves
+    anything); bf16's rounding is larger than that difference, so for bf16 the element count above is the proof."""
+    want, fp32_floor = engine_reference
+    if run == "bf16":
+        for rank, r in enumerate(launch):
+            assert r[run]["optimizer"] == "BF16_Optimizer", f"rank {rank}"
+            assert_within(r[run]["norms"], want["norms"], "norms", bf16_floor, BF16_FACTOR, f"rank {rank} bf16")
+            assert_within(r[run]["losses"], want["losses"], "losses", bf16_floor, BF16_LOSS_FACTOR, f"rank {rank}")
+        return
+    for rank, r in enumerate(launch):
+        assert r[run]["optimizer"] == "DeepSpeedZeroOptimizer", f"rank {rank}"
+        for quantity in ("losses", "norms"):
+            assert_within(r[run][quantity], want[quantity], quantity, fp32_floor, ENGINE_FACTOR, f"rank {rank} zero1")
+    once, counted_q_times = _norm_counting_vectors_q_times()
+    assert_within([once], want["norms"][:1], "norms", fp32_floor, ENGINE_FACTOR, "first-step norm recomputed")
+    assert_outside([counted_q_times], want["norms"][:1], "norms", fp32_floor, TEETH * ENGINE_FACTOR, "q times")
+
+
 def _engine_weights(launch: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     got: dict[str, torch.Tensor] = {}
     for stage in range(2):
@@ -463,8 +610,29 @@ def _engine_weights(launch: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     return got
 
 
-def test_evaluation_paths_refuse_tp2d_until_wired(launch: list[dict[str, Any]]) -> None:
-    assert all("evaluation sums at tp2d(2) are not wired yet" in r["engine"]["eval_refused"] for r in launch)
+def test_validation_loss_equals_one_process(
+    launch: list[dict[str, Any]], engine_reference: tuple[dict[str, Any], NoiseFloor]
+) -> None:
+    """eval_sums through the trained tp2d = 2 x pp = 2 engine, summed over the world as the trainer does: the
+    tokens exactly, the loss sum within the floor (each mesh row counts its batch slice once, on its column 0)."""
+    want, floor = engine_reference
+    for rank, r in enumerate(launch):
+        loss, tokens = r["engine"]["eval_sums"]
+        assert tokens == want["eval_tokens"], f"rank {rank}"
+        assert_within(loss, want["eval_sum"], "eval_sum", floor, ENGINE_FACTOR, f"rank {rank} validation loss sum")
+
+
+def test_scoring_equals_one_process(
+    launch: list[dict[str, Any]], engine_reference: tuple[dict[str, Any], NoiseFloor]
+) -> None:
+    """task_model through the trained tp2d = 2 x pp = 2 engine: target log-probabilities within the floor (each mesh
+    row scores its batch slice, the vocabulary over its columns), the greedy verdicts and next tokens equal."""
+    want, floor = engine_reference
+    for rank, r in enumerate(launch):
+        got = r["engine"]["scores"]
+        assert_within(got["logprobs"], want["logprobs"], "logprobs", floor, ENGINE_FACTOR, f"rank {rank}")
+        assert torch.equal(got["greedy"], want["greedy"]), f"rank {rank}"
+        assert torch.equal(got["next"], want["next"]), f"rank {rank}"
 
 
 def test_engine_checkpoint_reshards_2d_to_one_process_and_1d(launch: list[dict[str, Any]], checkpoint: Path) -> None:

@@ -263,3 +263,53 @@ def test_the_trainers_step_events_carry_the_counters(tmp_path: Path) -> None:
     steps = events(run_dir, "step")
     assert [e["expert_tier"]["hits"] for e in steps] == [1, 1]
     assert steps[-1]["expert_tier"] == expert_tier_event(store.counters(), store.placement())
+
+
+def test_the_engine_refuses_the_store_where_it_is_not_wired() -> None:
+    """bf16, ZeRO 1 and pp 2 are refused in one message naming each key; fp32 ZeRO 0 pp 1 passes."""
+    from appliance.errors import BadInput
+    from appliance.parallel.expert_store_engine import check_store_layout
+
+    check_store_layout(is_moe=True, dtype="fp32", zero_stage=0, pp=1)
+    with pytest.raises(BadInput) as refused:
+        check_store_layout(is_moe=False, dtype="bf16", zero_stage=1, pp=2)
+    for key in ("expert_device_budget_mb", "moe_num_experts", "train.dtype is bf16", "zero_stage is 1", "pp is 2"):
+        assert key in str(refused.value), key
+
+
+def test_a_clipped_step_with_the_engine_settings_matches_the_dense_optimizer() -> None:
+    """What the engine asks of the store (expert_store_engine.py): the clip coefficient scales the gradients, biases
+    get no weight decay and the kernel is torch's fused one, like the dense AdamW: the same bits as that AdamW on
+    gradients scaled by the same coefficient, an evicted expert included."""
+    torch.manual_seed(3)
+    experts = [torch.nn.Linear(HIDDEN, HIDDEN) for _ in range(2)]
+    reference = [torch.nn.Linear(HIDDEN, HIDDEN) for _ in range(2)]
+    for mine, theirs in zip(experts, reference, strict=True):
+        theirs.load_state_dict(mine.state_dict())
+    settings = AdamWSettings(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, decay_vectors=False, fused=True)
+    nbytes = 16 * sum(p.numel() for p in experts[0].parameters())
+    store = ExpertStore([[experts[0]], [experts[1]]], device="cpu", device_budget_bytes=nbytes, adamw=settings)
+    assert store.placement() == {"device": 1, "host": 1, "disk": 0}
+    params = [p for e in reference for p in e.parameters()]
+    optimizer = torch.optim.AdamW(
+        [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+        lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=True,
+    )  # fmt: skip
+    coefficient = 0.37
+    for _ in range(2):
+        grads = {id(p): torch.randn_like(p) for p in params}
+        for key, expert in zip(((0, 0), (1, 0)), reference, strict=True):
+            tensors = store.read_expert(key)
+            for name, p in expert.named_parameters():
+                tensors[f"{name}.grad"] = grads[id(p)].clone()
+            store.load_expert(key, tensors)
+        for p in params:
+            p.grad = grads[id(p)] * coefficient
+        optimizer.step()
+        store.step(1e-2, grad_scale=coefficient)
+    for key, expert in zip(((0, 0), (1, 0)), reference, strict=True):
+        tensors = store.read_expert(key)
+        for name, p in expert.named_parameters():
+            assert torch.equal(tensors[name], p.detach()), (key, name)
+            assert torch.equal(tensors[f"{name}.exp_avg_sq"], optimizer.state[p]["exp_avg_sq"]), (key, name)

@@ -1,0 +1,209 @@
+"""The tiered expert store (expert_store.py) in the training engine: a BLOOM-MoE run whose experts do not fit in the
+device budget (``expert_device_budget_mb``) trains with them moving between device and host memory.
+
+What changes in DeepSpeed's step, and why (fp32, ZeRO 0, pp = 1: what is wired and tested; build_engine refuses
+the rest with the keys to change):
+- the store owns the experts' AdamW (one per expert, its state moving with the expert), so the expert parameters
+  stay out of DeepSpeed's optimizer groups (``dense_for_optimizer``);
+- DeepSpeed reduces the gradients it finds on the module's parameters; an evicted expert's are placeholders, so
+  the store reduces all of its experts itself (sum over edp, divided by dp, DeepSpeed's own arithmetic for expert
+  gradients) and DeepSpeed's reduction skips them (``_get_gradients_for_reduction`` filtered);
+- the global norm adds the store's squares (grads.global_grad_norm), and the clip coefficient is applied by the
+  store's step, run where DeepSpeed steps its optimizer (skipped, gradients zeroed, on a non-finite norm);
+- DeepSpeed's ``zero_grad`` drops every module gradient; the store's gradients are allocated once and zeroed by
+  its own step, so they are left alone;
+- checkpoints read and write the experts through the store (``read_expert`` / ``load_expert``): an evicted
+  expert's parameter is an empty placeholder. Weights and Adam state keep the layout-free names and the format
+  of every other parameter (shards.py, optimizer_state.py), so a checkpoint loads with the store on or off.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from appliance.errors import BadInput
+from appliance.model.moe import BloomMoE
+from appliance.parallel.expert_parallel import is_expert_parameter
+from appliance.parallel.expert_store import AdamWSettings, ExpertKey, ExpertStore
+from appliance.parallel.expert_store_hooks import attach_expert_store
+from appliance.parallel.grads import clip_by_global_norm, clip_coefficient
+from appliance.parallel.topology import ParallelTopology
+
+STATE_KINDS = ("exp_avg", "exp_avg_sq")
+
+
+def check_store_layout(*, is_moe: bool, dtype: str, zero_stage: int, pp: int) -> None:
+    """BadInput naming every key when the tiered store cannot run with these settings."""
+    problems = []
+    if not is_moe:
+        problems.append("the model has no experts (model moe_num_experts = 0)")
+    if dtype != "fp32":
+        problems.append(f"train.dtype is {dtype}, the store trains fp32 experts")
+    if zero_stage != 0:
+        problems.append(f"layout.zero_stage is {zero_stage}, the store is wired at ZeRO 0")
+    if pp != 1:
+        problems.append(f"layout pp is {pp}, the store is wired at pp = 1")
+    if problems:
+        raise BadInput(
+            "train.expert_device_budget_mb > 0 (the tiered expert store): "
+            + "; ".join(problems)
+            + " (set expert_device_budget_mb=0 to keep every expert resident)"
+        )
+
+
+def dense_for_optimizer(named: Sequence[tuple[str, nn.Parameter]]) -> list[tuple[str, nn.Parameter]]:
+    """The parameters DeepSpeed's optimizer gets when the store owns the experts."""
+    return [(n, p) for n, p in named if not is_expert_parameter(p)]
+
+
+class EngineExpertStore:
+    """The store of one rank's experts, with each expert parameter's layout-free (Hugging Face) name."""
+
+    def __init__(self, store: ExpertStore, names: dict[ExpertKey, list[tuple[str, str]]]) -> None:
+        self.store = store
+        self.names = names  # (layer, expert) -> [(name in the expert module, layout-free name)]
+        self.owned = {id(p) for p in store.parameters()}
+
+    def holds(self, param: torch.Tensor) -> bool:
+        return id(param) in self.owned
+
+    # ---- checkpoints ----------------------------------------------------------------------------------------
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Every expert's weights, CPU fp32, by layout-free name (what the model shard holds for them)."""
+        out = {}
+        for key, names in self.names.items():
+            tensors = self.store.read_expert(key)
+            out.update({full: tensors[local].float().contiguous() for local, full in names})
+        return out
+
+    def load_weights(self, read: Callable[[str], torch.Tensor]) -> None:
+        """Set every expert's weights to ``read(layout-free name)``, wherever the expert is."""
+        for key, names in self.names.items():
+            tensors = self.store.read_expert(key)
+            for local, full in names:
+                value = read(full)
+                if value.shape != tensors[local].shape:
+                    raise ValueError(f"{full}: checkpoint {tuple(value.shape)}, expert {tuple(tensors[local].shape)}")
+                tensors[local] = value.to(tensors[local].dtype)
+            self.store.load_expert(key, tensors)
+
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        """Adam's moments and step per expert parameter, in optimizer_state.py's keys (``<name>.exp_avg`` ...)."""
+        out: dict[str, torch.Tensor] = {}
+        for key, names in self.names.items():
+            tensors = self.store.read_expert(key)
+            step = int(tensors[f"{names[0][0]}.step"])
+            if step == 0:
+                continue  # before the first step: no state, as for DeepSpeed's optimizer
+            for local, full in names:
+                out.update({f"{full}.{kind}": tensors[f"{local}.{kind}"].float() for kind in STATE_KINDS})
+                out[f"{full}.step"] = torch.tensor(int(tensors[f"{local}.step"]), dtype=torch.int64)
+        return out
+
+    def load_optimizer_state(self, keys: set[str], read: Callable[[str, str], torch.Tensor]) -> bool:
+        """Load what ``optimizer_state`` saved; False when the checkpoint holds none for the experts."""
+        loaded = False
+        for key, names in self.names.items():
+            if f"{names[0][1]}.step" not in keys:
+                continue
+            tensors = self.store.read_expert(key)
+            for local, full in names:
+                for kind in STATE_KINDS:
+                    if f"{full}.{kind}" not in keys:
+                        raise KeyError(f"optimizer state has no {full}.{kind}")
+                    tensors[f"{local}.{kind}"] = read(f"{full}.{kind}", full).to(tensors[local].dtype)
+                tensors[f"{local}.step"] = torch.tensor(float(read(f"{full}.step", full)))
+            self.store.load_expert(key, tensors)
+            loaded = True
+        return loaded
+
+
+def build_engine_store(
+    module: nn.Module,
+    named: Sequence[tuple[str, nn.Parameter]],
+    *,
+    device: torch.device,
+    budget_bytes: int,
+    disk_dir: Path | None,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> EngineExpertStore:
+    """The store of this rank's experts (after deepspeed.initialize: its broadcast needs the weights whole), hooked
+    into every MoE layer's experts container in forward order."""
+    containers = [layer.deepspeed_moe.experts for layer in module.modules() if isinstance(layer, BloomMoE)]
+    full_name = {id(p): name for name, p in named}
+    names = {
+        (li, ei): [(local, full_name[id(p)]) for local, p in expert.named_parameters()]
+        for li, container in enumerate(containers)
+        for ei, expert in enumerate(container.deepspeed_experts)
+    }
+    # The dense optimizer's split (engine.param_groups): no weight decay on biases.
+    # On CPU the engine's AdamW is torch's fused kernel (engine.adamw_kernel); the store runs the same one there, so
+    # a tiered run repeats the resident one bit for bit. On an accelerator the store keeps the step count on the host,
+    # where the fused kernel cannot read it: the per-tensor loop, equal within fp32 rounding.
+    adamw = AdamWSettings(
+        lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decay_vectors=False, fused=device.type == "cpu"
+    )
+    store = ExpertStore(
+        [list(c.deepspeed_experts) for c in containers],
+        device=device,
+        device_budget_bytes=budget_bytes,
+        disk_dir=disk_dir,
+        adamw=adamw,
+    )
+    attach_expert_store(store, containers)
+    return EngineExpertStore(store, names)
+
+
+def install_store_step(engine: Any, experts: EngineExpertStore, topology: ParallelTopology) -> None:
+    """Put the store into DeepSpeed's fp32 ZeRO-0 step (module docstring). Call after
+    grads.install_global_norm_clipping, whose clipping this one replaces."""
+    store, optimizer = experts.store, engine.optimizer
+    edp_group = topology.group("edp")
+    find_grads = engine._get_gradients_for_reduction
+    apply_update = optimizer.step
+
+    def gradients_for_reduction() -> tuple[list[torch.Tensor], dict[str, list[torch.Tensor]]]:
+        # DeepSpeed hands over grad.data (a new tensor on the same memory): compare addresses
+        owned = {p.grad.data_ptr() for p in store.parameters() if p.grad is not None and p.numel()}
+        dense, by_group = find_grads()
+        return [g for g in dense if g.data_ptr() not in owned], {
+            name: [g for g in grads if g.data_ptr() not in owned] for name, grads in by_group.items()
+        }
+
+    def zero_grad() -> None:
+        for param in engine.module.parameters():
+            if not experts.holds(param):
+                param.grad = None
+
+    state: dict[str, float | None] = {"coefficient": None}
+
+    def clip_fp32_gradients() -> None:
+        # The experts' gradients summed over edp and divided by dp, as DeepSpeed does for the experts it reduces.
+        store.all_reduce_grads(edp_group, divide_by=topology.dp)
+        dense = [p for p in engine.module.parameters() if not experts.holds(p)]
+        norm = clip_by_global_norm(dense, engine.gradient_clipping(), topology, store.grad_norm_sq())
+        engine._global_grad_norm = norm
+        state["coefficient"] = clip_coefficient(norm, engine.gradient_clipping())
+        optimizer.overflow = not math.isfinite(float(norm))
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        if optimizer.overflow:
+            store.zero_grads()
+            return None
+        result = apply_update(*args, **kwargs)
+        store.step(float(optimizer.param_groups[0]["lr"]), grad_scale=state["coefficient"])
+        return result
+
+    engine._get_gradients_for_reduction = gradients_for_reduction
+    engine.zero_grad = zero_grad
+    engine.clip_fp32_gradients = clip_fp32_gradients
+    optimizer.step = step
