@@ -131,13 +131,30 @@ def select_all_to_all(
         rank_stride=topology.tp * topology.cp,  # ep neighbours sit tp x cp ranks apart (topology.py)
     )
     choice = choose_all_to_all(shape, links_from_hardware(hardware))
+    kind, reason = choice.kind, choice.reason
+    ep_groups = topology.groups("ep")
+    if kind == "hierarchical" and not _node_aligned(ep_groups, ranks_per_node):
+        # The cost model assumes every ep group holds the same number of ranks on each node it spans; a pipeline
+        # stage that starts mid-node breaks that, and the two-step exchange cannot split such a group.
+        kind, reason = "flat", f"flat: the ep groups {ep_groups} do not hold equally many ranks on each node"
     exchange: Any = DEEPSPEED_ALL_TO_ALL
-    if choice.kind == "hierarchical":
-        exchange = make_all_to_all("hierarchical", ep_groups=topology.groups("ep"), ranks_per_node=ranks_per_node)
-    _selected = AllToAllSelection(choice.kind, choice.reason, exchange)
+    if kind == "hierarchical":
+        exchange = make_all_to_all("hierarchical", ep_groups=ep_groups, ranks_per_node=ranks_per_node)
+    _selected = AllToAllSelection(kind, reason, exchange)
     if dist.is_initialized() and dist.get_rank() == 0:
-        print(f"expert all-to-all: {choice.reason}", flush=True)
+        print(f"expert all-to-all: {reason}", flush=True)
     return _selected
+
+
+def _node_aligned(ep_groups: list[list[int]], ranks_per_node: int) -> bool:
+    """Every ep group holds the same number of ranks on every node it touches, in ascending order."""
+    for ranks in ep_groups:
+        counts: dict[int, int] = {}
+        for rank in ranks:
+            counts[rank // ranks_per_node] = counts.get(rank // ranks_per_node, 0) + 1
+        if len(set(counts.values())) != 1 or list(ranks) != sorted(ranks):
+            return False
+    return True
 
 
 def selected_all_to_all() -> AllToAllSelection | None:
