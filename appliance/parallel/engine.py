@@ -166,6 +166,7 @@ def build_engine(
     cp_mode: str = "ulysses",
     expert_device_budget_bytes: int = 0,
     expert_disk_dir: Path | None = None,
+    seq_len: int | None = None,  # MoE: sizes the exchanges the all-to-all choice weighs (model/moe.py)
 ) -> ParallelEngine:
     """Build this rank's part of the model and its DeepSpeed engine. Collective: every rank calls it."""
     import deepspeed
@@ -181,7 +182,10 @@ def build_engine(
     topology.init_process_groups()
     if config.is_moe:
         register_expert_groups(topology)  # before DeepSpeed would make its own (expert_parallel.py)
-        install_all_to_all(select_all_to_all())
+        # Flat or hierarchical by how the ep groups fall on nodes: the planner's cost model decides (model/moe.py).
+        install_all_to_all(
+            select_all_to_all(config, topology, micro_batch_size=micro_batch_size, seq_len=seq_len).exchange
+        )
     # DeepSpeed's own communication layer wraps the process group already running (the PipelineModule needs it
     # before deepspeed.initialize would set it up).
     init_deepspeed_comm(dist.get_backend())

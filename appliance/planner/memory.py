@@ -29,6 +29,7 @@ from appliance.planner.kernel_path import (
 )
 from appliance.planner.layout import Layout, Partition, pipeline_partition
 from appliance.planner.model_shape import ModelShape
+from appliance.planner.moe_costs import expert_parameters_per_rank, moe_shape_for_model
 
 ZERO2_BUCKET_ELEMENTS = 5e8  # DeepSpeed's default reduce_bucket_size: ZeRO-2 keeps this much of the lp gradients
 
@@ -63,6 +64,27 @@ def stage_parameters(model: ModelShape, layout: Layout, stage: int, partition: P
     if stage == layout.pp - 1:
         params += 2 * model.hidden + (vocab_shard if layout.pp > 1 else 0)  # final LayerNorm + tied LM head copy
     return params
+
+
+def stage_moe_blocks(model: ModelShape, stage: int, partition: Partition) -> int:
+    """MoE blocks on a pipeline stage: blocks moe_every - 1, 2 moe_every - 1, ... (model/config.py)."""
+    if not model.moe_num_experts:
+        return 0
+    first = sum(partition.layers_per_stage[:stage])
+    return sum(1 for i in range(first, first + partition.layers_per_stage[stage]) if (i + 1) % model.moe_every == 0)
+
+
+def stage_expert_parameters(model: ModelShape, layout: Layout, stage: int, partition: Partition) -> tuple[float, float]:
+    """(experts, dense change) of one rank of a stage. ``stage_parameters`` counts every block dense; an MoE block
+    holds instead E/ep experts (moe_costs.expert_parameters_per_rank, the count the MoE cost model uses), whose
+    ZeRO partitions span the expert-data-parallel ranks (dp x cp / ep), and a gate ([E, h], no bias) replicated
+    like the dense weights. Dense change: the gate minus the one MLP that is not there (tp = 1 for MoE)."""
+    blocks = stage_moe_blocks(model, stage, partition)
+    if not blocks:
+        return 0.0, 0.0
+    shape = moe_shape_for_model(model, ep=layout.ep, tokens=1, ranks_per_node=1)
+    experts = expert_parameters_per_rank(shape) / shape.moe_layers * blocks
+    return experts, blocks * (model.moe_num_experts * model.hidden - model.expert_parameters())
 
 
 def state_bytes(params: float, zero_stage: int, dp: int, precision: str) -> dict[str, float]:
@@ -223,9 +245,12 @@ def memory_for_device(
     best: MemoryEstimate | None = None
     for stage in sorted({0, min(1, p - 1), p - 1}):  # middle stages hold less in flight than stage 1
         in_flight = min(p - stage, m) if p > 1 else 1  # 1F1B: stage i holds p - i micro-batches
-        states = state_bytes(
-            stage_parameters(model, layout, stage, partition), layout.zero_stage, layout.dp_cp, device.dtype
-        )
+        experts, dense_change = stage_expert_parameters(model, layout, stage, partition)
+        dense = stage_parameters(model, layout, stage, partition) + dense_change
+        states = state_bytes(dense, layout.zero_stage, layout.dp_cp, device.dtype)
+        if experts:  # BLOOM-MoE: E/ep experts per MoE block, ZeRO-sharded over the dp x cp / ep ranks sharing them
+            expert_states = state_bytes(experts, layout.zero_stage, max(1, layout.dp_cp // layout.ep), device.dtype)
+            states = {key: value + expert_states[key] for key, value in states.items()}
         stored = partition.layers_per_stage[stage] * per_layer
         if stage == 0:
             stored += (act + mask) * s_local * b * h / sp_div  # embedding LayerNorm input (and dropout mask)

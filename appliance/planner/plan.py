@@ -12,9 +12,10 @@ from appliance.hardware.specs import GENERIC_GPU, gpu_spec
 from appliance.planner.cp_reasons import best_without_cp, exchange_note, lost_to_cp, why_note
 from appliance.planner.device import Device, make_device
 from appliance.planner.ladder import choose_model
-from appliance.planner.layout import Layout
-from appliance.planner.memory import MemoryEstimate
+from appliance.planner.layout import Layout, pipeline_partition
+from appliance.planner.memory import MemoryEstimate, stage_moe_blocks
 from appliance.planner.model_shape import ModelShape
+from appliance.planner.moe_costs import moe_plan_notes, moe_shape_for_model
 from appliance.planner.recipe import default_global_batch_size, run_estimate, train_section
 from appliance.planner.runspec import PlanDevice, PlanReport, RunSection, RunSpec
 from appliance.planner.search import Evaluated, SearchResult, evaluate, search_layouts
@@ -254,6 +255,8 @@ def make_plan(
     notes.extend(chosen.notes)
     if layout.cp > 1:
         notes.append(exchange_note(chosen, model, device, hardware))
+    if model.moe_num_experts:
+        notes.extend(_expert_notes(model, chosen, device, hardware))
     step_s = chosen.time.total_s
 
     sized = _size(model, layout, hardware, step_s, budget, smoke)
@@ -295,6 +298,34 @@ def make_plan(
         candidates=candidates,
         search_seconds=time.perf_counter() - started,
     )
+
+
+def _expert_notes(model: ModelShape, chosen: Evaluated, device: Device, hardware: Hardware) -> list[str]:
+    """BLOOM-MoE: the ep chosen and the MoE cost model's lines (expert memory, the all-to-all the engine will pick
+    and why, its traffic, the capacity factor's padding) for a rank of the stage with the most MoE blocks."""
+    layout = chosen.layout
+    partition = pipeline_partition(model.layers, layout.pp)
+    moe_blocks = max(stage_moe_blocks(model, stage, partition) for stage in range(layout.pp))
+    shape = moe_shape_for_model(
+        model,
+        ep=layout.ep,
+        tokens=max(1, layout.micro_batch_size * model.seq_len // layout.cp),
+        ranks_per_node=device.ranks_per_node,
+        micro_batches=layout.micro_batches,
+        rank_stride=layout.tp * layout.cp,
+        act_bytes=device.act_bytes,
+    )
+    shape = replace(shape, moe_layers=max(1, moe_blocks))  # a stage's MoE blocks, not the model's
+    why = (
+        "the smallest ep that fits (a larger one only adds all-to-all traffic)"
+        if chosen.feasible
+        else f"the largest ep the search offers (divisors of dp({layout.dp}) that divide the experts)"
+    )
+    ep_line = (
+        f"expert parallelism ep={layout.ep}: {model.moe_num_experts // layout.ep} of {model.moe_num_experts} experts "
+        f"per rank and MoE block, {why}; {moe_blocks} MoE block(s) on the fullest stage"
+    )
+    return [ep_line, *moe_plan_notes(shape, hardware)]
 
 
 def _size(model: ModelShape, layout: Layout, hardware: Hardware, step_s: float, budget: Budget, smoke: bool) -> Sized:

@@ -18,6 +18,7 @@ def _si(value: float, unit: str) -> str:
 def _layout_line(plan: Plan) -> str:
     lay = plan.layout
     cp = f"cp={lay.cp} ({lay.cp_mode}, {lay.sequence_chunks} pieces per sequence)" if lay.cp > 1 else "cp=1"
+    cp += f" ep={lay.ep}" if lay.ep > 1 else ""  # BLOOM-MoE's expert parallelism (inside dp)
     return (
         f"tp={lay.tp} pp={lay.pp} dp={lay.dp} {cp}, micro-batch {lay.micro_batch_size}, global batch"
         f" {lay.global_batch_size} ({lay.micro_batches} micro-batch(es) per pipeline), ZeRO-{lay.zero_stage},"

@@ -14,7 +14,8 @@ does not fit), or for speed (it fits but is slower). Ties go to the simpler layo
 recompute, no sequence parallelism, no (or less) CP, Ulysses before ring, smaller TP and PP. The kernels that
 run (kernel_path.py) impose no shape limit of their own: heads wider than flash attention takes fall back to the
 materialised path, which the cost model then charges. Selective recompute is searched only where it drops
-something (not under flash attention).
+something (not under flash attention). BLOOM-MoE: expert parallelism (ep, divisors of dp that divide the experts)
+is searched smallest first and stops at the first ep that fits memory (``expert_parallel_degrees``).
 """
 
 from __future__ import annotations
@@ -136,6 +137,14 @@ def _cp_modes(
     return modes
 
 
+def expert_parallel_degrees(model: ModelShape, dp: int) -> list[int]:
+    """The ep degrees worth trying, smallest first: divisors of dp (ep folds inside dp) that divide the experts of
+    a block. A dense model: ep = 1 only."""
+    if not model.moe_num_experts:
+        return [1]
+    return [ep for ep in range(1, dp + 1) if dp % ep == 0 and model.moe_num_experts % ep == 0]
+
+
 def search_layouts(
     hardware: Hardware, model: ModelShape, global_batch_size: int, precision: str | None = None
 ) -> SearchResult:
@@ -195,9 +204,16 @@ def search_layouts(
                             for sp in (False, True) if tp > 1 else (False,):
                                 # DeepSpeed's pipeline engine stops at ZeRO-1: stage 2 only without a pipeline.
                                 for zero in (z for z in zeros if pp == 1 or z < 2) if dp * cp > 1 else (0,):
-                                    layout = Layout(tp, pp, dp, mbs, gbs, zero, recompute, sp, cp, cp_mode)
-                                    result.candidates += 1
-                                    result.evaluated.append(evaluate(layout, model, hardware, device, kernels))
+                                    for ep in expert_parallel_degrees(model, dp):
+                                        layout = Layout(tp, pp, dp, mbs, gbs, zero, recompute, sp, cp, cp_mode, ep=ep)
+                                        result.candidates += 1
+                                        evaluated = evaluate(layout, model, hardware, device, kernels)
+                                        result.evaluated.append(evaluated)
+                                        # The smallest ep that fits: a larger one spreads the same exchange over
+                                        # more ranks (more all-to-all messages, more of them across nodes) and
+                                        # only saves memory, which this layout no longer needs.
+                                        if evaluated.feasible:
+                                            break
     feasible = [e for e in result.evaluated if e.feasible]
     result.best = min(feasible, key=Evaluated.rank_key) if feasible else None
     return result

@@ -12,6 +12,7 @@ import json
 import torch.distributed as dist
 
 from appliance.model.config import BloomConfig, config_for_shape
+from appliance.model.moe import selected_all_to_all
 from appliance.parallel.engine import ParallelEngine, build_engine
 from appliance.parallel.topology import ParallelTopology
 from appliance.planner.runspec import RunSpec
@@ -44,6 +45,7 @@ def engine_for(
         recompute=layout.recompute,
         sequence_parallel=layout.sequence_parallel,
         cp_mode=layout.cp_mode,
+        seq_len=train.seq_len,
         lr=train.lr,
         weight_decay=train.weight_decay,
         betas=(train.adam_beta1, train.adam_beta2),
@@ -54,7 +56,10 @@ def engine_for(
         expert_device_budget_bytes=train.expert_device_budget_mb * 2**20,
     )
     if run_dir is not None and dist.get_rank() == 0:
-        write_ds_config(run_dir, engine.ds_config)
+        record = engine.ds_config
+        if config.is_moe and (all_to_all := selected_all_to_all()) is not None:
+            record["moe_all_to_all"] = all_to_all.record()  # which exchange the experts use, and why
+        write_ds_config(run_dir, record)
     return engine
 
 

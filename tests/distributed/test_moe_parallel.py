@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
-from appliance.model.moe import BloomMoE, canonical_moe_name
+from appliance.model.moe import BloomMoE, canonical_moe_name, selected_all_to_all
 from appliance.model.ops import cross_entropy
 from appliance.parallel.deepspeed_comm import init_deepspeed_comm
 from appliance.parallel.engine import build_engine
@@ -154,6 +154,7 @@ def _engine(topology: ParallelTopology, ep: int, pp: int) -> Any:
         betas=(0.9, 0.95),
         eps=1e-8,
         seed=SEED,
+        seq_len=SEQ,  # the all-to-all choice weighs exchanges of MBS x SEQ tokens
     )
 
 
@@ -189,6 +190,8 @@ def _engine_step(topology: ParallelTopology, ep: int, pp: int, save_to: str, sav
     for hook in hooks:  # this step's gradients only
         hook.remove()
     out = {"loss": result.loss, "aux": result.moe_aux_loss, "load": result.expert_load, "grads": captured}
+    selected = selected_all_to_all()
+    out["all_to_all"] = selected.kind if selected is not None else None
     step_dir = Path(save_to)
     if save:  # the first layout writes the checkpoint and reloads it at its own layout
         engine.save_model(step_dir, {"step": "1"})
@@ -247,7 +250,47 @@ def _all_checks(topology: ParallelTopology, save_to: str) -> dict[str, Any]:
         out[f"engine_pp{pp}_ep{ep}"] = _engine_step(topology, ep, pp, save_to, save=(pp, ep) == ENGINE_LAYOUTS[0])
     out["resumed"] = _resumed(topology, save_to)
     out["tiered"] = _tiered(topology, str(Path(save_to).parent / "tiered"))
+    out["hierarchical"] = _hierarchical_step(topology)  # last: it installs the hierarchical exchange
     return out
+
+
+def _hierarchical_step(topology: ParallelTopology) -> dict[str, Any]:
+    """The pp = 1, ep = 4 engine step again with the 4 ranks as 2 nodes of 2 (LOCAL_WORLD_SIZE, as torchrun sets
+    it): the ep group spans both nodes, so the engine installs the hierarchical exchange."""
+    from deepspeed.moe import sharded_moe
+
+    from appliance.parallel.moe_all_to_all import MoeAllToAll
+
+    before = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    try:
+        engine = _engine(topology, 4, 1)
+        installed = sharded_moe._AllToAll
+        captured: dict[str, torch.Tensor] = {}
+        hooks = [
+            p.register_hook(lambda g, n=n: captured.__setitem__(n, captured.get(n, 0) + g.detach().clone()))
+            for n, p in engine.named_parameters()
+        ]
+        result = engine.train_batch([batches(4)[engine.topology.coordinate("dp", dist.get_rank())]])
+        for hook in hooks:
+            hook.remove()
+        engine.close()
+    finally:
+        if before is None:
+            os.environ.pop("LOCAL_WORLD_SIZE")
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = before
+    selected = selected_all_to_all()
+    assert selected is not None
+    counter = installed.counter if isinstance(installed, MoeAllToAll) else None
+    return {
+        "kind": selected.kind,
+        "reason": selected.reason,
+        "installed_hierarchical": isinstance(installed, MoeAllToAll) and installed.kind == "hierarchical",
+        "exchanges": counter.calls if counter is not None else 0,
+        "loss": result.loss,
+        "grads": captured,
+    }
 
 
 # ---- the tiered expert store in the engine (expert_store_engine.py) ---------------------------------------------
@@ -360,6 +403,23 @@ def test_engine_at_ep_equals_one_process(launched: tuple[list[dict[str, Any]], P
     _check_engine([got[f"engine_pp{pp}_ep{ep}"] for got in launched[0]], dp=4 // pp)
 
 
+def test_engine_across_nodes_uses_the_hierarchical_exchange_bitwise(
+    launched: tuple[list[dict[str, Any]], Path],
+) -> None:
+    """2 simulated nodes of 2 ranks, ep = 4: the engine installs the hierarchical exchange (the cost model prefers 2
+    messages to 3) and its step equals the single-node (flat) step bit for bit: the exchange only moves data."""
+    for rank, got in enumerate(launched[0]):
+        hier, flat = got["hierarchical"], got["engine_pp1_ep4"]
+        assert flat["all_to_all"] == "flat", f"rank {rank}: one node needs no hierarchy"
+        assert hier["kind"] == "hierarchical" and hier["installed_hierarchical"], f"rank {rank}: {hier['reason']}"
+        # 2 MoE blocks x (dispatch + combine) x (forward + backward)
+        assert hier["exchanges"] == 2 * 2 * 2, f"rank {rank}"
+        assert hier["loss"] == flat["loss"], f"rank {rank}"
+        assert hier["grads"].keys() == flat["grads"].keys()
+        for name, grad in hier["grads"].items():
+            assert torch.equal(grad, flat["grads"][name]), f"rank {rank}: {name}"
+
+
 def test_resume_at_pp2_ep2_is_exact(launched: tuple[list[dict[str, Any]], Path]) -> None:
     """Continuing after the save and restarting from it give the same next step, bit for bit."""
     for rank, got in enumerate(launched[0]):
@@ -439,6 +499,9 @@ def test_run_trains_bloom_moe_tiny_at_pp2_dp2_ep2(tmp_path: Path) -> None:
         assert all(abs(sum(row) - 1.0) < 1e-9 for row in e["expert_load"])
     step_dir = sorted((run_dir / "checkpoints").iterdir())[-1]
     assert (step_dir / "experts-tp00-pp01-ep01.safetensors").is_file()
+    # The exchange the engine picked, with its reason: one host, so DeepSpeed's flat one.
+    recorded = json.loads((run_dir / "ds_config.json").read_text())["moe_all_to_all"]
+    assert recorded["kind"] == "flat" and "one node" in recorded["reason"], recorded
     config = json.loads((run_dir / "export" / "config.json").read_text())
     assert config["model_type"] == "bloom_moe" and config["moe"]["num_experts"] == 4
 

@@ -1,0 +1,74 @@
+"""The planner knows experts: a rank's expert memory is E/ep experts per MoE block (ZeRO over dp / ep), the search
+tries ep smallest first and keeps the smallest that fits, and the plan shows the MoE cost model's lines."""
+
+from __future__ import annotations
+
+import pytest
+
+from appliance.hardware.profile import load_hardware
+from appliance.planner.layout import Layout, pipeline_partition
+from appliance.planner.memory import memory_per_gpu, stage_expert_parameters, stage_moe_blocks
+from appliance.planner.model_shape import load_model_shape
+from appliance.planner.plan import Plan, make_plan
+from appliance.planner.search import expert_parallel_degrees
+
+# BLOOM's cluster and the 176B-active MoE preset at the only layout family the engine runs experts in (tp = 1):
+# pp 24 is the deepest balanced pipeline (72 = 70 blocks + embedding + head), leaving dp 16.
+HARDWARE = load_hardware("jean-zay-a100-48n")
+MOE = load_model_shape("bloom-moe-176b")
+
+
+def _layout(ep: int) -> Layout:
+    return Layout(1, 24, 16, 1, 2048, 1, "full", False, ep=ep)
+
+
+def test_expert_memory_per_rank_is_divided_by_ep() -> None:
+    partition = pipeline_partition(MOE.layers, 24)
+    # Stage 0 holds blocks 0, 1: block 1 is an MoE block (every other block, from block 1).
+    assert stage_moe_blocks(MOE, 0, partition) == 1
+    one, dense_change = stage_expert_parameters(MOE, _layout(1), 0, partition)
+    sixteen, same_change = stage_expert_parameters(MOE, _layout(16), 0, partition)
+    assert one == 16 * MOE.expert_parameters() and sixteen == one / 16
+    # The dense count loses the one MLP the MoE block does not have and gains the [E, h] gate, whatever ep.
+    assert dense_change == same_change == MOE.moe_num_experts * MOE.hidden - MOE.expert_parameters()
+    at_1, at_16 = (memory_per_gpu(_layout(ep), MOE, HARDWARE).breakdown_gb for ep in (1, 16))
+    assert at_16["weights"] < at_1["weights"] / 3  # the 15 experts a rank no longer holds were most of its weights
+    dense = load_model_shape("bloom-176b")
+    assert stage_expert_parameters(dense, Layout(1, 24, 16, 1, 2048), 0, partition) == (0.0, 0.0)
+
+
+def test_ep_candidates_divide_dp_and_the_experts() -> None:
+    assert expert_parallel_degrees(MOE, 48) == [1, 2, 4, 8, 16]
+    assert expert_parallel_degrees(MOE, 12) == [1, 2, 4]
+    assert expert_parallel_degrees(load_model_shape("bloom-176b"), 16) == [1]
+
+
+@pytest.fixture(scope="module")
+def fp16_plan() -> Plan:
+    # fp16 (no fp32 gradient-accumulation buffer) is what lets the tp = 1 dense part fit 80 GB at pp 24; in bf16
+    # BLOOM's optimizer keeps 4 bytes per parameter more and no tp = 1 layout fits (test below).
+    return make_plan(HARDWARE, MOE, precision="fp16")
+
+
+def test_search_keeps_the_smallest_ep_that_fits(fp16_plan: Plan) -> None:
+    assert fp16_plan.feasible and fp16_plan.layout.ep == 16
+    smaller = memory_per_gpu(_layout(8), MOE, HARDWARE, precision="fp16")
+    assert not smaller.fits, "ep 8 fits: the search should have stopped there"
+    notes = "\n".join(fp16_plan.notes)
+    assert "expert parallelism ep=16" in notes and "the smallest ep that fits" in notes
+    # 16 ep ranks over nodes of 8 GPUs: the cost model prefers the two-step exchange (the engine asks the same).
+    assert "expert all-to-all: hierarchical" in notes
+    assert "experts: 1 of 16 per rank in each of 2 MoE layers" in notes
+
+
+def test_bf16_plan_shows_the_leanest_ep_and_says_nothing_fits() -> None:
+    plan = make_plan(HARDWARE, MOE)
+    assert not plan.feasible and plan.layout.ep == 16
+    assert any("the largest ep the search offers" in note for note in plan.notes)
+
+
+def test_the_engine_splits_only_node_aligned_ep_groups() -> None:
+    from appliance.model.moe import _node_aligned
+
+    assert _node_aligned([[0, 1, 2, 3], [4, 5, 6, 7]], 2)  # 2 nodes x 2 ranks each
+    assert not _node_aligned([[2, 3, 4, 5, 6, 7]], 4)  # 2 ranks on node 0, 4 on node 1: flat instead
