@@ -8,7 +8,7 @@ runs ``--warmup`` steps, then ``--steps`` timed steps between barriers, one micr
 random sequences per rank and step. Tokens/s = 4 ranks x micro-batch x seq_len / the median step (every rank waits
 for the slowest at the gradient all-reduce, so rank 0's clock is the step's). ep > 1 splits every MoE block's
 experts over ep ranks (each holds E/ep) and adds two all-to-alls per MoE block and pass; the exchange is the one
-the engine picks (model/moe.py ``select_all_to_all``), printed beside each row. Ratios are against ep = 1.
+the engine picks (parallel/moe_exchange.py ``select_all_to_all``), printed beside each row. Ratios are against ep = 1.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from appliance.model.config import BloomConfig, config_for_shape  # noqa: E402
-from appliance.model.moe import selected_all_to_all  # noqa: E402
 from appliance.parallel.engine import build_engine  # noqa: E402
+from appliance.parallel.moe_exchange import selected_all_to_all  # noqa: E402
 from appliance.parallel.testing import run_distributed  # noqa: E402
 from appliance.parallel.topology import ParallelTopology  # noqa: E402
 from appliance.planner.model_shape import load_model_shape  # noqa: E402

@@ -48,7 +48,7 @@ from safetensors.torch import save_file
 from appliance.errors import BadInput
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
-from appliance.model.moe import install_all_to_all, select_all_to_all
+from appliance.model.moe import install_all_to_all
 from appliance.parallel.context_parallel import local_batch
 from appliance.parallel.deepspeed_comm import init_deepspeed_comm
 from appliance.parallel.deepspeed_config import deepspeed_config
@@ -69,6 +69,7 @@ from appliance.parallel.expert_store_engine import (
 )
 from appliance.parallel.grads import TopologyMPU, install_global_norm_clipping, register_sequence_parallel_grad_hooks
 from appliance.parallel.mappings import collective_device
+from appliance.parallel.moe_exchange import select_all_to_all
 from appliance.parallel.optimizer_state import (
     dp_writers,
     load_optimizer_state,

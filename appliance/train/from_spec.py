@@ -12,8 +12,8 @@ import json
 import torch.distributed as dist
 
 from appliance.model.config import BloomConfig, config_for_shape
-from appliance.model.moe import selected_all_to_all
 from appliance.parallel.engine import ParallelEngine, build_engine
+from appliance.parallel.moe_exchange import selected_all_to_all
 from appliance.parallel.topology import ParallelTopology
 from appliance.planner.runspec import RunSpec
 from appliance.rundir import RunDir

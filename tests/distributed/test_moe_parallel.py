@@ -31,11 +31,12 @@ import torch.distributed as dist
 
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
-from appliance.model.moe import BloomMoE, canonical_moe_name, selected_all_to_all
+from appliance.model.moe import BloomMoE, canonical_moe_name
 from appliance.model.ops import cross_entropy
 from appliance.parallel.deepspeed_comm import init_deepspeed_comm
 from appliance.parallel.engine import build_engine
 from appliance.parallel.expert_parallel import register_expert_groups
+from appliance.parallel.moe_exchange import selected_all_to_all
 from appliance.parallel.shards import gather_full_state_dict
 from appliance.parallel.testing import run_distributed
 from appliance.parallel.topology import ParallelTopology

@@ -68,7 +68,7 @@ def test_bf16_plan_shows_the_leanest_ep_and_says_nothing_fits() -> None:
 
 
 def test_the_engine_splits_only_node_aligned_ep_groups() -> None:
-    from appliance.model.moe import _node_aligned
+    from appliance.parallel.moe_exchange import _node_aligned
 
     assert _node_aligned([[0, 1, 2, 3], [4, 5, 6, 7]], 2)  # 2 nodes x 2 ranks each
     assert not _node_aligned([[2, 3, 4, 5, 6, 7]], 4)  # 2 ranks on node 0, 4 on node 1: flat instead
