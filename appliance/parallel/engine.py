@@ -166,6 +166,7 @@ def build_engine(
     overlap_param_gather: bool = TrainSettings.overlap_param_gather,
     cp_mode: str = "ulysses",
     expert_device_budget_bytes: int = 0,
+    expert_host_budget_bytes: int = 0,  # 0: host memory unlimited; else the rest of the experts go to expert_disk_dir
     expert_disk_dir: Path | None = None,
     seq_len: int | None = None,  # MoE: sizes the exchanges the all-to-all choice weighs (model/moe.py)
 ) -> ParallelEngine:
@@ -178,8 +179,15 @@ def build_engine(
     topology.validate_heads(config.n_head)
     check_moe_layout(config, topology)
     tiered = expert_device_budget_bytes > 0  # the experts in the tiered store (expert_store_engine.py)
-    if tiered:
-        check_store_layout(is_moe=config.is_moe, dtype=dtype, zero_stage=zero_stage, pp=topology.pp)
+    if tiered or expert_host_budget_bytes > 0:
+        check_store_layout(
+            is_moe=config.is_moe,
+            dtype=dtype,
+            zero_stage=zero_stage,
+            pp=topology.pp,
+            device_budget_bytes=expert_device_budget_bytes,
+            host_budget_bytes=expert_host_budget_bytes,
+        )
     topology.init_process_groups()
     if config.is_moe:
         register_expert_groups(topology)  # before DeepSpeed would make its own (expert_parallel.py)
@@ -256,6 +264,7 @@ def build_engine(
             named,
             device=device,
             budget_bytes=expert_device_budget_bytes,
+            host_budget_bytes=expert_host_budget_bytes,
             disk_dir=expert_disk_dir,
             lr=lr,
             betas=betas,

@@ -486,4 +486,7 @@ def expert_store_for_run(
         weight_decay=settings.weight_decay,
     )
     budget = settings.expert_device_budget_mb * 2**20
-    return ExpertStore(layers, device=device, device_budget_bytes=budget, disk_dir=disk_dir, adamw=adamw)
+    host = settings.expert_host_budget_mb * 2**20 or None  # 0: host memory unlimited
+    return ExpertStore(
+        layers, device=device, device_budget_bytes=budget, host_budget_bytes=host, disk_dir=disk_dir, adamw=adamw
+    )

@@ -38,8 +38,15 @@ from appliance.parallel.topology import ParallelTopology
 STATE_KINDS = ("exp_avg", "exp_avg_sq")
 
 
-def check_store_layout(*, is_moe: bool, dtype: str, zero_stage: int, pp: int) -> None:
+def check_store_layout(
+    *, is_moe: bool, dtype: str, zero_stage: int, pp: int, device_budget_bytes: int = 1, host_budget_bytes: int = 0
+) -> None:
     """BadInput naming every key when the tiered store cannot run with these settings."""
+    if host_budget_bytes > 0 and device_budget_bytes <= 0:
+        raise BadInput(
+            f"train.expert_host_budget_mb ({host_budget_bytes:,} B) needs train.expert_device_budget_mb > 0: with no"
+            " device budget every expert stays resident and none reaches host memory or disk"
+        )
     problems = []
     if not is_moe:
         problems.append("the model has no experts (model moe_num_experts = 0)")
@@ -131,6 +138,7 @@ def build_engine_store(
     device: torch.device,
     budget_bytes: int,
     disk_dir: Path | None,
+    host_budget_bytes: int = 0,
     lr: float,
     betas: tuple[float, float],
     eps: float,
@@ -156,6 +164,7 @@ def build_engine_store(
         [list(c.deepspeed_experts) for c in containers],
         device=device,
         device_budget_bytes=budget_bytes,
+        host_budget_bytes=host_budget_bytes or None,  # 0: unlimited host memory
         disk_dir=disk_dir,
         adamw=adamw,
     )

@@ -74,6 +74,10 @@ class TrainSettings:
     # MoE runs: the bytes of experts (weights, gradients, AdamW moments) each rank keeps on its device, the rest in
     # host memory, moved by LRU with prefetch (appliance/parallel/expert_store.py); 0 keeps every expert resident.
     expert_device_budget_mb: int = 0
+    # ... and the bytes of them each rank keeps in host memory; the rest go to local disk, one safetensors file per
+    # expert under run_dir/expert_store/rank<N>/. 0: host memory holds every expert the device does not. Only with
+    # expert_device_budget_mb > 0, for host memory is the second tier: experts go to disk when it is full.
+    expert_host_budget_mb: int = 0
 
     def __post_init__(self) -> None:
         problems = []
@@ -95,9 +99,15 @@ class TrainSettings:
             "keep_last",
             "drift_check_interval",
             "expert_device_budget_mb",
+            "expert_host_budget_mb",
         ):
             if getattr(self, key) < 0:
                 problems.append(f"{key} must not be negative, got {getattr(self, key)!r}")
+        if self.expert_host_budget_mb > 0 and self.expert_device_budget_mb == 0:
+            problems.append(
+                f"expert_host_budget_mb({self.expert_host_budget_mb}) needs expert_device_budget_mb > 0 (got 0: every"
+                " expert stays on the device, so none would reach host memory or disk)"
+            )
         if not 0 <= self.min_lr <= self.lr:
             problems.append(f"need 0 <= min_lr({self.min_lr}) <= lr({self.lr})")
         for key in ("adam_beta1", "adam_beta2"):
@@ -173,6 +183,8 @@ CHANGEABLE_MID_RUN: dict[str, str] = {
     " for bit alike (tests/distributed/test_overlap_param_gather.py); read at each launch",
     "expert_device_budget_mb": "where experts wait between uses, not what is computed: the tiered run trains bit for"
     " bit like the all-resident one (tests/unit/test_expert_store.py); read at each launch",
+    "expert_host_budget_mb": "where experts wait between uses (host memory or disk), not what is computed: the disk"
+    " tier trains bit for bit like the all-resident run (tests/distributed/test_moe_parallel.py); read at each launch",
 }
 FIXED_MID_RUN: dict[str, str] = {
     "seq_len": "the data position (consumed samples) counts samples of this length, the data index is cut into"

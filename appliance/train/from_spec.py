@@ -8,6 +8,7 @@ for a missing key (the spec refuses a plan without it).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -54,6 +55,8 @@ def engine_for(
         overlap_param_gather=train.overlap_param_gather,
         # BLOOM-MoE: 0 keeps every expert resident; else the tiered expert store (expert_store_engine.py)
         expert_device_budget_bytes=train.expert_device_budget_mb * 2**20,
+        expert_host_budget_bytes=train.expert_host_budget_mb * 2**20,  # 0: host memory unlimited, no disk
+        expert_disk_dir=expert_disk_dir(run_dir, dist.get_rank()) if run_dir is not None else None,
     )
     if run_dir is not None and dist.get_rank() == 0:
         record = engine.ds_config
@@ -61,6 +64,12 @@ def engine_for(
             record["moe_all_to_all"] = all_to_all.record()  # which exchange the experts use, and why
         write_ds_config(run_dir, record)
     return engine
+
+
+def expert_disk_dir(run_dir: RunDir, rank: int) -> Path:
+    """Where this rank's tiered expert store keeps the experts its host budget has no room for: one directory per
+    rank (every rank numbers its experts from 0, so the ranks of one node would otherwise share file names)."""
+    return run_dir.root / "expert_store" / f"rank{rank:05d}"
 
 
 def write_ds_config(run_dir: RunDir, config: dict) -> None:

@@ -298,18 +298,21 @@ def _hierarchical_step(topology: ParallelTopology) -> dict[str, Any]:
 # pp = 1, dp = 4, ep = 2 (edp = 2): each rank holds 2 experts of each of the 2 MoE blocks. An expert is BLOOM's MLP,
 # 2 x 32 x 128 weights + 128 + 32 biases = 8,352 fp32 parameters, x 4 copies (weights, gradients, Adam's two
 # moments) = 133,632 B; the device budget holds one block's 2 experts, so every forward and backward evicts the
-# other block's to host memory and fetches it back.
+# other block's and fetches it back. The tiered run's host budget holds one expert, so of the 2 evicted one goes on
+# to disk (host full -> disk) and every step reads and writes expert files; the resumed run's host is unlimited.
 EXPERT_BYTES = 16 * (2 * CONFIG.hidden_size * 4 * CONFIG.hidden_size + 5 * CONFIG.hidden_size)
 TIERED_BUDGET = 2 * EXPERT_BYTES
+TIERED_HOST_BUDGET = EXPERT_BYTES
 TIERED_STEPS = 3
 
 
-def _tiered_engine(topology: ParallelTopology, budget: int) -> Any:
+def _tiered_engine(topology: ParallelTopology, budget: int, host_budget: int = 0, disk: Path | None = None) -> Any:
     os.environ.setdefault("LOCAL_RANK", "0")
     topology = ParallelTopology(tp=1, pp=1, dp=4, ep=2, world_size=topology.world_size)
     return build_engine(CONFIG, topology, micro_batch_size=MBS, global_batch_size=MBS * 8, zero_stage=0, dtype="fp32",
                         grad_clip=1.0, recompute="none", sequence_parallel=False, lr=1e-2, weight_decay=0.1,
-                        betas=(0.9, 0.95), eps=1e-8, seed=SEED, expert_device_budget_bytes=budget)  # fmt: skip
+                        betas=(0.9, 0.95), eps=1e-8, seed=SEED, expert_device_budget_bytes=budget,
+                        expert_host_budget_bytes=host_budget, expert_disk_dir=disk)  # fmt: skip
 
 
 def _tiered_steps(engine: Any, first: int, last: int) -> dict[str, Any]:
@@ -333,7 +336,8 @@ def _tiered(topology: ParallelTopology, save_to: str) -> dict[str, Any]:
     resident = _tiered_engine(topology, 0)
     want = _tiered_steps(resident, 0, TIERED_STEPS)
     resident.close()
-    tiered = _tiered_engine(topology, TIERED_BUDGET)
+    disk = Path(save_to).parent / f"tiered-disk-rank{dist.get_rank()}"
+    tiered = _tiered_engine(topology, TIERED_BUDGET, TIERED_HOST_BUDGET, disk)
     got = _tiered_steps(tiered, 0, 1)
     step_dir = Path(save_to)
     if dist.get_rank() == 0:
@@ -344,13 +348,15 @@ def _tiered(topology: ParallelTopology, save_to: str) -> dict[str, Any]:
     dist.barrier()
     rest = _tiered_steps(tiered, 1, TIERED_STEPS)
     placement = tiered.expert_store.placement()
+    disk_files = sorted(p.name for p in disk.iterdir())
     tiered.close()
     resumed = _tiered_engine(topology, TIERED_BUDGET)
     resumed.load_model(step_dir)
     assert resumed.load_optimizer(step_dir)
     again = _tiered_steps(resumed, 1, TIERED_STEPS)
     resumed.close()
-    return {"resident": want, "tiered_first": got, "tiered_rest": rest, "resumed": again, "placement": placement}
+    return {"resident": want, "tiered_first": got, "tiered_rest": rest, "resumed": again, "placement": placement,
+            "disk_files": disk_files}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -509,13 +515,15 @@ def test_run_trains_bloom_moe_tiny_at_pp2_dp2_ep2(tmp_path: Path) -> None:
 
 # ---- the tiered expert store ------------------------------------------------------------------------------------
 def test_tiered_experts_train_like_resident_ones(launched: tuple[list[dict[str, Any]], Path]) -> None:
-    """expert_device_budget_bytes = one MoE block's experts: the same losses, norms and weights as all resident."""
+    """Device budget = one MoE block's experts, host budget = one expert, the rest on disk: the same losses, norms and
+    weights as all resident."""
     for rank, got in enumerate(launched[0]):
         t = got["tiered"]
         want = t["resident"]
         losses = t["tiered_first"]["losses"] + t["tiered_rest"]["losses"]
         norms = t["tiered_first"]["norms"] + t["tiered_rest"]["norms"]
-        assert t["placement"] == {"device": 2, "host": 2, "disk": 0}, f"rank {rank}"
+        assert t["placement"] == {"device": 2, "host": 1, "disk": 1}, f"rank {rank}"
+        assert len(t["disk_files"]) == 1 and t["disk_files"][0].endswith(".safetensors"), t["disk_files"]
         assert losses == want["losses"], f"rank {rank}: {losses} != {want['losses']}"
         # The norm adds the store's squares summed in fp64 to the dense ones in fp32, where the resident run sums all
         # in fp32: one fp32 rounding of a sum of ~10^5 squares apart (measured 5e-8 relative). Clipping at 1.0 is not
@@ -527,6 +535,10 @@ def test_tiered_experts_train_like_resident_ones(launched: tuple[list[dict[str, 
         fields = [e["expert_tier"] for e in t["tiered_first"]["events"] + t["tiered_rest"]["events"]]
         assert fields[0]["fetches"] > 0 and fields[0]["evictions"] > 0 and fields[0]["hits"] > 0
         assert fields[-1]["fetches"] > fields[0]["fetches"]  # cumulative: every step moves experts
+        # Host full -> disk: experts written to disk (host evictions) and read back from it (disk fetches) every step.
+        disk_writes = [f["by_tier"]["host"]["evictions"] for f in fields]
+        disk_reads = [f["by_tier"]["disk"]["fetches"] for f in fields]
+        assert 0 < disk_writes[0] < disk_writes[-1] and 0 < disk_reads[0] < disk_reads[-1], (disk_writes, disk_reads)
 
 
 def test_tiered_experts_resume_from_a_checkpoint(launched: tuple[list[dict[str, Any]], Path]) -> None:

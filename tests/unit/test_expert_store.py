@@ -227,6 +227,35 @@ def test_the_run_setting_builds_the_store() -> None:
     assert store.adamw == AdamWSettings(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     with pytest.raises(ValueError, match="expert_device_budget_mb must not be negative"):
         TrainSettings(**base, expert_device_budget_mb=-1)  # type: ignore[arg-type]
+    # The host budget: a second tier after the device's, the rest of the experts on disk
+    assert parse_overrides(["expert_host_budget_mb=2"]) == {"expert_host_budget_mb": 2}
+    both = TrainSettings(**base, expert_device_budget_mb=1, expert_host_budget_mb=2)  # type: ignore[arg-type]
+    store = expert_store_for_run(layers, device="cpu", settings=both)
+    assert store is not None and (store.device_budget, store.host_budget) == (2**20, 2 * 2**20)
+    with pytest.raises(ValueError, match=r"expert_host_budget_mb\(2\) needs expert_device_budget_mb > 0"):
+        TrainSettings(**base, expert_host_budget_mb=2)  # type: ignore[arg-type]
+
+
+def test_the_run_settings_reach_the_engine_with_a_disk_directory_per_rank(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """from_spec hands both budgets to build_engine in bytes, and a disk directory inside the run dir, one per rank."""
+    from dataclasses import replace
+
+    from appliance.hardware import load_hardware
+    from appliance.planner import load_model_shape, make_plan, parse_layout
+    from appliance.train import from_spec
+
+    spec = make_plan(
+        load_hardware("cpu-laptop-2core"), load_model_shape("bloom-micro-test"), layout=parse_layout("tp=1,pp=1,dp=1")
+    ).spec()
+    spec = replace(spec, train=replace(spec.train, expert_device_budget_mb=3, expert_host_budget_mb=5))
+    seen: dict = {}
+    monkeypatch.setattr(from_spec, "build_engine", lambda *args, **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(from_spec.dist, "get_rank", lambda: 3)
+    from_spec.engine_for(spec, None, None, run_dir=RunDir(tmp_path))  # type: ignore[arg-type]
+    assert seen["expert_device_budget_bytes"] == 3 * 2**20 and seen["expert_host_budget_bytes"] == 5 * 2**20
+    assert seen["expert_disk_dir"] == tmp_path / "expert_store" / "rank00003"
 
 
 def test_experts_round_trip_through_read_and_load_in_every_tier(runs: dict, tmp_path: Path) -> None:
@@ -271,6 +300,8 @@ def test_the_engine_refuses_the_store_where_it_is_not_wired() -> None:
     from appliance.parallel.expert_store_engine import check_store_layout
 
     check_store_layout(is_moe=True, dtype="fp32", zero_stage=0, pp=1)
+    with pytest.raises(BadInput, match=r"expert_host_budget_mb .* needs train.expert_device_budget_mb > 0"):
+        check_store_layout(is_moe=True, dtype="fp32", zero_stage=0, pp=1, device_budget_bytes=0, host_budget_bytes=1)
     with pytest.raises(BadInput) as refused:
         check_store_layout(is_moe=False, dtype="bf16", zero_stage=1, pp=2)
     for key in ("expert_device_budget_mb", "moe_num_experts", "train.dtype is bf16", "zero_stage is 1", "pp is 2"):
