@@ -271,7 +271,8 @@ def build_engine(
             eps=eps,
             weight_decay=weight_decay,
         )
-        install_store_step(engine, experts, topology)
+        if experts is not None:  # None: a pipeline stage without MoE blocks, whose clipping stays the dense one
+            install_store_step(engine, experts, topology)
     min_loss_scale = keep_training_at_the_minimum_scale(engine.optimizer) if engine.fp16_enabled() else None
     # BLOOM-MoE: ZeRO partitions the expert groups over edp, not dp; the overlapped gather knows dp only, so an MoE
     # model keeps DeepSpeed's own gather inside the step.

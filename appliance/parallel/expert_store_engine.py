@@ -54,8 +54,6 @@ def check_store_layout(
         problems.append(f"train.dtype is {dtype}, the store trains fp32 experts")
     if zero_stage != 0:
         problems.append(f"layout.zero_stage is {zero_stage}, the store is wired at ZeRO 0")
-    if pp != 1:
-        problems.append(f"layout pp is {pp}, the store is wired at pp = 1")
     if problems:
         raise BadInput(
             "train.expert_device_budget_mb > 0 (the tiered expert store): "
@@ -143,10 +141,12 @@ def build_engine_store(
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
-) -> EngineExpertStore:
+) -> EngineExpertStore | None:
     """The store of this rank's experts (after deepspeed.initialize: its broadcast needs the weights whole), hooked
-    into every MoE layer's experts container in forward order."""
+    into every MoE layer's experts container in forward order; None on a pipeline stage without MoE blocks."""
     containers = [layer.deepspeed_moe.experts for layer in module.modules() if isinstance(layer, BloomMoE)]
+    if not containers:
+        return None
     full_name = {id(p): name for name, p in named}
     names = {
         (li, ei): [(local, full_name[id(p)]) for local, p in expert.named_parameters()]

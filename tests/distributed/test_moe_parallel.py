@@ -17,6 +17,7 @@ Two levels:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import json
 import os
@@ -251,6 +252,8 @@ def _all_checks(topology: ParallelTopology, save_to: str) -> dict[str, Any]:
         out[f"engine_pp{pp}_ep{ep}"] = _engine_step(topology, ep, pp, save_to, save=(pp, ep) == ENGINE_LAYOUTS[0])
     out["resumed"] = _resumed(topology, save_to)
     out["tiered"] = _tiered(topology, str(Path(save_to).parent / "tiered"))
+    for name in TIERED_MODES:
+        out[f"tiered_{name}"] = _tiered_mode(topology, name, Path(save_to).parent / f"tiered-{name}-{dist.get_rank()}")
     out["hierarchical"] = _hierarchical_step(topology)  # last: it installs the hierarchical exchange
     return out
 
@@ -306,13 +309,35 @@ TIERED_HOST_BUDGET = EXPERT_BYTES
 TIERED_STEPS = 3
 
 
-def _tiered_engine(topology: ParallelTopology, budget: int, host_budget: int = 0, disk: Path | None = None) -> Any:
+# The other modes, each against its resident twin in this launch: pp = 2 (dp = ep = 2, edp = 1) with every block an
+# MoE block, so each stage holds 2 blocks of 2 local experts and the budgets (2 experts on the device, 1 on the host)
+# move them through all three tiers.
+PP_CONFIG = dataclasses.replace(CONFIG, moe_every=1)
+TIERED_MODES: dict[str, dict[str, Any]] = {"pp2": {"pp": 2, "dp": 2, "config": PP_CONFIG}}
+MODE_STEPS = 2
+
+
+def _tiered_engine(topology: ParallelTopology, budget: int, host_budget: int = 0, disk: Path | None = None,
+                   *, pp: int = 1, dp: int = 4, config: BloomConfig = CONFIG, zero_stage: int = 0,
+                   dtype: str = "fp32") -> Any:  # fmt: skip
     os.environ.setdefault("LOCAL_RANK", "0")
-    topology = ParallelTopology(tp=1, pp=1, dp=4, ep=2, world_size=topology.world_size)
-    return build_engine(CONFIG, topology, micro_batch_size=MBS, global_batch_size=MBS * 8, zero_stage=0, dtype="fp32",
-                        grad_clip=1.0, recompute="none", sequence_parallel=False, lr=1e-2, weight_decay=0.1,
-                        betas=(0.9, 0.95), eps=1e-8, seed=SEED, expert_device_budget_bytes=budget,
+    topology = ParallelTopology(tp=1, pp=pp, dp=dp, ep=2, world_size=topology.world_size)
+    return build_engine(config, topology, micro_batch_size=MBS, global_batch_size=MBS * 2 * dp, zero_stage=zero_stage,
+                        dtype=dtype, grad_clip=1.0, recompute="none", sequence_parallel=False, lr=1e-2,
+                        weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, seed=SEED, expert_device_budget_bytes=budget,
                         expert_host_budget_bytes=host_budget, expert_disk_dir=disk)  # fmt: skip
+
+
+def _tiered_mode(topology: ParallelTopology, name: str, disk: Path) -> dict[str, Any]:
+    """One mode's resident and tiered engines, MODE_STEPS steps each."""
+    mode = TIERED_MODES[name]
+    runs = {}
+    for kind, budgets in (("resident", (0, 0, None)), ("tiered", (TIERED_BUDGET, TIERED_HOST_BUDGET, disk))):
+        engine = _tiered_engine(topology, *budgets, **mode)
+        runs[kind] = _tiered_steps(engine, 0, MODE_STEPS)
+        runs[kind]["placement"] = engine.expert_store.placement() if engine.expert_store is not None else None
+        engine.close()
+    return runs
 
 
 def _tiered_steps(engine: Any, first: int, last: int) -> dict[str, Any]:
@@ -323,7 +348,7 @@ def _tiered_steps(engine: Any, first: int, last: int) -> dict[str, Any]:
     dp_rank = engine.topology.coordinate("dp", dist.get_rank())
     losses, norms, events = [], [], []
     for step in range(first, last):
-        result = engine.train_batch([batches(4, seed=10 * step + k)[dp_rank] for k in range(2)])
+        result = engine.train_batch([batches(engine.topology.dp, seed=10 * step + k)[dp_rank] for k in range(2)])
         losses.append(result.loss)
         norms.append(result.grad_norm)
         events.append(expert_step_fields(engine.expert_store))
@@ -548,3 +573,21 @@ def test_tiered_experts_resume_from_a_checkpoint(launched: tuple[list[dict[str, 
         assert resumed["losses"] == rest["losses"], f"rank {rank}"
         for name, value in rest["weights"].items():
             assert torch.equal(resumed["weights"][name], value), f"rank {rank}: {name}"
+
+
+@pytest.mark.parametrize("mode", sorted(TIERED_MODES))
+def test_tiered_experts_train_like_resident_ones_in_every_mode(
+    launched: tuple[list[dict[str, Any]], Path], mode: str
+) -> None:
+    """Each mode the store runs in (TIERED_MODES): device, host and disk tiers in use, and the resident twin's
+    losses and weights bit for bit (the norms within the fp64-vs-fp32 rounding of the first test)."""
+    for rank, got in enumerate(launched[0]):
+        resident, tiered = got[f"tiered_{mode}"]["resident"], got[f"tiered_{mode}"]["tiered"]
+        assert tiered["placement"] == {"device": 2, "host": 1, "disk": 1}, f"rank {rank}"
+        assert tiered["losses"] == resident["losses"], f"rank {rank}: {tiered['losses']} != {resident['losses']}"
+        assert all(abs(a - b) / b < 1e-5 for a, b in zip(tiered["norms"], resident["norms"], strict=True)), rank
+        assert tiered["weights"].keys() == resident["weights"].keys()
+        for name, value in resident["weights"].items():
+            assert torch.equal(tiered["weights"][name], value), f"{mode} rank {rank}: {name}"
+        last = tiered["events"][-1]["expert_tier"]["by_tier"]
+        assert last["disk"]["fetches"] > 0 and last["host"]["evictions"] > 0, f"rank {rank}: {last}"
