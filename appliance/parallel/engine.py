@@ -35,6 +35,7 @@ the loss by the new number of micro-batches and, in the pipeline engine, sets th
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -65,6 +66,7 @@ from appliance.parallel.expert_store_engine import (
     build_engine_store,
     check_store_layout,
     dense_for_optimizer,
+    experts_hidden_from_deepspeed,
     install_store_step,
 )
 from appliance.parallel.grads import TopologyMPU, install_global_norm_clipping, register_sequence_parallel_grad_hooks
@@ -254,7 +256,9 @@ def build_engine(
     # The pipeline engine takes its model-parallel unit from the PipelineModule (the same layout, built from
     # topology.to_deepspeed()); the plain engine gets ours.
     mpu = None if topology.pp > 1 else TopologyMPU(topology)
-    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config, mpu=mpu)
+    # bf16 with the store: DeepSpeed's bf16 optimizer must not look for expert groups (expert_store_engine.py)
+    with experts_hidden_from_deepspeed() if tiered and dtype == "bf16" else contextlib.nullcontext():
+        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config, mpu=mpu)
     if not (engine.bfloat16_enabled() or engine.zero_optimization()):
         install_global_norm_clipping(engine, topology)
     experts = None

@@ -88,6 +88,9 @@ class ExpertSlot:
     params: list[nn.Parameter]
     optimizer: torch.optim.AdamW
     nbytes: int
+    # bf16 experts: an fp32 master per parameter, which AdamW steps and whose .grad accumulates the micro-batches'
+    # gradients in fp32 (DeepSpeed's BF16_Optimizer's arithmetic); empty for fp32 experts, their own masters.
+    masters: list[nn.Parameter] = field(default_factory=list)
     tier: str = "device"
     host: Tensors | None = None
     forward_pinned: bool = False
@@ -98,6 +101,11 @@ class ExpertSlot:
     @property
     def pinned(self) -> bool:
         return self.forward_pinned or self.grads_pending > 0
+
+    @property
+    def trained(self) -> list[nn.Parameter]:
+        """What AdamW steps and where the gradients accumulate: the fp32 masters, or the fp32 parameters."""
+        return self.masters or self.params
 
 
 class ExpertStore:
@@ -141,23 +149,31 @@ class ExpertStore:
         names, params = zip(*module.named_parameters(), strict=True) if list(module.parameters()) else ((), ())
         if not params:
             raise BadInput(f"expert store: expert {key} (layer, index) has no parameters")
+        mixed = any(p.dtype != torch.float32 for p in params)
         for name, p in zip(names, params, strict=True):
             if p.device != self.device:
                 raise BadInput(f"expert store: expert {key} parameter {name} is on {p.device}, not {self.device}")
             # Each parameter owns its storage (a view into a flat buffer would keep the buffer alive when evicted)
             p.data = p.data.clone(memory_format=torch.contiguous_format)
-            p.grad = torch.zeros_like(p)  # allocated once: an expert's bytes never change
+            # fp32: allocated once, so an expert's bytes never change; bf16: each micro-batch's gradient is added
+            # into the master's fp32 gradient as it arrives (gradient_accumulated), then dropped.
+            p.grad = None if mixed else torch.zeros_like(p)
+        # bf16: the fp32 masters start as the bf16 weights widened, as DeepSpeed's BF16_Optimizer makes its own
+        masters = [nn.Parameter(p.data.float()) for p in params] if mixed else []
+        for master in masters:
+            master.grad = torch.zeros_like(master)
+        trained = masters or list(params)
         a = self.adamw
-        decay = [p for p in params if a.decay_vectors or p.ndim >= 2]
+        decay = [p for p in trained if a.decay_vectors or p.ndim >= 2]
         groups = [{"params": decay, "weight_decay": a.weight_decay}]
-        if len(decay) < len(params):
-            groups.append({"params": [p for p in params if not any(p is d for d in decay)], "weight_decay": 0.0})
+        if len(decay) < len(trained):
+            groups.append({"params": [p for p in trained if not any(p is d for d in decay)], "weight_decay": 0.0})
         kernel = {"fused": True} if a.fused else {"foreach": False}
         optimizer = torch.optim.AdamW(groups, lr=a.lr, betas=a.betas, eps=a.eps, **kernel)
-        for p in params:
+        for p in trained:
             # torch's own first-step state, made now so every expert has the same bytes from the start
             optimizer.state[p] = {"step": torch.tensor(0.0), **{k: torch.zeros_like(p) for k in STATE_KEYS}}
-        slot = ExpertSlot(key, module, list(names), list(params), optimizer, nbytes=0)
+        slot = ExpertSlot(key, module, list(names), list(params), optimizer, nbytes=0, masters=masters)
         slot.nbytes = tensors_bytes(self._gather(slot))
         return slot
 
@@ -180,27 +196,33 @@ class ExpertStore:
     # ---- the expert's tensors ---------------------------------------------------------------------------------
     def _gather(self, slot: ExpertSlot) -> Tensors:
         tensors: Tensors = {}
-        for name, p in zip(slot.names, slot.params, strict=True):
-            assert p.grad is not None
-            tensors[name], tensors[f"{name}.grad"] = p.data, p.grad
-            state = slot.optimizer.state[p]
+        for name, p, t in zip(slot.names, slot.params, slot.trained, strict=True):
+            assert t.grad is not None
+            tensors[name], tensors[f"{name}.grad"] = p.data, t.grad
+            if slot.masters:
+                tensors[f"{name}.master"] = t.data
+            state = slot.optimizer.state[t]
             tensors.update({f"{name}.{k}": state[k] for k in STATE_KEYS})
         return tensors
 
     def _install(self, slot: ExpertSlot, tensors: Tensors) -> None:
-        for name, p in zip(slot.names, slot.params, strict=True):
+        for name, p, t in zip(slot.names, slot.params, slot.trained, strict=True):
             p.data = tensors[name]
-            p.grad = tensors[f"{name}.grad"]  # after .data: the grad must match the parameter's shape
-            state = slot.optimizer.state[p]
+            if slot.masters:
+                t.data = tensors[f"{name}.master"]
+            t.grad = tensors[f"{name}.grad"]  # after .data: the grad must match the parameter's shape
+            state = slot.optimizer.state[t]
             state.update({k: tensors[f"{name}.{k}"] for k in STATE_KEYS})
 
     def _release(self, slot: ExpertSlot) -> None:
         """Drop the device tensors: empty placeholders, so a use of an evicted expert fails on its shape."""
-        for p in slot.params:
-            p.grad = None
+        for p, t in zip(slot.params, slot.trained, strict=True):
+            p.grad, t.grad = None, None
             p.data = torch.empty(0, dtype=p.dtype, device=self.device)
-            state = slot.optimizer.state[p]
-            state.update({k: torch.empty(0, dtype=p.dtype, device=self.device) for k in STATE_KEYS})
+            if slot.masters:
+                t.data = torch.empty(0, dtype=t.dtype, device=self.device)
+            state = slot.optimizer.state[t]
+            state.update({k: torch.empty(0, dtype=t.dtype, device=self.device) for k in STATE_KEYS})
 
     # ---- moves ------------------------------------------------------------------------------------------------
     def _device_used(self) -> int:
@@ -313,7 +335,16 @@ class ExpertStore:
         elif slot.tier != "device":
             self.fetch(slot, count_use=False)  # evicted after its gradients accumulated, needed again
 
-    def gradient_accumulated(self, slot: ExpertSlot) -> None:
+    def gradient_accumulated(self, slot: ExpertSlot, param: torch.Tensor | None = None) -> None:
+        """`param`'s gradient of this backward is in. bf16: it goes into the master's fp32 gradient (as DeepSpeed's
+        BF16_Optimizer adds each micro-batch's bf16 gradient into its fp32 buffer) and the bf16 one is dropped, so
+        the next micro-batch's starts afresh."""
+        if slot.masters and param is not None and param.grad is not None:
+            index = next(i for i, p in enumerate(slot.params) if p is param)
+            master_grad = slot.masters[index].grad
+            assert master_grad is not None
+            master_grad.add_(param.grad.to(master_grad.dtype))
+            param.grad = None
         if slot.grads_pending > 0:
             slot.grads_pending -= 1
             if slot.grads_pending == 0:
@@ -330,21 +361,23 @@ class ExpertStore:
         for slot in resident + [s for s in self.slots.values() if s.tier != "device"]:
             self.fetch(slot, count_use=False)
             if grad_scale is not None:
-                for p in slot.params:
+                for p in slot.trained:
                     assert p.grad is not None
                     p.grad.mul_(grad_scale)
             for group in slot.optimizer.param_groups:
                 group["lr"] = lr
             slot.optimizer.step()
-            for p in slot.params:
+            for p in slot.trained:
                 assert p.grad is not None
                 p.grad.zero_()
+            for param, master in zip(slot.params, slot.masters, strict=False):
+                param.data.copy_(master.data)  # bf16 rounds the updated master, as BF16_Optimizer's update_lp_params
 
     def zero_grads(self) -> None:
         """Zero every expert's gradients without a step (a step skipped for a non-finite gradient norm)."""
         for slot in self.slots.values():
             self.fetch(slot, count_use=False)
-            for p in slot.params:
+            for p in slot.trained:
                 assert p.grad is not None
                 p.grad.zero_()
 
@@ -361,7 +394,7 @@ class ExpertStore:
             return
         for slot in self.slots.values():
             self.fetch(slot, count_use=False)
-            grads = [p.grad for p in slot.params if p.grad is not None]
+            grads = [p.grad for p in slot.trained if p.grad is not None]
             flat = torch.cat([g.reshape(-1) for g in grads])  # on the device, where the gradients are
             if size > 1:
                 dist.all_reduce(flat, group=group)
@@ -384,19 +417,20 @@ class ExpertStore:
         else:
             assert self.disk is not None
             tensors = self.disk.peek(key)
-        for name, p in zip(slot.names, slot.params, strict=True):
+        for name, p in zip(slot.names, slot.trained, strict=True):
             tensors[f"{name}.step"] = slot.optimizer.state[p]["step"].clone()
         return tensors
 
     def load_expert(self, key: ExpertKey, tensors: Tensors) -> None:
         """Put `tensors` (read_expert's form, e.g. from a checkpoint) into the expert, in whichever tier it is."""
         slot = self.slots[key]
-        names = [f"{name}{suffix}" for name in slot.names for suffix in ("", ".grad", ".exp_avg", ".exp_avg_sq")]
+        suffixes = ("", ".grad", ".exp_avg", ".exp_avg_sq") + ((".master",) if slot.masters else ())
+        names = [f"{name}{suffix}" for name in slot.names for suffix in suffixes]
         steps = [f"{name}.step" for name in slot.names]
         missing = [name for name in names + steps if name not in tensors]
         if missing:
             raise BadInput(f"expert store: expert {key} is missing {', '.join(missing)}")
-        for name, p in zip(slot.names, slot.params, strict=True):
+        for name, p in zip(slot.names, slot.trained, strict=True):
             slot.optimizer.state[p]["step"].copy_(tensors[f"{name}.step"])
         if slot.tier == "device":
             for name, t in self._gather(slot).items():
@@ -416,7 +450,7 @@ class ExpertStore:
         total = 0.0
         for slot in self.slots.values():
             if slot.tier == "device":
-                grads = [p.grad for p in slot.params if p.grad is not None]
+                grads = [p.grad for p in slot.trained if p.grad is not None]
             elif slot.tier == "host":
                 assert slot.host is not None
                 grads = [slot.host[f"{name}.grad"] for name in slot.names]

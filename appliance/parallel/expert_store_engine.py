@@ -20,11 +20,13 @@ the rest with the keys to change):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from appliance.errors import BadInput
@@ -33,6 +35,7 @@ from appliance.parallel.expert_parallel import is_expert_parameter
 from appliance.parallel.expert_store import AdamWSettings, ExpertKey, ExpertStore
 from appliance.parallel.expert_store_hooks import attach_expert_store
 from appliance.parallel.grads import clip_by_global_norm, clip_coefficient
+from appliance.parallel.mappings import collective_device
 from appliance.parallel.topology import ParallelTopology
 
 STATE_KINDS = ("exp_avg", "exp_avg_sq")
@@ -50,16 +53,42 @@ def check_store_layout(
     problems = []
     if not is_moe:
         problems.append("the model has no experts (model moe_num_experts = 0)")
-    if dtype != "fp32":
-        problems.append(f"train.dtype is {dtype}, the store trains fp32 experts")
-    if zero_stage != 0:
-        problems.append(f"layout.zero_stage is {zero_stage}, the store is wired at ZeRO 0")
+    if dtype == "fp16":
+        # fp16 scales the loss dynamically: the store would have to unscale its gradients and share the overflow
+        # verdict with ZeRO's loss scaler, which nothing here does yet
+        problems.append("train.dtype is fp16, the store trains fp32 or bf16 experts (fp16's loss scaling is not wired)")
+    if dtype == "fp32" and zero_stage != 0:
+        # ZeRO's fp32 optimizer computes and applies the clipping norm inside its own step (not the bf16 one's
+        # get_grads_for_norm that the store extends), so the store's squares would be missing from it
+        problems.append(f"layout.zero_stage is {zero_stage} in fp32, the store is wired at ZeRO 0 there")
     if problems:
         raise BadInput(
             "train.expert_device_budget_mb > 0 (the tiered expert store): "
             + "; ".join(problems)
             + " (set expert_device_budget_mb=0 to keep every expert resident)"
         )
+
+
+@contextmanager
+def experts_hidden_from_deepspeed() -> Iterator[None]:
+    """deepspeed.initialize in bf16 with the store owning the experts: DeepSpeed's engine finds MoE layers by
+    isinstance against the MoE class its engine module imported, and with any its BF16_Optimizer asserts an expert
+    param group and reduces and counts those groups itself. (The fp32 ZeRO-0 path keeps them seen: its reduction
+    sorts expert gradients by group, which install_store_step filters.) The store's experts are in no group
+    and reduced, counted and stepped by the store, so while the engine is built that name points at a class no
+    layer is: DeepSpeed builds the dense engine it steps, the MoE layers running inside it as ordinary modules
+    (the gate's weight is dense; the all-to-all runs over the ep group registered before, expert_parallel.py)."""
+    from deepspeed.runtime import engine as deepspeed_engine
+
+    class NoLayerIsThis:
+        pass
+
+    original = deepspeed_engine.MoE
+    deepspeed_engine.MoE = NoLayerIsThis
+    try:
+        yield
+    finally:
+        deepspeed_engine.MoE = original
 
 
 def dense_for_optimizer(named: Sequence[tuple[str, nn.Parameter]]) -> list[tuple[str, nn.Parameter]]:
@@ -96,6 +125,8 @@ class EngineExpertStore:
                 if value.shape != tensors[local].shape:
                     raise ValueError(f"{full}: checkpoint {tuple(value.shape)}, expert {tuple(tensors[local].shape)}")
                 tensors[local] = value.to(tensors[local].dtype)
+                if f"{local}.master" in tensors:  # bf16: the file's fp32 numbers, as safe_set_full_fp32_param does
+                    tensors[f"{local}.master"] = value.float()
             self.store.load_expert(key, tensors)
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
@@ -109,6 +140,8 @@ class EngineExpertStore:
             for local, full in names:
                 out.update({f"{full}.{kind}": tensors[f"{local}.{kind}"].float() for kind in STATE_KINDS})
                 out[f"{full}.step"] = torch.tensor(int(tensors[f"{local}.step"]), dtype=torch.int64)
+                if f"{local}.master" in tensors:  # bf16 experts: optimizer_state.py's <name>.master
+                    out[f"{full}.master"] = tensors[f"{local}.master"].float()
         return out
 
     def load_optimizer_state(self, keys: set[str], read: Callable[[str, str], torch.Tensor]) -> bool:
@@ -124,6 +157,8 @@ class EngineExpertStore:
                         raise KeyError(f"optimizer state has no {full}.{kind}")
                     tensors[f"{local}.{kind}"] = read(f"{full}.{kind}", full).to(tensors[local].dtype)
                 tensors[f"{local}.step"] = torch.tensor(float(read(f"{full}.step", full)))
+                if f"{local}.master" in tensors and f"{full}.master" in keys:
+                    tensors[f"{local}.master"] = read(f"{full}.master", full).float()
             self.store.load_expert(key, tensors)
             loaded = True
         return loaded
@@ -173,8 +208,11 @@ def build_engine_store(
 
 
 def install_store_step(engine: Any, experts: EngineExpertStore, topology: ParallelTopology) -> None:
-    """Put the store into DeepSpeed's fp32 ZeRO-0 step (module docstring). Call after
-    grads.install_global_norm_clipping, whose clipping this one replaces."""
+    """Put the store into DeepSpeed's step (module docstring): the fp32 ZeRO-0 one, or the bf16 optimizer's. Call
+    after grads.install_global_norm_clipping, whose clipping this one replaces."""
+    if engine.bfloat16_enabled():
+        _install_bf16_store_step(engine, experts, topology)
+        return
     store, optimizer = experts.store, engine.optimizer
     edp_group = topology.group("edp")
     find_grads = engine._get_gradients_for_reduction
@@ -215,4 +253,52 @@ def install_store_step(engine: Any, experts: EngineExpertStore, topology: Parall
     engine._get_gradients_for_reduction = gradients_for_reduction
     engine.zero_grad = zero_grad
     engine.clip_fp32_gradients = clip_fp32_gradients
+    optimizer.step = step
+
+
+def _store_norm_share(store: ExpertStore, topology: ParallelTopology, device: torch.device) -> torch.Tensor:
+    """A one-element tensor whose square is this rank's share of the store's squares in the global norm: summed
+    over the ep group (each ep rank holds other experts) and counted on tp rank 0 (experts are replicated over tp),
+    so the bf16 optimizer's sum over the model-parallel group (tp x pp) completes it, as grads.global_grad_norm."""
+    squares = torch.tensor(store.grad_norm_sq(), dtype=torch.float64, device=collective_device(topology.group("ep")))
+    if topology.ep > 1:
+        dist.all_reduce(squares, group=topology.group("ep"))
+    if topology.tp_rank(dist.get_rank()) != 0:
+        squares.zero_()
+    return squares.sqrt().to(device=device, dtype=torch.float32).reshape(1)
+
+
+def _install_bf16_store_step(engine: Any, experts: EngineExpertStore, topology: ParallelTopology) -> None:
+    """DeepSpeed's BF16_Optimizer (bf16 at ZeRO 0 and 1, deepspeed_config.py) steps the dense parameters: fp32
+    gradient buffers filled after each micro-batch, reduced over dp in fp32, the global norm of them, clipping, AdamW
+    on fp32 master partitions, bf16 weights copied from the masters. The store does the same for its experts (its
+    bf16 experts have fp32 masters and fp32 gradients, expert_store.py), around that step:
+    - before it, the experts' fp32 gradients are reduced (sum over edp, times 1 / dp, as DeepSpeed's expert
+      reduction); DeepSpeed reduces only its optimizer's buffers, which hold no expert;
+    - its norm adds the store's squares through ``get_grads_for_norm`` (the list it sums, one tensor more);
+    - after it, the store steps with the same clip coefficient, or zeroes its gradients where the norm was not
+      finite (the bf16 optimizer then skipped its update)."""
+    store, optimizer = experts.store, engine.optimizer
+    edp_group = topology.group("edp")
+    dense_grads_for_norm = optimizer.get_grads_for_norm
+    apply_update = optimizer.step
+
+    def grads_for_norm(for_clipping: bool = False) -> Any:
+        if for_clipping:  # the tensors clipping scales: DeepSpeed's own; the store scales its in its step
+            return dense_grads_for_norm(for_clipping=True)
+        dense, by_expert_group = dense_grads_for_norm()
+        return [*dense, _store_norm_share(store, topology, engine.device)], by_expert_group
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        store.all_reduce_grads(edp_group, divide_by=topology.dp)
+        result = apply_update(*args, **kwargs)
+        if optimizer.overflow:
+            store.zero_grads()
+            return result
+        # DeepSpeed's coefficient: clip / (norm + 1e-6) where below 1 (its clip_grad is inf without clipping)
+        coefficient = clip_coefficient(float(optimizer._global_grad_norm), float(optimizer.clip_grad))
+        store.step(float(optimizer.param_groups[0]["lr"]), grad_scale=coefficient)
+        return result
+
+    optimizer.get_grads_for_norm = grads_for_norm
     optimizer.step = step

@@ -313,7 +313,12 @@ TIERED_STEPS = 3
 # MoE block, so each stage holds 2 blocks of 2 local experts and the budgets (2 experts on the device, 1 on the host)
 # move them through all three tiers.
 PP_CONFIG = dataclasses.replace(CONFIG, moe_every=1)
-TIERED_MODES: dict[str, dict[str, Any]] = {"pp2": {"pp": 2, "dp": 2, "config": PP_CONFIG}}
+# bf16 (pp 1, dp 4, ep 2 as the first test): the store keeps DeepSpeed's bf16 optimizer's fp32 masters and gradients
+# beside the bf16 weights, 2 + 4 x 4 = 18 bytes per parameter, so the budgets are in bf16 experts' bytes.
+TIERED_MODES: dict[str, dict[str, Any]] = {
+    "pp2": {"pp": 2, "dp": 2, "config": PP_CONFIG},
+    "bf16": {"dtype": "bf16", "expert_bytes": EXPERT_BYTES // 16 * 18},
+}
 MODE_STEPS = 2
 
 
@@ -330,9 +335,10 @@ def _tiered_engine(topology: ParallelTopology, budget: int, host_budget: int = 0
 
 def _tiered_mode(topology: ParallelTopology, name: str, disk: Path) -> dict[str, Any]:
     """One mode's resident and tiered engines, MODE_STEPS steps each."""
-    mode = TIERED_MODES[name]
+    mode = dict(TIERED_MODES[name])
+    expert = mode.pop("expert_bytes", EXPERT_BYTES)
     runs = {}
-    for kind, budgets in (("resident", (0, 0, None)), ("tiered", (TIERED_BUDGET, TIERED_HOST_BUDGET, disk))):
+    for kind, budgets in (("resident", (0, 0, None)), ("tiered", (2 * expert, expert, disk))):
         engine = _tiered_engine(topology, *budgets, **mode)
         runs[kind] = _tiered_steps(engine, 0, MODE_STEPS)
         runs[kind]["placement"] = engine.expert_store.placement() if engine.expert_store is not None else None
