@@ -256,8 +256,9 @@ def build_engine(
     # The pipeline engine takes its model-parallel unit from the PipelineModule (the same layout, built from
     # topology.to_deepspeed()); the plain engine gets ours.
     mpu = None if topology.pp > 1 else TopologyMPU(topology)
-    # bf16 with the store: DeepSpeed's bf16 optimizer must not look for expert groups (expert_store_engine.py)
-    with experts_hidden_from_deepspeed() if tiered and dtype == "bf16" else contextlib.nullcontext():
+    # The store in bf16 or under ZeRO: DeepSpeed's optimizer must not look for expert groups (expert_store_engine.py)
+    hide = tiered and (dtype == "bf16" or zero_stage > 0)
+    with experts_hidden_from_deepspeed() if hide else contextlib.nullcontext():
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config, mpu=mpu)
     if not (engine.bfloat16_enabled() or engine.zero_optimization()):
         install_global_norm_clipping(engine, topology)

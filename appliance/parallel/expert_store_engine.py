@@ -35,7 +35,7 @@ from appliance.parallel.expert_parallel import is_expert_parameter
 from appliance.parallel.expert_store import AdamWSettings, ExpertKey, ExpertStore
 from appliance.parallel.expert_store_hooks import attach_expert_store
 from appliance.parallel.grads import clip_by_global_norm, clip_coefficient
-from appliance.parallel.mappings import collective_device
+from appliance.parallel.mappings import collective_device, group_size
 from appliance.parallel.topology import ParallelTopology
 
 STATE_KINDS = ("exp_avg", "exp_avg_sq")
@@ -57,10 +57,10 @@ def check_store_layout(
         # fp16 scales the loss dynamically: the store would have to unscale its gradients and share the overflow
         # verdict with ZeRO's loss scaler, which nothing here does yet
         problems.append("train.dtype is fp16, the store trains fp32 or bf16 experts (fp16's loss scaling is not wired)")
-    if dtype == "fp32" and zero_stage != 0:
-        # ZeRO's fp32 optimizer computes and applies the clipping norm inside its own step (not the bf16 one's
-        # get_grads_for_norm that the store extends), so the store's squares would be missing from it
-        problems.append(f"layout.zero_stage is {zero_stage} in fp32, the store is wired at ZeRO 0 there")
+    if zero_stage > 1:
+        # ZeRO-2 reduces gradient partitions during backward (and in bf16 replaces the bf16 optimizer the store
+        # joins): not proven with the store
+        problems.append(f"layout.zero_stage is {zero_stage}, the store is wired at ZeRO 0 and 1")
     if problems:
         raise BadInput(
             "train.expert_device_budget_mb > 0 (the tiered expert store): "
@@ -213,6 +213,9 @@ def install_store_step(engine: Any, experts: EngineExpertStore, topology: Parall
     if engine.bfloat16_enabled():
         _install_bf16_store_step(engine, experts, topology)
         return
+    if engine.zero_optimization():
+        _install_zero_store_step(engine, experts, topology)
+        return
     store, optimizer = experts.store, engine.optimizer
     edp_group = topology.group("edp")
     find_grads = engine._get_gradients_for_reduction
@@ -256,16 +259,22 @@ def install_store_step(engine: Any, experts: EngineExpertStore, topology: Parall
     optimizer.step = step
 
 
-def _store_norm_share(store: ExpertStore, topology: ParallelTopology, device: torch.device) -> torch.Tensor:
-    """A one-element tensor whose square is this rank's share of the store's squares in the global norm: summed
-    over the ep group (each ep rank holds other experts) and counted on tp rank 0 (experts are replicated over tp),
-    so the bf16 optimizer's sum over the model-parallel group (tp x pp) completes it, as grads.global_grad_norm."""
+def _store_squares(store: ExpertStore, topology: ParallelTopology) -> torch.Tensor:
+    """This rank's share of the store's squares in the global norm (fp64): summed over the ep group (each ep rank
+    holds other experts) and counted on tp rank 0 (experts are replicated over tp); a sum over the model-parallel
+    group (tp x pp) completes it, as grads.global_grad_norm does."""
     squares = torch.tensor(store.grad_norm_sq(), dtype=torch.float64, device=collective_device(topology.group("ep")))
     if topology.ep > 1:
         dist.all_reduce(squares, group=topology.group("ep"))
     if topology.tp_rank(dist.get_rank()) != 0:
         squares.zero_()
-    return squares.sqrt().to(device=device, dtype=torch.float32).reshape(1)
+    return squares
+
+
+def _store_norm_share(store: ExpertStore, topology: ParallelTopology, device: torch.device) -> torch.Tensor:
+    """_store_squares as a one-element tensor whose square it is: one more tensor in the bf16 optimizer's norm,
+    whose sum over the model-parallel group completes it."""
+    return _store_squares(store, topology).sqrt().to(device=device, dtype=torch.float32).reshape(1)
 
 
 def _install_bf16_store_step(engine: Any, experts: EngineExpertStore, topology: ParallelTopology) -> None:
@@ -301,4 +310,36 @@ def _install_bf16_store_step(engine: Any, experts: EngineExpertStore, topology: 
         return result
 
     optimizer.get_grads_for_norm = grads_for_norm
+    optimizer.step = step
+
+
+def _install_zero_store_step(engine: Any, experts: EngineExpertStore, topology: ParallelTopology) -> None:
+    """fp32 at ZeRO 1: DeepSpeed's ZeRO optimizer reduces its partitions over dp, takes the global norm of them
+    (``scaled_global_norm``, already summed over the model-parallel group), clips and steps them. The store's
+    experts are in none of its groups: they are reduced before that step, their squares (summed over ep and the
+    model-parallel group here) join its norm, and the store steps after it with the same clip coefficient."""
+    store, optimizer = experts.store, engine.optimizer
+    edp_group = topology.group("edp")
+    dense_norm = optimizer.scaled_global_norm
+    apply_update = optimizer.step
+
+    def scaled_global_norm(*args: Any, **kwargs: Any) -> torch.Tensor:
+        norm = dense_norm(*args, **kwargs)
+        squares = _store_squares(store, topology)
+        if group_size(topology.mp_group) > 1:
+            dist.all_reduce(squares, group=topology.mp_group)
+        total = (norm.double().to(squares.device) ** 2 + squares).sqrt()
+        return total.to(device=norm.device, dtype=norm.dtype)
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        store.all_reduce_grads(edp_group, divide_by=topology.dp)
+        result = apply_update(*args, **kwargs)
+        if optimizer.overflow:
+            store.zero_grads()
+            return result
+        coefficient = clip_coefficient(float(optimizer._global_grad_norm), float(optimizer.clip_grad))
+        store.step(float(optimizer.param_groups[0]["lr"]), grad_scale=coefficient)
+        return result
+
+    optimizer.scaled_global_norm = scaled_global_norm
     optimizer.step = step

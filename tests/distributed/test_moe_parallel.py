@@ -318,6 +318,7 @@ PP_CONFIG = dataclasses.replace(CONFIG, moe_every=1)
 TIERED_MODES: dict[str, dict[str, Any]] = {
     "pp2": {"pp": 2, "dp": 2, "config": PP_CONFIG},
     "bf16": {"dtype": "bf16", "expert_bytes": EXPERT_BYTES // 16 * 18},
+    "zero1": {"zero_stage": 1},
 }
 MODE_STEPS = 2
 
