@@ -3,7 +3,9 @@ memory or on local disk, moved by a least-recently-used policy under byte budget
 not fit in device memory still trains.
 
 What moves together. An expert is a unit: its parameters, their gradients and AdamW's exp_avg and exp_avg_sq, so
-its bytes are 4 x its parameter bytes (fp32: 16 bytes per parameter) in whichever tier it is. The step count is
+its bytes are 4 x its parameter bytes (fp32: 16 bytes per parameter) in whichever tier it is. bf16 experts also carry
+an fp32 master per parameter, which AdamW steps and whose fp32 gradient sums the micro-batches' bf16 ones (DeepSpeed's
+bf16 optimizer's arithmetic): 2 + 4 x 4 = 18 bytes per parameter. The step count is
 a 4-byte CPU scalar (as torch's AdamW keeps it) that stays in host memory whatever the tier. The store owns the
 experts' optimizer: one torch AdamW per expert (foreach=False: the per-tensor loop, whose arithmetic is
 elementwise, so stepping experts one at a time in any order gives the same bits as one AdamW over all of them).
@@ -23,7 +25,8 @@ Counters per tier (`counters()`): hits (an expert needed on the device was there
 this tier to the device), evictions (experts moved out of this tier to the next one), bytes_in, bytes_out. Each
 move is whole experts, so bytes = moves x expert bytes. `expert_tier_event` sums them into a step event's field.
 
-In an engine (fp32 expert weights; after deepspeed.initialize, whose broadcast of the weights needs them whole):
+In an engine (fp32 or bf16 expert weights; after deepspeed.initialize, whose broadcast of the weights needs them
+whole; expert_store_engine.py does this for the training engine):
     store = expert_store_for_run([list(c.deepspeed_experts) for c in containers], device=device,
                                  settings=train_settings, disk_dir=run_dir / "experts")   # None: budget 0
     attach_expert_store(store, containers)          # containers: each MoE layer's deepspeed_moe.experts

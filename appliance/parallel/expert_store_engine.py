@@ -1,20 +1,31 @@
 """The tiered expert store (expert_store.py) in the training engine: a BLOOM-MoE run whose experts do not fit in the
-device budget (``expert_device_budget_mb``) trains with them moving between device and host memory.
+device budget (``expert_device_budget_mb``) trains with them moving between device, host memory and, past the host
+budget (``expert_host_budget_mb``), local disk.
 
-What changes in DeepSpeed's step, and why (fp32, ZeRO 0, pp = 1: what is wired and tested; build_engine refuses
-the rest with the keys to change):
+Wired and tested against the all-resident engine (tests/distributed/test_moe_parallel.py): fp32 at ZeRO 0 and 1,
+bf16 (DeepSpeed's BF16_Optimizer, which bf16 runs at ZeRO 0 and 1 alike), at any pp. ``check_store_layout`` refuses
+fp16 and ZeRO 2 with the keys to change. What changes in DeepSpeed's step, and why:
 - the store owns the experts' AdamW (one per expert, its state moving with the expert), so the expert parameters
-  stay out of DeepSpeed's optimizer groups (``dense_for_optimizer``);
-- DeepSpeed reduces the gradients it finds on the module's parameters; an evicted expert's are placeholders, so
-  the store reduces all of its experts itself (sum over edp, divided by dp, DeepSpeed's own arithmetic for expert
-  gradients) and DeepSpeed's reduction skips them (``_get_gradients_for_reduction`` filtered);
-- the global norm adds the store's squares (grads.global_grad_norm), and the clip coefficient is applied by the
-  store's step, run where DeepSpeed steps its optimizer (skipped, gradients zeroed, on a non-finite norm);
+  stay out of DeepSpeed's optimizer groups (``dense_for_optimizer``). In bf16 and under ZeRO, DeepSpeed's optimizer
+  would demand expert groups as soon as it saw an MoE layer, so the engine is built with them hidden
+  (``experts_hidden_from_deepspeed``);
+- DeepSpeed reduces the gradients it finds on the module's parameters (fp32 ZeRO 0) or in its optimizer's buffers
+  (bf16, ZeRO); an evicted expert's are placeholders, so the store reduces all of its experts itself (sum over edp,
+  divided by dp, DeepSpeed's own arithmetic for expert gradients) and DeepSpeed's reduction skips them
+  (``_get_gradients_for_reduction`` filtered at fp32 ZeRO 0; nothing to skip elsewhere);
+- the global norm adds the store's squares (summed over ep, counted on tp rank 0, summed over tp x pp like every
+  other parameter's): grads.global_grad_norm at fp32 ZeRO 0, the bf16 optimizer's ``get_grads_for_norm`` (one tensor
+  more), ZeRO's ``scaled_global_norm``. The clip coefficient is applied by the store's step, run right after
+  DeepSpeed's optimizer step (skipped, gradients zeroed, on a non-finite norm);
+- bf16: the store keeps an fp32 master and fp32 gradient per expert parameter, adds each micro-batch's bf16 gradient
+  into it and rounds the stepped master back into the bf16 weight, as the bf16 optimizer does for the rest;
 - DeepSpeed's ``zero_grad`` drops every module gradient; the store's gradients are allocated once and zeroed by
   its own step, so they are left alone;
+- on a pipeline stage without MoE blocks there is no store, and that stage's step is DeepSpeed's own;
 - checkpoints read and write the experts through the store (``read_expert`` / ``load_expert``): an evicted
-  expert's parameter is an empty placeholder. Weights and Adam state keep the layout-free names and the format
-  of every other parameter (shards.py, optimizer_state.py), so a checkpoint loads with the store on or off.
+  expert's parameter is an empty placeholder. Weights and Adam state (bf16: and the fp32 master) keep the
+  layout-free names and the format of every other parameter (shards.py, optimizer_state.py), so a checkpoint loads
+  with the store on or off.
 """
 
 from __future__ import annotations
