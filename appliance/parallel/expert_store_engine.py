@@ -166,7 +166,8 @@ class EngineExpertStore:
                 for kind in STATE_KINDS:
                     if f"{full}.{kind}" not in keys:
                         raise KeyError(f"optimizer state has no {full}.{kind}")
-                    tensors[f"{local}.{kind}"] = read(f"{full}.{kind}", full).to(tensors[local].dtype)
+                    # the moment's own dtype: fp32 also beside a bf16 weight
+                    tensors[f"{local}.{kind}"] = read(f"{full}.{kind}", full).to(tensors[f"{local}.{kind}"].dtype)
                 tensors[f"{local}.step"] = torch.tensor(float(read(f"{full}.step", full)))
                 if f"{local}.master" in tensors and f"{full}.master" in keys:
                     tensors[f"{local}.master"] = read(f"{full}.master", full).float()

@@ -46,6 +46,10 @@ class DiskTier:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise BadInput(f"expert store: cannot create the disk tier directory {self.directory}: {exc}") from exc
+        # A new store starts from the weights it is given (a checkpoint's, on resume): expert files an earlier
+        # launch left behind are stale, and would only fill the disk.
+        for stale in [*self.directory.glob("layer*-expert*.safetensors"), *self.directory.glob("layer*-expert*.tmp")]:
+            stale.unlink()
 
     def path(self, key: tuple[int, int]) -> Path:
         layer, index = key

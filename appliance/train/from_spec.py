@@ -56,7 +56,9 @@ def engine_for(
         # BLOOM-MoE: 0 keeps every expert resident; else the tiered expert store (expert_store_engine.py)
         expert_device_budget_bytes=train.expert_device_budget_mb * 2**20,
         expert_host_budget_bytes=train.expert_host_budget_mb * 2**20,  # 0: host memory unlimited, no disk
-        expert_disk_dir=expert_disk_dir(run_dir, dist.get_rank()) if run_dir is not None else None,
+        expert_disk_dir=(
+            expert_disk_dir(run_dir, dist.get_rank()) if run_dir is not None and train.expert_host_budget_mb else None
+        ),
     )
     if run_dir is not None and dist.get_rank() == 0:
         record = engine.ds_config

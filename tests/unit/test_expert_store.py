@@ -203,6 +203,7 @@ def test_evicted_expert_fails_loudly_and_disk_files_are_whole(tmp_path: Path) ->
     model = MoeStack(HIDDEN, EXPERTS, 2)
     layers = model.expert_layers()
     nbytes = ExpertStore([layers[0][:1]], device="cpu").slots[(0, 0)].nbytes
+    (tmp_path / "layer000-expert0000.safetensors").write_bytes(b"an earlier launch's")  # stale: removed
     store = ExpertStore(layers, device="cpu", device_budget_bytes=EXPERTS * nbytes, host_budget_bytes=nbytes,
                         disk_dir=tmp_path)  # fmt: skip
     assert store.placement() == {"device": EXPERTS, "host": 1, "disk": EXPERTS - 1}
