@@ -313,12 +313,15 @@ TIERED_STEPS = 3
 # MoE block, so each stage holds 2 blocks of 2 local experts and the budgets (2 experts on the device, 1 on the host)
 # move them through all three tiers.
 PP_CONFIG = dataclasses.replace(CONFIG, moe_every=1)
-# bf16 (pp 1, dp 4, ep 2 as the first test): the store keeps DeepSpeed's bf16 optimizer's fp32 masters and gradients
-# beside the bf16 weights, 2 + 4 x 4 = 18 bytes per parameter, so the budgets are in bf16 experts' bytes.
+# bf16 (pp 1, dp 4, ep 2 as the first test, edp = 2: the store's fp32 gradients summed over 2 ranks): the
+# store keeps DeepSpeed's bf16 optimizer's fp32 masters and gradients beside the bf16 weights, 2 + 4 x 4 = 18 bytes
+# per parameter, so the budgets are in bf16 experts' bytes. ZeRO 1 (fp32) at pp 2: the pipeline's reduction and
+# ZeRO's norm over both stages.
+BF16_EXPERT_BYTES = EXPERT_BYTES // 16 * 18
 TIERED_MODES: dict[str, dict[str, Any]] = {
     "pp2": {"pp": 2, "dp": 2, "config": PP_CONFIG},
-    "bf16": {"dtype": "bf16", "expert_bytes": EXPERT_BYTES // 16 * 18},
-    "zero1": {"zero_stage": 1},
+    "bf16": {"dtype": "bf16", "expert_bytes": BF16_EXPERT_BYTES},
+    "zero1_pp2": {"zero_stage": 1, "pp": 2, "dp": 2, "config": PP_CONFIG},
 }
 MODE_STEPS = 2
 
