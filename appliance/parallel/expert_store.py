@@ -5,7 +5,8 @@ not fit in device memory still trains.
 What moves together. An expert is a unit: its parameters, their gradients and AdamW's exp_avg and exp_avg_sq, so
 its bytes are 4 x its parameter bytes (fp32: 16 bytes per parameter) in whichever tier it is. bf16 experts also carry
 an fp32 master per parameter, which AdamW steps and whose fp32 gradient sums the micro-batches' bf16 ones (DeepSpeed's
-bf16 optimizer's arithmetic): 2 + 4 x 4 = 18 bytes per parameter. The step count is
+bf16 optimizer's arithmetic), and the bf16 gradient of the micro-batch in progress: 2 + 2 + 4 x 4 = 20 bytes per
+parameter. The step count is
 a 4-byte CPU scalar (as torch's AdamW keeps it) that stays in host memory whatever the tier. The store owns the
 experts' optimizer: one torch AdamW per expert (foreach=False: the per-tensor loop, whose arithmetic is
 elementwise, so stepping experts one at a time in any order gives the same bits as one AdamW over all of them).
@@ -94,6 +95,7 @@ class ExpertSlot:
     # bf16 experts: an fp32 master per parameter, which AdamW steps and whose .grad accumulates the micro-batches'
     # gradients in fp32 (DeepSpeed's BF16_Optimizer's arithmetic); empty for fp32 experts, their own masters.
     masters: list[nn.Parameter] = field(default_factory=list)
+    unfolded: bool = False  # bf16: a micro-batch's gradient is in the bf16 .grad, not yet added to the master's
     tier: str = "device"
     host: Tensors | None = None
     forward_pinned: bool = False
@@ -158,9 +160,9 @@ class ExpertStore:
                 raise BadInput(f"expert store: expert {key} parameter {name} is on {p.device}, not {self.device}")
             # Each parameter owns its storage (a view into a flat buffer would keep the buffer alive when evicted)
             p.data = p.data.clone(memory_format=torch.contiguous_format)
-            # fp32: allocated once, so an expert's bytes never change; bf16: each micro-batch's gradient is added
-            # into the master's fp32 gradient as it arrives (gradient_accumulated), then dropped.
-            p.grad = None if mixed else torch.zeros_like(p)
+            # Allocated once, so an expert's bytes never change. bf16: it holds one micro-batch's gradient, summed in
+            # bf16 over that micro-batch's backward passes, until fold_grads adds it into the master's fp32 one.
+            p.grad = torch.zeros_like(p)
         # bf16: the fp32 masters start as the bf16 weights widened, as DeepSpeed's BF16_Optimizer makes its own
         masters = [nn.Parameter(p.data.float()) for p in params] if mixed else []
         for master in masters:
@@ -200,10 +202,10 @@ class ExpertStore:
     def _gather(self, slot: ExpertSlot) -> Tensors:
         tensors: Tensors = {}
         for name, p, t in zip(slot.names, slot.params, slot.trained, strict=True):
-            assert t.grad is not None
+            assert t.grad is not None and p.grad is not None
             tensors[name], tensors[f"{name}.grad"] = p.data, t.grad
             if slot.masters:
-                tensors[f"{name}.master"] = t.data
+                tensors[f"{name}.master"], tensors[f"{name}.lp_grad"] = t.data, p.grad
             state = slot.optimizer.state[t]
             tensors.update({f"{name}.{k}": state[k] for k in STATE_KEYS})
         return tensors
@@ -213,6 +215,7 @@ class ExpertStore:
             p.data = tensors[name]
             if slot.masters:
                 t.data = tensors[f"{name}.master"]
+                p.grad = tensors[f"{name}.lp_grad"]
             t.grad = tensors[f"{name}.grad"]  # after .data: the grad must match the parameter's shape
             state = slot.optimizer.state[t]
             state.update({k: tensors[f"{name}.{k}"] for k in STATE_KEYS})
@@ -338,16 +341,8 @@ class ExpertStore:
         elif slot.tier != "device":
             self.fetch(slot, count_use=False)  # evicted after its gradients accumulated, needed again
 
-    def gradient_accumulated(self, slot: ExpertSlot, param: torch.Tensor | None = None) -> None:
-        """`param`'s gradient of this backward is in. bf16: it goes into the master's fp32 gradient (as DeepSpeed's
-        BF16_Optimizer adds each micro-batch's bf16 gradient into its fp32 buffer) and the bf16 one is dropped, so
-        the next micro-batch's starts afresh."""
-        if slot.masters and param is not None and param.grad is not None:
-            index = next(i for i, p in enumerate(slot.params) if p is param)
-            master_grad = slot.masters[index].grad
-            assert master_grad is not None
-            master_grad.add_(param.grad.to(master_grad.dtype))
-            param.grad = None
+    def gradient_accumulated(self, slot: ExpertSlot) -> None:
+        slot.unfolded = bool(slot.masters)  # bf16: fold_grads has a micro-batch's gradient to add
         if slot.grads_pending > 0:
             slot.grads_pending -= 1
             if slot.grads_pending == 0:
@@ -355,9 +350,35 @@ class ExpertStore:
         else:
             slot.grads_early += 1
 
+    def fold_grads(self) -> None:
+        """bf16 experts, after each micro-batch's backward: add the bf16 gradient it left (summed in bf16 over its
+        backward passes: a pipeline's first stage runs one for the hidden states and one for the carried MoE loss)
+        into the master's fp32 gradient and zero it, where DeepSpeed's BF16_Optimizer does the same for its
+        parameters (update_hp_grads): the same fp32 sum of bf16 micro-batch gradients. Moves nothing: an expert
+        evicted since is folded in host memory or in its file."""
+        for slot in self.slots.values():
+            if not slot.unfolded:
+                continue
+            if slot.tier == "device":
+                tensors = self._gather(slot)
+            elif slot.tier == "host":
+                assert slot.host is not None
+                tensors = slot.host
+            else:
+                assert self.disk is not None
+                tensors = self.disk.peek(slot.key)
+            for name in slot.names:
+                tensors[f"{name}.grad"].add_(tensors[f"{name}.lp_grad"].to(tensors[f"{name}.grad"].dtype))
+                tensors[f"{name}.lp_grad"].zero_()
+            if slot.tier == "disk":
+                assert self.disk is not None
+                self.disk.write(slot.key, tensors)
+            slot.unfolded = False
+
     def step(self, lr: float, grad_scale: float | None = None) -> None:
         """AdamW on every expert, then its gradients zeroed: resident experts first (no move), then the rest in
         layer order. `grad_scale` multiplies the gradients first (a clipping coefficient)."""
+        self.fold_grads()  # bf16: a gradient not folded yet (a caller without per-micro-batch folds) counts too
         for slot in self.slots.values():  # a backward that left pins (an unused expert) ends here
             slot.grads_pending, slot.grads_early, slot.backward_uses = 0, 0, set()
         resident = list(self._on_device.values())
@@ -380,9 +401,10 @@ class ExpertStore:
         """Zero every expert's gradients without a step (a step skipped for a non-finite gradient norm)."""
         for slot in self.slots.values():
             self.fetch(slot, count_use=False)
-            for p in slot.trained:
+            for p in {id(q): q for q in slot.trained + slot.params}.values():  # bf16: the bf16 gradient too
                 assert p.grad is not None
                 p.grad.zero_()
+            slot.unfolded = False
 
     def all_reduce_grads(self, group: dist.ProcessGroup | None = None, *, divide_by: int | None = None) -> None:
         """Sum every expert's gradients over `group` (the expert-data-parallel ranks, which hold the same experts) and
@@ -427,7 +449,7 @@ class ExpertStore:
     def load_expert(self, key: ExpertKey, tensors: Tensors) -> None:
         """Put `tensors` (read_expert's form, e.g. from a checkpoint) into the expert, in whichever tier it is."""
         slot = self.slots[key]
-        suffixes = ("", ".grad", ".exp_avg", ".exp_avg_sq") + ((".master",) if slot.masters else ())
+        suffixes = ("", ".grad", ".exp_avg", ".exp_avg_sq") + ((".master", ".lp_grad") if slot.masters else ())
         names = [f"{name}{suffix}" for name in slot.names for suffix in suffixes]
         steps = [f"{name}.step" for name in slot.names]
         missing = [name for name in names + steps if name not in tensors]

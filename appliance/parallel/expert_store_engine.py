@@ -18,7 +18,8 @@ fp16 and ZeRO 2 with the keys to change. What changes in DeepSpeed's step, and w
   more), ZeRO's ``scaled_global_norm``. The clip coefficient is applied by the store's step, run right after
   DeepSpeed's optimizer step (skipped, gradients zeroed, on a non-finite norm);
 - bf16: the store keeps an fp32 master and fp32 gradient per expert parameter, adds each micro-batch's bf16 gradient
-  into it and rounds the stepped master back into the bf16 weight, as the bf16 optimizer does for the rest;
+  into it where DeepSpeed folds its own (``update_hp_grads``, after all of a micro-batch's backward passes) and
+  rounds the stepped master back into the bf16 weight, as the bf16 optimizer does for the rest;
 - DeepSpeed's ``zero_grad`` drops every module gradient; the store's gradients are allocated once and zeroed by
   its own step, so they are left alone;
 - on a pipeline stage without MoE blocks there is no store, and that stage's step is DeepSpeed's own;
@@ -303,6 +304,14 @@ def _install_bf16_store_step(engine: Any, experts: EngineExpertStore, topology: 
     edp_group = topology.group("edp")
     dense_grads_for_norm = optimizer.get_grads_for_norm
     apply_update = optimizer.step
+    fold_dense = optimizer.update_hp_grads
+
+    def update_hp_grads(*args: Any, **kwargs: Any) -> Any:
+        # where DeepSpeed adds a micro-batch's bf16 gradients into its fp32 buffers (after the whole backward of
+        # it, the pipeline's second pass for the MoE loss included): the store's experts too
+        result = fold_dense(*args, **kwargs)
+        store.fold_grads()
+        return result
 
     def grads_for_norm(for_clipping: bool = False) -> Any:
         if for_clipping:  # the tensors clipping scales: DeepSpeed's own; the store scales its in its step
@@ -322,6 +331,7 @@ def _install_bf16_store_step(engine: Any, experts: EngineExpertStore, topology: 
         return result
 
     optimizer.get_grads_for_norm = grads_for_norm
+    optimizer.update_hp_grads = update_hp_grads
     optimizer.step = step
 
 

@@ -95,6 +95,6 @@ def attach_expert_store(store: ExpertStore, containers: Sequence[nn.Module]) -> 
 
 def _accumulated(store: ExpertStore, slot: ExpertSlot) -> Any:
     def hook(param: torch.Tensor) -> None:
-        store.gradient_accumulated(slot, param)
+        store.gradient_accumulated(slot)
 
     return hook

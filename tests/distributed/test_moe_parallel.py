@@ -313,14 +313,16 @@ TIERED_STEPS = 3
 # MoE block, so each stage holds 2 blocks of 2 local experts and the budgets (2 experts on the device, 1 on the host)
 # move them through all three tiers.
 PP_CONFIG = dataclasses.replace(CONFIG, moe_every=1)
-# bf16 (pp 1, dp 4, ep 2 as the first test, edp = 2: the store's fp32 gradients summed over 2 ranks): the
-# store keeps DeepSpeed's bf16 optimizer's fp32 masters and gradients beside the bf16 weights, 2 + 4 x 4 = 18 bytes
-# per parameter, so the budgets are in bf16 experts' bytes. ZeRO 1 (fp32) at pp 2: the pipeline's reduction and
-# ZeRO's norm over both stages.
-BF16_EXPERT_BYTES = EXPERT_BYTES // 16 * 18
+# bf16 (pp 1, dp 4, ep 2 as the first test, edp = 2: the store's fp32 gradients summed over 2 ranks; and at pp 2,
+# where the first stage's experts get two bf16 gradients per micro-batch, the hidden states' backward and the carried
+# MoE loss's): the store keeps DeepSpeed's bf16 optimizer's fp32 masters and gradients beside the bf16 weights and
+# their bf16 gradients, 2 + 2 + 4 x 4 = 20 bytes per parameter, so the budgets are in bf16 experts' bytes. ZeRO 1
+# (fp32) at pp 2: the pipeline's reduction and ZeRO's norm over both stages.
+BF16_EXPERT_BYTES = EXPERT_BYTES // 16 * 20
 TIERED_MODES: dict[str, dict[str, Any]] = {
     "pp2": {"pp": 2, "dp": 2, "config": PP_CONFIG},
     "bf16": {"dtype": "bf16", "expert_bytes": BF16_EXPERT_BYTES},
+    "bf16_pp2": {"dtype": "bf16", "expert_bytes": BF16_EXPERT_BYTES, "pp": 2, "dp": 2, "config": PP_CONFIG},
     "zero1_pp2": {"zero_stage": 1, "pp": 2, "dp": 2, "config": PP_CONFIG},
 }
 MODE_STEPS = 2
