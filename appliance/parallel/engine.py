@@ -46,6 +46,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from appliance.errors import BadInput
+from appliance.hardware.profile import Hardware
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
 from appliance.model.moe import install_all_to_all
@@ -69,7 +70,7 @@ from appliance.parallel.expert_store_engine import (
 )
 from appliance.parallel.grads import TopologyMPU, install_global_norm_clipping, register_sequence_parallel_grad_hooks
 from appliance.parallel.mappings import collective_device
-from appliance.parallel.moe_exchange import select_all_to_all
+from appliance.parallel.moe_exchange import AllToAllSelection, select_all_to_all
 from appliance.parallel.optimizer_state import (
     dp_writers,
     load_optimizer_state,
@@ -168,6 +169,7 @@ def build_engine(
     expert_device_budget_bytes: int = 0,
     expert_disk_dir: Path | None = None,
     seq_len: int | None = None,  # MoE: sizes the exchanges the all-to-all choice weighs (model/moe.py)
+    hardware: Hardware | None = None,  # MoE: the run's profile, its nodes and links (None: LOCAL_WORLD_SIZE)
 ) -> ParallelEngine:
     """Build this rank's part of the model and its DeepSpeed engine. Collective: every rank calls it."""
     import deepspeed
@@ -181,12 +183,14 @@ def build_engine(
     if tiered:
         check_store_layout(is_moe=config.is_moe, dtype=dtype, zero_stage=zero_stage, pp=topology.pp)
     topology.init_process_groups()
+    all_to_all = None
     if config.is_moe:
         register_expert_groups(topology)  # before DeepSpeed would make its own (expert_parallel.py)
-        # Flat or hierarchical by how the ep groups fall on nodes: the planner's cost model decides (model/moe.py).
-        install_all_to_all(
-            select_all_to_all(config, topology, micro_batch_size=micro_batch_size, seq_len=seq_len).exchange
+        # Flat or hierarchical by how the ep groups fall on the plan's nodes: the planner's cost model decides.
+        all_to_all = select_all_to_all(
+            config, topology, micro_batch_size=micro_batch_size, seq_len=seq_len, hardware=hardware
         )
+        install_all_to_all(all_to_all.exchange)
     # DeepSpeed's own communication layer wraps the process group already running (the PipelineModule needs it
     # before deepspeed.initialize would set it up).
     init_deepspeed_comm(dist.get_backend())
@@ -278,6 +282,7 @@ def build_engine(
         min_loss_scale=min_loss_scale,
         param_gather=gather,
         experts=experts,
+        all_to_all=all_to_all,
     )
 
 
@@ -303,8 +308,11 @@ class ParallelEngine:
         param_gather: OverlappedParamGather | None = None,
         cp_mode: str = "ulysses",
         experts: EngineExpertStore | None = None,
+        all_to_all: AllToAllSelection | None = None,
     ) -> None:
         self.engine = engine
+        # BLOOM-MoE: the expert exchange installed for this engine and why (moe_exchange.py); None for a dense model.
+        self.all_to_all = all_to_all
         # BLOOM-MoE with expert_device_budget_mb > 0: the experts live in the tiered store (expert_store_engine.py);
         # the trainer reports `expert_store`'s moves in each step event.
         self.experts = experts

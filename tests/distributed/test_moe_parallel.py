@@ -36,7 +36,6 @@ from appliance.model.ops import cross_entropy
 from appliance.parallel.deepspeed_comm import init_deepspeed_comm
 from appliance.parallel.engine import build_engine
 from appliance.parallel.expert_parallel import register_expert_groups
-from appliance.parallel.moe_exchange import selected_all_to_all
 from appliance.parallel.shards import gather_full_state_dict
 from appliance.parallel.testing import run_distributed
 from appliance.parallel.topology import ParallelTopology
@@ -191,8 +190,7 @@ def _engine_step(topology: ParallelTopology, ep: int, pp: int, save_to: str, sav
     for hook in hooks:  # this step's gradients only
         hook.remove()
     out = {"loss": result.loss, "aux": result.moe_aux_loss, "load": result.expert_load, "grads": captured}
-    selected = selected_all_to_all()
-    out["all_to_all"] = selected.kind if selected is not None else None
+    out["all_to_all"] = engine.all_to_all.kind if engine.all_to_all is not None else None
     step_dir = Path(save_to)
     if save:  # the first layout writes the checkpoint and reloads it at its own layout
         engine.save_model(step_dir, {"step": "1"})
@@ -266,7 +264,7 @@ def _hierarchical_step(topology: ParallelTopology) -> dict[str, Any]:
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     try:
         engine = _engine(topology, 4, 1)
-        installed = sharded_moe._AllToAll
+        installed, selected = sharded_moe._AllToAll, engine.all_to_all
         captured: dict[str, torch.Tensor] = {}
         hooks = [
             p.register_hook(lambda g, n=n: captured.__setitem__(n, captured.get(n, 0) + g.detach().clone()))
@@ -281,13 +279,13 @@ def _hierarchical_step(topology: ParallelTopology) -> dict[str, Any]:
             os.environ.pop("LOCAL_WORLD_SIZE")
         else:
             os.environ["LOCAL_WORLD_SIZE"] = before
-    selected = selected_all_to_all()
     assert selected is not None
     counter = installed.counter if isinstance(installed, MoeAllToAll) else None
     return {
         "kind": selected.kind,
         "reason": selected.reason,
         "installed_hierarchical": isinstance(installed, MoeAllToAll) and installed.kind == "hierarchical",
+        "installed_is_engines": installed is selected.exchange,  # the engine holds what the layers call
         "exchanges": counter.calls if counter is not None else 0,
         "loss": result.loss,
         "grads": captured,
@@ -413,6 +411,7 @@ def test_engine_across_nodes_uses_the_hierarchical_exchange_bitwise(
         hier, flat = got["hierarchical"], got["engine_pp1_ep4"]
         assert flat["all_to_all"] == "flat", f"rank {rank}: one node needs no hierarchy"
         assert hier["kind"] == "hierarchical" and hier["installed_hierarchical"], f"rank {rank}: {hier['reason']}"
+        assert hier["installed_is_engines"], f"rank {rank}: engine.all_to_all is not the installed exchange"
         # 2 MoE blocks x (dispatch + combine) x (forward + backward)
         assert hier["exchanges"] == 2 * 2 * 2, f"rank {rank}"
         assert hier["loss"] == flat["loss"], f"rank {rank}"
