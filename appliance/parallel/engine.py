@@ -22,7 +22,9 @@ How the layout maps onto DeepSpeed, in the order it is applied:
    (``wait_for_parameters``).
 5. BLOOM-MoE (expert_parallel.py, docs/MOE.md): DeepSpeed's expert groups are our topology's ep and edp groups,
    the expert parameters get optimizer groups of their own, and each step reports the load-balancing loss
-   (``moe_aux_loss``, travelling through the pipeline) and the experts' token shares (``expert_load``).
+   (``moe_aux_loss``, travelling through the pipeline) and the experts' token shares (``expert_load``). The
+   all-to-all the experts exchange tokens with is chosen for the run's hardware profile (``hardware``: the plan's
+   nodes and links; moe_exchange.py) and kept as ``engine.all_to_all``, which the run directory records.
 Every layout starts from the weights a single process draws from the same seed, each weight matrix and the word
 embedding from N(0, config.initializer_range), the plan's model.init_std: the layers are built without values on
 the engine's device, and each rank draws only its own shards there (shards.init_shards_: every element is a

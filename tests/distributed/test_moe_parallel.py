@@ -22,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from appliance.hardware.profile import load_hardware
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
 from appliance.model.moe import BloomMoE, canonical_moe_name
@@ -135,7 +137,7 @@ def _held(name: str, layer: BloomMoE) -> bool:
 
 
 # ---- the engine, fp32 ------------------------------------------------------------------------------------------
-def _engine(topology: ParallelTopology, ep: int, pp: int) -> Any:
+def _engine(topology: ParallelTopology, ep: int, pp: int, hardware: Any = None) -> Any:
     os.environ.setdefault("LOCAL_RANK", "0")  # read by DeepSpeed
     dp = topology.world_size // pp
     topology = ParallelTopology(tp=1, pp=pp, dp=dp, ep=ep, world_size=topology.world_size)
@@ -155,6 +157,7 @@ def _engine(topology: ParallelTopology, ep: int, pp: int) -> Any:
         eps=1e-8,
         seed=SEED,
         seq_len=SEQ,  # the all-to-all choice weighs exchanges of MBS x SEQ tokens
+        hardware=hardware,  # None: the nodes are LOCAL_WORLD_SIZE ranks (moe_exchange.py node_size)
     )
 
 
@@ -254,16 +257,17 @@ def _all_checks(topology: ParallelTopology, save_to: str) -> dict[str, Any]:
 
 
 def _hierarchical_step(topology: ParallelTopology) -> dict[str, Any]:
-    """The pp = 1, ep = 4 engine step again with the 4 ranks as 2 nodes of 2 (LOCAL_WORLD_SIZE, as torchrun sets
-    it): the ep group spans both nodes, so the engine installs the hierarchical exchange."""
+    """The pp = 1, ep = 4 engine step again with the 4 ranks as 2 nodes of 2, as the run's hardware profile says
+    (2 CPU nodes), while the launcher's LOCAL_WORLD_SIZE says one node of 4: the profile wins, the ep group spans
+    both nodes, so the engine installs the hierarchical exchange."""
     from deepspeed.moe import sharded_moe
 
     from appliance.parallel.moe_all_to_all import MoeAllToAll
 
     before = os.environ.get("LOCAL_WORLD_SIZE")
-    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    os.environ["LOCAL_WORLD_SIZE"] = "4"
     try:
-        engine = _engine(topology, 4, 1)
+        engine = _engine(topology, 4, 1, hardware=replace(load_hardware("cpu-laptop-2core"), nodes=2))
         installed, selected = sharded_moe._AllToAll, engine.all_to_all
         captured: dict[str, torch.Tensor] = {}
         hooks = [
@@ -284,6 +288,7 @@ def _hierarchical_step(topology: ParallelTopology) -> dict[str, Any]:
     return {
         "kind": selected.kind,
         "reason": selected.reason,
+        "record": selected.record(),
         "installed_hierarchical": isinstance(installed, MoeAllToAll) and installed.kind == "hierarchical",
         "installed_is_engines": installed is selected.exchange,  # the engine holds what the layers call
         "exchanges": counter.calls if counter is not None else 0,
@@ -412,6 +417,9 @@ def test_engine_across_nodes_uses_the_hierarchical_exchange_bitwise(
         assert flat["all_to_all"] == "flat", f"rank {rank}: one node needs no hierarchy"
         assert hier["kind"] == "hierarchical" and hier["installed_hierarchical"], f"rank {rank}: {hier['reason']}"
         assert hier["installed_is_engines"], f"rank {rank}: engine.all_to_all is not the installed exchange"
+        record = hier["record"]
+        assert (record["ranks_per_node"], record["ranks_per_node_from"]) == (2, "hardware profile"), record
+        assert "(LOCAL_WORLD_SIZE)" in record["warning"], record
         # 2 MoE blocks x (dispatch + combine) x (forward + backward)
         assert hier["exchanges"] == 2 * 2 * 2, f"rank {rank}"
         assert hier["loss"] == flat["loss"], f"rank {rank}"
