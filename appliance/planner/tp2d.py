@@ -62,7 +62,7 @@ from appliance.planner.kernel_path import KernelPath, kernels_for
 from appliance.planner.layout import Layout, pipeline_partition
 from appliance.planner.memory import activation_bytes_per_layer, layer_parameters_per_rank, state_bytes
 from appliance.planner.model_shape import ModelShape
-from appliance.planner.timing import _block
+from appliance.planner.timing import block_seconds
 
 PRODUCTS = 4  # weight products per block
 GRID_SIDES = (2, 4, 8)  # the q x q grids the comparison scans: 4, 16 and 64 ranks
@@ -158,7 +158,7 @@ def _hops_time(sent: float, hops: int, link: Link) -> float:
 
 def _compute_s(model: ModelShape, layout: Layout, device: Device, hw: Hardware, s: int, kernels: KernelPath) -> float:
     """The block's forward and backward work on one rank (GEMMs 3x, attention, elementwise 3x, recompute)."""
-    blk = _block(model, layout, device, hw, s, kernels)
+    blk = block_seconds(model, layout, device, hw, s, kernels)
     work = 3 * blk.gemm + blk.attention + blk.attention_backward + 3 * blk.elementwise
     if layout.recompute == "full":
         work += blk.gemm + blk.attention + blk.elementwise
