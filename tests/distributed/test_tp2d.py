@@ -56,7 +56,6 @@ from appliance.model import ops
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
 from appliance.parallel.bloom2d import Bloom2D, build_tp2d_model
-from appliance.parallel.engine import build_engine
 from appliance.parallel.layers2d import Linear2D, Mesh2D, apply_norm
 from appliance.parallel.mappings import collective_device, count_traffic
 from appliance.parallel.pipeline_parallel import IGNORE_INDEX
@@ -70,7 +69,7 @@ from appliance.parallel.sharding import (
 )
 from appliance.parallel.shards import LazyFullStateDict, ShardReader, gather_full_state_dict, model_sources
 from appliance.parallel.summa import gather_partial_grad
-from appliance.parallel.testing import collective_guard, run_distributed
+from appliance.parallel.testing import build_test_engine, collective_guard, run_distributed
 from appliance.parallel.topology import ParallelTopology
 from appliance.planner.tp2d import PRODUCTS, summa_collectives_per_axis
 
@@ -297,9 +296,9 @@ def _tokens() -> torch.Tensor:
 def _train_engine(topology: ParallelTopology, dtype: str, zero_stage: int) -> tuple[Any, dict[str, Any]]:
     """RECIPE through build_engine on every rank: the engine, its per-step losses and norms, and its optimizer."""
     os.environ.setdefault("LOCAL_RANK", "0")  # read by DeepSpeed's PipelineModule
-    engine = build_engine(
+    engine = build_test_engine(
         CONFIG, topology, micro_batch_size=MBS, global_batch_size=GBS, zero_stage=zero_stage, dtype=dtype,
-        grad_clip=CLIP, recompute="none", sequence_parallel=False, lr=RECIPE.lr_at(0), seed=ENGINE_SEED, **OPTIMIZER,
+        grad_clip=CLIP, lr=RECIPE.lr_at(0), seed=ENGINE_SEED, **OPTIMIZER,
     )  # fmt: skip
     tokens, losses, norms = _tokens(), [], []
     for consumed, samples in RECIPE.steps:
