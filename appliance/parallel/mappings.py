@@ -22,8 +22,9 @@ With a group of one rank (or no process group at all) every function is the iden
 Algorithms that write their own autograd Function (SUMMA in summa.py) use the plain collectives under them:
 ``broadcast_from`` and ``reduce_to``, in place, for one source or one root of a group.
 
-Every collective here goes through ``_count``: inside a ``count_traffic()`` block it adds the payload bytes this
-rank hands to the backend and the call, by kind; outside one (the default) it is a single test of a global. A
+Every collective here is counted: inside a ``count_traffic()`` block ``_count`` adds the payload bytes this rank
+hands to the backend and the call, by kind; outside one (the default) the cost is one test of a global, before any
+group lookup or view the count would need. A
 broadcast counts its bytes on the source only, a reduce on the members that are not the root, a reduce-scatter the
 other members' chunks; all-reduce and all-gather count what this rank contributes. Ring and chain algorithms forward
 more than that; the payload is the unit the planner's formulas (planner/tp2d.py) start from.
@@ -87,11 +88,10 @@ def count_traffic() -> Iterator[Traffic]:
         _traffic = before
 
 
-def _count(kind: str, tensor: torch.Tensor, sends: bool = True) -> None:
-    if _traffic is not None:
-        _traffic.calls[kind] += 1
-        if sends:
-            _traffic.bytes[kind] += tensor.numel() * tensor.element_size()
+def _count(traffic: Traffic, kind: str, payload: torch.Tensor, sends: bool = True) -> None:
+    traffic.calls[kind] += 1
+    if sends:
+        traffic.bytes[kind] += payload.numel() * payload.element_size()
 
 
 # ---- plain collectives (no autograd) ------------------------------------------------------------------------------
@@ -101,14 +101,16 @@ def _global_rank(group: Group, member: int) -> int:
 
 def broadcast_from(tensor: torch.Tensor, source: int, group: Group) -> torch.Tensor:
     """``tensor`` of group member ``source`` on every member, in place (the others' tensor is the buffer)."""
-    _count("broadcast", tensor, sends=group_rank(group) == source)
+    if _traffic is not None:
+        _count(_traffic, "broadcast", tensor, sends=group_rank(group) == source)
     dist.broadcast(tensor, src=_global_rank(group, source), group=group)
     return tensor
 
 
 def reduce_to(tensor: torch.Tensor, root: int, group: Group) -> torch.Tensor:
     """The sum of every member's ``tensor`` on member ``root``, in place (the others' result is undefined)."""
-    _count("reduce", tensor, sends=group_rank(group) != root)
+    if _traffic is not None:
+        _count(_traffic, "reduce", tensor, sends=group_rank(group) != root)
     dist.reduce(tensor, dst=_global_rank(group, root), op=dist.ReduceOp.SUM, group=group)
     return tensor
 
@@ -116,7 +118,8 @@ def reduce_to(tensor: torch.Tensor, root: int, group: Group) -> torch.Tensor:
 def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Sum over the group into a fresh tensor (the caller's tensor may be aliased elsewhere in the graph)."""
     out = x.clone(memory_format=torch.contiguous_format)
-    _count("all_reduce", out)
+    if _traffic is not None:
+        _count(_traffic, "all_reduce", out)
     dist.all_reduce(out, group=group)
     return out
 
@@ -132,7 +135,8 @@ def _gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     # The collective concatenates along dim 0, so move ``dim`` there and back.
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] * group_size(group), *front.shape[1:]))
-    _count("all_gather", front)
+    if _traffic is not None:
+        _count(_traffic, "all_gather", front)
     _all_gather_single(out, front, group=group)
     return out.movedim(0, dim).contiguous()
 
@@ -143,7 +147,8 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
         raise ValueError(f"cannot reduce-scatter dimension {dim} of size {x.shape[dim]} over {size} ranks")
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
-    _count("reduce_scatter", front[: front.shape[0] - out.shape[0]])  # the other members' chunks
+    if _traffic is not None:
+        _count(_traffic, "reduce_scatter", front[: front.shape[0] - out.shape[0]])  # the other members' chunks
     _reduce_scatter_single(out, front, group=group)
     return out.movedim(0, dim).contiguous()
 
