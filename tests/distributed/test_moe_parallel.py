@@ -252,6 +252,7 @@ def _all_checks(topology: ParallelTopology, save_to: str) -> dict[str, Any]:
     out["resumed"] = _resumed(topology, save_to)
     out["tiered"] = _tiered(topology, str(Path(save_to).parent / "tiered"))
     out["hierarchical"] = _hierarchical_step(topology)  # last: it installs the hierarchical exchange
+    out["epcp"] = _epcp_steps(topology, str(Path(save_to).parent / "epcp"))
     return out
 
 
@@ -536,3 +537,136 @@ def test_tiered_experts_resume_from_a_checkpoint(launched: tuple[list[dict[str, 
         assert resumed["losses"] == rest["losses"], f"rank {rank}"
         for name, value in rest["weights"].items():
             assert torch.equal(resumed["weights"][name], value), f"rank {rank}: {name}"
+
+
+# ---- experts with context parallelism (dp = 2, cp = 2, ep = 2) ---------------------------------------------------
+# 4 ranks: dp rank d, cp rank c at global rank 2d + c; the ep groups are {0, 2} and {1, 3} (the two dp ranks at one cp
+# coordinate), the edp x cp groups that reduce the experts' gradients {0, 1} and {2, 3}. Each CP rank routes its own
+# half of every sequence, so its gate's load-balancing loss is its half's (GShard's local groups, docs/MOE.md): the
+# reference computes it per half too, on the halves of the reference's own MoE inputs.
+EPCP_DP, EPCP_CP, EPCP_EP, EPCP_MODE = 2, 2, 2, "ulysses"
+EPCP_ZEROS = (0, 1)  # fp32 at ZeRO 0 (the engine's reduction) and ZeRO 1 (ZeRO's expert partitions over edp x cp)
+BETA1 = 0.9
+
+
+def _epcp_engine(topology: ParallelTopology, zero_stage: int) -> Any:
+    os.environ.setdefault("LOCAL_RANK", "0")
+    topology = ParallelTopology(tp=1, pp=1, dp=EPCP_DP, cp=EPCP_CP, ep=EPCP_EP, world_size=topology.world_size)
+    return build_engine(CONFIG, topology, micro_batch_size=MBS, global_batch_size=MBS * EPCP_DP, zero_stage=zero_stage,
+                        dtype="fp32", grad_clip=0.0, recompute="none", sequence_parallel=False, lr=1e-2,
+                        weight_decay=0.0, betas=(BETA1, 0.95), eps=1e-8, seed=SEED, seq_len=SEQ,
+                        cp_mode=EPCP_MODE)  # fmt: skip
+
+
+def _epcp_steps(topology: ParallelTopology, save_to: str) -> dict[str, Any]:
+    """One step per ZeRO stage on the same micro-batches: loss, the MoE figures and Adam's first moment after it,
+    which after one step is (1 - beta1) x the gradient DeepSpeed reduced (no clipping, no decay). The ZeRO 0 engine
+    saves its checkpoint."""
+    out: dict[str, Any] = {}
+    for zero in EPCP_ZEROS:
+        engine = _epcp_engine(topology, zero)
+        dp_rank = engine.topology.coordinate("dp", dist.get_rank())
+        result = engine.train_batch([batches(EPCP_DP)[dp_rank]])
+        state = engine.optimizer_state()  # collective over dp x cp at ZeRO 1
+        moments = {k.rsplit(".", 1)[0]: v for k, v in state.items() if k.endswith(".exp_avg")}
+        got = {"loss": result.loss, "aux": result.moe_aux_loss, "load": result.expert_load, "moments": moments}
+        if zero == 0:
+            step_dir = Path(save_to)
+            if dist.get_rank() == 0:
+                step_dir.mkdir(parents=True, exist_ok=True)
+            dist.barrier()
+            engine.save_model(step_dir, {"step": "1"})
+            engine.save_optimizer(step_dir, engine.optimizer_shard(), {"step": "1"})
+            got["weights"] = {n: p.detach().clone() for n, p in engine.named_parameters()}
+        engine.close()
+        out[f"zero{zero}"] = got
+    return out
+
+
+@functools.cache
+def epcp_reference(dtype: torch.dtype) -> tuple[float, float, dict[str, torch.Tensor]]:
+    """The single-process model on the dp micro-batches with the load-balancing loss per CP half: (language-model
+    loss, unweighted load-balancing loss, both means over the dp x cp slices as the engine reports them; gradient of
+    the mean optimized loss by layout-free name)."""
+    from appliance.parallel.cp_attention import split_sequence
+
+    model = copy.deepcopy(drawn()).to(dtype)
+    inputs: list[tuple[BloomMoE, torch.Tensor]] = []
+    hooks = [
+        m.register_forward_hook(lambda module, args, _: inputs.append((module, args[0])))
+        for m in model.modules()
+        if isinstance(m, BloomMoE)
+    ]
+    total, lm_sum, aux_sum = torch.zeros((), dtype=dtype), 0.0, 0.0
+    for ids, labels in batches(EPCP_DP):
+        inputs.clear()
+        lm_loss = cross_entropy(model(ids), labels)
+        # Each half through its layer again for its own aux loss (the expert outputs are not used): its gradient
+        # reaches the gate and, through the half's MoE input, everything before it.
+        halves = [split_sequence(x, EPCP_CP, c, EPCP_MODE) for _, x in inputs for c in range(EPCP_CP)]
+        layers = [layer for layer, _ in inputs for _ in range(EPCP_CP)]
+        aux = torch.stack([_aux_of(layer, half) for layer, half in zip(layers, halves, strict=True)]).sum() / EPCP_CP
+        total = total + (lm_loss + CONFIG.moe_aux_loss_coef * aux) / EPCP_DP
+        lm_sum, aux_sum = lm_sum + float(lm_loss.detach()), aux_sum + float(aux.detach())
+    for hook in hooks:
+        hook.remove()
+    total.backward()
+    grads = {canonical_moe_name(n): p.grad.detach().clone() for n, p in model.named_parameters()}
+    return lm_sum / EPCP_DP, aux_sum / EPCP_DP, grads
+
+
+def _aux_of(layer: BloomMoE, tokens: torch.Tensor) -> torch.Tensor:
+    layer(tokens)
+    assert layer.aux_loss is not None
+    return layer.aux_loss
+
+
+def _epcp_results(launched: tuple[list[dict[str, Any]], Path], zero: int) -> list[dict[str, Any]]:
+    return [got["epcp"][f"zero{zero}"] for got in launched[0]]
+
+
+@pytest.mark.parametrize("zero", EPCP_ZEROS)
+def test_engine_at_dp2_cp2_ep2_equals_one_process(launched: tuple[list[dict[str, Any]], Path], zero: int) -> None:
+    """The step's reported losses and the gradient DeepSpeed reduced, dense and expert, equal the single-process
+    model's: the experts' over edp x cp, divided by dp x cp (an edp-only reduction would lose the other CP half's
+    tokens, a missing cp division double them)."""
+    results = _epcp_results(launched, zero)
+    lm64, aux64, grads64 = epcp_reference(torch.float64)
+    _, _, grads32 = epcp_reference(torch.float32)
+    # fp32 bound as FP32_FACTOR's: the reference's own fp32-vs-fp64 gap, times 10 for reordered sums.
+    floor = max(relative(grads32[n], grads64[n]) for n in grads64)
+    seen: dict[str, torch.Tensor] = {}
+    for rank, got in enumerate(results):
+        assert abs(got["loss"] - lm64) / lm64 < FP32_FACTOR * max(floor, 1e-7), f"rank {rank}"
+        assert abs(got["aux"] - aux64) / aux64 < FP32_FACTOR * max(floor, 1e-7), f"rank {rank}"
+        assert got["load"] == results[0]["load"], "expert load agreed by every rank"
+        for name, moment in got["moments"].items():
+            grad = moment.double() / (1 - BETA1)  # Adam's first moment after one step from zero
+            assert relative(grad, grads64[name]) < FP32_FACTOR * floor, f"rank {rank}: {name}"
+            seen[name] = grad
+    assert set(seen) == set(grads64), sorted(set(seen) ^ set(grads64))
+    experts = [name for name in results[0]["moments"] if ".experts." in name]
+    assert len(experts) == 2 * 2 * 4, "rank 0: two MoE blocks x two of the four experts x four tensors"
+
+
+def test_checkpoint_at_cp2_ep2_reloads_at_one_process(launched: tuple[list[dict[str, Any]], Path]) -> None:
+    """The ZeRO 0 engine's checkpoint holds every weight once and loads into the single-process model; Adam's state
+    is written once per parameter though two CP ranks hold each expert."""
+    from safetensors import safe_open
+
+    from appliance.parallel.optimizer_state import optimizer_files
+
+    step_dir = launched[1].parent / "epcp"
+    saved = gather_full_state_dict(step_dir)
+    whole = BloomForCausalLM(CONFIG, seed=0)
+    missing, unexpected = whole.load_state_dict(saved, strict=False)
+    assert not unexpected and missing == ["lm_head.weight"]
+    for rank, got in enumerate(_epcp_results(launched, 0)):
+        for name, value in got["weights"].items():
+            assert torch.equal(whole.state_dict()[name], value), f"rank {rank}: {name}"
+    keys: list[str] = []
+    for _, _, path in optimizer_files(step_dir):
+        with safe_open(str(path), framework="pt") as f:
+            keys += list(f.keys())
+    assert len(keys) == len(set(keys)), sorted(k for k in keys if keys.count(k) > 1)[:4]
+    assert {k.rsplit(".", 1)[0] for k in keys} == set(saved)
