@@ -545,15 +545,17 @@ def test_tiered_experts_resume_from_a_checkpoint(launched: tuple[list[dict[str, 
 # half of every sequence, so its gate's load-balancing loss is its half's (GShard's local groups, docs/MOE.md): the
 # reference computes it per half too, on the halves of the reference's own MoE inputs.
 EPCP_DP, EPCP_CP, EPCP_EP, EPCP_MODE = 2, 2, 2, "ulysses"
-EPCP_ZEROS = (0, 1)  # fp32 at ZeRO 0 (the engine's reduction) and ZeRO 1 (ZeRO's expert partitions over edp x cp)
+# (dtype, ZeRO stage): fp32 at ZeRO 0 (the engine's reduction) and ZeRO 1 (ZeRO's expert partitions over edp x cp);
+# bf16 (DeepSpeed's BF16_Optimizer hands its fp32 gradients to the engine's expert reduction).
+EPCP_RUNS = (("fp32", 0), ("fp32", 1), ("bf16", 0))
 BETA1 = 0.9
 
 
-def _epcp_engine(topology: ParallelTopology, zero_stage: int) -> Any:
+def _epcp_engine(topology: ParallelTopology, dtype: str, zero_stage: int) -> Any:
     os.environ.setdefault("LOCAL_RANK", "0")
     topology = ParallelTopology(tp=1, pp=1, dp=EPCP_DP, cp=EPCP_CP, ep=EPCP_EP, world_size=topology.world_size)
     return build_engine(CONFIG, topology, micro_batch_size=MBS, global_batch_size=MBS * EPCP_DP, zero_stage=zero_stage,
-                        dtype="fp32", grad_clip=0.0, recompute="none", sequence_parallel=False, lr=1e-2,
+                        dtype=dtype, grad_clip=0.0, recompute="none", sequence_parallel=False, lr=1e-2,
                         weight_decay=0.0, betas=(BETA1, 0.95), eps=1e-8, seed=SEED, seq_len=SEQ,
                         cp_mode=EPCP_MODE)  # fmt: skip
 
@@ -563,15 +565,15 @@ def _epcp_steps(topology: ParallelTopology, save_to: str) -> dict[str, Any]:
     which after one step is (1 - beta1) x the gradient DeepSpeed reduced (no clipping, no decay). The ZeRO 0 engine
     saves its checkpoint."""
     out: dict[str, Any] = {}
-    for zero in EPCP_ZEROS:
-        engine = _epcp_engine(topology, zero)
+    for dtype, zero in EPCP_RUNS:
+        engine = _epcp_engine(topology, dtype, zero)
         dp_rank = engine.topology.coordinate("dp", dist.get_rank())
         result = engine.train_batch([batches(EPCP_DP)[dp_rank]])
         state = engine.optimizer_state()  # collective over dp x cp at ZeRO 1
         moments = {k.rsplit(".", 1)[0]: v for k, v in state.items() if k.endswith(".exp_avg")}
         got = {"loss": result.loss, "aux": result.moe_aux_loss, "load": result.expert_load, "moments": moments}
         got["norm"] = result.grad_norm
-        if zero == 0:
+        if (dtype, zero) == EPCP_RUNS[0]:
             step_dir = Path(save_to)
             if dist.get_rank() == 0:
                 step_dir.mkdir(parents=True, exist_ok=True)
@@ -580,7 +582,7 @@ def _epcp_steps(topology: ParallelTopology, save_to: str) -> dict[str, Any]:
             engine.save_optimizer(step_dir, engine.optimizer_shard(), {"step": "1"})
             got["weights"] = {n: p.detach().clone() for n, p in engine.named_parameters()}
         engine.close()
-        out[f"zero{zero}"] = got
+        out[f"{dtype}_zero{zero}"] = got
     return out
 
 
@@ -622,16 +624,16 @@ def _aux_of(layer: BloomMoE, tokens: torch.Tensor) -> torch.Tensor:
     return layer.aux_loss
 
 
-def _epcp_results(launched: tuple[list[dict[str, Any]], Path], zero: int) -> list[dict[str, Any]]:
-    return [got["epcp"][f"zero{zero}"] for got in launched[0]]
+def _epcp_results(launched: tuple[list[dict[str, Any]], Path], dtype: str, zero: int) -> list[dict[str, Any]]:
+    return [got["epcp"][f"{dtype}_zero{zero}"] for got in launched[0]]
 
 
-@pytest.mark.parametrize("zero", EPCP_ZEROS)
+@pytest.mark.parametrize("zero", [zero for dtype, zero in EPCP_RUNS if dtype == "fp32"])
 def test_engine_at_dp2_cp2_ep2_equals_one_process(launched: tuple[list[dict[str, Any]], Path], zero: int) -> None:
     """The step's reported losses and the gradient DeepSpeed reduced, dense and expert, equal the single-process
     model's: the experts' over edp x cp, divided by dp x cp (an edp-only reduction would lose the other CP half's
     tokens, a missing cp division double them)."""
-    results = _epcp_results(launched, zero)
+    results = _epcp_results(launched, "fp32", zero)
     lm64, aux64, grads64 = epcp_reference(torch.float64)
     # fp32 bound as FP32_FACTOR's: the reference's own fp32-vs-fp64 gap, times 10 for sums the layout reorders
     # (cp's attention exchange, the all-to-all, the reduction over dp x cp). The gap is that of the same model on
@@ -657,6 +659,24 @@ def test_engine_at_dp2_cp2_ep2_equals_one_process(launched: tuple[list[dict[str,
     assert len(experts) == 2 * 2 * 4, "rank 0: two MoE blocks x two of the four experts x four tensors"
 
 
+def test_engine_at_dp2_cp2_ep2_in_bf16_equals_one_process(launched: tuple[list[dict[str, Any]], Path]) -> None:
+    """bf16 goes through DeepSpeed's BF16_Optimizer, whose fp32 gradients the engine reduces: the same average."""
+    results = _epcp_results(launched, "bf16", 0)
+    lm64, aux64, grads64 = epcp_reference(torch.float64)
+    # bf16 bound: the single-process model's own bf16-vs-fp64 gap on the same micro-batches (measured 9.6e-3 for
+    # the gradients), times 5 for the layout's reordered sums; the engine keeps fp32 gradients and masters, so it
+    # measured below that gap (worst gradient 8.7e-3, loss 5e-6). A wrongly scaled or half-reduced expert gradient
+    # is off by 0.5 or more.
+    _, grads16 = reference(EPCP_DP, torch.bfloat16)
+    floor = max(relative(grads16[n], reference(EPCP_DP, torch.float64)[1][n]) for n in grads16)
+    for rank, got in enumerate(results):
+        assert abs(got["loss"] - lm64) / lm64 < 5 * floor, f"rank {rank}"
+        assert abs(got["aux"] - aux64) / aux64 < 5 * floor, f"rank {rank}"
+        for name, moment in got["moments"].items():
+            assert relative(moment.double() / (1 - BETA1), grads64[name]) < 5 * floor, f"rank {rank}: {name}"
+    assert {name for got in results for name in got["moments"]} == set(grads64)
+
+
 def test_checkpoint_at_cp2_ep2_reloads_at_one_process(launched: tuple[list[dict[str, Any]], Path]) -> None:
     """The ZeRO 0 engine's checkpoint holds every weight once and loads into the single-process model; Adam's state
     is written once per parameter though two CP ranks hold each expert."""
@@ -669,7 +689,7 @@ def test_checkpoint_at_cp2_ep2_reloads_at_one_process(launched: tuple[list[dict[
     whole = BloomForCausalLM(CONFIG, seed=0)
     missing, unexpected = whole.load_state_dict(saved, strict=False)
     assert not unexpected and missing == ["lm_head.weight"]
-    for rank, got in enumerate(_epcp_results(launched, 0)):
+    for rank, got in enumerate(_epcp_results(launched, *EPCP_RUNS[0])):
         for name, value in got["weights"].items():
             assert torch.equal(whole.state_dict()[name], value), f"rank {rank}: {name}"
     keys: list[str] = []
