@@ -11,7 +11,9 @@ Two levels:
   at ep = 1 on each rank's tokens): the same arithmetic, the all-to-all only moves rows, so a tight bound;
 - the whole engine in fp32 (``build_engine`` at dp = ep = 2, 4 and at pp = 2, dp = ep = 2), one step's loss and
   gradients against the single-process model on the same micro-batches, within a few fp32 noise floors measured
-  here (the reference's own fp32-vs-fp64 gap).
+  here (the reference's own fp32-vs-fp64 gap);
+- experts with context parallelism (dp = cp = ep = 2, fp32 at ZeRO 0 and 1, bf16): the gradient DeepSpeed reduced
+  against the single-process model with the load-balancing loss per CP half, and the checkpoint in one process.
 """
 
 from __future__ import annotations
