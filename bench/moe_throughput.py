@@ -34,7 +34,6 @@ import torch.distributed as dist  # noqa: E402
 
 from appliance.model.config import BloomConfig, config_for_shape  # noqa: E402
 from appliance.parallel.engine import build_engine  # noqa: E402
-from appliance.parallel.moe_exchange import selected_all_to_all  # noqa: E402
 from appliance.parallel.testing import run_distributed  # noqa: E402
 from appliance.parallel.topology import ParallelTopology  # noqa: E402
 from appliance.planner.model_shape import load_model_shape  # noqa: E402
@@ -64,7 +63,7 @@ def _steps_at(
         seed=42,
         seq_len=seq,
     )
-    selected = selected_all_to_all()
+    selected = engine.all_to_all
     g = torch.Generator().manual_seed(1000 + dist.get_rank())
     times = []
     for step in range(warmup + steps):

@@ -22,7 +22,9 @@ How the layout maps onto DeepSpeed, in the order it is applied:
    (``wait_for_parameters``).
 5. BLOOM-MoE (expert_parallel.py, docs/MOE.md): DeepSpeed's expert groups are our topology's ep and edp groups,
    the expert parameters get optimizer groups of their own, and each step reports the load-balancing loss
-   (``moe_aux_loss``, travelling through the pipeline) and the experts' token shares (``expert_load``).
+   (``moe_aux_loss``, travelling through the pipeline) and the experts' token shares (``expert_load``). The
+   all-to-all the experts exchange tokens with is chosen for the run's hardware profile (``hardware``: the plan's
+   nodes and links; moe_exchange.py) and kept as ``engine.all_to_all``, which the run directory records.
 Every layout starts from the weights a single process draws from the same seed, each weight matrix and the word
 embedding from N(0, config.initializer_range), the plan's model.init_std: the layers are built without values on
 the engine's device, and each rank draws only its own shards there (shards.init_shards_: every element is a
@@ -47,6 +49,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from appliance.errors import BadInput
+from appliance.hardware.profile import Hardware
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
 from appliance.model.moe import install_all_to_all
@@ -71,7 +74,7 @@ from appliance.parallel.expert_store_engine import (
 )
 from appliance.parallel.grads import TopologyMPU, install_global_norm_clipping, register_sequence_parallel_grad_hooks
 from appliance.parallel.mappings import collective_device
-from appliance.parallel.moe_exchange import select_all_to_all
+from appliance.parallel.moe_exchange import AllToAllSelection, select_all_to_all
 from appliance.parallel.optimizer_state import (
     dp_writers,
     load_optimizer_state,
@@ -171,6 +174,7 @@ def build_engine(
     expert_host_budget_bytes: int = 0,  # 0: host memory unlimited; else the rest of the experts go to expert_disk_dir
     expert_disk_dir: Path | None = None,
     seq_len: int | None = None,  # MoE: sizes the exchanges the all-to-all choice weighs (model/moe.py)
+    hardware: Hardware | None = None,  # MoE: the run's profile, its nodes and links (None: LOCAL_WORLD_SIZE)
 ) -> ParallelEngine:
     """Build this rank's part of the model and its DeepSpeed engine. Collective: every rank calls it."""
     import deepspeed
@@ -187,16 +191,19 @@ def build_engine(
             dtype=dtype,
             zero_stage=zero_stage,
             pp=topology.pp,
+            cp=topology.cp,
             device_budget_bytes=expert_device_budget_bytes,
             host_budget_bytes=expert_host_budget_bytes,
         )
     topology.init_process_groups()
+    all_to_all = None
     if config.is_moe:
         register_expert_groups(topology)  # before DeepSpeed would make its own (expert_parallel.py)
-        # Flat or hierarchical by how the ep groups fall on nodes: the planner's cost model decides (model/moe.py).
-        install_all_to_all(
-            select_all_to_all(config, topology, micro_batch_size=micro_batch_size, seq_len=seq_len).exchange
+        # Flat or hierarchical by how the ep groups fall on the plan's nodes: the planner's cost model decides.
+        all_to_all = select_all_to_all(
+            config, topology, micro_batch_size=micro_batch_size, seq_len=seq_len, hardware=hardware
         )
+        install_all_to_all(all_to_all.exchange)
     # DeepSpeed's own communication layer wraps the process group already running (the PipelineModule needs it
     # before deepspeed.initialize would set it up).
     init_deepspeed_comm(dist.get_backend())
@@ -293,6 +300,7 @@ def build_engine(
         min_loss_scale=min_loss_scale,
         param_gather=gather,
         experts=experts,
+        all_to_all=all_to_all,
     )
 
 
@@ -318,8 +326,11 @@ class ParallelEngine:
         param_gather: OverlappedParamGather | None = None,
         cp_mode: str = "ulysses",
         experts: EngineExpertStore | None = None,
+        all_to_all: AllToAllSelection | None = None,
     ) -> None:
         self.engine = engine
+        # BLOOM-MoE: the expert exchange installed for this engine and why (moe_exchange.py); None for a dense model.
+        self.all_to_all = all_to_all
         # BLOOM-MoE with expert_device_budget_mb > 0: the experts live in the tiered store (expert_store_engine.py);
         # the trainer reports `expert_store`'s moves in each step event.
         self.experts = experts
@@ -625,10 +636,11 @@ class ParallelEngine:
         stored = self._expert_optimizer_state() if self.dp_rank < self.topology.ep else {}
         if self.config.is_moe and self.topology.ep > 1:
             # Each ep rank holds other experts: the dense parameters are shared out over dp as usual, and each
-            # ep rank's experts are written by its expert-data-parallel rank 0 (dp ranks 0 .. ep - 1).
+            # ep rank's experts are written by its expert-data-parallel rank 0 (dp ranks 0 .. ep - 1) at CP rank 0
+            # (the other CP ranks hold the same experts).
             dense = [(n, p) for n, p in named if ".mlp.experts." not in n]
             writers = dp_writers(dense, self.topology.dp * self.topology.cp)
-            first_edp = self.dp_rank < self.topology.ep
+            first_edp = self.dp_rank < self.topology.ep and self.cp_rank == 0
             return (
                 optimizer_state(
                     named,

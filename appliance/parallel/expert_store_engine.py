@@ -54,7 +54,14 @@ STATE_KINDS = ("exp_avg", "exp_avg_sq")
 
 
 def check_store_layout(
-    *, is_moe: bool, dtype: str, zero_stage: int, pp: int, device_budget_bytes: int = 1, host_budget_bytes: int = 0
+    *,
+    is_moe: bool,
+    dtype: str,
+    zero_stage: int,
+    pp: int,
+    cp: int = 1,
+    device_budget_bytes: int = 1,
+    host_budget_bytes: int = 0,
 ) -> None:
     """BadInput naming every key when the tiered store cannot run with these settings."""
     if host_budget_bytes > 0 and device_budget_bytes <= 0:
@@ -69,6 +76,10 @@ def check_store_layout(
         # fp16 scales the loss dynamically: the store would have to unscale its gradients and share the overflow
         # verdict with ZeRO's loss scaler, which nothing here does yet
         problems.append("train.dtype is fp16, the store trains fp32 or bf16 experts (fp16's loss scaling is not wired)")
+    if cp > 1:
+        # with cp the experts' gradients are partial sums over cp too (edp_cp group, divided by dp x cp); the store
+        # reduces over edp and divides by dp
+        problems.append(f"layout cp is {cp}, the store reduces its experts over edp only (cp = 1)")
     if zero_stage > 1:
         # ZeRO-2 reduces gradient partitions during backward (and in bf16 replaces the bf16 optimizer the store
         # joins): not proven with the store

@@ -70,6 +70,15 @@ def check_precision(hw: Hardware, precision: str) -> None:
             raise BadInput(f"--set precision=bf16: {spec.name} has no bf16 tensor cores; use fp16 or fp32")
 
 
+def ranks_per_node(hw: Hardware, world_size: int) -> int:
+    """How many of the plan's `world_size` ranks share a node: one per GPU, or on CPU nodes the ranks spread evenly
+    over the profile's nodes (rounded up). The engine cuts its expert groups into nodes by the same count
+    (parallel/moe_exchange.py), so the all-to-all it picks is the one the plan priced."""
+    if hw.has_gpus:
+        return hw.gpus_per_node
+    return max(1, math.ceil(world_size / hw.nodes))
+
+
 def make_device(hw: Hardware, world_size: int, precision: str | None = None) -> Device:
     """The per-rank device for `world_size` ranks on this hardware, training in `precision` (None: the hardware's
     default_precision)."""
@@ -90,21 +99,21 @@ def make_device(hw: Hardware, world_size: int, precision: str | None = None) -> 
             efficiency=cal.gpu_efficiency(spec.family),
             fixed_overhead_gb=cal.GPU_FIXED_OVERHEAD_GB,
             watts=spec.tdp_w * cal.GPU_POWER_FRACTION + cal.HOST_WATTS_PER_GPU,
-            ranks_per_node=hw.gpus_per_node,
+            ranks_per_node=ranks_per_node(hw, world_size),
         )
-    ranks_per_node = max(1, math.ceil(world_size / hw.nodes))
-    cores = hw.cpu_cores / ranks_per_node  # fractional when ranks outnumber cores: they time-share
+    per_node = ranks_per_node(hw, world_size)
+    cores = hw.cpu_cores / per_node  # fractional when ranks outnumber cores: they time-share
     return Device(
         kind="cpu",
         name=f"CPU rank ({cores:g} cores)",
         peak_flops=cores * CPU_SPEC.peak_gflops_per_core * 1e9,
         memory_bw=cores * CPU_SPEC.memory_bw_gbs_per_core * 1e9,
-        capacity_gb=hw.ram_gb * cal.CPU_RAM_USABLE_FRACTION / ranks_per_node,
+        capacity_gb=hw.ram_gb * cal.CPU_RAM_USABLE_FRACTION / per_node,
         dtype=dtype,  # the fp32 FMA peak whatever the dtype: no bf16/fp16 matrix units assumed on CPU
         efficiency=cal.CPU_EFFICIENCY,
         fixed_overhead_gb=cal.CPU_FIXED_OVERHEAD_GB,
-        watts=cores * CPU_SPEC.watts_per_core + CPU_SPEC.base_watts / ranks_per_node,
-        ranks_per_node=ranks_per_node,
+        watts=cores * CPU_SPEC.watts_per_core + CPU_SPEC.base_watts / per_node,
+        ranks_per_node=per_node,
     )
 
 

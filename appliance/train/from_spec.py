@@ -14,7 +14,6 @@ import torch.distributed as dist
 
 from appliance.model.config import BloomConfig, config_for_shape
 from appliance.parallel.engine import ParallelEngine, build_engine
-from appliance.parallel.moe_exchange import selected_all_to_all
 from appliance.parallel.topology import ParallelTopology
 from appliance.planner.runspec import RunSpec
 from appliance.rundir import RunDir
@@ -59,11 +58,12 @@ def engine_for(
         expert_disk_dir=(
             expert_disk_dir(run_dir, dist.get_rank()) if run_dir is not None and train.expert_host_budget_mb else None
         ),
+        hardware=spec.hardware,  # the plan's nodes and links: the MoE exchange is chosen as the plan priced it
     )
     if run_dir is not None and dist.get_rank() == 0:
         record = engine.ds_config
-        if config.is_moe and (all_to_all := selected_all_to_all()) is not None:
-            record["moe_all_to_all"] = all_to_all.record()  # which exchange the experts use, and why
+        if engine.all_to_all is not None:
+            record["moe_all_to_all"] = engine.all_to_all.record()  # which exchange the experts use, and why
         write_ds_config(run_dir, record)
     return engine
 

@@ -296,7 +296,8 @@ def test_the_trainers_step_events_carry_the_counters(tmp_path: Path) -> None:
 
 
 def test_the_engine_refuses_the_store_where_it_is_not_wired() -> None:
-    """fp16 and ZeRO 2 are refused in one message naming each key; fp32 and bf16 at ZeRO 0 and 1 pass at any pp."""
+    """fp16, ZeRO 2 and cp > 1 are refused in one message naming each key; fp32 and bf16 at ZeRO 0 and 1 pass at any
+    pp."""
     from appliance.errors import BadInput
     from appliance.parallel.expert_store_engine import check_store_layout
 
@@ -311,8 +312,8 @@ def test_the_engine_refuses_the_store_where_it_is_not_wired() -> None:
         assert key in str(refused.value), key
     check_store_layout(is_moe=True, dtype="fp32", zero_stage=1, pp=2)
     with pytest.raises(BadInput) as refused:
-        check_store_layout(is_moe=True, dtype="fp32", zero_stage=2, pp=1)
-    for key in ("expert_device_budget_mb", "zero_stage is 2"):
+        check_store_layout(is_moe=True, dtype="fp32", zero_stage=2, pp=1, cp=2)
+    for key in ("expert_device_budget_mb", "zero_stage is 2", "cp is 2"):
         assert key in str(refused.value), key
 
 
