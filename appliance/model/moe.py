@@ -21,14 +21,17 @@ use the layout-free names ``mlp.gate.weight`` and ``mlp.experts.<global index>.<
 
 from __future__ import annotations
 
+import copy
 import re
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from deepspeed.moe import sharded_moe
 from deepspeed.moe.layer import MoE
 from torch import nn
 
+from appliance.model.bloom import BloomMLP, LinearFactory
 from appliance.model.config import BloomConfig
 
 _GATE = re.compile(r"(^|\.)deepspeed_moe\.gate\.wg\.")
@@ -69,18 +72,40 @@ def install_all_to_all(exchange: Any) -> None:
 
 
 def _plain_linear(in_features: int, out_features: int, bias: bool, role: str) -> nn.Module:
-    # Experts are whole on every rank they live on (replicated over tp, DeepSpeed's default), and DeepSpeed's
-    # Experts drops a returned bias: a plain nn.Linear adds its own.
+    # At tp = 1 experts are whole, and a plain nn.Linear adds its own bias.
     return nn.Linear(in_features, out_features, bias=bias)
+
+
+class ExpertMLP(BloomMLP):
+    """One expert: BLOOM's MLP returning one tensor, its output bias added (DeepSpeed's Experts drops the second
+    element of a returned tuple), under BloomMLP's parameter names. Built with the block's tensor-parallel linear
+    factory at tp > 1, the expert is sharded like the dense MLP: dense_h_to_4h column-parallel, dense_4h_to_h
+    row-parallel (its all-reduce makes the output whole on every tp rank before the replicated bias is added)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        out, bias = super().forward(x)
+        return out if bias is None else out + bias
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ExpertMLP:
+        # DeepSpeed's Experts deep-copies the expert once per local expert; tensor-parallel linears hold their
+        # process group, which is shared by the copies (a ProcessGroup cannot be copied).
+        for module in self.modules():
+            for value in vars(module).values():
+                if isinstance(value, dist.ProcessGroup):
+                    memo[id(value)] = value
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for key, value in vars(self).items():
+            new.__dict__[key] = copy.deepcopy(value, memo)
+        return new
 
 
 class BloomMoE(MoE):
     """The MoE MLP of a BLOOM block: forward(x [..., hidden]) -> (y [..., hidden], None), as BloomMLP's
-    (output, bias still to add). ``ep_size`` ranks share the experts (1: all of them here)."""
+    (output, bias still to add). ``ep_size`` ranks share the experts (1: all of them here); ``linear_factory``
+    (tp > 1: the block's tensor-parallel factory) shards every expert over tp, None keeps them whole."""
 
-    def __init__(self, config: BloomConfig, ep_size: int = 1) -> None:
-        from appliance.model.bloom import BloomMLP  # bloom.py builds this module
-
+    def __init__(self, config: BloomConfig, ep_size: int = 1, linear_factory: LinearFactory | None = None) -> None:
         if not config.is_moe:
             raise ValueError("BloomMoE needs moe_num_experts > 0")
         if config.moe_num_experts % ep_size:
@@ -90,7 +115,7 @@ class BloomMoE(MoE):
             )
         super().__init__(
             config.hidden_size,
-            BloomMLP(config, _plain_linear),
+            ExpertMLP(config, linear_factory or _plain_linear),
             num_experts=config.moe_num_experts,
             ep_size=ep_size,
             k=config.moe_top_k,

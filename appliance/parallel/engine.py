@@ -180,7 +180,7 @@ def build_engine(
     from appliance.planner.layout import pipeline_partition
 
     topology.validate_heads(config.n_head)
-    check_moe_layout(config, topology)
+    check_moe_layout(config, topology, sequence_parallel=sequence_parallel)
     tiered = expert_device_budget_bytes > 0  # the experts in the tiered store (expert_store_engine.py)
     if tiered:
         check_store_layout(is_moe=config.is_moe, dtype=dtype, zero_stage=zero_stage, pp=topology.pp)

@@ -28,11 +28,16 @@ from torch import nn
 from appliance.errors import BadInput
 from appliance.model.config import BloomConfig
 from appliance.model.moe import BloomMoE
-from appliance.parallel.mappings import collective_device, group_size
+from appliance.parallel.mappings import (
+    collective_device,
+    gather_from_sequence_parallel_region,
+    group_size,
+    scatter_to_sequence_parallel_region,
+)
 from appliance.parallel.topology import ParallelTopology
 
 
-def check_moe_layout(config: BloomConfig, topology: ParallelTopology) -> None:
+def check_moe_layout(config: BloomConfig, topology: ParallelTopology, *, sequence_parallel: bool = False) -> None:
     """BadInput naming every factor when the layout cannot run this model's experts."""
     problems = []
     if topology.ep > 1 and not config.is_moe:
@@ -40,8 +45,12 @@ def check_moe_layout(config: BloomConfig, topology: ParallelTopology) -> None:
     if config.is_moe:
         if config.moe_num_experts % topology.ep:
             problems.append(f"moe_num_experts({config.moe_num_experts}) % ep({topology.ep}) != 0")
-        if topology.tp > 1:
-            problems.append(f"tp({topology.tp}) > 1 with experts is not supported yet (docs/MOE.md)")
+        if topology.tp > 1 and sequence_parallel:
+            # DeepSpeed drops 1/tp of the tokens on each tp rank as duplicates: sequence chunks are not duplicates.
+            problems.append(f"sequence_parallel with tp({topology.tp}) > 1 and experts: the MoE block needs its "
+                            "input replicated over tp (docs/MOE.md); turn sequence_parallel off")  # fmt: skip
+        if topology.tp2d > 1:
+            problems.append(f"tp2d({topology.tp2d}) > 1 with experts is not supported (experts shard over 1D tp)")
         if topology.cp > 1:
             problems.append(f"cp({topology.cp}) > 1 with experts is not supported yet (docs/MOE.md)")
     if problems:
@@ -64,6 +73,28 @@ def register_expert_groups(topology: ParallelTopology) -> None:
     groups._EXPERT_PARALLEL_GROUP_RANKS[name] = topology.group_ranks("ep", rank)
     groups._EXPERT_DATA_PARALLEL_GROUP[name] = topology.group("edp")
     groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = topology.group_ranks("edp", rank)
+    # Experts are sharded over the dense layers' tp group (model/moe.py): MOELayer gathers the tokens it dropped
+    # as tp duplicates again after the all-to-all when this is > 1 (DeepSpeed's own group creation sets it).
+    groups.expert_tensor_parallel_world_size = topology.tp
+    install_tp_token_split(topology.tp_group)
+
+
+def install_tp_token_split(tp_group: dist.ProcessGroup | None) -> None:
+    """MOELayer's drop of the tokens duplicated over tp (before the all-to-all) and their gather (after it), over
+    ``tp_group``: DeepSpeed's own (deepspeed/moe/mappings.py) gather into a flat buffer, which gloo refuses; ours
+    (mappings.py) run on gloo and NCCL alike. Drop: this tp rank's 1/tp of the capacity slots forward, the slots
+    gathered back in the backward pass; gather: the reverse (every tp rank's gradient is whole there, so the
+    backward keeps this rank's slots, no sum)."""
+    from deepspeed.moe import sharded_moe
+
+    def drop_tokens(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        return scatter_to_sequence_parallel_region(x, tp_group, dim=dim)
+
+    def gather_tokens(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        return gather_from_sequence_parallel_region(x, tp_group, dim=dim, tensor_parallel_output_grad=False)
+
+    sharded_moe.drop_tokens = drop_tokens
+    sharded_moe.gather_tokens = gather_tokens
 
 
 def set_expert_offsets(module: nn.Module, topology: ParallelTopology) -> None:
