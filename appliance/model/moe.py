@@ -7,6 +7,10 @@ place). DeepSpeed computes GShard's load-balancing loss (mean over experts of to
 probability, times experts^2) and the tokens each expert got; the block keeps both from its last forward
 (``aux_loss``, ``expert_counts``) for the model's loss and for the step events.
 
+Tensor parallelism: at tp > 1 the block passes its tensor-parallel linear factory, and every expert is sharded
+over tp like the dense MLP (``ExpertMLP``; the token drop and gather around the all-to-all are DeepSpeed's, over our
+tp group: parallel/expert_parallel.py).
+
 Expert parallelism: with ep > 1 each rank of an ``ep`` group holds experts [ep_rank * E/ep, (ep_rank + 1) * E/ep)
 and DeepSpeed exchanges tokens over the group with two all-to-alls per layer and pass. Which all-to-all is used is
 chosen in one place, parallel/moe_exchange.py ``select_all_to_all`` (the hierarchical one where the ep group spans

@@ -13,7 +13,15 @@ group reached its expert through the all-to-all, so that is the same average), w
 The optimizer needs the expert parameters in param groups of their own (``moe_param_groups``: DeepSpeed's
 ``split_params_into_different_moe_groups_for_optimizer``), which ZeRO partitions over edp instead of dp.
 
-Not yet: experts with tp > 1 or cp > 1 (``check_moe_layout`` refuses them with the reason); docs/MOE.md.
+Experts over tensor parallelism (ep x tp, docs/MOE.md): at tp > 1 each expert is sharded over the tp group like
+the dense MLP (model/moe.py: dense_h_to_4h column-, dense_4h_to_h row-parallel). The MoE block's input is
+replicated over tp, so DeepSpeed's MOELayer keeps 1/tp of the [E, C, h] capacity slots on each tp rank before the
+ep all-to-all and, because ``register_expert_groups`` sets ``expert_tensor_parallel_world_size`` = tp, gathers
+them over tp after it, so every tp rank runs all the slots through its 1/tp of the experts; the same again around
+the return exchange. Per rank: expert parameters (2hf + f)/tp + h, expert FLOPs / tp, all-to-all bytes / tp, plus
+two all-gathers of [E, C, h] over tp (inside the node) per exchange pair. The drop and gather run over our tp group
+(``install_tp_token_split``). Sequence parallelism would hand the block different tokens on each tp rank, so
+``check_moe_layout`` refuses it with experts, and 2D tp; cp > 1 with experts is not supported yet.
 """
 
 from __future__ import annotations
