@@ -554,23 +554,23 @@ def test_tiered_experts_resume_from_a_checkpoint(launched: tuple[list[dict[str, 
 EPTP = {"tp": 2, "dp": 2, "ep": 2}
 
 
-def _eptp_layer(topology: ParallelTopology) -> dict[str, Any]:
-    """BloomMoE with tp-sharded experts on this dp rank's tokens (the same on both tp ranks): output, input
-    gradient, and this rank's gradients (gate whole, experts' tp slices), fp64."""
+def _eptp_layer(topology: ParallelTopology, ep: int) -> dict[str, Any]:
+    """BloomMoE with tp-sharded experts at tp = 2, dp = 2 and ``ep`` on this dp rank's tokens (the same on both tp
+    ranks): output, input gradient, and this rank's gradients (gate whole, experts' tp slices), fp64."""
     from deepspeed.utils import groups
 
     from appliance.parallel.grads import TopologyMPU
     from appliance.parallel.layers import tp_linear_factory
     from appliance.parallel.sharding import shard_state_dict
 
-    topology = ParallelTopology(pp=1, world_size=topology.world_size, **EPTP)
+    topology = ParallelTopology(pp=1, world_size=topology.world_size, **(EPTP | {"ep": ep}))
     topology.init_process_groups()
     init_deepspeed_comm(dist.get_backend())
     register_expert_groups(topology)
     groups.mpu = TopologyMPU(topology)  # deepspeed.initialize sets it in an engine; MOELayer reads tp from it
     try:
         rank = dist.get_rank()
-        layer = BloomMoE(CONFIG, ep_size=2, linear_factory=tp_linear_factory(topology)).double()
+        layer = BloomMoE(CONFIG, ep_size=ep, linear_factory=tp_linear_factory(topology)).double()
         layer.set_deepspeed_parallelism()
         layer.expert_offset = topology.coordinate("ep", rank) * layer.num_local_experts
         prefix = "transformer.h.1.mlp."
@@ -620,7 +620,8 @@ def _eptp_engine(topology: ParallelTopology, save_to: str) -> dict[str, Any]:
 
 
 def _eptp(topology: ParallelTopology, save_to: str) -> dict[str, Any]:
-    return {"layer": _eptp_layer(topology), "engine": _eptp_engine(topology, str(Path(save_to).parent / "eptp"))}
+    layers = {f"layer_ep{ep}": _eptp_layer(topology, ep) for ep in (2, 1)}
+    return layers | {"engine": _eptp_engine(topology, str(Path(save_to).parent / "eptp"))}
 
 
 def _joined_over_tp(results: list[dict[str, Any]], key: str) -> list[dict[str, torch.Tensor]]:
@@ -644,8 +645,11 @@ def _joined_over_tp(results: list[dict[str, Any]], key: str) -> list[dict[str, t
     return out
 
 
-def test_moe_layer_with_tp_sharded_experts_equals_one_process(launched: tuple[list[dict[str, Any]], Path]) -> None:
-    results = [got["eptp"]["layer"] for got in launched[0]]
+@pytest.mark.parametrize("ep", [2, 1])
+def test_moe_layer_with_tp_sharded_experts_equals_one_process(
+    launched: tuple[list[dict[str, Any]], Path], ep: int
+) -> None:
+    results = [got["eptp"][f"layer_ep{ep}"] for got in launched[0]]
     reference = BloomMoE(CONFIG).double()
     reference.load_state_dict(copy.deepcopy(drawn()).double().transformer.h[1].mlp.state_dict())
     for rank, got in enumerate(results):
@@ -658,14 +662,18 @@ def test_moe_layer_with_tp_sharded_experts_equals_one_process(launched: tuple[li
         gate = reference.deepspeed_moe.gate.wg.weight.grad
         assert relative(got["grads"]["transformer.h.1.mlp.gate.weight"], gate) < FP64_BOUND, f"rank {rank} gate"
     # Both tp ranks of a dp rank hold the same gate gradient; their expert slices join into whole experts, which
-    # sum the tokens of the ep group (both dp ranks here: dp = ep = 2).
-    whole: dict[str, torch.Tensor] = {}
-    for joined in _joined_over_tp(results, "grads"):
-        whole |= {n: g for n, g in joined.items() if ".experts." in n}
-    assert len(whole) == CONFIG.moe_num_experts * 4, "every expert once over the ep group"
-    want = _expert_grads_of([rank for rank, r in enumerate(results) if r["tp"] == 0], results, reference)
-    for name, grad in whole.items():
-        assert relative(grad, want[name.removeprefix("transformer.h.1.mlp.")]) < FP64_BOUND, name
+    # sum the tokens of the ep group: both dp ranks at ep = 2, each its own at ep = 1.
+    joined = _joined_over_tp(results, "grads")
+    ep_groups = [[0, 1]] if ep == 2 else [[0], [1]]  # dp ranks
+    for dp_ranks in ep_groups:
+        whole: dict[str, torch.Tensor] = {}
+        for dp_rank in dp_ranks:
+            whole |= {n: g for n, g in joined[dp_rank].items() if ".experts." in n}
+        assert len(whole) == CONFIG.moe_num_experts * 4, "every expert once over the ep group"
+        ranks = [rank for rank, r in enumerate(results) if r["tp"] == 0 and r["dp"] in dp_ranks]
+        want = _expert_grads_of(ranks, results, reference)
+        for name, grad in whole.items():
+            assert relative(grad, want[name.removeprefix("transformer.h.1.mlp.")]) < FP64_BOUND, f"ep {ep}: {name}"
 
 
 def test_engine_with_tp_sharded_experts_equals_one_process(launched: tuple[list[dict[str, Any]], Path]) -> None:
@@ -674,6 +682,27 @@ def test_engine_with_tp_sharded_experts_equals_one_process(launched: tuple[list[
     per_dp = [next(r for r in results if r["dp"] == d and r["tp"] == 0) for d in range(EPTP["dp"])]
     joined = _joined_over_tp(results, "grads")
     _check_engine([r | {"grads": g} for r, g in zip(per_dp, joined, strict=True)], dp=EPTP["dp"])
+    # The step: AdamW's first update is u(g) = -lr g / (|g| + eps) (bias-corrected moments, no decay), so each trained
+    # weight is the drawn one plus u of the reference gradient, up to how far the gradient's rounding moves u. The
+    # gradient is within FP32_FACTOR x floor x |g| of the reference (checked above), so an element's is within that
+    # delta, and u moves by at most lr eps delta / (max(|g| - delta, 0) + eps)^2 (u' = lr eps / (|g| + eps)^2
+    # grows towards g = 0; capped at 2 lr, a sign flip), plus the fp32 rounding of the weight before and after.
+    _, grads32 = reference(EPTP["dp"], torch.float32)
+    _, grads64 = reference(EPTP["dp"], torch.float64)
+    floor = max(relative(grads32[n], grads64[n]) for n in grads64)
+    before = drawn().state_dict()
+    trained: dict[str, torch.Tensor] = {}
+    for weights in _joined_over_tp(results, "weights"):
+        trained |= weights
+    lr, eps = 1e-2, 1e-8
+    for name, grad in grads64.items():
+        delta = FP32_FACTOR * floor * float(grad.norm())
+        want = -lr * grad / (grad.abs() + eps)
+        slope = eps / ((grad.abs() - delta).clamp(min=0.0) + eps) ** 2
+        rounding = 2 * 2.0**-23 * (before[name].double().abs() + lr)
+        allowed = lr * (delta * slope).clamp(max=2.0) + rounding
+        got = trained[name].double() - before[name].double()
+        assert bool(((got - want).abs() <= allowed).all()), name
 
 
 def test_checkpoint_at_tp2_ep2_reloads_in_one_process(launched: tuple[list[dict[str, Any]], Path]) -> None:
