@@ -96,6 +96,15 @@ def install_tp_token_split(tp_group: dist.ProcessGroup | None) -> None:
     from deepspeed.moe import sharded_moe
 
     def drop_tokens(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        tp = group_size(tp_group)
+        if x.shape[dim] % tp:
+            # Without token dropping DeepSpeed rounds the capacity up to a multiple of tp; with it, the capacity is
+            # ceil(top_k x capacity_factor x tokens / experts) (or the floor moe_min_capacity) as it comes.
+            raise BadInput(
+                f"MoE capacity({x.shape[dim]}) slots per expert % tp({tp}) != 0: each tp rank sends 1/tp of them; "
+                "set model moe_drop_tokens = false, or choose micro-batch x seq_len, moe_capacity_factor and "
+                "moe_min_capacity so the capacity is a multiple of tp"
+            )
         return scatter_to_sequence_parallel_region(x, tp_group, dim=dim)
 
     def gather_tokens(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
