@@ -612,6 +612,7 @@ def _eptp_engine(topology: ParallelTopology, save_to: str) -> dict[str, Any]:
         step_dir.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     engine.save_model(step_dir, {"step": "1"})
+    engine.save_optimizer(step_dir, engine.optimizer_shard(), {"step": "1"})
     dist.barrier()
     weights = {n: p.detach().clone() for n, p in engine.named_parameters()}
     engine.close()
@@ -709,7 +710,7 @@ def test_checkpoint_at_tp2_ep2_reloads_in_one_process(launched: tuple[list[dict[
     """The tp = 2, ep = 2 checkpoint (tp slices of every expert, ep rank 1's in files of their own) is the engine's
     weights after its step, whole, and loads into the single-process model."""
     results, step_dir = [got["eptp"]["engine"] for got in launched[0]], launched[1].parent / "eptp"
-    names = sorted(p.name for p in step_dir.iterdir())
+    names = sorted(p.name for p in step_dir.iterdir() if not p.name.startswith("optim-"))
     assert names == [
         "experts-tp00-pp00-ep01.safetensors",
         "experts-tp01-pp00-ep01.safetensors",
@@ -726,6 +727,17 @@ def test_checkpoint_at_tp2_ep2_reloads_in_one_process(launched: tuple[list[dict[
     assert set(trained) == set(saved)
     for name, value in trained.items():
         assert torch.equal(saved[name], value), name
+    from safetensors import safe_open
+
+    from appliance.parallel.optimizer_state import optimizer_files
+
+    for tp_rank in range(EPTP["tp"]):  # every tp rank's Adam state covers every parameter's slice
+        keys: set[str] = set()
+        for t, _, path in optimizer_files(step_dir):
+            if t == tp_rank:
+                with safe_open(str(path), framework="pt") as f:
+                    keys |= {k.rsplit(".", 1)[0] for k in f.keys()}  # noqa: SIM118 - not iterable
+        assert keys == set(saved), sorted(keys ^ set(saved))
     drawn_state = drawn().state_dict()
     assert not torch.equal(saved["transformer.h.3.mlp.experts.3.dense_4h_to_h.weight"],
                            drawn_state["transformer.h.3.mlp.experts.3.dense_4h_to_h.weight"])  # fmt: skip
