@@ -109,7 +109,9 @@ class BloomMoE(MoE):
     (output, bias still to add). ``ep_size`` ranks share the experts (1: all of them here); ``linear_factory``
     (tp > 1: the block's tensor-parallel factory) shards every expert over tp, None keeps them whole."""
 
-    def __init__(self, config: BloomConfig, ep_size: int = 1, linear_factory: LinearFactory | None = None) -> None:
+    def __init__(
+        self, config: BloomConfig, ep_size: int = 1, linear_factory: LinearFactory | None = None, tp_size: int = 1
+    ) -> None:
         if not config.is_moe:
             raise ValueError("BloomMoE needs moe_num_experts > 0")
         if config.moe_num_experts % ep_size:
@@ -131,6 +133,7 @@ class BloomMoE(MoE):
             top2_2nd_expert_sampling=config.moe_random_routing,
         )
         self.min_capacity = config.moe_min_capacity
+        self.tp_size = tp_size  # the tp group the experts are sharded over (linear_factory's)
         self.expert_offset = 0  # this rank's first global expert; the parallel layer sets it
         self.aux_loss: torch.Tensor | None = None  # the last forward's load-balancing loss (scalar, fp32)
         self.expert_counts: torch.Tensor | None = None  # the last forward's tokens per expert, [experts]
@@ -144,12 +147,26 @@ class BloomMoE(MoE):
         # DeepSpeed's top-1 gate refuses fewer tokens than min_capacity (a short prompt in greedy decoding): such a
         # call's floor is its token count. Every rank of an ep group passes as many tokens, so they still agree.
         gate = self.deepspeed_moe.gate
-        gate.min_capacity = min(self.min_capacity, x.numel() // x.shape[-1])
+        tokens = x.numel() // x.shape[-1]
+        gate.min_capacity = min(self.min_capacity, tokens)
+        if self.tp_size > 1 and gate.drop_tokens:
+            gate.min_capacity = self._capacity_over_tp(tokens, gate.min_capacity)
         out, aux_loss, counts = super().forward(x)
         self.aux_loss, self.expert_counts = aux_loss, counts
         if self.training:
             self.step_counts = counts if self.step_counts is None else self.step_counts + counts
         return out.to(x.dtype), None
+
+    def _capacity_over_tp(self, tokens: int, floor: int) -> int:
+        """At tp > 1 each tp rank sends 1/tp of an expert's slots, so the capacity must be a multiple of tp. With
+        token dropping DeepSpeed's gate gives ceil(tokens / experts x capacity_factor x k) slots (fp32, as here), at
+        least ``min_capacity``: raising that floor to the capacity rounded up to tp makes it the capacity (at most
+        tp - 1 more slots). Not past the token count, which the top-k selection of slots cannot exceed."""
+        gate = self.deepspeed_moe.gate
+        factor = (gate.capacity_factor if gate.training else gate.eval_capacity_factor) * gate.k
+        slots = int(torch.ceil(tokens / self.num_experts * torch.tensor(factor)))
+        rounded = -(-max(slots, floor) // self.tp_size) * self.tp_size
+        return rounded if rounded <= tokens else floor
 
 
 def _canonical_state_dict(module: BloomMoE, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:

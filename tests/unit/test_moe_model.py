@@ -149,3 +149,14 @@ def test_moe_layout_allows_tp_and_refuses_sequence_parallel_and_tp2d() -> None:
         check_moe_layout(moe, ParallelTopology(tp=2, pp=1, dp=2, ep=2, world_size=4), sequence_parallel=True)
     with pytest.raises(BadInput, match=r"tp2d\(2\) > 1 with experts"):
         check_moe_layout(moe, ParallelTopology(tp=4, pp=1, dp=1, world_size=4, tp2d=2))
+
+
+def test_capacity_over_tp_rounds_up_to_a_multiple_of_tp() -> None:
+    """With token dropping at tp = 2 the gate's floor is raised to the capacity rounded up to 2: 25 tokens over 4
+    experts at capacity factor 2 is ceil(12.5) = 13 slots, 14 over tp; never past the token count."""
+    config = BloomConfig(**TINY, moe_num_experts=4, moe_capacity_factor=2.0, moe_eval_capacity_factor=2.0)
+    layer = BloomMoE(config, tp_size=2)
+    assert layer._capacity_over_tp(25, 4) == 14
+    assert layer._capacity_over_tp(24, 4) == 12
+    assert layer._capacity_over_tp(1, 1) == 1  # 2 slots would exceed the one token: left to the tp split's check
+    assert BloomMoE(config)._capacity_over_tp(25, 4) == 13
