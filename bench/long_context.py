@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 from appliance.model.config import BloomConfig
-from appliance.parallel.testing import run_distributed
+from appliance.parallel.testing import build_test_engine, run_distributed
 from appliance.parallel.topology import ParallelTopology
 
 # 2 layers x (12 x 64^2 + 13 x 64) + 256 x 64 + 4 x 64 = 116.5 K parameters: the [S, S] attention tensors are all
@@ -106,27 +106,11 @@ def batch(seq_len: int, seed: int = SEED) -> list[tuple[torch.Tensor, torch.Tens
 
 def build(cp: int, mode: str, recompute: str) -> Any:
     """This rank's engine for the tiny model at cp (every rank of the world in the cp group)."""
-    from appliance.parallel.engine import build_engine
-
     topology = ParallelTopology(tp=1, pp=1, dp=1, cp=cp, world_size=dist.get_world_size())
     topology.init_process_groups()
     with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed's start-up prints
-        return build_engine(
-            CONFIG,
-            topology,
-            micro_batch_size=1,
-            global_batch_size=1,
-            zero_stage=0,
-            dtype="fp32",
-            grad_clip=1.0,
-            recompute=recompute,
-            sequence_parallel=False,
-            lr=1e-3,
-            weight_decay=0.0,
-            betas=(0.9, 0.95),
-            eps=1e-8,
-            seed=SEED,
-            cp_mode=mode,
+        return build_test_engine(
+            CONFIG, topology, micro_batch_size=1, global_batch_size=1, recompute=recompute, seed=SEED, cp_mode=mode
         )
 
 

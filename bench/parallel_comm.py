@@ -44,7 +44,7 @@ from torch.distributed import distributed_c10d  # noqa: E402
 
 from appliance.model.config import BloomConfig  # noqa: E402
 from appliance.parallel import mappings  # noqa: E402
-from appliance.parallel.testing import run_distributed  # noqa: E402
+from appliance.parallel.testing import build_test_engine, run_distributed  # noqa: E402
 from appliance.parallel.topology import ParallelTopology  # noqa: E402
 from appliance.planner import load_model_shape  # noqa: E402
 from appliance.planner.comm import communication_bytes_per_rank  # noqa: E402
@@ -153,29 +153,20 @@ class ByteCounter:
 
 def measure(topology: ParallelTopology, zero: int, dtype: str, seq_len: int) -> dict[str, Any]:
     os.environ.setdefault("LOCAL_RANK", "0")  # read by DeepSpeed's PipelineModule
-    from appliance.parallel.engine import build_engine
-
     shape = load_model_shape(MODEL)
     config = BloomConfig(
         vocab_size=shape.padded_vocab(topology.tp), hidden_size=shape.hidden, n_layer=shape.layers, n_head=shape.heads
     )
     quiet = contextlib.redirect_stdout(io.StringIO())  # DeepSpeed's start-up prints
     quiet.__enter__()
-    engine = build_engine(
+    engine = build_test_engine(
         config,
         topology,
         micro_batch_size=MICRO_BATCH,
         global_batch_size=GLOBAL_BATCH,
         zero_stage=zero,
         dtype=dtype,
-        grad_clip=1.0,
-        recompute="none",
-        sequence_parallel=False,
-        lr=1e-3,
         weight_decay=0.1,
-        betas=(0.9, 0.95),
-        eps=1e-8,
-        seed=0,
     )
     tokens = torch.randint(
         0, config.vocab_size, (GLOBAL_BATCH, seq_len + 1), generator=torch.Generator().manual_seed(0)

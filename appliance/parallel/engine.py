@@ -620,10 +620,11 @@ class ParallelEngine:
         stored = self._expert_optimizer_state() if self.dp_rank < self.topology.ep else {}
         if self.config.is_moe and self.topology.ep > 1:
             # Each ep rank holds other experts: the dense parameters are shared out over dp as usual, and each
-            # ep rank's experts are written by its expert-data-parallel rank 0 (dp ranks 0 .. ep - 1).
+            # ep rank's experts are written by its expert-data-parallel rank 0 (dp ranks 0 .. ep - 1) at CP rank 0
+            # (the other CP ranks hold the same experts).
             dense = [(n, p) for n, p in named if ".mlp.experts." not in n]
             writers = dp_writers(dense, self.topology.dp * self.topology.cp)
-            first_edp = self.dp_rank < self.topology.ep
+            first_edp = self.dp_rank < self.topology.ep and self.cp_rank == 0
             return (
                 optimizer_state(
                     named,

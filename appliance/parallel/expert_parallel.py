@@ -13,6 +13,13 @@ group reached its expert through the all-to-all, so that is the same average), w
 The optimizer needs the expert parameters in param groups of their own (``moe_param_groups``: DeepSpeed's
 ``split_params_into_different_moe_groups_for_optimizer``), which ZeRO partitions over edp instead of dp.
 
+Context parallelism (cp > 1). Each CP rank holds a slice of every sequence and routes its own tokens; the experts
+are replicated over cp like every other weight, so their gradients are partial sums over cp: DeepSpeed's
+expert-data-parallel group is our ``edp_cp`` (edp x cp; ``edp`` itself at cp = 1). DeepSpeed divides by its
+data-parallel world, which ``TopologyMPU`` answers with ``dp_cp`` (dp x cp), so an expert's gradient is the sum
+over its edp x cp replicas (each already holding its ep group's tokens) over dp x cp: the average of every rank's
+loss, as for the dense ones. The load-balancing loss and the capacity are per CP slice (docs/MOE.md).
+
 Experts over tensor parallelism (ep x tp, docs/MOE.md): at tp > 1 each expert is sharded over the tp group like
 the dense MLP (model/moe.py: dense_h_to_4h column-, dense_4h_to_h row-parallel). The MoE block's input is
 replicated over tp, so DeepSpeed's MOELayer keeps 1/tp of the [E, C, h] capacity slots on each tp rank before the
@@ -21,7 +28,7 @@ them over tp after it, so every tp rank runs all the slots through its 1/tp of t
 the return exchange. Per rank: expert parameters (2hf + f)/tp + h, expert FLOPs / tp, all-to-all bytes / tp, plus
 two all-gathers of [E, C, h] over tp (inside the node) per exchange pair. The drop and gather run over our tp group
 (``install_tp_token_split``). Sequence parallelism would hand the block different tokens on each tp rank, so
-``check_moe_layout`` refuses it with experts, and 2D tp; cp > 1 with experts is not supported yet.
+``check_moe_layout`` refuses it with experts, and 2D tp.
 """
 
 from __future__ import annotations
@@ -59,8 +66,6 @@ def check_moe_layout(config: BloomConfig, topology: ParallelTopology, *, sequenc
                             "input replicated over tp (docs/MOE.md); turn sequence_parallel off")  # fmt: skip
         if topology.tp2d > 1:
             problems.append(f"tp2d({topology.tp2d}) > 1 with experts is not supported (experts shard over 1D tp)")
-        if topology.cp > 1:
-            problems.append(f"cp({topology.cp}) > 1 with experts is not supported yet (docs/MOE.md)")
     if problems:
         raise BadInput(f"parallel layout {topology.factors}, ep({topology.ep}): " + "; ".join(problems))
 
@@ -79,8 +84,9 @@ def register_expert_groups(topology: ParallelTopology) -> None:
     rank = dist.get_rank()
     groups._EXPERT_PARALLEL_GROUP[name] = topology.group("ep")
     groups._EXPERT_PARALLEL_GROUP_RANKS[name] = topology.group_ranks("ep", rank)
-    groups._EXPERT_DATA_PARALLEL_GROUP[name] = topology.group("edp")
-    groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = topology.group_ranks("edp", rank)
+    # edp x cp: the experts' replicas (module docstring); the edp group's own handle at cp = 1.
+    groups._EXPERT_DATA_PARALLEL_GROUP[name] = topology.group("edp_cp")
+    groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = topology.group_ranks("edp_cp", rank)
     # Experts are sharded over the dense layers' tp group (model/moe.py): MOELayer gathers the tokens it dropped
     # as tp duplicates again after the all-to-all when this is > 1 (DeepSpeed's own group creation sets it).
     groups.expert_tensor_parallel_world_size = topology.tp
@@ -140,16 +146,18 @@ def is_expert_parameter(param: torch.Tensor) -> bool:
 def moe_step_figures(
     module: nn.Module, config: BloomConfig, topology: ParallelTopology, aux_losses: Iterable[torch.Tensor]
 ) -> tuple[float, list[list[float]]]:
-    """(moe_aux_loss, expert_load) of the step just trained, the same on every rank (collective over dp and pp).
+    """(moe_aux_loss, expert_load) of the step just trained, the same on every rank (collective over dp x cp and
+    pp).
 
     moe_aux_loss: the summed load-balancing loss of the MoE blocks, unweighted, averaged over the step's
-    micro-batches and dp ranks (``aux_losses``: the last stage's, one per micro-batch; empty on other stages).
+    micro-batches and dp x cp ranks (``aux_losses``: the last stage's, one per micro-batch; empty on other stages;
+    each CP rank's is its own slice's, and DeepSpeed averages the optimized loss over dp x cp the same way).
     expert_load: per MoE block in block order, the fraction of routed tokens each expert got over the step, every
-    dp rank's tokens together (each rank's gate counts its own tokens for all experts)."""
+    dp and cp rank's tokens together (each rank's gate counts its own tokens for all experts)."""
     from appliance.parallel.pipeline_parallel import TransformerLayerPipe
 
     blocks = config.moe_blocks
-    device = collective_device(topology.dp_group)
+    device = collective_device(topology.dp_cp_group)
     aux = list(aux_losses)
     figures = torch.zeros(1 + len(blocks) * config.moe_num_experts, dtype=torch.float64, device=device)
     if aux:
@@ -160,9 +168,9 @@ def moe_step_figures(
             if layer.mlp.step_counts is not None:
                 counts[blocks.index(layer.layer_number)] += layer.mlp.step_counts.to(device, torch.float64)
             layer.mlp.step_counts = None
-    if group_size(topology.dp_group) > 1:
-        dist.all_reduce(figures, group=topology.dp_group)
-    figures[0] /= topology.dp
+    if group_size(topology.dp_cp_group) > 1:
+        dist.all_reduce(figures, group=topology.dp_cp_group)
+    figures[0] /= topology.dp * topology.cp
     if group_size(topology.pp_group) > 1:  # each stage filled its own blocks' rows, the last stage the loss
         dist.all_reduce(figures, group=topology.pp_group)
     totals = counts.sum(dim=1, keepdim=True).clamp(min=1.0)

@@ -18,10 +18,24 @@ parallelism costs no extra communication: it replaces each all-reduce by that pa
 regions in between on 1/tp of the activations.
 
 With a group of one rank (or no process group at all) every function is the identity, so tp=1 pays nothing.
+
+Algorithms that write their own autograd Function (SUMMA in summa.py) use the plain collectives under them:
+``broadcast_from`` and ``reduce_to``, in place, for one source or one root of a group.
+
+Every collective here is counted: inside a ``count_traffic()`` block ``_count`` adds the payload bytes this rank
+hands to the backend and the call, by kind; outside one (the default) the cost is one test of a global, before any
+group lookup or view the count would need. A
+broadcast counts its bytes on the source only, a reduce on the members that are not the root, a reduce-scatter the
+other members' chunks; all-reduce and all-gather count what this rank contributes. Ring and chain algorithms forward
+more than that; the payload is the unit the planner's formulas (planner/tp2d.py) start from.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,9 +64,62 @@ def collective_device(group: Group = None) -> torch.device:
     return torch.device("cpu")
 
 
+# ---- traffic accounting -----------------------------------------------------------------------------------------
+@dataclass
+class Traffic:
+    """What this rank's collectives moved inside a ``count_traffic()`` block, by kind ("broadcast", "all_reduce"...)."""
+
+    bytes: Counter[str] = field(default_factory=Counter)  # payload this rank sent (module docstring's conventions)
+    calls: Counter[str] = field(default_factory=Counter)  # collectives this rank took part in, sender or not
+
+
+_traffic: Traffic | None = None  # None: not counting, the default
+
+
+@contextmanager
+def count_traffic() -> Iterator[Traffic]:
+    """Count the collectives of this module for the block: ``with count_traffic() as sent: ...; sent.bytes``.
+    Blocks nest: the inner one counts alone and the outer one resumes after it."""
+    global _traffic
+    before, _traffic = _traffic, Traffic()
+    try:
+        yield _traffic
+    finally:
+        _traffic = before
+
+
+def _count(traffic: Traffic, kind: str, payload: torch.Tensor, sends: bool = True) -> None:
+    traffic.calls[kind] += 1
+    if sends:
+        traffic.bytes[kind] += payload.numel() * payload.element_size()
+
+
+# ---- plain collectives (no autograd) ------------------------------------------------------------------------------
+def _global_rank(group: Group, member: int) -> int:
+    return dist.get_global_rank(group, member) if group is not None else member
+
+
+def broadcast_from(tensor: torch.Tensor, source: int, group: Group) -> torch.Tensor:
+    """``tensor`` of group member ``source`` on every member, in place (the others' tensor is the buffer)."""
+    if _traffic is not None:
+        _count(_traffic, "broadcast", tensor, sends=group_rank(group) == source)
+    dist.broadcast(tensor, src=_global_rank(group, source), group=group)
+    return tensor
+
+
+def reduce_to(tensor: torch.Tensor, root: int, group: Group) -> torch.Tensor:
+    """The sum of every member's ``tensor`` on member ``root``, in place (the others' result is undefined)."""
+    if _traffic is not None:
+        _count(_traffic, "reduce", tensor, sends=group_rank(group) != root)
+    dist.reduce(tensor, dst=_global_rank(group, root), op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
 def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Sum over the group into a fresh tensor (the caller's tensor may be aliased elsewhere in the graph)."""
     out = x.clone(memory_format=torch.contiguous_format)
+    if _traffic is not None:
+        _count(_traffic, "all_reduce", out)
     dist.all_reduce(out, group=group)
     return out
 
@@ -68,6 +135,8 @@ def _gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     # The collective concatenates along dim 0, so move ``dim`` there and back.
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] * group_size(group), *front.shape[1:]))
+    if _traffic is not None:
+        _count(_traffic, "all_gather", front)
     _all_gather_single(out, front, group=group)
     return out.movedim(0, dim).contiguous()
 
@@ -78,6 +147,8 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
         raise ValueError(f"cannot reduce-scatter dimension {dim} of size {x.shape[dim]} over {size} ranks")
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
+    if _traffic is not None:
+        _count(_traffic, "reduce_scatter", front[: front.shape[0] - out.shape[0]])  # the other members' chunks
     _reduce_scatter_single(out, front, group=group)
     return out.movedim(0, dim).contiguous()
 

@@ -2,6 +2,9 @@
 
     results = run_distributed(check_layers, 2, 1e-5, tp=2)   # fn(topology, 1e-5) on ranks 0 and 1
 
+Inside ``fn``, ``build_test_engine`` builds the engine with a test's usual settings, so a test names only what it
+varies.
+
 Each rank is a fresh spawned process (no inherited state) with one CPU thread, a gloo process group and a
 ``ParallelTopology`` whose process groups already exist; ``fn(topology, *args)`` must be a module-level
 function. The ranks run on the CPU whatever the host has: they start with DeepSpeed's accelerator pinned to the CPU
@@ -30,7 +33,7 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -38,6 +41,10 @@ import torch.multiprocessing as mp
 from torch.distributed import distributed_c10d
 
 from appliance.parallel.topology import ParallelTopology
+
+if TYPE_CHECKING:
+    from appliance.model.config import BloomConfig
+    from appliance.parallel.engine import ParallelEngine
 
 _GRACE_S = 2.0  # how long to wait for the other ranks' reports once one rank has failed
 
@@ -319,3 +326,45 @@ def _check_alive(processes: list[Any], reported: dict[int, Any], deadline: float
     if time.monotonic() > deadline:
         missing = sorted(set(range(len(processes))) - set(reported))
         raise DistributedRunError(f"rank(s) {missing} did not finish within {timeout_s:.0f} s")
+
+
+def build_test_engine(
+    config: BloomConfig,
+    topology: ParallelTopology,
+    *,
+    micro_batch_size: int,
+    global_batch_size: int,
+    zero_stage: int = 0,
+    dtype: str = "fp32",
+    grad_clip: float = 1.0,
+    recompute: str = "none",
+    sequence_parallel: bool = False,
+    lr: float = 1e-3,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+    seed: int = 0,
+    **options: Any,
+) -> ParallelEngine:
+    """``engine.build_engine`` for tests and benchmarks, which name only what they vary: by default fp32 without
+    ZeRO, recompute or sequence parallelism, AdamW with BLOOM's betas and eps and no weight decay at a constant
+    lr of 1e-3, clipping at 1.0. ``options``: build_engine's optional keywords (cp_mode, overlap_param_gather...)."""
+    from appliance.parallel.engine import build_engine  # DeepSpeed loads with it: only ranks that build pay
+
+    return build_engine(
+        config,
+        topology,
+        micro_batch_size=micro_batch_size,
+        global_batch_size=global_batch_size,
+        zero_stage=zero_stage,
+        dtype=dtype,
+        grad_clip=grad_clip,
+        recompute=recompute,
+        sequence_parallel=sequence_parallel,
+        lr=lr,
+        weight_decay=weight_decay,
+        betas=betas,
+        eps=eps,
+        seed=seed,
+        **options,
+    )

@@ -33,7 +33,10 @@ Expert parallelism (ep) folds inside dp, Megatron/DeepSpeed style, and adds no r
 ``dp_rank = edp_rank * ep + ep_rank``, so the ep ranks of one expert group are consecutive DP ranks. ``ep`` groups
 (same pp, cp, tp, edp) split the experts; ``edp`` groups (expert-data-parallel, size dp / ep) reduce the experts'
 gradients. ep = 1 makes ``ep`` groups single ranks and ``edp`` the ``dp`` group. Experts are replicated over cp
-too, so once experts and cp > 1 meet, expert gradients reduce over edp x cp: one more ``GROUPS`` entry.
+too (each CP rank routes its own slice of the sequences through the same experts), so their gradients are partial
+sums over cp exactly like the dense ones: ``edp_cp`` groups (same pp, tp, ep; edp and cp vary, size dp / ep * cp)
+reduce them, and are DeepSpeed's expert-data-parallel groups (expert_parallel.register_expert_groups). With
+cp = 1, ``edp_cp`` is the ``edp`` group itself (the same handle).
 
 2D tensor parallelism (Optimus, ``tp2d = q``) keeps the tp axis, of q * q ranks, and splits it into a mesh:
 ``tp_rank = mesh_row * q + mesh_col``, so the mesh's ranks stay consecutive and every group built on tp (``tp``,
@@ -82,7 +85,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "cp": ("cp",),
     "dp_cp": ("dp", "cp"),  # data-parallel gradient reduction, DeepSpeed's data axis
     "ep": ("ep",),
-    "edp": ("edp",),  # expert-data-parallel: reduces expert gradients
+    "edp": ("edp",),  # expert-data-parallel: the ranks holding the same experts at one cp coordinate
+    "edp_cp": ("edp", "cp"),  # expert gradient reduction: the experts' replicas over edp and cp
     # 2D tensor parallel (tp2d = q): the tp axis is a q x q mesh, tp_rank = mesh_row * q + mesh_col.
     "tp_row": ("mesh_col",),  # one mesh row: the ranks holding the other hidden slices of the same tokens
     "tp_col": ("mesh_row",),  # one mesh column: the ranks holding the other batch slices of the same hidden slice

@@ -31,7 +31,7 @@ from appliance.planner.sizing import (
     tokens_text,
 )
 from appliance.planner.timing import StepTime
-from appliance.planner.tp2d import comparison_lines
+from appliance.planner.tp2d import TensorParallelComparison, tensor_parallel_comparison
 from appliance.planner.train_settings import TrainSettings
 
 MAX_REJECTED_PER_KIND = 6
@@ -69,7 +69,7 @@ class Plan:
     model_choice: list[str] = field(default_factory=list)  # the ladder's reasoning when no model was named
     sizing: list[str] = field(default_factory=list)  # the token count, the limit that bound it, what more would buy
     # 1D (with and without sequence parallelism) against Optimus 2D tensor parallelism (planner/tp2d.py), GPUs only
-    tensor_parallel: list[str] = field(default_factory=list)
+    tensor_parallel: TensorParallelComparison | None = None
     candidates: int = 0
     search_seconds: float = 0.0
 
@@ -124,6 +124,7 @@ class Plan:
                 notes=list(self.notes),
                 model_choice=list(self.model_choice),
                 sizing=list(self.sizing),
+                tensor_parallel=self.tensor_parallel,
             ),
         )
 
@@ -292,7 +293,7 @@ def make_plan(
         notes=notes,
         model_choice=choice_lines,
         sizing=sizing,
-        tensor_parallel=comparison_lines(model, layout, device, hardware) if hardware.has_gpus else [],
+        tensor_parallel=tensor_parallel_comparison(model, layout, device, hardware) if hardware.has_gpus else None,
         train=train,
         run=run,
         candidates=candidates,

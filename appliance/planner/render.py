@@ -6,6 +6,7 @@ from __future__ import annotations
 from appliance.planner.layout import pipeline_partition
 from appliance.planner.plan import CONVENTIONS, Plan
 from appliance.planner.sizing import duration_text
+from appliance.planner.tp2d import comparison_lines
 
 
 def _si(value: float, unit: str) -> str:
@@ -63,9 +64,9 @@ def format_plan(plan: Plan) -> str:
             out.append(f"  {key:<18} {seconds:9.3g} s {seconds / total:6.1%}")
     out.append(f"  {'total':<18} {total:9.3g} s")
 
-    if plan.tensor_parallel:
+    if plan.tensor_parallel is not None:
         out.append("Tensor parallel: 1D vs 2D (a comparison only: the search places 1D groups):")
-        out += [f"  {line}" for line in plan.tensor_parallel]
+        out += [f"  {line}" for line in comparison_lines(plan.tensor_parallel)]
 
     if plan.rejected:
         counts = ", ".join(f"{n} {k}" for k, n in plan.rejected_counts.items() if n)

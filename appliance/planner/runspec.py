@@ -35,6 +35,7 @@ from appliance.hardware.carbon import CarbonProfile
 from appliance.hardware.profile import Hardware
 from appliance.planner.layout import LATER_LAYOUT_KEYS, Layout, pipeline_partition
 from appliance.planner.model_shape import DEFAULT_INIT_STD, ModelShape
+from appliance.planner.tp2d import TensorParallelComparison
 from appliance.planner.train_settings import TrainSettings
 from appliance.planner.typed_json import check_keys, dotted, from_json, required_fields, to_json
 
@@ -131,6 +132,8 @@ class PlanReport:
     notes: list[str]
     model_choice: list[str]
     sizing: list[str] = dataclasses.field(default_factory=list)  # absent from plans written before sizing
+    # 1D vs Optimus 2D tensor parallelism per block (planner/tp2d.py); None: a CPU plan, or one written before it
+    tensor_parallel: TensorParallelComparison | None = None
 
 
 SECTIONS = ("hardware", "model", "layout", "train", "run", "device", "init")

@@ -15,7 +15,8 @@ recompute, no sequence parallelism, no (or less) CP, Ulysses before ring, smalle
 run (kernel_path.py) impose no shape limit of their own: heads wider than flash attention takes fall back to the
 materialised path, which the cost model then charges. Selective recompute is searched only where it drops
 something (not under flash attention). BLOOM-MoE: expert parallelism (ep, divisors of dp that divide the experts)
-is searched smallest first and stops at the first ep that fits memory (``expert_parallel_degrees``).
+is searched smallest first and stops at the first ep that fits memory (``expert_parallel_degrees``), with and
+without CP.
 """
 
 from __future__ import annotations
@@ -186,7 +187,9 @@ def search_layouts(
                 reject({"tp": tp, "pp": pp}, problem)
                 continue
             cps = _powers_of_two(world // (tp * pp)) if hardware.has_gpus else [1]
-            for cp in (c for c in cps if (world // (tp * pp)) % c == 0 and (c == 1 or not model.moe_num_experts)):
+            # BLOOM-MoE too: experts are replicated over cp like the dense weights (memory.py counts E/ep of them
+            # per rank whatever cp, their ZeRO partitions over dp x cp / ep) and each CP rank routes its s/cp tokens.
+            for cp in (c for c in cps if (world // (tp * pp)) % c == 0):
                 dp = world // (tp * pp * cp)
                 where = {"tp": tp, "pp": pp, "dp": dp} | ({"cp": cp} if cp > 1 else {})
                 if gbs % dp:

@@ -84,8 +84,8 @@ def _cross_entropy_bytes_per_logit(kernels: KernelPath, act: int) -> float:
 
 
 @dataclass(frozen=True)
-class _Block:
-    """One block's forward pieces for one micro-batch on one TP rank, in seconds."""
+class BlockSeconds:
+    """One block's forward pieces for one micro-batch on one TP rank, in seconds (backward: see the fields)."""
 
     gemm: float
     attention: float  # forward; backward is attention_backward
@@ -101,8 +101,12 @@ class _Block:
         return self.gemm + self.attention + self.elementwise + 2 * self.tp_allreduce + self.cp_forward
 
 
-def _block(model: ModelShape, layout: Layout, device: Device, hw: Hardware, s: int, kernels: KernelPath) -> _Block:
-    """With cp ranks per sequence (context_parallel.py) the rank runs s/cp tokens through the GEMMs and
+def block_seconds(
+    model: ModelShape, layout: Layout, device: Device, hw: Hardware, s: int, kernels: KernelPath
+) -> BlockSeconds:
+    """The seconds of one block's pieces for one micro-batch of sequences s long on one TP rank of ``layout``: the
+    planner's one count of a block's work, which the step time (here) and the 1D-vs-2D comparison (tp2d.py) share.
+    With cp ranks per sequence (context_parallel.py) the rank runs s/cp tokens through the GEMMs and
     elementwise kernels and its share of the attention square, then pays the exchange."""
     b, h, a, f, t, c = layout.micro_batch_size, model.hidden, model.heads, model.ffn_hidden, layout.tp, layout.cp
     act = device.act_bytes
@@ -132,7 +136,8 @@ def _block(model: ModelShape, layout: Layout, device: Device, hw: Hardware, s: i
     link = tp_link(hw, device, t)
     allreduce = _ring_time(allreduce_sent(act * tokens * h, t), 2 * (t - 1), link)
     cp_forward, cp_backward = _cp_exchange(model, layout, device, hw, s, attention, backward)
-    return _Block(gemm, attention, backward, ew_bytes / mem_rate + softmax, softmax, allreduce, cp_forward, cp_backward)
+    elementwise = ew_bytes / mem_rate + softmax
+    return BlockSeconds(gemm, attention, backward, elementwise, softmax, allreduce, cp_forward, cp_backward)
 
 
 def _cp_exchange(
@@ -175,7 +180,7 @@ def _stage_microbatch(
     act = device.act_bytes
     tokens = b * local_tokens(s, layout.cp)
     mem_rate = device.memory_bw * device.efficiency.memory
-    blk = _block(model, layout, device, hw, s, kernels)
+    blk = block_seconds(model, layout, device, hw, s, kernels)
 
     out = {
         "gemm": 3 * layers * blk.gemm,
@@ -238,7 +243,7 @@ def _param_gather(
     hw: Hardware,
     stage: int,
     partition: Partition,
-    blk: _Block,
+    blk: BlockSeconds,
     kernels: KernelPath,
 ) -> float:
     """Seconds of ZeRO's post-step parameter all-gather this stage's next step waits for (over dp x cp ranks)."""
@@ -286,7 +291,7 @@ def step_time_for_device(
     mem_rate = device.memory_bw * device.efficiency.memory
     link = dp_link(hw, device, t, d)
     overlap = p == 1 and layout.zero_stage >= 1 and overlap_comm_configured(layout, device.dtype)
-    blk = _block(model, layout, device, hw, s, kernels)
+    blk = block_seconds(model, layout, device, hw, s, kernels)
     dp_parts: list[tuple[float, float]] = []  # (gradient reduce, exposed parameter gather) per stage
     for st in stages:
         params = stage_parameters(model, layout, st, partition)

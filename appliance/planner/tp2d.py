@@ -62,7 +62,7 @@ from appliance.planner.kernel_path import KernelPath, kernels_for
 from appliance.planner.layout import Layout, pipeline_partition
 from appliance.planner.memory import activation_bytes_per_layer, layer_parameters_per_rank, state_bytes
 from appliance.planner.model_shape import ModelShape
-from appliance.planner.timing import _block
+from appliance.planner.timing import block_seconds
 
 PRODUCTS = 4  # weight products per block
 GRID_SIDES = (2, 4, 8)  # the q x q grids the comparison scans: 4, 16 and 64 ranks
@@ -158,7 +158,7 @@ def _hops_time(sent: float, hops: int, link: Link) -> float:
 
 def _compute_s(model: ModelShape, layout: Layout, device: Device, hw: Hardware, s: int, kernels: KernelPath) -> float:
     """The block's forward and backward work on one rank (GEMMs 3x, attention, elementwise 3x, recompute)."""
-    blk = _block(model, layout, device, hw, s, kernels)
+    blk = block_seconds(model, layout, device, hw, s, kernels)
     work = 3 * blk.gemm + blk.attention + blk.attention_backward + 3 * blk.elementwise
     if layout.recompute == "full":
         work += blk.gemm + blk.attention + blk.elementwise
@@ -291,57 +291,174 @@ def compare(model: ModelShape, layout: Layout, device: Device, hw: Hardware, q: 
     return Verdict(q, one, two, wins, reason, _faster_from(model, layout, device, hw, q))
 
 
-def comparison_lines(model: ModelShape, layout: Layout, device: Device, hw: Hardware) -> list[str]:
-    """The plan's "tensor parallel: 1D vs 2D" section: per block and micro-batch at the chosen micro-batch and
-    recompute, 1D without and with sequence parallelism against a q x q grid for each q in GRID_SIDES, the
-    verdicts, and the chosen layout's step if its TP group were a grid (when tp is a square). Only grids of at
-    most the allocation's GPUs are shown."""
-    s, act = model.seq_len, device.act_bytes
-    cp = f" of which {s // layout.cp:,} per rank at cp={layout.cp}" if layout.cp > 1 else ""
-    states = sum(state_bytes(1.0, layout.zero_stage, layout.dp_cp, device.dtype).values())  # bytes per parameter
-    out = [
-        f"per block and micro-batch (b={layout.micro_batch_size}, s={s:,}{cp}, h={model.hidden:,}, {device.dtype},"
-        f" recompute {layout.recompute}); memory = model states ({states:g} B/parameter) + stored activations:",
-        f"  {'scheme':<12} {'params/rank':>12} {'memory':>10} {'activations':>12} {'sent/rank':>10} {'comm':>9}"
-        f" {'block':>9}",
-    ]
-    world = hw.world_gpus if hw.has_gpus else layout.world_size
-    verdicts = [compare(model, layout, device, hw, q) for q in GRID_SIDES if q * q <= world]  # groups that exist
-    for v in verdicts:
-        no_sp = cost_1d(model, _regrouped(layout, v.q * v.q), device, hw, sp=False)
-        for c in (no_sp, v.one_d, v.two_d):
-            memory, stored = _si_bytes(c.parameters * states + c.activation_bytes), _si_bytes(c.activation_bytes)
-            out.append(
-                f"  {c.label:<12} {c.parameters / 1e6:10.1f} M {memory:>10} {stored:>12}"
-                f" {_si_bytes(c.sent_bytes):>10} {c.comm_s * 1e3:7.3g} ms {c.total_s * 1e3:7.3g} ms"
-            )
-    for v in verdicts:
-        out.append(f"  q={v.q} ({v.q * v.q} ranks), b={layout.micro_batch_size}: {v.reason}")
-        b = v.break_even_micro_batch
-        if b is None:
-            out.append(f"  q={v.q}: 2D's block stays slower up to micro-batch {MAX_MICRO_BATCH}")
-        elif b != layout.micro_batch_size:
-            at = compare(model, _regrouped(layout, v.q * v.q, b), device, hw, v.q)
-            tokens = b * local_tokens(s, layout.cp)
-            out.append(f"  q={v.q}, from b={b} ({tokens:,} tokens per micro-batch): {at.reason}")
-    out.append(_chosen_line(model, layout, device, hw, act))
-    return out
+# ---- the comparison as data: plan --json's "tensor_parallel", and the lines `plan` prints from it ----
 
 
-def _chosen_line(model: ModelShape, layout: Layout, device: Device, hw: Hardware, act: int) -> str:
+@dataclass(frozen=True)
+class SchemeFigures:
+    """One row of the comparison: one rank's block of a scheme, for one micro-batch (BlockCost with its memory)."""
+
+    label: str  # "1D tp=4", "1D+sp tp=4", "2D 2x2"
+    scheme: str  # "1D", "1D+sp" or "2D"
+    ranks: int  # t (= q^2 for 2D)
+    parameters: float  # elements this rank holds
+    memory_bytes: float  # model states of those parameters + stored activations
+    activation_bytes: float  # kept for backward
+    sent_bytes: float  # forward + backward
+    comm_s: float
+    block_s: float  # compute + communication
+
+
+@dataclass(frozen=True)
+class GridComparison:
+    """1D without and with sequence parallelism over q^2 ranks against the q x q grid, at the plan's micro-batch."""
+
+    q: int
+    ranks: int  # q^2
+    schemes: list[SchemeFigures]  # 1D, 1D+sp, 2D
+    two_d_wins: bool
+    reason: str
+    # The smallest power-of-two micro-batch (up to MAX_MICRO_BATCH) at which 2D's block is faster; None: none is.
+    faster_from_micro_batch: int | None
+    faster_from_tokens: int | None  # its tokens per micro-batch on one rank (s/cp per sequence)
+    reason_there: str | None  # the verdict at that micro-batch when it is not the plan's
+
+
+@dataclass(frozen=True)
+class ChosenAsGrid:
+    """The chosen layout's step with its TP group as a q x q grid, against its 1D+sp (q None: tp is not a square)."""
+
+    tp: int
+    q: int | None
+    step_delta_s: float | None  # 2D - 1D+sp, per step
+    memory_delta_mib: float | None  # per rank on the fullest stage, model states only (activations are equal)
+    blocks: int | None  # on the fullest stage
+
+
+@dataclass(frozen=True)
+class TensorParallelComparison:
+    """The plan's "tensor parallel: 1D vs 2D" section, per block and micro-batch (plan --json: tensor_parallel)."""
+
+    micro_batch_size: int
+    seq_len: int
+    cp: int
+    hidden: int
+    dtype: str
+    recompute: str
+    state_bytes_per_parameter: float  # model states: weights, gradients and optimizer state at the plan's ZeRO
+    grids: list[GridComparison]  # q in GRID_SIDES, grids of at most the allocation's GPUs
+    chosen: ChosenAsGrid
+
+
+def _figures(cost: BlockCost, states: float) -> SchemeFigures:
+    return SchemeFigures(
+        label=cost.label,
+        scheme=cost.scheme,
+        ranks=cost.ranks,
+        parameters=cost.parameters,
+        memory_bytes=cost.parameters * states + cost.activation_bytes,
+        activation_bytes=cost.activation_bytes,
+        sent_bytes=cost.sent_bytes,
+        comm_s=cost.comm_s,
+        block_s=cost.total_s,
+    )
+
+
+def _grid(model: ModelShape, layout: Layout, device: Device, hw: Hardware, v: Verdict, states: float) -> GridComparison:
+    no_sp = cost_1d(model, _regrouped(layout, v.q * v.q), device, hw, sp=False)
+    b = v.break_even_micro_batch
+    there = None
+    if b is not None and b != layout.micro_batch_size:
+        there = compare(model, _regrouped(layout, v.q * v.q, b), device, hw, v.q).reason
+    return GridComparison(
+        q=v.q,
+        ranks=v.q * v.q,
+        schemes=[_figures(c, states) for c in (no_sp, v.one_d, v.two_d)],
+        two_d_wins=v.two_d_wins,
+        reason=v.reason,
+        faster_from_micro_batch=b,
+        faster_from_tokens=None if b is None else b * (model.seq_len // layout.cp),  # cp divides s (validate)
+        reason_there=there,
+    )
+
+
+def _chosen(model: ModelShape, layout: Layout, device: Device, hw: Hardware, states: float) -> ChosenAsGrid:
     """The chosen layout's step with its TP group as a grid: per slot of the slowest stage the block time changes
     by (2D - 1D+sp) for every block on it, and 1F1B runs m + p - 1 slots."""
     q = grid_side(layout.tp)
     if q is None:
-        return f"  chosen tp={layout.tp} is not a square: no q x q grid replaces its group"
+        return ChosenAsGrid(tp=layout.tp, q=None, step_delta_s=None, memory_delta_mib=None, blocks=None)
     v = compare(model, layout, device, hw, q)
     blocks = max(pipeline_partition(model.layers, layout.pp).layers_per_stage)
     slots = max(1, layout.micro_batches) + layout.pp - 1
-    delta = slots * blocks * (v.two_d.total_s - v.one_d.total_s)
-    per_block = (v.two_d.parameters - v.one_d.parameters) * sum(
-        state_bytes(1.0, layout.zero_stage, layout.dp_cp, device.dtype).values()
+    per_block = (v.two_d.parameters - v.one_d.parameters) * states
+    return ChosenAsGrid(
+        tp=layout.tp,
+        q=q,
+        step_delta_s=slots * blocks * (v.two_d.total_s - v.one_d.total_s),
+        memory_delta_mib=per_block * blocks / 2**20,
+        blocks=blocks,
     )
+
+
+def tensor_parallel_comparison(
+    model: ModelShape, layout: Layout, device: Device, hw: Hardware
+) -> TensorParallelComparison:
+    """Per block and micro-batch at the chosen micro-batch and recompute, 1D without and with sequence parallelism
+    against a q x q grid for each q in GRID_SIDES, the verdicts, and the chosen layout's step if its TP group were
+    a grid (when tp is a square). Only grids of at most the allocation's GPUs are compared."""
+    states = sum(state_bytes(1.0, layout.zero_stage, layout.dp_cp, device.dtype).values())  # bytes per parameter
+    world = hw.world_gpus if hw.has_gpus else layout.world_size
+    verdicts = [compare(model, layout, device, hw, q) for q in GRID_SIDES if q * q <= world]  # groups that exist
+    return TensorParallelComparison(
+        micro_batch_size=layout.micro_batch_size,
+        seq_len=model.seq_len,
+        cp=layout.cp,
+        hidden=model.hidden,
+        dtype=device.dtype,
+        recompute=layout.recompute,
+        state_bytes_per_parameter=states,
+        grids=[_grid(model, layout, device, hw, v, states) for v in verdicts],
+        chosen=_chosen(model, layout, device, hw, states),
+    )
+
+
+def comparison_lines(comparison: TensorParallelComparison) -> list[str]:
+    """The plan's "tensor parallel: 1D vs 2D" section as `plan` prints it: the table, the verdicts, the chosen tp."""
+    c, s = comparison, comparison.seq_len
+    cp = f" of which {s // c.cp:,} per rank at cp={c.cp}" if c.cp > 1 else ""
+    out = [
+        f"per block and micro-batch (b={c.micro_batch_size}, s={s:,}{cp}, h={c.hidden:,}, {c.dtype},"
+        f" recompute {c.recompute}); memory = model states ({c.state_bytes_per_parameter:g} B/parameter) + stored"
+        " activations:",
+        f"  {'scheme':<12} {'params/rank':>12} {'memory':>10} {'activations':>12} {'sent/rank':>10} {'comm':>9}"
+        f" {'block':>9}",
+    ]
+    for grid in c.grids:
+        for row in grid.schemes:
+            out.append(
+                f"  {row.label:<12} {row.parameters / 1e6:10.1f} M {_si_bytes(row.memory_bytes):>10}"
+                f" {_si_bytes(row.activation_bytes):>12} {_si_bytes(row.sent_bytes):>10} {row.comm_s * 1e3:7.3g} ms"
+                f" {row.block_s * 1e3:7.3g} ms"
+            )
+    for grid in c.grids:
+        out.append(f"  q={grid.q} ({grid.ranks} ranks), b={c.micro_batch_size}: {grid.reason}")
+        if grid.faster_from_micro_batch is None:
+            out.append(f"  q={grid.q}: 2D's block stays slower up to micro-batch {MAX_MICRO_BATCH}")
+        elif grid.reason_there is not None:
+            out.append(
+                f"  q={grid.q}, from b={grid.faster_from_micro_batch} ({grid.faster_from_tokens:,} tokens per"
+                f" micro-batch): {grid.reason_there}"
+            )
+    out.append(_chosen_line(c.chosen))
+    return out
+
+
+def _chosen_line(chosen: ChosenAsGrid) -> str:
+    if chosen.q is None or chosen.step_delta_s is None or chosen.memory_delta_mib is None:
+        return f"  chosen tp={chosen.tp} is not a square: no q x q grid replaces its group"
+    delta, q = chosen.step_delta_s, chosen.q
     return (
-        f"  chosen tp={layout.tp} as a {q}x{q} grid: {'+' if delta >= 0 else '-'}{abs(delta):.3g} s per step,"
-        f" {per_block * blocks / 2**20:+.1f} MiB per rank on the fullest stage ({blocks} blocks) against its 1D+sp"
+        f"  chosen tp={chosen.tp} as a {q}x{q} grid: {'+' if delta >= 0 else '-'}{abs(delta):.3g} s per step,"
+        f" {chosen.memory_delta_mib:+.1f} MiB per rank on the fullest stage ({chosen.blocks} blocks) against its 1D+sp"
     )

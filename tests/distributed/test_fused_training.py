@@ -22,8 +22,7 @@ import torch
 from noise_floor import NoiseFloor, check_floor, relative, relative_norm
 
 from appliance.model.config import BloomConfig
-from appliance.parallel.engine import build_engine
-from appliance.parallel.testing import run_distributed
+from appliance.parallel.testing import build_test_engine, run_distributed
 from appliance.parallel.topology import ParallelTopology
 
 pytestmark = pytest.mark.distributed
@@ -66,10 +65,9 @@ def _run(
     from kernels import registry
 
     os.environ["BLOOM_KERNELS"] = backend
-    engine = build_engine(
-        CONFIG, topology, micro_batch_size=micro_batch, global_batch_size=BATCH, zero_stage=0, dtype="fp32",
-        grad_clip=1.0, recompute=options["recompute"], sequence_parallel=options["sp"], lr=1e-2, weight_decay=0.1,
-        betas=(0.9, 0.95), eps=1e-8, seed=7,
+    engine = build_test_engine(
+        CONFIG, topology, micro_batch_size=micro_batch, global_batch_size=BATCH, recompute=options["recompute"],
+        sequence_parallel=options["sp"], lr=1e-2, weight_decay=0.1, seed=7,
     )  # fmt: skip
     if floor:
         _round_differently(engine)

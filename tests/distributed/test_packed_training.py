@@ -23,7 +23,7 @@ import torch
 from appliance.data.documents import document_ids
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
-from appliance.parallel.testing import run_distributed
+from appliance.parallel.testing import build_test_engine, run_distributed
 from appliance.parallel.topology import ParallelTopology
 
 pytestmark = pytest.mark.distributed
@@ -47,15 +47,12 @@ def packed_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def engine_losses(launched: ParallelTopology, layout: tuple[int, int, int, str, bool]) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from appliance.parallel.engine import build_engine
-
     os.environ.setdefault("LOCAL_RANK", "0")
     tp, pp, cp, cp_mode, sequence_parallel = layout
     topology = ParallelTopology(tp=tp, pp=pp, dp=1, cp=cp, world_size=dist.get_world_size())
-    engine = build_engine(
-        CONFIG, topology, micro_batch_size=MBS, global_batch_size=GBS, zero_stage=0, dtype="fp32", grad_clip=1.0,
-        recompute="full", sequence_parallel=sequence_parallel, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95),
-        eps=1e-8, seed=SEED, cp_mode=cp_mode,
+    engine = build_test_engine(
+        CONFIG, topology, micro_batch_size=MBS, global_batch_size=GBS, recompute="full",
+        sequence_parallel=sequence_parallel, seed=SEED, cp_mode=cp_mode,
     )  # fmt: skip
     batches = [packed_batch(1), packed_batch(2)]
     with_ids = engine.eval_sums(batches)

@@ -56,9 +56,8 @@ from appliance.model import ops
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
 from appliance.parallel.bloom2d import Bloom2D, build_tp2d_model
-from appliance.parallel.engine import build_engine
 from appliance.parallel.layers2d import Linear2D, Mesh2D, apply_norm
-from appliance.parallel.mappings import collective_device
+from appliance.parallel.mappings import collective_device, count_traffic
 from appliance.parallel.pipeline_parallel import IGNORE_INDEX
 from appliance.parallel.sharding import (
     gather_state_dicts,
@@ -69,9 +68,10 @@ from appliance.parallel.sharding import (
     shard_state_dict,
 )
 from appliance.parallel.shards import LazyFullStateDict, ShardReader, gather_full_state_dict, model_sources
-from appliance.parallel.summa import count_traffic, gather_partial_grad
-from appliance.parallel.testing import collective_guard, run_distributed
+from appliance.parallel.summa import gather_partial_grad
+from appliance.parallel.testing import build_test_engine, collective_guard, run_distributed
 from appliance.parallel.topology import ParallelTopology
+from appliance.planner.tp2d import PRODUCTS, summa_collectives_per_axis
 
 pytestmark = pytest.mark.distributed
 
@@ -203,29 +203,46 @@ def _without_summa_reduction(topology: ParallelTopology, initial: dict[str, torc
     rank keeps its own row's partial), against the single process; must land beyond TEETH x the bound."""
     from appliance.parallel import summa
 
-    original = summa._reduce
+    original = summa.reduce_to
 
     def row_only(tensor: torch.Tensor, root: int, group: Any) -> torch.Tensor:
         return tensor if group is topology.tp_col_group else original(tensor, root, group)
 
-    summa._reduce = row_only
+    summa.reduce_to = row_only
     try:
         got = _run_2d(topology, torch.float64, "probe", initial)
     finally:
-        summa._reduce = original
+        summa.reduce_to = original
     return got
 
 
 def _summa_traffic(topology: ParallelTopology) -> dict[str, Any]:
-    """Bytes one SUMMA linear's forward sends, counted by summa.count_traffic, and what the algorithm says: in its q
-    steps each rank is the source of one broadcast along its row (its x block) and one along its column (its weight
-    block), and sends nothing else."""
+    """What one SUMMA linear sends, counted by mappings.count_traffic, and what the algorithm says.
+
+    Forward: in its q steps each rank is the source of one broadcast along its row (its x block) and one along its
+    column (its weight block), and sends nothing else. Forward + backward: the backward broadcasts both blocks
+    again, and each rank sends its partial dx and dW to the q - 1 roots that are not itself (reduce); the bias's
+    gradient is all-reduced along the column once. Calls: every rank takes part in the 2q broadcasts forward and
+    the 2q broadcasts and 2q reduces backward, the planner's summa_collectives_per_axis per product on each axis."""
     mesh = Mesh2D.of(topology)
     layer = Linear2D(16, 32, True, mesh, dtype=torch.float64)
+    with torch.no_grad():
+        layer.weight.normal_()
+        layer.bias.normal_()
     x = torch.randn(BATCH // Q, SEQ, 16 // Q, dtype=torch.float64)
-    with torch.no_grad(), count_traffic() as sent:
+    with torch.no_grad(), count_traffic() as forward:
         layer(x)
-    return {"sent": dict(sent), "expected": {"broadcast": (x.numel() + layer.weight.numel()) * 8}}
+    x.requires_grad_(True)
+    with count_traffic() as both:
+        layer(x).sum().backward()
+    blocks = (x.numel() + layer.weight.numel()) * 8
+    return {
+        "forward": dict(forward.bytes),
+        "expected_forward": {"broadcast": blocks},
+        "both": dict(both.bytes),
+        "expected_both": {"broadcast": 2 * blocks, "reduce": (Q - 1) * blocks, "all_reduce": layer.bias.numel() * 8},
+        "calls": dict(both.calls),
+    }
 
 
 def _check(topology: ParallelTopology) -> dict[str, Any]:
@@ -279,9 +296,9 @@ def _tokens() -> torch.Tensor:
 def _train_engine(topology: ParallelTopology, dtype: str, zero_stage: int) -> tuple[Any, dict[str, Any]]:
     """RECIPE through build_engine on every rank: the engine, its per-step losses and norms, and its optimizer."""
     os.environ.setdefault("LOCAL_RANK", "0")  # read by DeepSpeed's PipelineModule
-    engine = build_engine(
+    engine = build_test_engine(
         CONFIG, topology, micro_batch_size=MBS, global_batch_size=GBS, zero_stage=zero_stage, dtype=dtype,
-        grad_clip=CLIP, recompute="none", sequence_parallel=False, lr=RECIPE.lr_at(0), seed=ENGINE_SEED, **OPTIMIZER,
+        grad_clip=CLIP, lr=RECIPE.lr_at(0), seed=ENGINE_SEED, **OPTIMIZER,
     )  # fmt: skip
     tokens, losses, norms = _tokens(), [], []
     for consumed, samples in RECIPE.steps:
@@ -456,7 +473,18 @@ def test_mesh_groups_are_rows_and_columns(launch: list[dict[str, Any]]) -> None:
 
 def test_traffic_counter_counts_what_summa_sends(results: list[dict[str, Any]]) -> None:
     for rank, r in enumerate(results):
-        assert r["traffic"]["sent"] == r["traffic"]["expected"], f"rank {rank}"
+        assert r["traffic"]["forward"] == r["traffic"]["expected_forward"], f"rank {rank}"
+        assert r["traffic"]["both"] == r["traffic"]["expected_both"], f"rank {rank}"
+
+
+def test_traffic_counter_counts_the_planners_collectives(results: list[dict[str, Any]]) -> None:
+    """One linear, forward + backward: the broadcasts and reduces each rank takes part in are the planner's
+    collectives per block and axis (planner/tp2d.py) divided by its products, on both axes; one bias all-reduce."""
+    per_axis = summa_collectives_per_axis(Q, "none") // PRODUCTS
+    for rank, r in enumerate(results):
+        calls = r["traffic"]["calls"]
+        assert calls == {"broadcast": 4 * Q, "reduce": 2 * Q, "all_reduce": 1}, f"rank {rank}: {calls}"
+        assert calls["broadcast"] + calls["reduce"] == 2 * per_axis, f"rank {rank}"
 
 
 def test_blocks_are_the_sharding_cut(results: list[dict[str, Any]]) -> None:

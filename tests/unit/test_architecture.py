@@ -56,6 +56,29 @@ def test_the_import_scan_sees_the_back_edge():
     assert "eval" in appliance_imports(ROOT / "appliance" / "train" / "worker.py")
 
 
+def private_imports(path: Path) -> list[str]:
+    """`from appliance.X import _name` in a file: a leading underscore says the name is its module's own."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("appliance"):
+            found += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_") and a.name[1:2] != "_"]
+    return found
+
+
+def test_no_module_imports_another_modules_private_names():
+    """Shared arithmetic is public API of its module (planner/timing.py's block_seconds), not a private reach-in."""
+    wrong = [f"{p.relative_to(ROOT)}: {name}" for p in sorted((ROOT / "appliance").rglob("*.py")) for name in
+             private_imports(p)]  # fmt: skip
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_private_import_scan_sees_one(tmp_path: Path) -> None:
+    """Control for the test above: the import this rule retired is one it finds."""
+    sample = tmp_path / "sample.py"
+    sample.write_text("from appliance.planner.timing import _block, block_seconds\n")
+    assert private_imports(sample) == ["appliance.planner.timing._block"]
+
+
 def doc_section(title: str) -> str:
     """The text under `## title`, up to the next section."""
     match = re.search(rf"^## {title}\n(.*?)(?=^## |\Z)", DOC.read_text(), re.MULTILINE | re.DOTALL)

@@ -87,3 +87,29 @@ def test_the_engine_splits_only_node_aligned_ep_groups() -> None:
 
     assert _node_aligned([[0, 1, 2, 3], [4, 5, 6, 7]], 2)  # 2 nodes x 2 ranks each
     assert not _node_aligned([[2, 3, 4, 5, 6, 7]], 4)  # 2 ranks on node 0, 4 on node 1: flat instead
+
+
+# ---- experts with context parallelism -----------------------------------------------------------------------------
+def test_search_offers_cp_with_experts() -> None:
+    """One node of 8 H100s (GPU ranks, so cp is searched): the MoE preset is evaluated at cp > 1 together with ep."""
+    from appliance.planner.search import search_layouts
+
+    result = search_layouts(load_hardware("h100-sxm5-x8-node"), MOE, 64)
+    with_cp = {(e.layout.cp, e.layout.ep) for e in result.evaluated if e.layout.cp > 1}
+    assert any(ep > 1 for _, ep in with_cp), sorted(with_cp)
+
+
+def test_cp_neither_splits_nor_repeats_the_experts() -> None:
+    """Experts are whole and replicated over cp: at ZeRO 0 the weights and optimizer states of dp=8, cp=2, ep=4 are
+    those of dp=8, ep=4; at ZeRO 1 the expert states partition over dp x cp / ep, so cp = 2 at dp = 8 keeps what
+    dp = 16 at cp = 1 keeps (the same 4 replicas of each expert share them)."""
+    states = ("weights", "gradients", "optimizer")
+
+    def breakdown(dp: int, cp: int, zero: int) -> dict[str, float]:
+        layout = Layout(1, 24, dp, 1, 2048, zero, "full", False, cp, ep=4)
+        return memory_per_gpu(layout, MOE, HARDWARE, precision="fp16").breakdown_gb
+
+    at_cp1, at_cp2 = breakdown(8, 1, 0), breakdown(8, 2, 0)
+    assert [at_cp2[k] for k in states] == [at_cp1[k] for k in states]
+    assert at_cp2["activations"] < at_cp1["activations"]  # each CP rank holds half of every sequence
+    assert [breakdown(8, 2, 1)[k] for k in states] == [breakdown(16, 1, 1)[k] for k in states]

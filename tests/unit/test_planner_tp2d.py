@@ -9,6 +9,7 @@ they are exact too: no summation-order noise enters them.
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -22,9 +23,11 @@ from appliance.parallel.topology import ParallelTopology
 from appliance.planner import format_plan, load_model_shape, make_plan, parse_layout
 from appliance.planner.device import make_device
 from appliance.planner.model_shape import ModelShape
+from appliance.planner.runspec import RunSpec
 from appliance.planner.tp2d import (
     break_even_tokens,
     compare,
+    comparison_lines,
     grid_side,
     parameters_1d,
     parameters_2d,
@@ -94,6 +97,36 @@ def test_plan_prints_the_comparison() -> None:
     assert "as a 2x2 grid" in section
     cpu = make_plan(load_hardware("cpu-laptop-2core"), load_model_shape("bloom-micro-test"))
     assert "Tensor parallel: 1D vs 2D" not in format_plan(cpu)
+
+
+def test_plan_json_holds_the_comparison_the_text_prints() -> None:
+    """Pass: `plan --json` for BLOOM-176B at tp=4 on Jean Zay holds tensor_parallel: 1D, 1D+sp and 2D per grid
+    (q = 2, 4, 8) with the verdicts and the chosen tp=4 as a 2 x 2 grid; read back through RunSpec it renders to
+    exactly the lines `plan` prints; a CPU plan holds null there, and a plan written before the key reads as None."""
+    hw, model = load_hardware("jean-zay-a100-48n"), load_model_shape("bloom-176b")
+    plan = make_plan(hw, model, layout=parse_layout(BLOOM_LAYOUT))
+    written = json.loads(json.dumps(plan.to_json()))  # what `plan --json` prints, as a reader parses it
+    section = written["tensor_parallel"]
+    assert [g["q"] for g in section["grids"]] == [2, 4, 8]
+    labels = [[row["label"] for row in g["schemes"]] for g in section["grids"]]
+    assert labels == [[f"1D tp={q * q}", f"1D+sp tp={q * q}", f"2D {q}x{q}"] for q in (2, 4, 8)]
+    q2 = section["grids"][0]
+    assert q2["two_d_wins"] is False and q2["reason"].startswith("1D+sp is better because 2D sends")
+    two_d, one_d_sp = q2["schemes"][2], q2["schemes"][1]
+    device = make_device(hw, hw.world_gpus)
+    assert two_d["sent_bytes"] == device.act_bytes * sent_2d(model, 2, model.seq_len, 2)
+    assert two_d["block_s"] > one_d_sp["block_s"]
+    assert section["chosen"]["tp"] == 4 and section["chosen"]["q"] == 2 and section["chosen"]["step_delta_s"] > 0
+    read = RunSpec.from_json(written, "plan.json").report.tensor_parallel
+    assert read == plan.tensor_parallel and read is not None
+    text = format_plan(plan).split("Tensor parallel: 1D vs 2D (a comparison only: the search places 1D groups):\n")[1]
+    lines = comparison_lines(read)
+    assert text.splitlines()[: len(lines)] == [f"  {line}" for line in lines]
+
+    cpu = make_plan(load_hardware("cpu-laptop-2core"), load_model_shape("bloom-micro-test")).to_json()
+    assert cpu["tensor_parallel"] is None
+    del written["tensor_parallel"]
+    assert RunSpec.from_json(written, "plan.json").report.tensor_parallel is None
 
 
 def _counted(topology: ParallelTopology) -> dict[str, float]:

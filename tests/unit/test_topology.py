@@ -175,6 +175,7 @@ def test_each_group_varies_its_axes_and_fixes_the_others(tp: int, pp: int, dp: i
         "dp_cp": {"dp", "edp", "ep", "cp"},
         "ep": {"ep", "dp"},
         "edp": {"edp", "dp"},
+        "edp_cp": {"edp", "dp", "cp"},
         "tp_row": {"tp", "mesh_col"},
         "tp_col": {"tp", "mesh_row"},
     }
