@@ -192,7 +192,7 @@ class BloomBlock(nn.Module):
         if config.is_moe_block(layer_number):
             from appliance.model.moe import BloomMoE
 
-            self.mlp = BloomMoE(config, ep_size)
+            self.mlp = BloomMoE(config, ep_size, factory if tp_size > 1 else None, tp_size)  # tp > 1: experts sharded
         else:
             self.mlp = BloomMLP(config, factory)
         self.alibi = RankAlibi(config.n_head, tp_rank, tp_size)

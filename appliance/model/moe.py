@@ -7,6 +7,10 @@ place). DeepSpeed computes GShard's load-balancing loss (mean over experts of to
 probability, times experts^2) and the tokens each expert got; the block keeps both from its last forward
 (``aux_loss``, ``expert_counts``) for the model's loss and for the step events.
 
+Tensor parallelism: at tp > 1 the block passes its tensor-parallel linear factory, and every expert is sharded
+over tp like the dense MLP (``ExpertMLP``; the token drop and gather around the all-to-all are DeepSpeed's, over our
+tp group: parallel/expert_parallel.py).
+
 Expert parallelism: with ep > 1 each rank of an ``ep`` group holds experts [ep_rank * E/ep, (ep_rank + 1) * E/ep)
 and DeepSpeed exchanges tokens over the group with two all-to-alls per layer and pass. Which all-to-all is used is
 chosen in one place, parallel/moe_exchange.py ``select_all_to_all`` (the hierarchical one where the ep group spans
@@ -21,14 +25,17 @@ use the layout-free names ``mlp.gate.weight`` and ``mlp.experts.<global index>.<
 
 from __future__ import annotations
 
+import copy
 import re
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from deepspeed.moe import sharded_moe
 from deepspeed.moe.layer import MoE
 from torch import nn
 
+from appliance.model.bloom import BloomMLP, LinearFactory
 from appliance.model.config import BloomConfig
 
 _GATE = re.compile(r"(^|\.)deepspeed_moe\.gate\.wg\.")
@@ -69,18 +76,42 @@ def install_all_to_all(exchange: Any) -> None:
 
 
 def _plain_linear(in_features: int, out_features: int, bias: bool, role: str) -> nn.Module:
-    # Experts are whole on every rank they live on (replicated over tp, DeepSpeed's default), and DeepSpeed's
-    # Experts drops a returned bias: a plain nn.Linear adds its own.
+    # At tp = 1 experts are whole, and a plain nn.Linear adds its own bias.
     return nn.Linear(in_features, out_features, bias=bias)
+
+
+class ExpertMLP(BloomMLP):
+    """One expert: BLOOM's MLP returning one tensor, its output bias added (DeepSpeed's Experts drops the second
+    element of a returned tuple), under BloomMLP's parameter names. Built with the block's tensor-parallel linear
+    factory at tp > 1, the expert is sharded like the dense MLP: dense_h_to_4h column-parallel, dense_4h_to_h
+    row-parallel (its all-reduce makes the output whole on every tp rank before the replicated bias is added)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        out, bias = super().forward(x)
+        return out if bias is None else out + bias
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ExpertMLP:
+        # DeepSpeed's Experts deep-copies the expert once per local expert; tensor-parallel linears hold their
+        # process group, which is shared by the copies (a ProcessGroup cannot be copied).
+        for module in self.modules():
+            for value in vars(module).values():
+                if isinstance(value, dist.ProcessGroup):
+                    memo[id(value)] = value
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for key, value in vars(self).items():
+            new.__dict__[key] = copy.deepcopy(value, memo)
+        return new
 
 
 class BloomMoE(MoE):
     """The MoE MLP of a BLOOM block: forward(x [..., hidden]) -> (y [..., hidden], None), as BloomMLP's
-    (output, bias still to add). ``ep_size`` ranks share the experts (1: all of them here)."""
+    (output, bias still to add). ``ep_size`` ranks share the experts (1: all of them here); ``linear_factory``
+    (tp > 1: the block's tensor-parallel factory) shards every expert over tp, None keeps them whole."""
 
-    def __init__(self, config: BloomConfig, ep_size: int = 1) -> None:
-        from appliance.model.bloom import BloomMLP  # bloom.py builds this module
-
+    def __init__(
+        self, config: BloomConfig, ep_size: int = 1, linear_factory: LinearFactory | None = None, tp_size: int = 1
+    ) -> None:
         if not config.is_moe:
             raise ValueError("BloomMoE needs moe_num_experts > 0")
         if config.moe_num_experts % ep_size:
@@ -90,7 +121,7 @@ class BloomMoE(MoE):
             )
         super().__init__(
             config.hidden_size,
-            BloomMLP(config, _plain_linear),
+            ExpertMLP(config, linear_factory or _plain_linear),
             num_experts=config.moe_num_experts,
             ep_size=ep_size,
             k=config.moe_top_k,
@@ -102,6 +133,7 @@ class BloomMoE(MoE):
             top2_2nd_expert_sampling=config.moe_random_routing,
         )
         self.min_capacity = config.moe_min_capacity
+        self.tp_size = tp_size  # the tp group the experts are sharded over (linear_factory's)
         self.expert_offset = 0  # this rank's first global expert; the parallel layer sets it
         self.aux_loss: torch.Tensor | None = None  # the last forward's load-balancing loss (scalar, fp32)
         self.expert_counts: torch.Tensor | None = None  # the last forward's tokens per expert, [experts]
@@ -115,12 +147,26 @@ class BloomMoE(MoE):
         # DeepSpeed's top-1 gate refuses fewer tokens than min_capacity (a short prompt in greedy decoding): such a
         # call's floor is its token count. Every rank of an ep group passes as many tokens, so they still agree.
         gate = self.deepspeed_moe.gate
-        gate.min_capacity = min(self.min_capacity, x.numel() // x.shape[-1])
+        tokens = x.numel() // x.shape[-1]
+        gate.min_capacity = min(self.min_capacity, tokens)
+        if self.tp_size > 1 and gate.drop_tokens:
+            gate.min_capacity = self._capacity_over_tp(tokens, gate.min_capacity)
         out, aux_loss, counts = super().forward(x)
         self.aux_loss, self.expert_counts = aux_loss, counts
         if self.training:
             self.step_counts = counts if self.step_counts is None else self.step_counts + counts
         return out.to(x.dtype), None
+
+    def _capacity_over_tp(self, tokens: int, floor: int) -> int:
+        """At tp > 1 each tp rank sends 1/tp of an expert's slots, so the capacity must be a multiple of tp. With
+        token dropping DeepSpeed's gate gives ceil(tokens / experts x capacity_factor x k) slots (fp32, as here), at
+        least ``min_capacity``: raising that floor to the capacity rounded up to tp makes it the capacity (at most
+        tp - 1 more slots). Not past the token count, which the top-k selection of slots cannot exceed."""
+        gate = self.deepspeed_moe.gate
+        factor = (gate.capacity_factor if gate.training else gate.eval_capacity_factor) * gate.k
+        slots = int(torch.ceil(tokens / self.num_experts * torch.tensor(factor)))
+        rounded = -(-max(slots, floor) // self.tp_size) * self.tp_size
+        return rounded if rounded <= tokens else floor
 
 
 def _canonical_state_dict(module: BloomMoE, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:

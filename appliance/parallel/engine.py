@@ -183,7 +183,7 @@ def build_engine(
     from appliance.planner.layout import pipeline_partition
 
     topology.validate_heads(config.n_head)
-    check_moe_layout(config, topology)
+    check_moe_layout(config, topology, sequence_parallel=sequence_parallel)
     tiered = expert_device_budget_bytes > 0  # the experts in the tiered store (expert_store_engine.py)
     if tiered or expert_host_budget_bytes > 0:
         check_store_layout(

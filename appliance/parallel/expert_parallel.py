@@ -20,7 +20,15 @@ data-parallel world, which ``TopologyMPU`` answers with ``dp_cp`` (dp x cp), so 
 over its edp x cp replicas (each already holding its ep group's tokens) over dp x cp: the average of every rank's
 loss, as for the dense ones. The load-balancing loss and the capacity are per CP slice (docs/MOE.md).
 
-Not yet: experts with tp > 1 (``check_moe_layout`` refuses them with the reason); docs/MOE.md.
+Experts over tensor parallelism (ep x tp, docs/MOE.md): at tp > 1 each expert is sharded over the tp group like
+the dense MLP (model/moe.py: dense_h_to_4h column-, dense_4h_to_h row-parallel). The MoE block's input is
+replicated over tp, so DeepSpeed's MOELayer keeps 1/tp of the [E, C, h] capacity slots on each tp rank before the
+ep all-to-all and, because ``register_expert_groups`` sets ``expert_tensor_parallel_world_size`` = tp, gathers
+them over tp after it, so every tp rank runs all the slots through its 1/tp of the experts; the same again around
+the return exchange. Per rank: expert parameters (2hf + f)/tp + h, expert FLOPs / tp, all-to-all bytes / tp, plus
+two all-gathers of [E, C, h] over tp (inside the node) per exchange pair. The drop and gather run over our tp group
+(``install_tp_token_split``). Sequence parallelism would hand the block different tokens on each tp rank, so
+``check_moe_layout`` refuses it with experts, and 2D tp.
 """
 
 from __future__ import annotations
@@ -35,11 +43,16 @@ from torch import nn
 from appliance.errors import BadInput
 from appliance.model.config import BloomConfig
 from appliance.model.moe import BloomMoE
-from appliance.parallel.mappings import collective_device, group_size
+from appliance.parallel.mappings import (
+    collective_device,
+    gather_from_sequence_parallel_region,
+    group_size,
+    scatter_to_sequence_parallel_region,
+)
 from appliance.parallel.topology import ParallelTopology
 
 
-def check_moe_layout(config: BloomConfig, topology: ParallelTopology) -> None:
+def check_moe_layout(config: BloomConfig, topology: ParallelTopology, *, sequence_parallel: bool = False) -> None:
     """BadInput naming every factor when the layout cannot run this model's experts."""
     problems = []
     if topology.ep > 1 and not config.is_moe:
@@ -47,8 +60,12 @@ def check_moe_layout(config: BloomConfig, topology: ParallelTopology) -> None:
     if config.is_moe:
         if config.moe_num_experts % topology.ep:
             problems.append(f"moe_num_experts({config.moe_num_experts}) % ep({topology.ep}) != 0")
-        if topology.tp > 1:
-            problems.append(f"tp({topology.tp}) > 1 with experts is not supported yet (docs/MOE.md)")
+        if topology.tp > 1 and sequence_parallel:
+            # DeepSpeed drops 1/tp of the tokens on each tp rank as duplicates: sequence chunks are not duplicates.
+            problems.append(f"sequence_parallel with tp({topology.tp}) > 1 and experts: the MoE block needs its "
+                            "input replicated over tp (docs/MOE.md); turn sequence_parallel off")  # fmt: skip
+        if topology.tp2d > 1:
+            problems.append(f"tp2d({topology.tp2d}) > 1 with experts is not supported (experts shard over 1D tp)")
     if problems:
         raise BadInput(f"parallel layout {topology.factors}, ep({topology.ep}): " + "; ".join(problems))
 
@@ -70,6 +87,37 @@ def register_expert_groups(topology: ParallelTopology) -> None:
     # edp x cp: the experts' replicas (module docstring); the edp group's own handle at cp = 1.
     groups._EXPERT_DATA_PARALLEL_GROUP[name] = topology.group("edp_cp")
     groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = topology.group_ranks("edp_cp", rank)
+    # Experts are sharded over the dense layers' tp group (model/moe.py): MOELayer gathers the tokens it dropped
+    # as tp duplicates again after the all-to-all when this is > 1 (DeepSpeed's own group creation sets it).
+    groups.expert_tensor_parallel_world_size = topology.tp
+    install_tp_token_split(topology.tp_group)
+
+
+def install_tp_token_split(tp_group: dist.ProcessGroup | None) -> None:
+    """MOELayer's drop of the tokens duplicated over tp (before the all-to-all) and their gather (after it), over
+    ``tp_group``: DeepSpeed's own (deepspeed/moe/mappings.py) gather into a flat buffer, which gloo refuses; ours
+    (mappings.py) run on gloo and NCCL alike. Drop: this tp rank's 1/tp of the capacity slots forward, the slots
+    gathered back in the backward pass; gather: the reverse (every tp rank's gradient is whole there, so the
+    backward keeps this rank's slots, no sum)."""
+    from deepspeed.moe import sharded_moe
+
+    def drop_tokens(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        tp = group_size(tp_group)
+        if x.shape[dim] % tp:
+            # Without token dropping DeepSpeed rounds the capacity up to a multiple of tp; with it, the capacity is
+            # ceil(top_k x capacity_factor x tokens / experts) (or the floor moe_min_capacity) as it comes.
+            raise BadInput(
+                f"MoE capacity({x.shape[dim]}) slots per expert % tp({tp}) != 0: each tp rank sends 1/tp of them; "
+                "set model moe_drop_tokens = false, or choose micro-batch x seq_len, moe_capacity_factor and "
+                "moe_min_capacity so the capacity is a multiple of tp"
+            )
+        return scatter_to_sequence_parallel_region(x, tp_group, dim=dim)
+
+    def gather_tokens(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        return gather_from_sequence_parallel_region(x, tp_group, dim=dim, tensor_parallel_output_grad=False)
+
+    sharded_moe.drop_tokens = drop_tokens
+    sharded_moe.gather_tokens = gather_tokens
 
 
 def set_expert_offsets(module: nn.Module, topology: ParallelTopology) -> None:

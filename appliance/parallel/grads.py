@@ -119,12 +119,16 @@ def global_grad_norm(
     if getattr(topology, "ep", 1) > 1:  # (a layout without expert parallelism may be a stand-in without ep)
         # BLOOM-MoE: each ep rank of a replica holds other experts (marked allreduce=False by DeepSpeed), so their
         # squares are summed over the ep group too before the replica's sum.
-        experts = [p.grad.detach() for p in params if p.grad is not None and getattr(p, "allreduce", True) is False]
+        # At tp > 1 the experts' tp-sharded weights count on every tp rank, their replicated biases on tp rank 0
+        # (_counted_here, as `squares` counted them); the mp all-reduce below sums the tp ranks.
+        experts = [
+            p.grad.detach()
+            for p in params
+            if p.grad is not None and getattr(p, "allreduce", True) is False and _counted_here(p, tp_rank, mesh_row)
+        ]
         expert_squares = torch.zeros((), device=squares.device)
         if experts:
             expert_squares = torch.stack([g.float().pow(2).sum() for g in experts]).sum()
-        if tp_rank != 0:
-            expert_squares = expert_squares * 0.0  # replicated over tp: counted on tp rank 0
         squares = squares - expert_squares
         if store_squares is not None:  # not in `squares`: added after the subtraction
             expert_squares = expert_squares + (store_squares if tp_rank == 0 else 0.0)

@@ -69,8 +69,8 @@ def role_of_parameter(name: str) -> tuple[str, bool]:
     *path, leaf = name.split(".")
     module = ".".join(path[-2:])
     is_bias = leaf == "bias"
-    if ".mlp.experts." in name or name.endswith(".mlp.gate.weight"):
-        return "replicated", is_bias  # BLOOM-MoE: experts and gates are whole on every TP rank (docs/MOE.md)
+    if name.endswith(".mlp.gate.weight"):
+        return "replicated", is_bias  # BLOOM-MoE: the gate is whole on every TP rank; experts split as the MLP's
     if path and path[-1] == "query_key_value":
         return "qkv", is_bias
     if module == "self_attention.dense":

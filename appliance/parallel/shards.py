@@ -64,9 +64,14 @@ def expert_files(step_dir: Path) -> list[tuple[int, int, Path]]:
 
 
 def _with_experts(step_dir: Path, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    for _, _, path in expert_files(step_dir):  # experts are whole on every TP rank: any TP rank's copy will do
-        for name, tensor in load_file(str(path)).items():
-            full.setdefault(name, tensor)
+    # Experts are split over TP like the dense MLP: each (pp, ep) position's files of every TP rank, joined.
+    by_position: dict[str, dict[int, Path]] = {}
+    for t, _, path in expert_files(step_dir):
+        by_position.setdefault(path.name.split("-", 2)[2], {})[t] = path
+    for files in by_position.values():
+        pieces = [load_file(str(files[t])) for t in sorted(files)]
+        for name in pieces[0]:
+            full.setdefault(name, join_pieces([p[name] for p in pieces], name, 1))
     return full
 
 
@@ -306,10 +311,13 @@ class LazyFullStateDict(Mapping[str, torch.Tensor]):
             with safe_open(str(stage[0]), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
                     self._files.setdefault(name, stage)
-        for _, _, path in expert_files(step_dir):  # replicated over TP: one file is the whole tensor
-            with safe_open(str(path), framework="pt") as f:
+        experts: dict[str, dict[int, Path]] = {}  # (pp, ep) position -> its file on each TP rank
+        for t, _, path in expert_files(step_dir):
+            experts.setdefault(path.name.split("-", 2)[2], {})[t] = path
+        for files in experts.values():
+            with safe_open(str(files[0]), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                    self._files.setdefault(name, [path])
+                    self._files.setdefault(name, [files[t] for t in sorted(files)])
 
     def __getitem__(self, name: str) -> torch.Tensor:
         pieces = []

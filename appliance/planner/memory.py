@@ -29,7 +29,7 @@ from appliance.planner.kernel_path import (
 )
 from appliance.planner.layout import Layout, Partition, pipeline_partition
 from appliance.planner.model_shape import ModelShape
-from appliance.planner.moe_costs import expert_parameters_per_rank, moe_shape_for_model
+from appliance.planner.moe_costs import expert_mlp_parameters, expert_parameters_per_rank, moe_shape_for_model
 
 ZERO2_BUCKET_ELEMENTS = 5e8  # DeepSpeed's default reduce_bucket_size: ZeRO-2 keeps this much of the lp gradients
 
@@ -78,13 +78,15 @@ def stage_expert_parameters(model: ModelShape, layout: Layout, stage: int, parti
     """(experts, dense change) of one rank of a stage. ``stage_parameters`` counts every block dense; an MoE block
     holds instead E/ep experts (moe_costs.expert_parameters_per_rank, the count the MoE cost model uses), whose
     ZeRO partitions span the expert-data-parallel ranks (dp x cp / ep), and a gate ([E, h], no bias) replicated
-    like the dense weights. Dense change: the gate minus the one MLP that is not there (tp = 1 for MoE)."""
+    like the dense weights. Dense change: the gate minus the one MLP that is not there, both on one tp rank (the
+    experts and the MLP shard over tp alike: moe_costs.expert_mlp_parameters)."""
     blocks = stage_moe_blocks(model, stage, partition)
     if not blocks:
         return 0.0, 0.0
-    shape = moe_shape_for_model(model, ep=layout.ep, tokens=1, ranks_per_node=1)
+    shape = moe_shape_for_model(model, ep=layout.ep, tokens=1, ranks_per_node=1, tp=layout.tp)
     experts = expert_parameters_per_rank(shape) / shape.moe_layers * blocks
-    return experts, blocks * (model.moe_num_experts * model.hidden - model.expert_parameters())
+    mlp = expert_mlp_parameters(model.hidden, model.ffn_hidden, layout.tp)
+    return experts, blocks * (model.moe_num_experts * model.hidden - mlp)
 
 
 def state_bytes(params: float, zero_stage: int, dp: int, precision: str) -> dict[str, float]:

@@ -20,6 +20,9 @@ with biases; tokens are the ones one rank's gate routes per micro-batch (micro-b
 - Compute: an expert's forward is 2 GEMMs, 4 h f FLOPs per slot, and the backward twice that: 12 h f per slot, for
   the E C slots a rank's local experts fill (ep sources x E/ep experts x C). Padding slots cost the same as tokens:
   the capacity factor multiplies the compute, useful / total = tokens x top_k / (E C).
+- Tensor parallelism (tp > 1, parallel/expert_parallel.py): every expert is sharded over the tp group like the
+  dense MLP, so its parameters (2hf + f)/tp + h, its FLOPs per slot 12 h f / tp, and each exchange's tensor
+  [E, C/tp, h] (the tp ranks hold the same tokens: each sends 1/tp of the slots, C rounded up to a multiple of tp).
 - Offload (experts kept in host memory or on disk, streamed to the GPU): per step the weights go up for every
   micro-batch's forward and backward and the gradients come down once; from disk the optimizer states are also
   read and written back once for the update (the host tier updates in host memory, nothing to move).
@@ -57,10 +60,11 @@ class MoeShape:
     micro_batches: int = 1  # per step and rank
     rank_stride: int = 1  # global ranks between ep neighbours: tp x cp
     act_bytes: int = 2
+    tp: int = 1  # tensor-parallel ranks each expert is sharded over (the dense layers' tp)
 
     def __post_init__(self) -> None:
         counts = ("num_experts", "top_k", "moe_layers", "hidden", "tokens", "ep", "ranks_per_node", "micro_batches")
-        for name in (*counts, "rank_stride", "act_bytes"):
+        for name in (*counts, "rank_stride", "act_bytes", "tp"):
             if getattr(self, name) < 1:
                 raise BadInput(f"MoE costs: {name} must be >= 1, got {getattr(self, name)}")
         if self.capacity_factor <= 0:
@@ -76,8 +80,10 @@ class MoeShape:
 
     @property
     def capacity(self) -> int:
-        """Slots per expert and micro-batch, as DeepSpeed's gate sizes them."""
-        return math.ceil(self.top_k * self.capacity_factor * self.tokens / self.num_experts)
+        """Slots per expert and micro-batch, as DeepSpeed's gate sizes them; at tp > 1 a multiple of tp (DeepSpeed
+        rounds it up so that each tp rank keeps a whole 1/tp of the slots)."""
+        slots = math.ceil(self.top_k * self.capacity_factor * self.tokens / self.num_experts)
+        return math.ceil(slots / self.tp) * self.tp
 
     @property
     def ep_ranks_per_node(self) -> int:
@@ -150,9 +156,11 @@ def moe_shape_for_model(
     micro_batches: int = 1,
     rank_stride: int = 1,
     act_bytes: int = 2,
+    tp: int = 1,
 ) -> MoeShape:
     """The cost model's input for a model with experts under a layout: ``tokens`` = micro-batch x sequence / cp,
-    ``rank_stride`` = tp x cp, ``ranks_per_node`` = GPUs per node (the planner's Device.ranks_per_node)."""
+    ``rank_stride`` = tp x cp, ``ranks_per_node`` = GPUs per node (the planner's Device.ranks_per_node), ``tp``
+    the layout's (experts are sharded over it)."""
     return MoeShape(
         num_experts=model.moe_num_experts,
         top_k=model.moe_top_k,
@@ -166,6 +174,7 @@ def moe_shape_for_model(
         micro_batches=micro_batches,
         rank_stride=rank_stride,
         act_bytes=act_bytes,
+        tp=tp,
     )
 
 
@@ -179,9 +188,15 @@ class ExpertMemory:
     total: int
 
 
+def expert_mlp_parameters(hidden: int, ffn: int, tp: int = 1) -> int:
+    """One expert's (or the dense MLP's) parameters on one tp rank: the h->f weight and bias column-split and the
+    f->h weight row-split over tp, 2hf/tp + f/tp, and the f->h bias h whole on every tp rank."""
+    return (2 * hidden * ffn + ffn) // tp + hidden
+
+
 def expert_parameters_per_rank(shape: MoeShape) -> int:
-    per_expert = 2 * shape.hidden * shape.ffn + shape.ffn + shape.hidden  # h->f and f->h weights, two biases
-    return shape.moe_layers * (shape.num_experts // shape.ep) * per_expert
+    """The E/ep experts one rank holds in every MoE layer, each sharded over tp."""
+    return shape.moe_layers * (shape.num_experts // shape.ep) * expert_mlp_parameters(shape.hidden, shape.ffn, shape.tp)
 
 
 def expert_memory_per_rank(
@@ -206,7 +221,9 @@ class ExpertCompute:
 
 def expert_compute_per_step(shape: MoeShape) -> ExpertCompute:
     slots = shape.num_experts * shape.capacity  # filled on one rank: ep sources x E/ep experts x C
-    per_slot = 12 * shape.hidden * shape.ffn  # 4 h f forward (2 GEMMs), twice that backward
+    # 4 h f forward (2 GEMMs), twice that backward; at tp > 1 every tp rank runs every slot through its 1/tp of
+    # the expert (f/tp columns of h->f, f/tp rows of f->h).
+    per_slot = 12 * shape.hidden * shape.ffn / shape.tp
     scale = shape.moe_layers * shape.micro_batches
     flops = float(per_slot * slots * scale)
     useful = float(per_slot * shape.tokens * shape.top_k * scale)
@@ -240,8 +257,10 @@ class AllToAllCost:
 
 
 def exchange_bytes_per_call(shape: MoeShape) -> int:
-    """S: the [E, C, h] tensor one exchange moves through a rank (its own chunk included)."""
-    return shape.num_experts * shape.capacity * shape.hidden * shape.act_bytes
+    """S: the [E, C, h] tensor one exchange moves through a rank (its own chunk included); at tp > 1, [E, C/tp, h]:
+    the tp ranks hold the same tokens, so each sends only its 1/tp of the slots and gathers the rest from its tp
+    group after the exchange (an all-gather over tp, inside the node, not counted here)."""
+    return shape.num_experts * shape.capacity // shape.tp * shape.hidden * shape.act_bytes
 
 
 def all_to_all_calls_per_step(shape: MoeShape) -> int:
@@ -363,9 +382,10 @@ def moe_plan_notes(shape: MoeShape, hw: Hardware) -> list[str]:
     cost = choice.hierarchical if choice.kind == "hierarchical" and choice.hierarchical else choice.flat
     compute = expert_compute_per_step(shape)
     gib = 2**30
+    sharded = f", each sharded over tp={shape.tp}" if shape.tp > 1 else ""
     return [
         f"experts: {shape.num_experts // shape.ep} of {shape.num_experts} per rank in each of {shape.moe_layers} "
-        f"MoE layers, {memory.total / gib:.2f} GiB per rank (weights {memory.weights / gib:.2f}, grads "
+        f"MoE layers{sharded}, {memory.total / gib:.2f} GiB per rank (weights {memory.weights / gib:.2f}, grads "
         f"{memory.grads / gib:.2f}, optimizer {memory.optimizer / gib:.2f})",
         f"expert all-to-all: {choice.reason}",
         f"expert all-to-all per rank and step: {cost.bytes_sent_per_step / 2**20:.1f} MiB sent in "

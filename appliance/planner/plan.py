@@ -315,6 +315,7 @@ def _expert_notes(model: ModelShape, chosen: Evaluated, device: Device, hardware
         micro_batches=layout.micro_batches,
         rank_stride=layout.tp * layout.cp,
         act_bytes=device.act_bytes,
+        tp=layout.tp,
     )
     shape = replace(shape, moe_layers=max(1, moe_blocks))  # a stage's MoE blocks, not the model's
     why = (

@@ -178,9 +178,6 @@ def search_layouts(
         if model.heads % tp:
             reject({"tp": tp}, f"heads({model.heads}) is not divisible by tp({tp})")
             continue
-        if model.moe_num_experts and tp > 1:
-            reject({"tp": tp}, "BLOOM-MoE trains at tp = 1 for now (docs/MOE.md)")
-            continue
         pps = [p for p in range(1, world // tp + 1) if (world // tp) % p == 0] if hardware.has_gpus else [1]
         for pp in pps:
             if world % (tp * pp):
@@ -204,7 +201,9 @@ def search_layouts(
                         if gbs % (mbs * dp):
                             continue
                         for recompute in recomputes:
-                            for sp in (False, True) if tp > 1 else (False,):
+                            # Experts need the MoE block's input replicated over tp (DeepSpeed drops duplicates):
+                            # no sequence parallelism with them (expert_parallel.check_moe_layout).
+                            for sp in (False, True) if tp > 1 and not model.moe_num_experts else (False,):
                                 # DeepSpeed's pipeline engine stops at ZeRO-1: stage 2 only without a pipeline.
                                 for zero in (z for z in zeros if pp == 1 or z < 2) if dp * cp > 1 else (0,):
                                     for ep in expert_parallel_degrees(model, dp):

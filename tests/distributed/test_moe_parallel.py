@@ -259,6 +259,7 @@ def _all_checks(topology: ParallelTopology, save_to: str) -> dict[str, Any]:
         out[f"tiered_{name}"] = _tiered_mode(topology, name, Path(save_to).parent / f"tiered-{name}-{dist.get_rank()}")
     out["hierarchical"] = _hierarchical_step(topology)  # last: it installs the hierarchical exchange
     out["epcp"] = _epcp_steps(topology, str(Path(save_to).parent / "epcp"))
+    out["eptp"] = _eptp(topology, save_to)  # experts sharded over tp (its section at the end)
     return out
 
 
@@ -774,3 +775,200 @@ def test_checkpoint_at_cp2_ep2_reloads_at_one_process(launched: tuple[list[dict[
             keys += list(f.keys())
     assert len(keys) == len(set(keys)), sorted(k for k in keys if keys.count(k) > 1)[:4]
     assert {k.rsplit(".", 1)[0] for k in keys} == set(saved)
+
+
+# ---- experts sharded over tensor parallelism (ep x tp) -----------------------------------------------------------
+# tp = 2, dp = 2, ep = 2 on the 4 ranks: each expert's dense_h_to_4h is split by columns and dense_4h_to_h by rows
+# over the tp pair, DeepSpeed drops the tokens duplicated over tp before the all-to-all and gathers them after.
+# The layer alone in fp64 (same arithmetic, the tp all-reduce only splits one sum in two: FP64_BOUND), then one
+# engine step in fp32 against the single-process model (_check_engine's measured floor), and its checkpoint.
+EPTP = {"tp": 2, "dp": 2, "ep": 2}
+
+
+def _eptp_layer(topology: ParallelTopology, ep: int) -> dict[str, Any]:
+    """BloomMoE with tp-sharded experts at tp = 2, dp = 2 and ``ep`` on this dp rank's tokens (the same on both tp
+    ranks): output, input gradient, and this rank's gradients (gate whole, experts' tp slices), fp64."""
+    from deepspeed.utils import groups
+
+    from appliance.parallel.grads import TopologyMPU
+    from appliance.parallel.layers import tp_linear_factory
+    from appliance.parallel.sharding import shard_state_dict
+
+    topology = ParallelTopology(pp=1, world_size=topology.world_size, **(EPTP | {"ep": ep}))
+    topology.init_process_groups()
+    init_deepspeed_comm(dist.get_backend())
+    register_expert_groups(topology)
+    groups.mpu = TopologyMPU(topology)  # deepspeed.initialize sets it in an engine; MOELayer reads tp from it
+    try:
+        rank = dist.get_rank()
+        layer = BloomMoE(CONFIG, ep_size=ep, linear_factory=tp_linear_factory(topology)).double()
+        layer.set_deepspeed_parallelism()
+        layer.expert_offset = topology.coordinate("ep", rank) * layer.num_local_experts
+        prefix = "transformer.h.1.mlp."
+        full = {prefix + k: v for k, v in copy.deepcopy(drawn()).double().transformer.h[1].mlp.state_dict().items()}
+        mine = shard_state_dict(full, topology.tp_rank(rank), 2)
+        layer.load_state_dict({k[len(prefix) :]: v for k, v in mine.items() if _held(k[len(prefix) :], layer)})
+        dp_rank = topology.coordinate("dp", rank)
+        g = torch.Generator().manual_seed(100 + dp_rank)  # replicated over tp, as the block's LayerNorm output is
+        x = torch.randn(MBS, SEQ, CONFIG.hidden_size, generator=g, dtype=torch.float64, requires_grad=True)
+        out, _ = layer(x)
+        (out.square().sum() + layer.aux_loss).backward()
+        grads = {prefix + canonical_moe_name(n, layer.expert_offset): p.grad for n, p in layer.named_parameters()}
+        coords = {"dp": dp_rank, "tp": topology.tp_rank(rank), "ep": topology.coordinate("ep", rank)}
+        return {"x": x.detach(), "out": out.detach(), "x_grad": x.grad, "grads": grads, **coords}
+    finally:
+        groups.mpu = None
+        groups.expert_tensor_parallel_world_size = 1
+
+
+def _eptp_engine(topology: ParallelTopology, save_to: str) -> dict[str, Any]:
+    """One engine step at tp = 2, dp = 2, ep = 2 (this rank's gradients and weights after it), then its checkpoint."""
+    os.environ.setdefault("LOCAL_RANK", "0")
+    topology = ParallelTopology(pp=1, world_size=topology.world_size, **EPTP)
+    engine = build_engine(CONFIG, topology, micro_batch_size=MBS, global_batch_size=MBS * 2, zero_stage=0,
+                          dtype="fp32", grad_clip=0.0, recompute="none", sequence_parallel=False, lr=1e-2,
+                          weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8, seed=SEED, seq_len=SEQ)  # fmt: skip
+    captured: dict[str, torch.Tensor] = {}
+    hooks = [
+        p.register_hook(lambda g, n=n: captured.__setitem__(n, captured.get(n, 0) + g.detach().clone()))
+        for n, p in engine.named_parameters()
+    ]
+    rank = dist.get_rank()
+    dp_rank = topology.coordinate("dp", rank)
+    result = engine.train_batch([batches(2)[dp_rank]])
+    for hook in hooks:
+        hook.remove()
+    step_dir = Path(save_to)
+    if rank == 0:
+        step_dir.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    engine.save_model(step_dir, {"step": "1"})
+    engine.save_optimizer(step_dir, engine.optimizer_shard(), {"step": "1"})
+    dist.barrier()
+    weights = {n: p.detach().clone() for n, p in engine.named_parameters()}
+    engine.close()
+    return {"loss": result.loss, "aux": result.moe_aux_loss, "load": result.expert_load, "grads": captured,
+            "weights": weights, "dp": dp_rank, "tp": topology.tp_rank(rank)}  # fmt: skip
+
+
+def _eptp(topology: ParallelTopology, save_to: str) -> dict[str, Any]:
+    layers = {f"layer_ep{ep}": _eptp_layer(topology, ep) for ep in (2, 1)}
+    return layers | {"engine": _eptp_engine(topology, str(Path(save_to).parent / "eptp"))}
+
+
+def _joined_over_tp(results: list[dict[str, Any]], key: str) -> list[dict[str, torch.Tensor]]:
+    """Per dp rank, ``results[*][key]`` of its tp ranks joined into whole tensors (sharding.gather_to_full: tp
+    slices concatenated, replicated tensors checked equal)."""
+    from appliance.parallel.sharding import gather_to_full, role_of_parameter
+
+    out = []
+    for dp_rank in range(EPTP["dp"]):
+        pair = sorted((r for r in results if r["dp"] == dp_rank), key=lambda r: r["tp"])
+        joined = {}
+        for name in pair[0][key]:
+            role, is_bias = role_of_parameter(name)
+            pieces = [r[key][name] for r in pair]
+            if role == "replicated":  # the same on both tp ranks up to the order of sums: check, then keep one
+                assert relative(pieces[1], pieces[0]) < FP64_BOUND or torch.equal(pieces[1], pieces[0]), name
+                joined[name] = pieces[0]
+            else:
+                joined[name] = gather_to_full(pieces, role, is_bias=is_bias)
+        out.append(joined)
+    return out
+
+
+@pytest.mark.parametrize("ep", [2, 1])
+def test_moe_layer_with_tp_sharded_experts_equals_one_process(
+    launched: tuple[list[dict[str, Any]], Path], ep: int
+) -> None:
+    results = [got["eptp"][f"layer_ep{ep}"] for got in launched[0]]
+    reference = BloomMoE(CONFIG).double()
+    reference.load_state_dict(copy.deepcopy(drawn()).double().transformer.h[1].mlp.state_dict())
+    for rank, got in enumerate(results):
+        reference.zero_grad()
+        x = got["x"].clone().requires_grad_(True)
+        out, _ = reference(x)
+        (out.square().sum() + reference.aux_loss).backward()
+        assert relative(got["out"], out) < FP64_BOUND, f"rank {rank} output"
+        assert relative(got["x_grad"], x.grad) < FP64_BOUND, f"rank {rank} input gradient"
+        gate = reference.deepspeed_moe.gate.wg.weight.grad
+        assert relative(got["grads"]["transformer.h.1.mlp.gate.weight"], gate) < FP64_BOUND, f"rank {rank} gate"
+    # Both tp ranks of a dp rank hold the same gate gradient; their expert slices join into whole experts, which
+    # sum the tokens of the ep group: both dp ranks at ep = 2, each its own at ep = 1.
+    joined = _joined_over_tp(results, "grads")
+    ep_groups = [[0, 1]] if ep == 2 else [[0], [1]]  # dp ranks
+    for dp_ranks in ep_groups:
+        whole: dict[str, torch.Tensor] = {}
+        for dp_rank in dp_ranks:
+            whole |= {n: g for n, g in joined[dp_rank].items() if ".experts." in n}
+        assert len(whole) == CONFIG.moe_num_experts * 4, "every expert once over the ep group"
+        ranks = [rank for rank, r in enumerate(results) if r["tp"] == 0 and r["dp"] in dp_ranks]
+        want = _expert_grads_of(ranks, results, reference)
+        for name, grad in whole.items():
+            assert relative(grad, want[name.removeprefix("transformer.h.1.mlp.")]) < FP64_BOUND, f"ep {ep}: {name}"
+
+
+def test_engine_with_tp_sharded_experts_equals_one_process(launched: tuple[list[dict[str, Any]], Path]) -> None:
+    """tp = 2, dp = 2, ep = 2: the step's loss and gradients are the single-process model's on both micro-batches."""
+    results = [got["eptp"]["engine"] for got in launched[0]]
+    per_dp = [next(r for r in results if r["dp"] == d and r["tp"] == 0) for d in range(EPTP["dp"])]
+    joined = _joined_over_tp(results, "grads")
+    _check_engine([r | {"grads": g} for r, g in zip(per_dp, joined, strict=True)], dp=EPTP["dp"])
+    # The step: AdamW's first update is u(g) = -lr g / (|g| + eps) (bias-corrected moments, no decay), so each trained
+    # weight is the drawn one plus u of the reference gradient, up to how far the gradient's rounding moves u. The
+    # gradient is within FP32_FACTOR x floor x |g| of the reference (checked above), so an element's is within that
+    # delta, and u moves by at most lr eps delta / (max(|g| - delta, 0) + eps)^2 (u' = lr eps / (|g| + eps)^2
+    # grows towards g = 0; capped at 2 lr, a sign flip), plus the fp32 rounding of the weight before and after.
+    _, grads32 = reference(EPTP["dp"], torch.float32)
+    _, grads64 = reference(EPTP["dp"], torch.float64)
+    floor = max(relative(grads32[n], grads64[n]) for n in grads64)
+    before = drawn().state_dict()
+    trained: dict[str, torch.Tensor] = {}
+    for weights in _joined_over_tp(results, "weights"):
+        trained |= weights
+    lr, eps = 1e-2, 1e-8
+    for name, grad in grads64.items():
+        delta = FP32_FACTOR * floor * float(grad.norm())
+        want = -lr * grad / (grad.abs() + eps)
+        slope = eps / ((grad.abs() - delta).clamp(min=0.0) + eps) ** 2
+        rounding = 2 * 2.0**-23 * (before[name].double().abs() + lr)
+        allowed = lr * (delta * slope).clamp(max=2.0) + rounding
+        got = trained[name].double() - before[name].double()
+        assert bool(((got - want).abs() <= allowed).all()), name
+
+
+def test_checkpoint_at_tp2_ep2_reloads_in_one_process(launched: tuple[list[dict[str, Any]], Path]) -> None:
+    """The tp = 2, ep = 2 checkpoint (tp slices of every expert, ep rank 1's in files of their own) is the engine's
+    weights after its step, whole, and loads into the single-process model."""
+    results, step_dir = [got["eptp"]["engine"] for got in launched[0]], launched[1].parent / "eptp"
+    names = sorted(p.name for p in step_dir.iterdir() if not p.name.startswith("optim-"))
+    assert names == [
+        "experts-tp00-pp00-ep01.safetensors",
+        "experts-tp01-pp00-ep01.safetensors",
+        "model-tp00-pp00.safetensors",
+        "model-tp01-pp00.safetensors",
+    ], names
+    saved = gather_full_state_dict(step_dir)
+    whole = BloomForCausalLM(CONFIG, seed=0)
+    missing, unexpected = whole.load_state_dict(saved, strict=False)
+    assert not unexpected and missing == ["lm_head.weight"]
+    trained: dict[str, torch.Tensor] = {}
+    for joined in _joined_over_tp(results, "weights"):
+        trained |= joined  # dp rank 1 adds the experts of ep rank 1; the dense weights agree (DP)
+    assert set(trained) == set(saved)
+    for name, value in trained.items():
+        assert torch.equal(saved[name], value), name
+    from safetensors import safe_open
+
+    from appliance.parallel.optimizer_state import optimizer_files
+
+    for tp_rank in range(EPTP["tp"]):  # every tp rank's Adam state covers every parameter's slice
+        keys: set[str] = set()
+        for t, _, path in optimizer_files(step_dir):
+            if t == tp_rank:
+                with safe_open(str(path), framework="pt") as f:
+                    keys |= {k.rsplit(".", 1)[0] for k in f.keys()}  # noqa: SIM118 - not iterable
+        assert keys == set(saved), sorted(keys ^ set(saved))
+    drawn_state = drawn().state_dict()
+    assert not torch.equal(saved["transformer.h.3.mlp.experts.3.dense_4h_to_h.weight"],
+                           drawn_state["transformer.h.3.mlp.experts.3.dense_4h_to_h.weight"])  # fmt: skip

@@ -128,12 +128,35 @@ def test_a_dense_model_is_unchanged() -> None:
     )
 
 
-def test_the_planner_sizes_the_176b_active_preset_at_tp1() -> None:
-    """The planner sizes bloom-moe-176b on BLOOM's 384 A100s (whether it fits is the MoE cost model's call) and
-    offers no tp > 1 layout, which the engine refuses for experts."""
+def test_the_planner_sizes_the_176b_active_preset_with_experts_over_tp() -> None:
+    """The planner sizes bloom-moe-176b on BLOOM's 384 A100s with its experts sharded over tp, never with
+    sequence parallelism or cp (the engine refuses both for experts)."""
     from appliance.hardware import load_hardware
     from appliance.planner import make_plan
 
     plan = make_plan(load_hardware("jean-zay-a100-48n"), load_model_shape("bloom-moe-176b"))
-    assert plan.layout.tp == 1 and plan.layout.cp == 1
+    assert plan.layout.tp > 1 and not plan.layout.sequence_parallel and plan.layout.cp == 1
     assert plan.model.parameters() > 1.0e12
+
+
+def test_moe_layout_allows_tp_and_refuses_sequence_parallel_and_tp2d() -> None:
+    from appliance.parallel.expert_parallel import check_moe_layout
+    from appliance.parallel.topology import ParallelTopology
+
+    moe = BloomConfig(**TINY, moe_num_experts=4)
+    check_moe_layout(moe, ParallelTopology(tp=2, pp=1, dp=2, ep=2, world_size=4))
+    with pytest.raises(BadInput, match=r"sequence_parallel with tp\(2\) > 1 and experts"):
+        check_moe_layout(moe, ParallelTopology(tp=2, pp=1, dp=2, ep=2, world_size=4), sequence_parallel=True)
+    with pytest.raises(BadInput, match=r"tp2d\(2\) > 1 with experts"):
+        check_moe_layout(moe, ParallelTopology(tp=4, pp=1, dp=1, world_size=4, tp2d=2))
+
+
+def test_capacity_over_tp_rounds_up_to_a_multiple_of_tp() -> None:
+    """With token dropping at tp = 2 the gate's floor is raised to the capacity rounded up to 2: 25 tokens over 4
+    experts at capacity factor 2 is ceil(12.5) = 13 slots, 14 over tp; never past the token count."""
+    config = BloomConfig(**TINY, moe_num_experts=4, moe_capacity_factor=2.0, moe_eval_capacity_factor=2.0)
+    layer = BloomMoE(config, tp_size=2)
+    assert layer._capacity_over_tp(25, 4) == 14
+    assert layer._capacity_over_tp(24, 4) == 12
+    assert layer._capacity_over_tp(1, 1) == 1  # 2 slots would exceed the one token: left to the tp split's check
+    assert BloomMoE(config)._capacity_over_tp(25, 4) == 13

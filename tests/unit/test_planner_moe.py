@@ -190,3 +190,16 @@ def test_all_to_all_kinds_are_checked() -> None:
     with pytest.raises(BadInput, match=r"needs ep_groups \(topology.groups\('ep'\)\)"):
         make_all_to_all("hierarchical")
     assert make_all_to_all("flat").kind == "flat"
+
+
+def test_tp_shards_expert_memory_compute_and_exchange_bytes() -> None:
+    # tp = 2: C = 12 stays a multiple of 2; each expert keeps (2 h f + f)/2 + h = (2048 + 64)/2 + 16 = 1072 parameters
+    # per tp rank (the f->h bias whole), every slot costs half the FLOPs, and each exchange sends half the slots.
+    at_tp2 = dataclasses.replace(SHAPE, tp=2, rank_stride=2)
+    assert expert_memory_per_rank(at_tp2).parameters == 2 * 2 * 1072
+    assert expert_compute_per_step(at_tp2).flops == expert_compute_per_step(SHAPE).flops / 2
+    assert all_to_all_bytes_per_step(at_tp2) == all_to_all_bytes_per_step(SHAPE) // 2
+    # 11 slots at tp = 1 (2 x 1.5 x 29 / 8 = 10.9) round up to 12 at tp = 4 (DeepSpeed's multiple of tp).
+    fewer = dataclasses.replace(SHAPE, tokens=29)
+    assert (fewer.capacity, dataclasses.replace(fewer, tp=4).capacity) == (11, 12)
+    assert "each sharded over tp=2" in moe_plan_notes(at_tp2, load_hardware("jean-zay-a100-48n"))[0]

@@ -3,6 +3,8 @@ tries ep smallest first and keeps the smallest that fits, and the plan shows the
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from appliance.hardware.profile import load_hardware
@@ -12,8 +14,8 @@ from appliance.planner.model_shape import load_model_shape
 from appliance.planner.plan import Plan, make_plan
 from appliance.planner.search import expert_parallel_degrees
 
-# BLOOM's cluster and the 176B-active MoE preset at the only layout family the engine runs experts in (tp = 1):
-# pp 24 is the deepest balanced pipeline (72 = 70 blocks + embedding + head), leaving dp 16.
+# BLOOM's cluster and the 176B-active MoE preset; the hand-made layouts are tp = 1: pp 24 is the deepest balanced
+# pipeline (72 = 70 blocks + embedding + head), leaving dp 16.
 HARDWARE = load_hardware("jean-zay-a100-48n")
 MOE = load_model_shape("bloom-moe-176b")
 
@@ -45,26 +47,39 @@ def test_ep_candidates_divide_dp_and_the_experts() -> None:
 
 @pytest.fixture(scope="module")
 def fp16_plan() -> Plan:
-    # fp16 (no fp32 gradient-accumulation buffer) is what lets the tp = 1 dense part fit 80 GB at pp 24; in bf16
-    # BLOOM's optimizer keeps 4 bytes per parameter more and no tp = 1 layout fits (test below).
     return make_plan(HARDWARE, MOE, precision="fp16")
 
 
 def test_search_keeps_the_smallest_ep_that_fits(fp16_plan: Plan) -> None:
-    assert fp16_plan.feasible and fp16_plan.layout.ep == 16
-    smaller = memory_per_gpu(_layout(8), MOE, HARDWARE, precision="fp16")
-    assert not smaller.fits, "ep 8 fits: the search should have stopped there"
+    # Experts shard over tp like the dense MLP (expert memory / tp), so the fastest fp16 layout is tp = 4, pp = 24,
+    # dp = 4, and there the smallest ep that fits.
+    layout = fp16_plan.layout
+    assert fp16_plan.feasible and (layout.tp, layout.pp, layout.dp, layout.ep) == (4, 24, 4, 4)
+    smaller = memory_per_gpu(replace(layout, ep=2), MOE, HARDWARE, precision="fp16")
+    assert not smaller.fits, "ep 2 fits: the search should have stopped there"
     notes = "\n".join(fp16_plan.notes)
-    assert "expert parallelism ep=16" in notes and "the smallest ep that fits" in notes
-    # 16 ep ranks over nodes of 8 GPUs: the cost model prefers the two-step exchange (the engine asks the same).
+    assert "expert parallelism ep=4" in notes and "the smallest ep that fits" in notes
+    # 4 ep ranks 4 GPUs apart (tp = 4) over nodes of 8 GPUs: 2 nodes, the two-step exchange is modelled cheaper.
     assert "expert all-to-all: hierarchical" in notes
-    assert "experts: 1 of 16 per rank in each of 2 MoE layers" in notes
+    assert "experts: 4 of 16 per rank in each of 2 MoE layers, each sharded over tp=4" in notes
 
 
-def test_bf16_plan_shows_the_leanest_ep_and_says_nothing_fits() -> None:
+def test_bf16_fits_once_experts_shard_over_tp() -> None:
+    # At tp = 1 nothing fits in bf16 (the fp32 gradient-accumulation buffer: 109.6 GB at pp 24, ep 16); sharding
+    # the experts over tp = 2 halves their memory and the plan fits.
     plan = make_plan(HARDWARE, MOE)
-    assert not plan.feasible and plan.layout.ep == 16
-    assert any("the largest ep the search offers" in note for note in plan.notes)
+    assert plan.feasible and plan.layout.tp > 1 and not plan.layout.sequence_parallel
+    assert not memory_per_gpu(_layout(16), MOE, HARDWARE).fits
+    assert any("the smallest ep that fits" in note for note in plan.notes)
+
+
+def test_tp_divides_a_ranks_expert_parameters_but_not_the_replicated_bias() -> None:
+    partition = pipeline_partition(MOE.layers, 24)
+    h, f = MOE.hidden, MOE.ffn_hidden
+    layout = replace(_layout(16), tp=2, dp=8, ep=8)
+    experts, dense_change = stage_expert_parameters(MOE, layout, 0, partition)
+    assert experts == 2 * ((2 * h * f + f) // 2 + h)  # E/ep = 2 experts, h->f and f->h split, f->h bias whole
+    assert dense_change == MOE.moe_num_experts * h - ((2 * h * f + f) // 2 + h)  # the tp = 2 MLP that is not there
 
 
 def test_the_engine_splits_only_node_aligned_ep_groups() -> None:
