@@ -192,6 +192,7 @@ def build_engine(
             zero_stage=zero_stage,
             pp=topology.pp,
             cp=topology.cp,
+            tp=topology.tp,
             device_budget_bytes=expert_device_budget_bytes,
             host_budget_bytes=expert_host_budget_bytes,
         )

@@ -60,6 +60,7 @@ def check_store_layout(
     zero_stage: int,
     pp: int,
     cp: int = 1,
+    tp: int = 1,
     device_budget_bytes: int = 1,
     host_budget_bytes: int = 0,
 ) -> None:
@@ -80,6 +81,11 @@ def check_store_layout(
         # with cp the experts' gradients are partial sums over cp too (edp_cp group, divided by dp x cp); the store
         # reduces over edp and divides by dp
         problems.append(f"layout cp is {cp}, the store reduces its experts over edp only (cp = 1)")
+    if tp > 1:
+        # with tp the experts are tp slices (model/moe.py ExpertMLP): their squares count on every tp rank and their
+        # rows/columns load and save through the tp-sliced checkpoint readers; the store keeps whole experts and
+        # counts its squares on tp rank 0 only
+        problems.append(f"layout tp is {tp}, the store holds whole experts (tp = 1)")
     if zero_stage > 1:
         # ZeRO-2 reduces gradient partitions during backward (and in bf16 replaces the bf16 optimizer the store
         # joins): not proven with the store

@@ -312,8 +312,8 @@ def test_the_engine_refuses_the_store_where_it_is_not_wired() -> None:
         assert key in str(refused.value), key
     check_store_layout(is_moe=True, dtype="fp32", zero_stage=1, pp=2)
     with pytest.raises(BadInput) as refused:
-        check_store_layout(is_moe=True, dtype="fp32", zero_stage=2, pp=1, cp=2)
-    for key in ("expert_device_budget_mb", "zero_stage is 2", "cp is 2"):
+        check_store_layout(is_moe=True, dtype="fp32", zero_stage=2, pp=1, cp=2, tp=2)
+    for key in ("expert_device_budget_mb", "zero_stage is 2", "cp is 2", "tp is 2"):
         assert key in str(refused.value), key
 
 
