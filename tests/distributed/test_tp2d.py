@@ -567,7 +567,8 @@ BF16_FACTOR = 4.0
 # The cause is not proven. Measured (2026-11-24, single process, a 256 x 256 x 256 bf16 linear against fp64,
 # q = 2): one bf16 matmul (a 1D column layer) errs 2.88e-3 relative, SUMMA's q partial products summed in bf16
 # 3.41e-3, the same products summed in fp32 and rounded once 3.41e-3 (the bf16 sum adds nothing; each partial's
-# own rounding does), fp32 partials rounded once 2.88e-3. So SUMMA's rounding costs each linear about 1.2 x the 1D
+# own rounding does), fp32 partials rounded once 2.88e-3; the weight gradient over 2048 tokens alike (2.90e-3 one
+# matmul, 3.41e-3 as q token-slice partials). So SUMMA's rounding costs each linear about 1.2 x the 1D
 # error, not 13 x; the gap is unexplained by it alone. 40 x leaves room for other CPUs; the bugs this guards (the
 # rows' losses not summed, a row's tokens lost, a wrong clip) move the losses by percents.
 BF16_LOSS_FACTOR = 40.0
