@@ -318,9 +318,7 @@ def _install_bf16_store_step(engine: Any, experts: EngineExpertStore, topology: 
     - after it, the store steps with the same clip coefficient, or zeroes its gradients where the norm was not
       finite (the bf16 optimizer then skipped its update)."""
     store, optimizer = experts.store, engine.optimizer
-    edp_group = topology.group("edp")
     dense_grads_for_norm = optimizer.get_grads_for_norm
-    apply_update = optimizer.step
     fold_dense = optimizer.update_hp_grads
 
     def update_hp_grads(*args: Any, **kwargs: Any) -> Any:
@@ -336,20 +334,9 @@ def _install_bf16_store_step(engine: Any, experts: EngineExpertStore, topology: 
         dense, by_expert_group = dense_grads_for_norm()
         return [*dense, _store_norm_share(store, topology, engine.device)], by_expert_group
 
-    def step(*args: Any, **kwargs: Any) -> Any:
-        store.all_reduce_grads(edp_group, divide_by=topology.dp)
-        result = apply_update(*args, **kwargs)
-        if optimizer.overflow:
-            store.zero_grads()
-            return result
-        # DeepSpeed's coefficient: clip / (norm + 1e-6) where below 1 (its clip_grad is inf without clipping)
-        coefficient = clip_coefficient(float(optimizer._global_grad_norm), float(optimizer.clip_grad))
-        store.step(float(optimizer.param_groups[0]["lr"]), grad_scale=coefficient)
-        return result
-
     optimizer.get_grads_for_norm = grads_for_norm
     optimizer.update_hp_grads = update_hp_grads
-    optimizer.step = step
+    optimizer.step = _store_steps_after(optimizer, store, topology)
 
 
 def _install_zero_store_step(engine: Any, experts: EngineExpertStore, topology: ParallelTopology) -> None:
@@ -358,9 +345,7 @@ def _install_zero_store_step(engine: Any, experts: EngineExpertStore, topology: 
     experts are in none of its groups: they are reduced before that step, their squares (summed over ep and the
     model-parallel group here) join its norm, and the store steps after it with the same clip coefficient."""
     store, optimizer = experts.store, engine.optimizer
-    edp_group = topology.group("edp")
     dense_norm = optimizer.scaled_global_norm
-    apply_update = optimizer.step
 
     def scaled_global_norm(*args: Any, **kwargs: Any) -> torch.Tensor:
         norm = dense_norm(*args, **kwargs)
@@ -370,6 +355,17 @@ def _install_zero_store_step(engine: Any, experts: EngineExpertStore, topology: 
         total = (norm.double().to(squares.device) ** 2 + squares).sqrt()
         return total.to(device=norm.device, dtype=norm.dtype)
 
+    optimizer.scaled_global_norm = scaled_global_norm
+    optimizer.step = _store_steps_after(optimizer, store, topology)
+
+
+def _store_steps_after(optimizer: Any, store: ExpertStore, topology: ParallelTopology) -> Callable[..., Any]:
+    """``optimizer.step`` (DeepSpeed's bf16 or ZeRO optimizer) followed by the store's: the store's gradients are
+    reduced first (sum over edp / dp), and after DeepSpeed's update the store steps with DeepSpeed's own clip
+    coefficient, clip / (norm + 1e-6) where below 1 (its clip_grad is inf without clipping), or drops its gradients
+    where DeepSpeed skipped the step on a non-finite norm."""
+    apply_update, edp_group = optimizer.step, topology.group("edp")
+
     def step(*args: Any, **kwargs: Any) -> Any:
         store.all_reduce_grads(edp_group, divide_by=topology.dp)
         result = apply_update(*args, **kwargs)
@@ -380,5 +376,4 @@ def _install_zero_store_step(engine: Any, experts: EngineExpertStore, topology: 
         store.step(float(optimizer.param_groups[0]["lr"]), grad_scale=coefficient)
         return result
 
-    optimizer.scaled_global_norm = scaled_global_norm
-    optimizer.step = step
+    return step

@@ -105,6 +105,16 @@ def reference(dp: int, dtype: torch.dtype) -> tuple[float, dict[str, torch.Tenso
     return sum(losses) / dp, grads
 
 
+def loaded_in_one_process(step_dir: Path) -> tuple[dict[str, torch.Tensor], BloomForCausalLM]:
+    """The checkpoint read whole (every layout's files joined) and the single-process model it loads into: every
+    saved name is the model's, and only the tied lm_head is not saved."""
+    saved = gather_full_state_dict(step_dir)
+    whole = BloomForCausalLM(CONFIG, seed=0)
+    missing, unexpected = whole.load_state_dict(saved, strict=False)
+    assert not unexpected and missing == ["lm_head.weight"]
+    return saved, whole
+
+
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
@@ -498,10 +508,7 @@ def test_checkpoint_at_pp2_ep2_reloads_and_reshards_to_one_process(
         "model-tp00-pp01.safetensors",
     ], names
     # Resharded to one process: the whole model from the ep = 2, pp = 2 files, trained one step away from the draw.
-    saved = gather_full_state_dict(step_dir)
-    whole = BloomForCausalLM(CONFIG, seed=0)
-    missing, unexpected = whole.load_state_dict(saved, strict=False)
-    assert not unexpected and missing == ["lm_head.weight"]
+    saved, whole = loaded_in_one_process(step_dir)
     assert set(whole.state_dict()) - {"lm_head.weight"} == set(saved)
     for name, want in whole.state_dict().items():
         key = "transformer.word_embeddings.weight" if name == "lm_head.weight" else name
@@ -762,10 +769,7 @@ def test_checkpoint_at_cp2_ep2_reloads_at_one_process(launched: tuple[list[dict[
     from appliance.parallel.optimizer_state import optimizer_files
 
     step_dir = launched[1].parent / "epcp"
-    saved = gather_full_state_dict(step_dir)
-    whole = BloomForCausalLM(CONFIG, seed=0)
-    missing, unexpected = whole.load_state_dict(saved, strict=False)
-    assert not unexpected and missing == ["lm_head.weight"]
+    saved, whole = loaded_in_one_process(step_dir)
     for rank, got in enumerate(_epcp_results(launched, *EPCP_RUNS[0])):
         for name, value in got["weights"].items():
             assert torch.equal(whole.state_dict()[name], value), f"rank {rank}: {name}"
@@ -948,10 +952,7 @@ def test_checkpoint_at_tp2_ep2_reloads_in_one_process(launched: tuple[list[dict[
         "model-tp00-pp00.safetensors",
         "model-tp01-pp00.safetensors",
     ], names
-    saved = gather_full_state_dict(step_dir)
-    whole = BloomForCausalLM(CONFIG, seed=0)
-    missing, unexpected = whole.load_state_dict(saved, strict=False)
-    assert not unexpected and missing == ["lm_head.weight"]
+    saved, _ = loaded_in_one_process(step_dir)
     trained: dict[str, torch.Tensor] = {}
     for joined in _joined_over_tp(results, "weights"):
         trained |= joined  # dp rank 1 adds the experts of ep rank 1; the dense weights agree (DP)
