@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from appliance_cli import cpu_only_env
 
 from appliance import cli
 from appliance.benchmark.report import REQUIRED_KEYS, read_json
@@ -22,15 +23,15 @@ from appliance.benchmark.report import REQUIRED_KEYS, read_json
 ROOT = Path(__file__).resolve().parents[2]
 # bloom-micro-test: L=2, h=64, f=256, padded V=512, s=32. 6N + 6 L s h (test_planner_layout.py writes N out).
 MICRO_FLOPS_PER_TOKEN = 6 * 131072 + 6 * 2 * 32 * 64
-CPU_ONLY = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # these runs measure the CPU path, on any machine
 # `bench --quick` took 6 s on the idle 2-core VM and 21-29 s with its load average at 6-10 (2026-11-26): the bound
 # leaves room for a busier shared machine and still fails a smoke run that grew into a benchmark.
 QUICK_SECONDS = 120
 
 
-def _bench(*args: str, env: dict[str, str] = CPU_ONLY, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(ROOT / "bloom_appliance.py"), "bench", *args],
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)  # fmt: skip
+def _bench(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """`bench` in a subprocess, on the CPU unless `env` shows it a GPU."""
+    command = [sys.executable, str(ROOT / "bloom_appliance.py"), "bench", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env or cpu_only_env())
 
 
 @pytest.fixture(scope="module")
@@ -125,9 +126,12 @@ def test_a_bad_size_exits_2_naming_the_flag(flag: str, capsys: pytest.CaptureFix
 
 
 # The GPU's order on the CPU: one contender after the other, the trainer released once (the peers used to release
-# it again, each); transformers eager runs out of memory at its first timed step, and the others are reported.
+# it again, each) and its parameters freed by then (on a GPU, its device memory); transformers eager runs out of
+# memory at its first timed step, and the others are reported.
 ONE_AFTER_THE_OTHER = """
+import gc
 import sys
+import weakref
 from collections import Counter
 from pathlib import Path
 
@@ -141,7 +145,10 @@ released = Counter()
 release = trainer_speed.TrainerContender.release
 def counted(self):
     released["trainer"] += 1
+    parameters = [weakref.ref(p) for _, p in self.engine.named_parameters()]
     release(self)
+    gc.collect()
+    print("trainer parameters alive after its release:", sum(p() is not None for p in parameters))
 trainer_speed.TrainerContender.release = counted
 
 class EagerOutOfMemory(command.PeerContender):
@@ -161,9 +168,10 @@ print("trainer released", released["trainer"], "times")
 def test_one_after_the_other_with_a_contender_out_of_memory(tmp_path: Path) -> None:
     out = tmp_path / "sequential.json"
     done = subprocess.run([sys.executable, "-c", ONE_AFTER_THE_OTHER, str(out)], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT, env={**CPU_ONLY, "PYTHONPATH": str(ROOT)})  # fmt: skip
+                          timeout=300, cwd=ROOT, env=cpu_only_env())  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert "trainer released 1 times" in done.stdout
+    assert "trainer parameters alive after its release: 0" in done.stdout
     payload = read_json(out)
     assert payload["workload"]["interleaved"] is False
     trainer, eager, compiled = payload["contenders"].values()
