@@ -85,7 +85,7 @@ def run_bench(model: str | None, out: Path | None, *, quick: bool = False, size:
         progress(f"  ceilings: copy {ceiling['copy_gbps']:.1f} GB/s, matmul {ceiling['matmul_tflops']:.3f} TFLOP/s")
         built: dict[str, Any] = {}
         with one_rank_group("nccl" if cuda else "gloo"):
-            outcomes = run_contenders(_contenders(work, built), work, work.batches(), progress,
+            outcomes = run_contenders(bench_contenders(work, built), work, work.batches(), progress,
                                       profile_out=path if profile else None)  # fmt: skip
         ours: TrainerContender | None = built.get("trainer")
         calls = ours.calls_per_step if ours is not None else Counter[str]()
@@ -99,7 +99,7 @@ def run_bench(model: str | None, out: Path | None, *, quick: bool = False, size:
                                  progress=lambda line: progress("    " + line))  # fmt: skip
     finally:
         torch.set_num_threads(previous_threads)
-    result = _result(work, device_name, ceiling, outcomes, kernels)
+    result = bench_result(work, device_name, ceiling, outcomes, kernels)
     result["workload"]["hf_attention"] = built.get("hf_attention")
     result["workload"]["hf_weights"] = (
         "the trainer's first weights" if ours is not None else "transformers' own (the trainer never built)"
@@ -113,7 +113,7 @@ def run_bench(model: str | None, out: Path | None, *, quick: bool = False, size:
     return result
 
 
-def _contenders(work: Workload, built: dict[str, Any]) -> list[Contender]:
+def bench_contenders(work: Workload, built: dict[str, Any]) -> list[Contender]:
     """The three contenders, in build order; `built` receives the trainer ("trainer") and the attention
     implementation transformers chose ("hf_attention")."""
 
@@ -150,7 +150,7 @@ def _ratio(ours: Outcome, peer: Outcome) -> float | None:
     return ours.times.tokens_per_s / peer.times.tokens_per_s
 
 
-def _result(work: Workload, device_name: str, ceiling: dict[str, Any], outcomes: dict[str, Outcome],
+def bench_result(work: Workload, device_name: str, ceiling: dict[str, Any], outcomes: dict[str, Outcome],
             kernels: list[dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
     spec, train = work.spec, work.spec.train
     ours, eager, compiled = (outcomes[name] for name in contender_names(work))

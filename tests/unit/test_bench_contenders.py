@@ -77,3 +77,36 @@ def test_out_of_memory_is_recorded_and_the_others_finish(interleaved: bool, monk
             "peak_memory_gb": None,  # CPU: no device allocator to read
         }
     assert released == {"fine": 1, "fails at step 2": 1, "also fine": 1}  # built ones, each once
+
+
+def test_a_trainer_out_of_memory_leaves_null_figures_and_peers_on_their_own_weights(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The peers build without the trainer's weights (transformers' own initialisation) and run; the result has no
+    tokens/s, ratio or MFU for a trainer that did not run, and the table says so."""
+    from appliance.benchmark.command import bench_contenders, bench_result, contender_names
+    from appliance.benchmark.contenders import Outcome
+    from appliance.benchmark.report import format_table
+    from appliance.benchmark.workload import StepTimes
+
+    work = _workload(True, monkeypatch)
+    built: dict = {}
+    eager = bench_contenders(work, built)[1].build()  # no "trainer" was built
+    eager(work.batches()[0])
+    assert built["hf_attention"] and "trainer" not in built
+    eager.release()
+
+    trainer, hf_eager, hf_compile = contender_names(work)
+    outcomes = {
+        trainer: Outcome(out_of_memory=OOM_MESSAGE),
+        hf_eager: Outcome(StepTimes([0.5, 0.4, 0.6], work.tokens_per_step)),
+        hf_compile: Outcome(StepTimes([0.25], work.tokens_per_step)),
+    }
+    ceiling = {"copy_gbps": 10.0, "matmul_tflops": 0.1, "matmul_dtype": "float32"}
+    result = bench_result(work, "test CPU", ceiling, outcomes, kernels=[])
+    assert result["tokens_per_s"] is None and result["tflops_per_device"] is None and result["mfu"] is None
+    assert result["ratio_vs_hf_eager"] is None and result["ratio_vs_hf_compile"] is None
+    assert result["tokens_per_s_hf_eager"] == work.tokens_per_step / 0.5
+    assert result["contenders"][trainer]["status"] == "out_of_memory"
+    table = format_table(result)
+    assert f"{trainer:38s} {'out of memory':>37s}" in table and "CUDA out of memory" in table
