@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import shutil
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
@@ -35,6 +36,7 @@ GZIP_ABOVE_BYTES = 4 << 20  # a bloom-560m step is ~10k kernel events; gzip shri
 STEP_ANNOTATION = "bench step"
 DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+API_VERSION = re.compile(r"_v\d+$")  # CUPTI may name a call by its versioned entry point (cudaLaunchKernel_v7000)
 GPU_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 CPU_WAITS = ("aten::_local_scalar_dense", "aten::nonzero")  # each one host sync on a GPU
 ALSO_COUNTED = ("aten::item", "Memcpy DtoH")  # in sync_events_per_step only (item calls _local_scalar_dense)
@@ -84,7 +86,7 @@ def summarize_trace(trace: dict[str, Any], *, steps: int, cuda: bool) -> dict[st
     names: dict[str, int] = defaultdict(int)  # host-side events inside a step's range, by name
     for e in events:
         if e.get("cat") not in DEVICE_WORK and any(s["ts"] <= e["ts"] <= s["ts"] + s["dur"] for s in spans):
-            names[e["name"]] += 1
+            names[API_VERSION.sub("", e["name"])] += 1
     memcpy_dtoh = sum(1 for e in device if e["cat"] == "gpu_memcpy" and "DtoH" in e["name"])
     waits = GPU_WAITS if cuda else CPU_WAITS
     counted = {name: names[name] for name in (*GPU_WAITS, *CPU_WAITS, "aten::item") if names[name]}

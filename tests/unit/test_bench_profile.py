@@ -67,7 +67,8 @@ def test_summary_of_a_cuda_trace() -> None:
         _event("kernel", "gemm", 110, 30),
         _event("kernel", "softmax", 160, 10),
         _event("kernel", "softmax", 180, 20),
-        *(_event("cuda_runtime", "cudaLaunchKernel", t, 1) for t in (5, 55, 105, 155)),
+        *(_event("cuda_runtime", "cudaLaunchKernel", t, 1) for t in (5, 55, 105)),
+        _event("cuda_runtime", "cudaLaunchKernel_v7000", 155, 1),  # a versioned entry point's name
         _event("cuda_driver", "cuLaunchKernelEx", 175, 1),  # a Triton kernel
         _event("cuda_runtime", "cudaMemcpyAsync", 29, 1),
         _event("cuda_runtime", "cudaStreamSynchronize", 31, 20),

@@ -8,6 +8,7 @@ import torch
 
 import appliance.hardware
 from appliance.benchmark import workload
+from appliance.benchmark.hf_peers import compile_backend
 from appliance.benchmark.workload import BenchSize, plan_workload
 from appliance.errors import BadInput
 from appliance.hardware import load_hardware
@@ -30,6 +31,7 @@ def test_quick_on_cpu_is_the_micro_model_smoke_run(on_machine) -> None:
     work = plan_workload(None, quick=True)
     assert work.spec.model.name == "bloom-micro-test"
     assert (work.warmup_steps, work.steps, work.interleaved) == (1, 3, True)
+    assert compile_backend(work) == "eager"  # graph capture only: no C++ build of generated kernels
 
 
 def test_quick_on_a_gpu_is_bloom_560m_at_micro_batch_2(on_machine) -> None:
@@ -40,6 +42,7 @@ def test_quick_on_a_gpu_is_bloom_560m_at_micro_batch_2(on_machine) -> None:
     assert work.spec.layout.micro_batch_size == 2 and work.spec.layout.global_batch_size == 2
     assert work.tokens_per_step == 2 * 2048
     assert (work.warmup_steps, work.steps, work.interleaved) == (2, 5, False)
+    assert compile_backend(work) == "inductor"  # the peer worth measuring on a GPU (CPU --quick: graph capture)
 
 
 def test_micro_batch_replaces_the_plans_and_a_step_is_one_micro_batch(on_machine) -> None:
