@@ -80,8 +80,10 @@ def run_bench(model: str | None, out: Path | None, *, quick: bool = False, size:
                  f" contender {work.warmup_steps} warm-up steps (not timed: torch.compile and Triton autotuning"
                  f" happen there) and {work.steps} timed")  # fmt: skip
         dtype = DTYPES[train.dtype]
-        timer = Timer(cuda, warmup=1 if quick else 3, iters=2 if quick else (20 if cuda else 5))
-        ceiling = machine_ceilings(timer, work.device, dtype, small=quick)
+        # GPU: 20 calls back to back per timed loop, --quick too: fewer would leave the first launch's gap unamortized
+        timer = Timer(cuda, warmup=1 if quick else 3, iters=20 if cuda else (2 if quick else 5))
+        # a GPU's ceilings take well under a second at full size; tiny sizes would measure its L2 cache instead
+        ceiling = machine_ceilings(timer, work.device, dtype, small=quick and not cuda)
         progress(f"  ceilings: copy {ceiling['copy_gbps']:.1f} GB/s, matmul {ceiling['matmul_tflops']:.3f} TFLOP/s")
         built: dict[str, Any] = {}
         with one_rank_group("nccl" if cuda else "gloo"):
