@@ -96,7 +96,7 @@ def test_one_rank_single_pass_equals_the_two_step_rows(dtype: torch.dtype, reduc
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
-def test_a_row_whose_target_probability_underflows_keeps_its_loss() -> None:
+def test_a_row_whose_target_probability_underflows_keeps_its_loss(device) -> None:
     """A target 200 nats below the row's best logit: p_target underflows fp32, so the loss comes from the largest
     probability's logsumexp (x_max - log p_max), on every path, without a host-side test for such rows."""
     h = torch.zeros(2, 2)
@@ -105,6 +105,7 @@ def test_a_row_whose_target_probability_underflows_keeps_its_loss() -> None:
     labels = torch.tensor([0, 2])
     expected = F.cross_entropy(h @ w.t(), labels, reduction="none")
     assert expected[0] > 199
+    h, w, labels, expected = h.to(device), w.to(device), labels.to(device), expected.to(device)
     for fn in BACKENDS.values():
         per_token = fn(h, w, labels, reduction="none")
         torch.testing.assert_close(per_token, expected, rtol=1e-6, atol=1e-5)

@@ -151,22 +151,22 @@ def test_launch_grids_fill_an_h100(model, tokens, hidden, vocab, tp, monkeypatch
     assert h.grad is not None and w.grad is not None
 
 
-def _small_problem(tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _small_problem(tokens: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(5)
-    h = torch.randn(tokens, 16, generator=gen, requires_grad=True)
-    w = torch.randn(50, 16, generator=gen, requires_grad=True)
-    labels = torch.randint(0, 50, (tokens,), generator=gen)
+    h = torch.randn(tokens, 16, generator=gen).to(device).requires_grad_()
+    w = torch.randn(50, 16, generator=gen).to(device).requires_grad_()
+    labels = torch.randint(0, 50, (tokens,), generator=gen).to(device)
     labels[1] = -100
     return h, w, labels
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("chunk_size", [None, 4])  # one chunk (GEMMs deferred to backward), several
-def test_a_training_step_never_waits_for_the_host(backend: str, chunk_size: int | None) -> None:
-    """Forward and backward of the mean loss without a scalar read or nonzero; the Triton path in the interpreter.
-    The control at the end shows the counter sees a host read."""
+def test_a_training_step_never_waits_for_the_host(backend: str, chunk_size: int | None, device) -> None:
+    """Forward and backward of the mean loss without a scalar read or nonzero; the Triton path in the interpreter
+    (on a GPU, compiled). The control at the end shows the counter sees a host read."""
     fn = {"reference": reference.vocab_cross_entropy, "triton": cross_entropy.vocab_cross_entropy}[backend]
-    h, w, labels = _small_problem(13)
+    h, w, labels = _small_problem(13, device)
     syncs = HostSyncs()
     with syncs:
         loss = fn(h, w, labels, chunk_size=chunk_size)
