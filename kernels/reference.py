@@ -359,7 +359,7 @@ class ChunkedCE(NamedTuple):
     grad_hidden: torch.Tensor | None  # d(reduced loss)/d hidden [tokens, H], summed over tp_group
     grad_weight: torch.Tensor | None  # d(reduced loss)/d weight [V_local, H]
     argmax: torch.Tensor | None  # [tokens] int64 global token id of the largest logit (lowest id on a tie)
-    inv_count: torch.Tensor | None = None  # 0-d fp32: the reduction's scale (1 / counted labels for the mean)
+    inv_count: torch.Tensor  # 0-d fp32: the reduction's scale (1 / counted labels for the mean)
     deferred: DeferredGrad | None = None  # with defer_single_chunk and one chunk: instead of the two gradients
 
 
@@ -572,7 +572,6 @@ class VocabCrossEntropyFunction(torch.autograd.Function):
             ctx.save_for_backward(hidden, weight, result.deferred.grad, result.deferred.row_scale)
         else:
             ctx.save_for_backward(result.grad_hidden, result.grad_weight)
-        assert result.inv_count is not None
         return reduce_losses(result.losses, result.inv_count, reduction)
 
     @staticmethod
