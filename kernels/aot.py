@@ -148,19 +148,26 @@ def _alibi_softmax(s: TrainingShape, dtype: torch.dtype, padded: bool) -> None:
 
 
 def _cross_entropy(s: TrainingShape, dtype: torch.dtype) -> None:
-    # The chunk driver (kernels.reference.chunked_vocab_ce) reads label counts on the host, which meta tensors
-    # cannot give: call the two row launchers as it does, on the logits of the second chunk of tokens (its
-    # labels start chunk * 8 bytes into the label tensor) on the last TP rank.
+    # The training loss's forward and backward on one rank: the last stage's final hidden states [tokens, hidden]
+    # against its tied-embedding shard [V / tp, hidden]. One rank runs the public function (the driver is free of
+    # host reads, so meta tensors go through it: one fused launch per chunk). Tensor parallelism needs a process
+    # group for the driver's all-reduces, so its row launchers run as the driver calls them on the last TP rank:
+    # statistics, then the gradient from the merged logsumexp, over the first chunk of the GPU rule.
     tokens = s.micro_batch * s.seq_len
-    chunk = auto_chunk_size(tokens, s.hidden, s.vocab)
-    start = chunk if tokens > chunk else 0
+    if s.tp == 1:
+        hidden, weight = _grad_param(tokens, s.hidden, dtype=dtype), _grad_param(s.vocab, s.hidden, dtype=dtype)
+        labels = _meta(tokens, dtype=torch.int64)
+        _run_backward(cross_entropy.vocab_cross_entropy(hidden, weight, labels))
+        return
+    chunk = auto_chunk_size(tokens, s.hidden, s.vocab, gpu=True, logit_bytes=dtype.itemsize)
     hidden, weight = _meta(tokens, s.hidden, dtype=dtype), _meta(s.vocab, s.hidden, dtype=dtype)
-    logits = hidden[start : start + chunk] @ weight.t()
-    labels = _meta(tokens, dtype=torch.int64)[start : start + chunk]
+    logits = hidden[:chunk] @ weight.t()
+    labels = _meta(tokens, dtype=torch.int64)[:chunk]
     vocab_start = (s.tp - 1) * s.vocab
     row_max, sum_exp, _ = cross_entropy.ce_row_stats(logits, labels, vocab_start)
     lse = row_max + torch.log(sum_exp)
-    cross_entropy.ce_row_grad_(logits, labels, vocab_start, lse, 1.0 / tokens, -100)
+    inv_count = torch.empty((), dtype=torch.float32, device="meta")  # 1 / counted labels, on the device
+    cross_entropy.ce_row_grad_(logits, labels, vocab_start, lse, inv_count, -100)
 
 
 # op name -> (how it runs on a shape, the size label its configuration depends on)

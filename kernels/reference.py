@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from kernels.launch import gpu_target
+
 
 def alibi_slopes(num_heads: int, device: torch.device | str | None = None) -> torch.Tensor:
     """BLOOM's per-head ALiBi slopes (fp32, shape [num_heads]).
@@ -203,13 +205,47 @@ def flash_alibi_attention_backward(
 
 
 # ----- chunked vocabulary cross-entropy ---------------------------------------------------------------------------
-# The driver below is shared by the torch twin and the Triton path: only the two per-row steps differ.
+# The driver below is shared by the torch twin and the Triton path: only the per-row steps differ. Every step gets
+# 1 / (counted labels) as a 0-d fp32 tensor on the labels' device (`inv_count`), so no step of training waits for
+# the host: the count is never read back.
+
+
+class OneRankRows(NamedTuple):
+    """What a one-rank row step gives for a [rows, V] logits chunk (no tensor parallelism: nothing to merge)."""
+
+    losses: torch.Tensor  # [rows] fp32: lse - target logit, 0 where the label is ignored
+    grad: torch.Tensor | None  # d loss / d logits [rows, V] in the logits' dtype; None when not asked for
+    row_scale: torch.Tensor | None  # [rows] fp32 factor grad's rows still need (in the GEMMs); None: already in grad
+
+
+# (logits, labels, vocab_start) -> (row max, sum exp(x - max), target logit or 0 off-shard), all [rows] fp32
 RowStats = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-RowGrad = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor, float, int], None]
-# One rank's rows in one step: (lse, target logit, the unscaled gradient chunk or None), see ce_row_single.
-RowSingle = Callable[
-    [torch.Tensor, torch.Tensor, int, int, bool], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
-]
+# (logits, labels, vocab_start, lse, inv_count, ignore_index) -> the row scale the GEMMs still apply, or None;
+# the logits are overwritten with the gradient
+RowGrad = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor, int], torch.Tensor | None]
+# (logits, labels, ignore_index, inv_count, None for no gradient) -> OneRankRows
+RowSingle = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor | None], OneRankRows]
+
+
+def inverse_count(counted: torch.Tensor, reduction: str) -> torch.Tensor:
+    """1 / (number of counted labels) for "mean", 1 for the other reductions: a 0-d fp32 tensor on the labels'
+    device. With no counted label it is 1, so the mean of nothing is 0 (every loss and gradient row is 0), not NaN."""
+    if reduction != "mean":
+        return torch.ones((), dtype=torch.float32, device=counted.device)
+    return counted.sum().clamp(min=1).to(torch.float32).reciprocal()
+
+
+def _row_scale(counted: torch.Tensor, inv_count: torch.Tensor) -> torch.Tensor:
+    # 1 / count for a counted row, 0 for an ignored one: multiplies [rows, H] operands, never the logits
+    return counted.to(torch.float32) * inv_count
+
+
+def _subtract_onehot_(probs: torch.Tensor, local: torch.Tensor, counted: torch.Tensor) -> None:
+    """probs[r, local[r]] -= 1 for each counted row whose label falls on this shard's columns; a scatter of 0 for the
+    other rows, so no row count is read on the host."""
+    vocab = probs.shape[-1]
+    hit = counted & (local >= 0) & (local < vocab)
+    probs.scatter_add_(1, local.clamp(0, vocab - 1)[:, None], -hit.to(probs.dtype)[:, None])
 
 
 def ce_row_stats(
@@ -229,71 +265,91 @@ def ce_row_stats(
 
 
 def ce_row_grad_(
-    logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, lse: torch.Tensor, inv_count: float, ignore_index: int
-) -> None:
-    """Overwrite logits with d(mean loss)/d(logits) = (softmax - onehot) / count; ignored rows get 0.
-    In place (fp32 chunks: no [rows, V_local] temporary): exp(x - lse), minus 1 at each owned target, times 1/count."""
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_start: int,
+    lse: torch.Tensor,
+    inv_count: torch.Tensor,
+    ignore_index: int,
+) -> torch.Tensor:
+    """Overwrite logits with the unscaled d(loss)/d(logits) = softmax - onehot of every row and return the row scale
+    (1 / count for a counted row, 0 for an ignored one) that the gradient GEMMs apply to their [rows, H] operands.
+    In place (fp32 chunks: no [rows, V_local] temporary): exp(x - lse), minus 1 at each owned target."""
     x = logits if logits.dtype == torch.float32 else logits.float()
     x.sub_(lse[:, None]).exp_()
-    local = labels - vocab_start
-    owned = ((local >= 0) & (local < x.shape[-1]) & (labels != ignore_index)).nonzero().squeeze(1)
-    x[owned, local[owned]] -= 1.0
-    x.mul_(inv_count)
-    ignored = (labels == ignore_index).nonzero().squeeze(1)
-    if ignored.numel():
-        x.index_fill_(0, ignored, 0.0)
+    counted = labels != ignore_index
+    _subtract_onehot_(x, labels - vocab_start, counted)
     if x is not logits:
         logits.copy_(x)
+    return _row_scale(counted, inv_count)
 
 
 def ce_row_single(
-    logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, ignore_index: int, grad: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, inv_count: torch.Tensor | None
+) -> OneRankRows:
     """Without tensor parallelism nothing is merged between the statistics and the gradient, so both come from one
     torch softmax p (its fused CPU kernel is the fastest of the row passes; ce_row_stats then ce_row_grad_ would
-    run an exp over the chunk twice, plus two max passes). Returns per row lse = x_t - log p_t (exact where p_t is
-    a normal float; a row whose target probability underflows, or whose label is off the vocabulary, takes
-    logsumexp instead), the target logit x_t (0 off-shard), and with `grad` the unscaled d(loss)/d(logits) = p -
-    onehot (ignored rows 0) in a new fp32 tensor: the caller folds 1 / count into its GEMMs. Logits untouched."""
+    run an exp over the chunk twice). Per row lse = x_j - log p_j for any column j; taken at the row's largest
+    logit, whose p_j = 1 / sum(exp(x - max)) is at least 1 / V and never underflows (a target's can), it is exact on
+    every row without a host-side test for the rows where it would not be. (Two amax passes: torch's max with
+    indices costs more than the softmax on a CPU.) With `inv_count` the gradient p - onehot comes back unscaled, in
+    a new tensor of the logits' dtype, with the row scale (1 / count, ignored rows 0) that the caller folds into its
+    [rows, H] GEMM operands. Logits untouched."""
     x = logits.float()
-    local = labels - vocab_start
-    owned = (local >= 0) & (local < x.shape[-1])
-    column = local.clamp(0, x.shape[-1] - 1)[:, None]
-    target = torch.where(owned, x.gather(1, column).squeeze(1), torch.zeros(()))
     probs = torch.softmax(x, dim=-1)
-    p_target = probs.gather(1, column).squeeze(1)
-    lse = target - torch.log(p_target)
-    inexact = ~owned | (p_target < torch.finfo(torch.float32).tiny)
-    if bool(inexact.any()):
-        lse[inexact] = torch.logsumexp(x[inexact], dim=-1)
-    if not grad:
-        return lse, target, None
-    hit = (owned & (labels != ignore_index)).nonzero().squeeze(1)
-    probs[hit, local[hit]] -= 1.0
-    ignored = (labels == ignore_index).nonzero().squeeze(1)
-    if ignored.numel():
-        probs.index_fill_(0, ignored, 0.0)
-    return lse, target, probs
+    lse = x.amax(dim=-1) - torch.log(probs.amax(dim=-1))
+    counted = labels != ignore_index
+    target = x.gather(1, labels.clamp(0, x.shape[-1] - 1)[:, None]).squeeze(1)
+    losses = torch.where(counted, lse - target, torch.zeros_like(lse))
+    if inv_count is None:
+        return OneRankRows(losses, None, None)
+    _subtract_onehot_(probs, labels, counted)
+    return OneRankRows(losses, probs.to(logits.dtype), _row_scale(counted, inv_count))
 
 
-# The smallest logits chunk worth a pass (16 MiB in fp32): below it each chunk's dozen small ops cost more than the
-# memory saved. Measured on a 2-core CPU with bloom-tiny-cpu's head (1024 tokens, hidden 128, vocab 8192): Liger's
-# rule alone gives 64 chunks of 16 tokens, 93-100 ms per forward and backward against 85-88 ms in 2 to 8 chunks.
-# Large models barely notice it: BLOOM-176B's head at tp=4 gets 1024-token chunks from the rule (64M logits), and
-# BLOOM's full vocabulary (250,880 rows) needs only 17 tokens to reach the floor.
+# CPU: the smallest logits chunk worth a pass (16 MiB in fp32): below it each chunk's dozen small ops cost more than
+# the memory saved. Measured on a 2-core CPU with bloom-tiny-cpu's head (1024 tokens, hidden 128, vocab 8192):
+# Liger's rule alone gives 64 chunks of 16 tokens, 93-100 ms per forward and backward against 85-88 ms in 2 to 8
+# chunks.
 MIN_CHUNK_LOGITS = 1 << 22
+# GPU: every chunk reads the [V_local, H] weight twice (the logits GEMM, the hidden-gradient GEMM) and rewrites its
+# gradient, so chunks are as few as memory allows: the whole micro-batch when its logits fit this budget (bloom-560m
+# at 2 x 2048 tokens: 4096 x 250,880 x 2 B = 2.06e9 B, one chunk), else the largest power of two of tokens that
+# fits, and never fewer than GPU_MIN_CHUNK_TOKENS: a [1024, H] x [H, V] bf16 GEMM does 1024 FLOPs per byte of weight
+# it reads, above an H100's ~300 FLOP/byte (989 TFLOP/s over 3.35 TB/s), so it stays compute-bound. 2 GiB is 2.5%
+# of an 80 GB GPU, and the chunk replaces the chunk of 32 tokens that the CPU rule gives there.
+GPU_CHUNK_LOGITS_BYTES = 2 << 30
+GPU_MIN_CHUNK_TOKENS = 1024
 
 
-def auto_chunk_size(tokens: int, hidden: int, vocab_local: int) -> int:
-    """Tokens per chunk so a chunk's logits hold about as many elements as the hidden states (Liger's rule), but
-    at least MIN_CHUNK_LOGITS logits; a power of two, at most `tokens`."""
+def auto_chunk_size(tokens: int, hidden: int, vocab_local: int, *, gpu: bool = False, logit_bytes: int = 2) -> int:
+    """Tokens per chunk of logits ([chunk, vocab_local], `logit_bytes` per logit), at most `tokens`.
+    GPU: the whole micro-batch when its logits fit GPU_CHUNK_LOGITS_BYTES, else the largest power of two that fits
+    but at least GPU_MIN_CHUNK_TOKENS. CPU: a chunk's logits hold about as many elements as the hidden states
+    (Liger's rule), but at least MIN_CHUNK_LOGITS; a power of two.
+    appliance/planner/kernel_path.py loss_chunk_tokens restates this rule (a test holds the two equal)."""
+    tokens = max(1, tokens)
+    if gpu:
+        per_token = max(1, vocab_local * logit_bytes)
+        if tokens * per_token <= GPU_CHUNK_LOGITS_BYTES:
+            return tokens
+        fitting = GPU_CHUNK_LOGITS_BYTES // per_token
+        power = 1 << (fitting.bit_length() - 1) if fitting >= 1 else 1
+        return min(tokens, max(GPU_MIN_CHUNK_TOKENS, power))
     growth = max(1, math.ceil(vocab_local / max(hidden, 1)))
     wanted = max(math.ceil(tokens / growth), math.ceil(MIN_CHUNK_LOGITS / max(vocab_local, 1)))
     chunk = 1 << max(0, math.ceil(math.log2(max(1, wanted))))
-    return max(1, min(chunk, tokens))
+    return min(chunk, tokens)
 
 
 REDUCTIONS = ("mean", "sum", "none")
+
+
+class DeferredGrad(NamedTuple):
+    """A single chunk's gradient logits, kept from forward so both gradient GEMMs run once in backward."""
+
+    grad: torch.Tensor  # d loss / d logits [tokens, V_local] in the logits' dtype (the logits buffer, overwritten)
+    row_scale: torch.Tensor | None  # [tokens] fp32 factor still to apply (the twin: 1 / count, 0 ignored); None: in
 
 
 class ChunkedCE(NamedTuple):
@@ -303,6 +359,8 @@ class ChunkedCE(NamedTuple):
     grad_hidden: torch.Tensor | None  # d(reduced loss)/d hidden [tokens, H], summed over tp_group
     grad_weight: torch.Tensor | None  # d(reduced loss)/d weight [V_local, H]
     argmax: torch.Tensor | None  # [tokens] int64 global token id of the largest logit (lowest id on a tie)
+    inv_count: torch.Tensor  # 0-d fp32: the reduction's scale (1 / counted labels for the mean)
+    deferred: DeferredGrad | None = None  # with defer_single_chunk and one chunk: instead of the two gradients
 
 
 def chunked_vocab_ce(
@@ -319,106 +377,165 @@ def chunked_vocab_ce(
     row_stats: RowStats = ce_row_stats,
     row_grad: RowGrad = ce_row_grad_,
     row_single: RowSingle | None = None,
+    defer_single_chunk: bool = False,
 ) -> ChunkedCE:
     """Per-token CE of (hidden @ weight.T, labels) without the full logits, and what training and scoring need.
 
     want_grad says which of the two gradients to compute (both come out of the same pass over the chunks), for
     `reduction` "mean" (scale 1 / non-ignored tokens; all ignored: 0, never NaN) or "sum" (scale 1). want_argmax
-    adds the greedy token of every row (evaluation: greedy match and next-token generation).
+    adds the greedy token of every row (evaluation: greedy match and next-token generation). Chunks: chunk_size
+    tokens, or auto_chunk_size's rule for the device (a GPU's rule also inside kernels.launch.recording).
+
+    Weight traffic, in [V_local, H] weights moved: each chunk's logits GEMM reads W, and its gradient GEMMs read W
+    (hidden gradient) and write the weight gradient (the first chunk with beta = 0, no zeros pass; later chunks
+    read and write it, accumulating in fp32 inside the GEMM): 4 n - 1 for n chunks, plus 2 for the scaling by the
+    incoming gradient in backward. With defer_single_chunk and one chunk the chunk's gradient logits are kept
+    instead (`deferred`) and `deferred_gradients` runs both GEMMs in backward with the scales folded into the
+    [tokens, H] operands: 3 in all (W read in forward, W read and its gradient written in backward).
 
     hidden: [tokens, H], replicated over tp_group; weight: [V_local, H], this rank's contiguous vocab shard
     (rank r holds rows r*V_local .. (r+1)*V_local - 1 of the full vocab, as Megatron's VocabParallelEmbedding).
     Vocab-parallel math (Megatron): global max = all-reduce(MAX) of the shard maxima; the shard sums exp(x - max)
     are rescaled to the global max and summed; the target logit comes from the one rank that owns it (SUM); the
     argmax is the lowest global id among the shards whose maximum is the global one (MIN), as torch.argmax picks.
-    The hidden gradient is a sum over shards, so it is all-reduced here: callers must not all-reduce it again.
+    The hidden gradient is a sum over shards, so it is all-reduced here (or in deferred_gradients): callers must
+    not all-reduce it again. Nothing reads a device value on the host.
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     want_hidden, want_weight = want_grad
-    if reduction == "none" and (want_hidden or want_weight):
+    wants = want_hidden or want_weight
+    if reduction == "none" and wants:
         raise ValueError("reduction='none' gives per-token losses for evaluation: run it under torch.no_grad()")
     tokens = hidden.shape[0]
     rank = dist.get_rank(tp_group) if tp_group is not None else 0
     vocab_start = rank * weight.shape[0]
-    chunk = chunk_size or auto_chunk_size(tokens, hidden.shape[1], weight.shape[0])
-    valid = labels != ignore_index
-    # "mean" divides by the count of real labels, which the host must know before the first chunk's gradient.
-    scale = 1.0 / max(int(valid.sum()), 1) if reduction == "mean" else 1.0
-    # every row of grad_hidden is written by its chunk; grad_weight accumulates over chunks
-    grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if want_hidden else None
-    grad_weight = torch.zeros_like(weight) if want_weight else None
+    logit_bytes = torch.promote_types(hidden.dtype, weight.dtype).itemsize
+    on_gpu = gpu_target(hidden) is not None
+    chunk = chunk_size or auto_chunk_size(tokens, hidden.shape[1], weight.shape[0], gpu=on_gpu, logit_bytes=logit_bytes)
+    defer = defer_single_chunk and wants and 0 < tokens <= chunk
+    counted = labels != ignore_index
+    inv_count = inverse_count(counted, reduction)
+    # every row of grad_hidden is written by its chunk; the first chunk writes grad_weight whole
+    grad_hidden = torch.empty_like(hidden) if want_hidden and not defer else None
+    grad_weight = (torch.empty_like if tokens else torch.zeros_like)(weight) if want_weight and not defer else None
     losses = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
     argmax = torch.empty(tokens, dtype=torch.int64, device=hidden.device) if want_argmax else None
+    deferred = None
     for start in range(0, tokens, chunk):
         rows = slice(start, start + chunk)
         h, lab = hidden[rows], labels[rows]
         logits = h @ weight.t()  # [chunk, V_local] in the input dtype: the only logits ever alive
+        grad: torch.Tensor | None = None
+        row_scale: torch.Tensor | None = None
         if row_single is not None and tp_group is None and argmax is None:
-            lse, target, grad = row_single(logits, lab, vocab_start, ignore_index, want_hidden or want_weight)
-            losses[rows] = torch.where(valid[rows], lse - target, torch.zeros_like(lse))
-            if grad is not None:  # in the logits' dtype, as the two-step path leaves it; 1 / count in the GEMMs
-                _gradient_gemms(grad.to(logits.dtype), h, weight, grad_hidden, grad_weight, rows, scale)
+            one_rank = row_single(logits, lab, ignore_index, inv_count if wants else None)
+            losses[rows] = one_rank.losses
+            grad, row_scale = one_rank.grad, one_rank.row_scale
+        else:
+            row_max, sum_exp, target = row_stats(logits, lab, vocab_start)
+            local_arg = logits.argmax(dim=-1) + vocab_start if argmax is not None else None
+            if tp_group is not None:
+                global_max = row_max.clone()
+                dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
+                packed = torch.stack([sum_exp * torch.exp(row_max - global_max), target])
+                dist.all_reduce(packed, group=tp_group)
+                if local_arg is not None:
+                    local_arg = torch.where(row_max == global_max, local_arg, torch.iinfo(torch.int64).max)
+                    dist.all_reduce(local_arg, op=dist.ReduceOp.MIN, group=tp_group)
+                row_max, sum_exp, target = global_max, packed[0], packed[1]
+            if argmax is not None and local_arg is not None:
+                argmax[rows] = local_arg
+            lse = row_max + torch.log(sum_exp)
+            losses[rows] = torch.where(counted[rows], lse - target, torch.zeros_like(lse))
+            if wants:
+                row_scale = row_grad(logits, lab, vocab_start, lse, inv_count, ignore_index)
+                grad = logits
+        if grad is None:
             continue
-        row_max, sum_exp, target = row_stats(logits, lab, vocab_start)
-        local_arg = logits.argmax(dim=-1) + vocab_start if argmax is not None else None
-        if tp_group is not None:
-            global_max = row_max.clone()
-            dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
-            packed = torch.stack([sum_exp * torch.exp(row_max - global_max), target])
-            dist.all_reduce(packed, group=tp_group)
-            if local_arg is not None:
-                local_arg = torch.where(row_max == global_max, local_arg, torch.iinfo(torch.int64).max)
-                dist.all_reduce(local_arg, op=dist.ReduceOp.MIN, group=tp_group)
-            row_max, sum_exp, target = global_max, packed[0], packed[1]
-        if argmax is not None and local_arg is not None:
-            argmax[rows] = local_arg
-        lse = row_max + torch.log(sum_exp)
-        losses[rows] = torch.where(valid[rows], lse - target, torch.zeros_like(lse))
-        if want_hidden or want_weight:
-            row_grad(logits, lab, vocab_start, lse, scale, ignore_index)
-            _gradient_gemms(logits, h, weight, grad_hidden, grad_weight, rows)
+        if defer:
+            deferred = DeferredGrad(grad, row_scale)
+        else:
+            _chunk_gradients(grad, h, weight, row_scale, grad_hidden, grad_weight, rows, first=start == 0)
     if tp_group is not None and grad_hidden is not None:
         dist.all_reduce(grad_hidden, group=tp_group)
-    return ChunkedCE(losses, grad_hidden, grad_weight, argmax)
+    return ChunkedCE(losses, grad_hidden, grad_weight, argmax, inv_count, deferred)
 
 
-def _gradient_gemms(
-    grad_logits: torch.Tensor,
+def _scaled_rows(h: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """h [rows, H] times a 0-d or per-row fp32 scale, rounded once to h's dtype."""
+    if scale is None:
+        return h
+    return (h.float() * (scale[:, None] if scale.dim() else scale)).to(h.dtype)
+
+
+def _chunk_gradients(
+    grad: torch.Tensor,
     h: torch.Tensor,
     weight: torch.Tensor,
+    row_scale: torch.Tensor | None,
     grad_hidden: torch.Tensor | None,
     grad_weight: torch.Tensor | None,
     rows: slice,
-    scale: float = 1.0,
+    first: bool,
 ) -> None:
-    """One chunk's share of the two gradients from scale x d(loss)/d(logits) [chunk, V_local] (the scale applied to
-    the [chunk, H] and [V_local, H] results, not to the wider logits)."""
+    """One chunk's share of the two gradients from d(loss)/d(logits) [chunk, V_local], whose rows still need
+    `row_scale` (None: nothing): applied to the [chunk, H] hidden rows and hidden-gradient rows, not the logits."""
     if grad_hidden is not None:
-        torch.mm(grad_logits, weight, out=grad_hidden[rows])
-        if scale != 1.0:
-            grad_hidden[rows].mul_(scale)
+        out = grad_hidden[rows]
+        torch.mm(grad, weight, out=out)
+        if row_scale is not None:
+            out.mul_(row_scale[:, None])
     if grad_weight is not None:
-        # accumulated in the GEMM epilogue (fp32 inside, one rounding per chunk): no [V, H] temporary
-        grad_weight.addmm_(grad_logits.t(), h, alpha=scale)
+        operand = _scaled_rows(h, row_scale)
+        if first:  # beta = 0: the GEMM writes the buffer whole, no zeros pass over [V_local, H]
+            torch.mm(grad.t(), operand, out=grad_weight)
+        else:  # accumulated in the GEMM epilogue (fp32 inside, one rounding per chunk): no [V, H] temporary
+            grad_weight.addmm_(grad.t(), operand)
 
 
-def reduce_losses(losses: torch.Tensor, valid: torch.Tensor, reduction: str) -> torch.Tensor:
-    """Per-token losses (0 where ignored) -> the mean over the valid tokens (0 when none), their sum, or as is."""
+def deferred_gradients(
+    deferred: DeferredGrad,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    grad_loss: torch.Tensor,
+    want_grad: tuple[bool, bool],
+    tp_group: dist.ProcessGroup | None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(d hidden, d weight) of a single chunk from its kept gradient logits G [tokens, V_local]: G @ W and G^T @ H,
+    with grad_loss and the row scale folded into the [tokens, H] side (dH's output rows, H's rows), so W is read
+    once and its gradient written once. dH is summed over tp_group."""
+    scale = grad_loss.float() if deferred.row_scale is None else deferred.row_scale * grad_loss.float()
+    grad_hidden = grad_weight = None
+    if want_grad[0]:
+        grad_hidden = torch.mm(deferred.grad, weight)
+        if tp_group is not None:
+            dist.all_reduce(grad_hidden, group=tp_group)
+        grad_hidden.mul_(scale[:, None] if scale.dim() else scale)
+    if want_grad[1]:
+        grad_weight = torch.mm(deferred.grad.t(), _scaled_rows(hidden, scale))
+    return grad_hidden, grad_weight
+
+
+def reduce_losses(losses: torch.Tensor, inv_count: torch.Tensor, reduction: str) -> torch.Tensor:
+    """Per-token losses (0 where ignored) -> their sum times inv_count (the mean over the counted tokens; 0 when
+    none), their sum, or as is."""
     if reduction == "none":
         return losses
     total = losses.sum()
-    return total / max(int(valid.sum()), 1) if reduction == "mean" else total
+    return total * inv_count if reduction == "mean" else total
 
 
 class VocabCrossEntropyFunction(torch.autograd.Function):
-    """Chunked vocab-parallel CE whose gradients are computed during the forward pass (no logits kept).
+    """Chunked vocab-parallel CE that keeps no logits beyond one chunk (see chunked_vocab_ce for the traffic).
 
     Backward math: with p = softmax(logits) and y the one-hot target, d loss / d logits = (p - y) * s for every
-    non-ignored row, s = 1 / count for the mean and 1 for the sum. Then d/d hidden = (p - y) @ W * s and
-    d/d W = (p - y)^T @ hidden * s, both scaled by the incoming scalar gradient in backward. Memory: the two
-    gradient buffers (hidden- and weight-sized, which backward would allocate anyway) live from forward to
-    backward instead of any logits.
+    non-ignored row, s = 1 / count for the mean and 1 for the sum, and 0 for an ignored row. Then
+    d/d hidden = (p - y) @ W * s and d/d W = (p - y)^T @ (hidden * s), both times the incoming scalar gradient g.
+    Several chunks: both gradients are computed chunk by chunk in forward (their buffers, hidden- and weight-sized,
+    which backward would allocate anyway, live from forward to backward) and backward multiplies them by g. One
+    chunk: forward keeps (p - y) (in the logits' own buffer on the Triton path) and backward runs both GEMMs with
+    g and s folded into the [tokens, H] operands.
     """
 
     @staticmethod
@@ -448,15 +565,25 @@ class VocabCrossEntropyFunction(torch.autograd.Function):
             row_stats=row_stats,
             row_grad=row_grad,
             row_single=row_single,
+            defer_single_chunk=True,
         )
-        ctx.save_for_backward(result.grad_hidden, result.grad_weight)
-        return reduce_losses(result.losses, labels != ignore_index, reduction)
+        ctx.want_grad, ctx.tp_group, ctx.deferred = want_grad, tp_group, result.deferred is not None
+        if result.deferred is not None:
+            ctx.save_for_backward(hidden, weight, result.deferred.grad, result.deferred.row_scale)
+        else:
+            ctx.save_for_backward(result.grad_hidden, result.grad_weight)
+        return reduce_losses(result.losses, result.inv_count, reduction)
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        grad_hidden, grad_weight = ctx.saved_tensors
-        dh = grad_hidden * grad_loss.to(grad_hidden.dtype) if grad_hidden is not None else None
-        dw = grad_weight * grad_loss.to(grad_weight.dtype) if grad_weight is not None else None
+        if ctx.deferred:
+            hidden, weight, grad, row_scale = ctx.saved_tensors
+            deferred = DeferredGrad(grad, row_scale)
+            dh, dw = deferred_gradients(deferred, hidden, weight, grad_loss, ctx.want_grad, ctx.tp_group)
+        else:
+            grad_hidden, grad_weight = ctx.saved_tensors
+            dh = grad_hidden * grad_loss.to(grad_hidden.dtype) if grad_hidden is not None else None
+            dw = grad_weight * grad_loss.to(grad_weight.dtype) if grad_weight is not None else None
         return dh, dw, None, None, None, None, None, None, None, None, None
 
 

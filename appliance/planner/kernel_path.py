@@ -9,7 +9,10 @@ Our training path (after appliance/kernels/registry.py picks a backend per tenso
 - CPU ranks: the materialised torch path (model/ops.py attention_core): [s, s] scores, an fp32 softmax whose
   output is kept for backward, and its cast back to the compute dtype that the AV product keeps.
 - Loss: one chunked vocab-parallel cross entropy everywhere (kernels.reference.chunked_vocab_ce; Triton row
-  kernels on GPUs, the torch twin on CPU): logits exist one token chunk at a time, never [s b, V/t] at once.
+  kernels on GPUs, the torch twin on CPU): logits exist one token chunk at a time, never more than one chunk's
+  [chunk, V/t] at once. GPU ranks take the whole micro-batch as one chunk when its logits fit 2 GiB (else chunks of
+  at least 1024 tokens), so the [V/t, H] weight is read twice and its gradient written once per micro-batch; CPU
+  ranks take chunks of about s b h logits (loss_chunks).
 - LayerNorm: the fused kernel for rows up to LAYER_NORM_MAX_ROW, the torch twin beyond (no rejection either way);
   the elementwise traffic coefficients in calibration.py are not split by it.
 - ZeRO >= 1 with dp > 1: the engine issues the post-step parameter all-gather per layer, asynchronously, and each
@@ -101,14 +104,56 @@ def kernels_for(device: Device, model: ModelShape) -> KernelPath:
     )
 
 
-MIN_CHUNK_LOGITS = 1 << 22  # kernels.reference.MIN_CHUNK_LOGITS
+# The chunk rule's constants, restated from kernels/reference.py (MIN_CHUNK_LOGITS, GPU_CHUNK_LOGITS_BYTES,
+# GPU_MIN_CHUNK_TOKENS); tests/kernels/test_kernel_cross_entropy_costs.py holds the two rules equal.
+MIN_CHUNK_LOGITS = 1 << 22
+GPU_CHUNK_LOGITS_BYTES = 2 << 30
+GPU_MIN_CHUNK_TOKENS = 1024
 
 
-def loss_chunk_tokens(tokens: int, hidden: int, vocab_local: int) -> int:
-    """Tokens per chunk of the chunked cross entropy: a chunk's logits hold about as many elements as the hidden
-    states but at least 2^22, rounded up to a power of two (kernels.reference.auto_chunk_size, the rule its callers
-    default to; a test holds the two equal)."""
+def loss_chunk_tokens(tokens: int, hidden: int, vocab_local: int, *, gpu: bool = False, logit_bytes: int = 2) -> int:
+    """Tokens per chunk of the chunked cross entropy (kernels.reference.auto_chunk_size, the rule its callers default
+    to). GPU: the whole micro-batch when its logits (`logit_bytes` each) fit 2 GiB, else the largest power of two
+    that fits but at least 1024 tokens. CPU: a chunk's logits hold about as many elements as the hidden states but
+    at least 2^22, rounded up to a power of two. At most `tokens`."""
+    tokens = max(1, tokens)
+    if gpu:
+        per_token = max(1, vocab_local * logit_bytes)
+        if tokens * per_token <= GPU_CHUNK_LOGITS_BYTES:
+            return tokens
+        fitting = GPU_CHUNK_LOGITS_BYTES // per_token
+        power = 1 << (fitting.bit_length() - 1) if fitting >= 1 else 1
+        return min(tokens, max(GPU_MIN_CHUNK_TOKENS, power))
     growth = max(1, math.ceil(vocab_local / max(hidden, 1)))
     wanted = max(math.ceil(tokens / growth), math.ceil(MIN_CHUNK_LOGITS / max(vocab_local, 1)))
     chunk = 1 << max(0, math.ceil(math.log2(max(1, wanted))))
-    return max(1, min(chunk, tokens))
+    return min(chunk, tokens)
+
+
+@dataclass(frozen=True)
+class LossChunks:
+    """How the chunked loss cuts one micro-batch's tokens on one rank."""
+
+    tokens: int  # per chunk
+    count: int
+
+    @property
+    def deferred(self) -> bool:
+        """One chunk keeps its gradient logits (in place of its logits) and runs both gradient GEMMs in backward."""
+        return self.count == 1
+
+    @property
+    def weight_passes(self) -> int:
+        """[V/t, H] weights moved per micro-batch (kernels.reference.chunked_vocab_ce). One chunk: 3, W read by the
+        forward GEMM and by the hidden-gradient GEMM, the weight gradient written once. n chunks: 4n + 1, per chunk
+        W read twice, the gradient written by the first chunk and read and written by each later one, then read and
+        written once more when backward scales it by the incoming gradient."""
+        return 3 if self.deferred else 4 * self.count + 1
+
+
+def loss_chunks(kernels: KernelPath, tokens: float, hidden: int, vocab_local: int, logit_bytes: int) -> LossChunks:
+    """The chunks of the chunked loss for a micro-batch of `tokens` on one rank: GPU ranks (the Triton path) by the
+    GPU rule, CPU ranks by the CPU rule (loss_chunk_tokens)."""
+    whole = math.ceil(tokens)
+    chunk = loss_chunk_tokens(whole, hidden, vocab_local, gpu=kernels.triton, logit_bytes=logit_bytes)
+    return LossChunks(chunk, math.ceil(whole / chunk))

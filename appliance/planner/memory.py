@@ -11,7 +11,6 @@ section 4), written for any f and element size below, with the attention and los
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from appliance.hardware.profile import Hardware
@@ -25,7 +24,7 @@ from appliance.planner.kernel_path import (
     MEGATRON_SOFTMAX,
     KernelPath,
     kernels_for,
-    loss_chunk_tokens,
+    loss_chunks,
 )
 from appliance.planner.layout import Layout, Partition, pipeline_partition
 from appliance.planner.model_shape import ModelShape
@@ -209,17 +208,21 @@ def _block_workspace(model: ModelShape, layout: Layout, act_bytes: int, s: int, 
 def logits_bytes(model: ModelShape, layout: Layout, act_bytes: int, s: float, kernels: KernelPath) -> float:
     """What the loss holds on the last stage for one micro-batch.
     Full logits (Megatron's vocab-parallel cross entropy): the logits plus the fp32 softmax, (act + 4) s b V / t.
-    Chunked (ours): one chunk of logits (loss_chunk_tokens x V/t, about s b h elements), two fp32 temporaries of it
-    in the torch twin (none in the Triton row kernels), and the hidden-state gradient it computes in the forward
-    and keeps for backward (act s b h). Its weight-gradient buffer is the LM head's gradient, which the model
-    states already count. `s`: the tokens of a sequence on this rank (s/cp under context parallelism)."""
+    Chunked (ours): one chunk of logits (kernel_path.loss_chunks: on GPUs the whole micro-batch when its logits fit
+    2 GiB, else chunks of >= 1024 tokens; on CPU ranks about s b h elements), two fp32 temporaries of it in the torch
+    twin (none in the Triton row kernels), and the hidden-state gradient (act s b h: computed in the forward and kept
+    for backward when there are several chunks; made in backward beside its scaled hidden operand when one chunk
+    defers its GEMMs). The gradient logits one chunk keeps for backward are that chunk's own buffer, overwritten in
+    place by the Triton kernel (in the twin, its fp32 softmax, one of the two temporaries), so keeping them adds
+    nothing. Its weight gradient is the LM head's, which the model states already count. `s`: the tokens of a
+    sequence on this rank (s/cp under context parallelism)."""
     tokens = s * layout.micro_batch_size
     vocab_local = model.padded_vocab(layout.tp) / layout.tp
     if kernels.loss == FULL_LOGITS_CE:
         return (act_bytes + 4) * tokens * vocab_local
-    chunk = loss_chunk_tokens(math.ceil(tokens), model.hidden, int(vocab_local))
+    chunks = loss_chunks(kernels, tokens, model.hidden, int(vocab_local), act_bytes)
     per_logit = act_bytes + (0 if kernels.triton else 8)
-    return chunk * vocab_local * per_logit + act_bytes * tokens * model.hidden
+    return chunks.tokens * vocab_local * per_logit + act_bytes * tokens * model.hidden
 
 
 def memory_for_device(

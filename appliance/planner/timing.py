@@ -4,8 +4,9 @@ Per micro-batch, each pipeline stage spends: GEMMs (forward 1x, backward 2x) at 
 their shape; the attention products likewise (flash attention: only the causal half, and a backward of 2.5x its
 forward); elementwise kernels at memory bandwidth (the [s, s] softmax traffic only where scores are materialised);
 recompute (full: the blocks' forward again, selective: the attention core again, and nothing under flash, where
-there is no core to drop); TP all-reduces on the node's links (Megatron does not overlap them); pipeline sends;
-and the gradient accumulation of the precision (bf16: into its fp32 buffer). 1F1B runs (m + p - 1) slots of the
+there is no core to drop); on the last stage the LM head's GEMMs and its loss's row passes and weight traffic
+(`_loss_seconds`); TP all-reduces on the node's links (Megatron does not overlap them); pipeline sends; and the
+gradient accumulation of the precision (bf16: into its fp32 buffer). 1F1B runs (m + p - 1) slots of the
 slowest stage, m of them useful: the bubble is (p - 1)/m of the work. After the last micro-batch: the DP gradient
 reduce (overlapped with the last backward only when the DeepSpeed config turns overlap_comm on, pp == 1),
 the parameter all-gather of ZeRO >= 1 (issued after the step, per layer, and hidden under the next step's forward
@@ -23,7 +24,14 @@ from appliance.planner import context_parallel, train_settings
 from appliance.planner.comm import allreduce_sent, gather_sent, tp_allreduces_per_layer
 from appliance.planner.context_parallel import local_tokens
 from appliance.planner.device import Device, Link, cp_link, dp_link, make_device, pp_link, tied_link, tp_link
-from appliance.planner.kernel_path import FLASH, FULL_LOGITS_CE, MEGATRON_SOFTMAX, KernelPath, kernels_for
+from appliance.planner.kernel_path import (
+    FLASH,
+    FULL_LOGITS_CE,
+    MEGATRON_SOFTMAX,
+    KernelPath,
+    kernels_for,
+    loss_chunks,
+)
 from appliance.planner.layout import Layout, Partition, pipeline_partition
 from appliance.planner.memory import layer_parameters_per_rank, stage_parameters
 from appliance.planner.model_shape import ModelShape
@@ -78,9 +86,34 @@ def _softmax_bytes_per_score(kernels: KernelPath, act: int) -> float:
 
 
 def _cross_entropy_bytes_per_logit(kernels: KernelPath, act: int) -> float:
+    """Bytes the loss's row passes move per logit. Triton: the fused kernel (one rank) reads the logits for the
+    statistics and reads and writes them for the gradient, as do the statistics and gradient kernels under tensor
+    parallelism: 3 x act. The torch twin and Megatron's loss as calibrated."""
     if kernels.loss == FULL_LOGITS_CE:
         return cal.CROSS_ENTROPY_BYTES_PER_LOGIT
     return 3.0 * act if kernels.triton else cal.TORCH_CHUNKED_CE_BYTES_PER_LOGIT
+
+
+def _loss_seconds(
+    model: ModelShape, layout: Layout, device: Device, tokens: float, kernels: KernelPath
+) -> tuple[float, float]:
+    """(GEMM seconds, memory seconds) of the LM head and its loss for one micro-batch of `tokens` on one TP rank.
+    GEMMs: the logits, hidden-gradient and weight-gradient products, 3 x 2 tokens h V/t FLOPs at the rate of their
+    narrowest side (a chunk's tokens, or h). Memory, at the memory rate: the row passes over every logit and, for
+    the chunked loss, the [V/t, h] weight its chunks move (LossChunks.weight_passes: 3 weights for one chunk, 4n + 1
+    for n). Megatron's loss over full logits keeps its calibrated figures: one GEMM each way, no chunks."""
+    h, act = model.hidden, device.act_bytes
+    vocab_local = model.padded_vocab(layout.tp) / layout.tp
+    mem_rate = device.memory_bw * device.efficiency.memory
+    rows = tokens
+    weight_bytes = 0.0
+    if kernels.loss != FULL_LOGITS_CE:
+        chunks = loss_chunks(kernels, tokens, h, int(vocab_local), act)
+        rows = min(tokens, chunks.tokens)
+        weight_bytes = chunks.weight_passes * act * vocab_local * h
+    gemm = 3 * 2 * tokens * h * vocab_local / _gemm_rate(device, min(rows, h), h % 128 == 0)
+    passes = _cross_entropy_bytes_per_logit(kernels, act) * tokens * vocab_local
+    return gemm, (passes + weight_bytes) / mem_rate
 
 
 @dataclass(frozen=True)
@@ -194,12 +227,12 @@ def _stage_microbatch(
     else:
         out["recompute"] = 0.0  # flash: model/bloom.py runs no selective recompute; there is nothing to drop
 
-    vocab = model.padded_vocab(t)
     if stage == 0:  # embedding gather and its LayerNorm, forward and backward
         out["elementwise"] += 3 * 4 * tokens * h * act / mem_rate
-    if stage == p - 1:  # LM head GEMM (forward + 2x backward) and the vocab-parallel cross entropy
-        out["gemm"] += 3 * 2 * tokens * h * vocab / t / _gemm_rate(device, min(tokens, h), h % 128 == 0)
-        out["elementwise"] += _cross_entropy_bytes_per_logit(kernels, act) * tokens * vocab / t / mem_rate
+    if stage == p - 1:  # LM head GEMMs (forward + 2x backward) and the vocab-parallel cross entropy
+        head_gemm, head_memory = _loss_seconds(model, layout, device, tokens, kernels)
+        out["gemm"] += head_gemm
+        out["elementwise"] += head_memory
 
     allreduces = layers * tp_allreduces_per_layer(layout.recompute) + (stage == 0) + (stage == p - 1)
     out["tp_comm"] = allreduces * blk.tp_allreduce

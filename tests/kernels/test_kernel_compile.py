@@ -29,7 +29,7 @@ KERNELS = {
     "_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel", "_layer_norm_bwd_row_terms_kernel",
     "_layer_norm_bwd_columns_kernel", "_bias_gelu_fwd_kernel", "_bias_gelu_bwd_kernel", "_flash_fwd_kernel",
     "_flash_bwd_preprocess_kernel", "_flash_bwd_dkdv_kernel", "_flash_bwd_dq_kernel", "_alibi_softmax_fwd_kernel",
-    "_alibi_softmax_bwd_kernel", "_ce_stats_kernel", "_ce_grad_kernel",
+    "_alibi_softmax_bwd_kernel", "_ce_stats_kernel", "_ce_grad_kernel", "_ce_fused_kernel",
 }  # fmt: skip
 
 

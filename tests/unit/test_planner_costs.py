@@ -84,9 +84,9 @@ def test_memory_of_one_gpu_by_hand() -> None:
     stored = 24 * 2 * sbh + 2 * sbh + 2 * sbh  # block inputs, embedding LN input, final LN input
     rebuilt = sbh * (8 + 24) + 4 * b * a * s  # one block without recompute: no masks, no scores; fp32 logsumexp
     workspace = rebuilt + 2 * 2 * sbh + 3 * 2 * sbh + 4 * b * a * s  # + grads in/out, dQ dK dV, fp32 row delta
-    # Chunks of max(2048 / ceil(250880 / 1024), 2^22 / 250880) = max(9, 17) -> 32 tokens (a power of two) of bf16
-    # logits, and the hidden-state gradient the loss keeps from forward to backward.
-    logits = 32 * v * 2 + 2 * sbh
+    # One chunk of the whole micro-batch's bf16 logits (2048 x 250,880 x 2 B = 1.03e9 B fit the GPU's 2 GiB), kept
+    # in place as the gradient logits for backward, and the hidden-state gradient.
+    logits = 2048 * v * 2 + 2 * sbh
     expected = (states + stored + workspace + logits) * (1 + cal.ALLOCATOR_MARGIN) / GIB + cal.GPU_FIXED_OVERHEAD_GB
     estimate = memory_per_gpu(layout, model, load_hardware("a100-80gb-x1"))
     assert estimate.total_gb == pytest.approx(expected, rel=1e-12)

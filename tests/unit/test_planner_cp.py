@@ -201,14 +201,28 @@ def test_cp_is_chosen_when_nothing_else_fits() -> None:
     assert beaten["layout"]["cp"] == 1 and "the leanest layout without context parallelism" in beaten["reason"]
 
 
-# What the planner chose before it knew context parallelism (commit 9dfefd9), default sequence lengths.
+# What the planner chose before it knew context parallelism (commit 9dfefd9), default sequence lengths, and the
+# step time it gave then. Since then the chunked loss also charges the [V/t, h] weight traffic of its chunks
+# (kernel_path.LossChunks.weight_passes) at the memory rate, once per micro-batch slot of the last stage, which is
+# the slowest stage in each of these plans: (m + p - 1) slots x passes x V/t x h x act bytes / (memory_bw x 0.8).
+# GPU chunks: the whole micro-batch when its bf16 logits fit 2 GiB, else 4096 tokens (2^31 / (250,880 x 2 B) =
+# 4279 -> 4096); passes: 3 for one chunk, 4n + 1 for n. CPU: 512-token chunks (2^22 / 8192) of 1024 tokens, fp32.
 BEFORE_CP = [
-    ("h100-sxm5-x8-node", "bloom-3b", None, "tp=1,pp=1,dp=8,mbs=8,gbs=512,zero=2,recompute=none,sp=0", 5.5856646),
-    ("h100-sxm5-x8-node", "bloom-7b1", None, "tp=1,pp=1,dp=8,mbs=4,gbs=512,zero=2,recompute=none,sp=0", 11.674272),
-    ("a100-80gb-x8-node", "bloom-7b1", None, "tp=1,pp=1,dp=8,mbs=4,gbs=512,zero=2,recompute=none,sp=0", 29.236664),
-    ("jean-zay-a100-48n", "bloom-176b", 2048, "tp=4,pp=12,dp=8,mbs=2,gbs=2048,zero=1,recompute=none,sp=1", 74.228319),
-    ("cpu-laptop-2core", "bloom-tiny-cpu", None, "tp=1,pp=1,dp=2,mbs=8,gbs=16,zero=0,recompute=none,sp=0", 0.42119573),
-]
+    # m = 512 / (8 x 8) = 8; 8 x 2048 tokens = 4 chunks, 17 passes
+    ("h100-sxm5-x8-node", "bloom-3b", None, "tp=1,pp=1,dp=8,mbs=8,gbs=512,zero=2,recompute=none,sp=0",
+     5.5856646 + 8 * 17 * 250880 * 2560 * 2 / (3.35e12 * 0.8)),
+    # m = 512 / (4 x 8) = 16; 4 x 2048 tokens = 2 chunks, 9 passes
+    ("h100-sxm5-x8-node", "bloom-7b1", None, "tp=1,pp=1,dp=8,mbs=4,gbs=512,zero=2,recompute=none,sp=0",
+     11.674272 + 16 * 9 * 250880 * 4096 * 2 / (3.35e12 * 0.8)),
+    ("a100-80gb-x8-node", "bloom-7b1", None, "tp=1,pp=1,dp=8,mbs=4,gbs=512,zero=2,recompute=none,sp=0",
+     29.236664 + 16 * 9 * 250880 * 4096 * 2 / (2.039e12 * 0.8)),
+    # m = 2048 / (2 x 8) = 128, p = 12: 139 slots; 2 x 2048 tokens x 62,720 x 2 B = 514 MB, one chunk, 3 passes
+    ("jean-zay-a100-48n", "bloom-176b", 2048, "tp=4,pp=12,dp=8,mbs=2,gbs=2048,zero=1,recompute=none,sp=1",
+     74.228319 + 139 * 3 * 62720 * 14336 * 2 / (2.039e12 * 0.8)),
+    # m = 16 / (8 x 2) = 1; 2 chunks, 9 passes of the fp32 weight at one core's 10 GB/s
+    ("cpu-laptop-2core", "bloom-tiny-cpu", None, "tp=1,pp=1,dp=2,mbs=8,gbs=16,zero=0,recompute=none,sp=0",
+     0.42119573 + 1 * 9 * 8192 * 128 * 4 / (10e9 * 0.8)),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("hw", "model", "gbs", "layout", "step_s"), BEFORE_CP)
