@@ -14,10 +14,11 @@ each call reads the variable (tests change it per test) and compares it with the
 same Python runs once, when a block is traced: the choice is baked into the graph, and dynamo guards on the table
 and the variable, so a later `use()` or a new value retraces instead of running a stale choice.
 
-Every eager call is counted by (op, backend that ran it): `call_counts()` / `reset_call_counts()`. One dict
-increment per call, so it stays on in training; the tests read it to prove which kernels a model really ran.
-Inside a compiled region nothing is counted: there is no Python per call, and a counter read by dynamo would
-become a guard that changes every step.
+Every call is counted by (op, backend that ran it): `call_counts()` / `reset_call_counts()`. One dict increment
+per call, so it stays on in training; the tests read it to prove which kernels a model really ran. Inside a
+compiled region an op is counted once, when its graph is traced: there is no Python per call there, and dynamo
+calls the counter as a constant (`assume_constant_result`) instead of tracing a dictionary it would have to guard,
+and retrace for, every step.
 
 `implementations(op, device)` lists every backend that can run a selectable op on a device, as callables with the
 registry function's signature, for measuring them (kernels/selection.py); `use()` installs the winners.
@@ -105,14 +106,19 @@ def _triton_installed() -> bool:
 Implementation = Callable[..., Any]
 
 
+# (backend, implementation, the call_counts key the call adds, or None for an implementation that counts itself
+# because it may hand the call on: Triton past its kernels' limits, a peer outside what it supports)
+Route = tuple[str, Implementation, tuple[str, str] | None]
+
+
 @dataclass(frozen=True)
 class _Routes:
-    """What runs each op, for one BLOOM_KERNELS value and one set of choices: op -> (backend, implementation)."""
+    """What runs each op, for one BLOOM_KERNELS value and one set of choices: op -> Route."""
 
     raw: str | None  # BLOOM_KERNELS as the environment held it (None: unset)
     forced: str | None  # "triton" or "reference" when BLOOM_KERNELS forces every op; None under auto
-    cuda: Mapping[str, tuple[str, Implementation]]  # for CUDA tensors
-    other: Mapping[str, tuple[str, Implementation]]  # for tensors on any other device
+    cuda: Mapping[str, Route]  # for CUDA tensors
+    other: Mapping[str, Route]  # for tensors on any other device
 
 
 _UNSET = "\0unbuilt"  # no environment value equals it: the first call builds the table
@@ -160,13 +166,16 @@ def _switch(raw: str | None) -> _Routes:
     return routes
 
 
-def _route(op: str, tensor: torch.Tensor) -> tuple[str, Implementation]:
-    """(backend, implementation) of op for the tensor's device: the one lookup a call makes."""
+def _route(op: str, tensor: torch.Tensor) -> Implementation:
+    """The implementation of op for the tensor's device, counted: the one lookup a call makes."""
     routes = _routes
     raw = os.environ.get(BACKEND_ENV)
     if raw != routes.raw:
         routes = _switch(raw)
-    return (routes.cuda if tensor.is_cuda else routes.other)[op]
+    _, run, counted_as = (routes.cuda if tensor.is_cuda else routes.other)[op]
+    if counted_as is not None:
+        _count(counted_as)
+    return run
 
 
 def get_backend(where: torch.Tensor | torch.device | str | None = None) -> str:
@@ -184,7 +193,8 @@ def get_backend(where: torch.Tensor | torch.device | str | None = None) -> str:
 
 def backend_for(op: str, tensor: torch.Tensor) -> str:
     """The backend `op` runs with on `tensor` ("reference", "compiled", "triton", "sdpa" or "flex")."""
-    return _route(op, tensor)[0]
+    routes = _current()
+    return (routes.cuda if tensor.is_cuda else routes.other)[op][0]
 
 
 # ----- choosing backends for CUDA tensors ---------------------------------------------------------------------------
@@ -223,9 +233,10 @@ def chosen() -> dict[str, str]:
 _calls: Counter[tuple[str, str]] = Counter()
 
 
-def _count(op: str, backend: str) -> None:
-    if not torch.compiler.is_dynamo_compiling():  # a constant False in eager; see the module docstring
-        _calls[(op, backend)] += 1
+# Called by dynamo once, when it traces a call, as a constant (see the module docstring); plain in eager.
+@torch.compiler.assume_constant_result
+def _count(key: tuple[str, str]) -> None:
+    _calls[key] += 1
 
 
 def call_counts() -> dict[tuple[str, str], int]:
@@ -279,12 +290,13 @@ def _triton_layer_norm(
     kernel: ModuleType, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5
 ) -> torch.Tensor:
     if x.shape[-1] > kernel.MAX_ROW:  # wider rows than the kernel holds in registers
-        return _REFERENCE["layer_norm"](x, weight, bias, eps)
+        _count(("layer_norm", "reference"))
+        return reference.layer_norm(x, weight, bias, eps)
     apex = _apex_for(x, weight)
     if apex is not None:
-        _count("layer_norm", "apex")
+        _count(("layer_norm", "apex"))
         return apex(x, weight, bias, (x.shape[-1],), eps)
-    _count("layer_norm", "triton")
+    _count(("layer_norm", "triton"))
     return kernel.layer_norm(x, weight, bias, eps)
 
 
@@ -297,15 +309,17 @@ def _triton_alibi_softmax(
     causal: bool = True,
 ) -> torch.Tensor:
     if scores.shape[-1] > kernel.MAX_KEYS:  # longer rows than the kernel holds in registers
-        return _REFERENCE["alibi_softmax"](scores, slopes, padding_mask, scale, causal)
-    _count("alibi_softmax", "triton")
+        _count(("alibi_softmax", "reference"))
+        return reference.alibi_softmax(scores, slopes, padding_mask, scale, causal)
+    _count(("alibi_softmax", "triton"))
     return kernel.alibi_softmax(scores, slopes, padding_mask, scale, causal)
 
 
 def _triton_flash(kernel: ModuleType, q: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
     if q.shape[-1] > kernel.MAX_HEAD_DIM:  # wider heads: the materialized twin
-        return _REFERENCE["flash_alibi_attention"](q, *args, **kwargs)
-    _count("flash_alibi_attention", "triton")
+        _count(("flash_alibi_attention", "reference"))
+        return reference.flash_alibi_attention(q, *args, **kwargs)
+    _count(("flash_alibi_attention", "triton"))
     return kernel.flash_alibi_attention(q, *args, **kwargs)
 
 
@@ -315,7 +329,7 @@ def _triton_flash_backward(kernel: ModuleType, do: torch.Tensor, q: torch.Tensor
 
 
 def _triton_plain(op: str, kernel: ModuleType, *args: Any, **kwargs: Any) -> Any:
-    _count(op, "triton")
+    _count((op, "triton"))
     return getattr(kernel, op)(*args, **kwargs)
 
 
@@ -328,20 +342,6 @@ _TRITON: dict[str, Callable[..., Any]] = {
     "vocab_cross_entropy": partial(_triton_plain, "vocab_cross_entropy"),
     "vocab_scores": partial(_triton_plain, "vocab_scores"),
 }
-
-
-def _counted(op: str, backend: str, fn: Implementation) -> Implementation:
-    def run(*args: Any, **kwargs: Any) -> Any:
-        _count(op, backend)
-        return fn(*args, **kwargs)
-
-    return run
-
-
-# The torch twins, counted; the backward is not (a backward runs the kernels of its forward).
-_REFERENCE: dict[str, Implementation] = {
-    op: _counted(op, "reference", getattr(reference, op)) for op in KERNEL_MODULES
-} | {"flash_alibi_attention_backward": reference.flash_alibi_attention_backward}
 
 
 def _needs_interpreter(*args: Any, **kwargs: Any) -> Any:
@@ -369,21 +369,23 @@ _compiled_twins: dict[str, Implementation] = {}
 def _compiled(op: str) -> Implementation:
     """torch.compile of op's twin, built once per op (it compiles on its first call per input signature)."""
     if op not in _compiled_twins:
-        _compiled_twins[op] = _counted(op, "compiled", torch.compile(getattr(reference, op)))
+        _compiled_twins[op] = torch.compile(getattr(reference, op))
     return _compiled_twins[op]
 
 
-def _pick(op: str, backend: str) -> tuple[str, Implementation]:
-    """(backend, implementation), for building a table."""
+def _pick(op: str, backend: str) -> Route:
+    """The Route of op to `backend`, for building a table. A backward is never counted (it runs the kernels of its
+    forward), and neither is what counts itself."""
+    counted_as = None if op == "flash_alibi_attention_backward" else (op, backend)
     if backend == "triton":
-        return backend, partial(_TRITON[op], _kernel_module(op))
+        return backend, partial(_TRITON[op], _kernel_module(op)), None
     if backend == "reference":
-        return backend, _REFERENCE[op]
+        return backend, getattr(reference, op), counted_as
     if backend == "needs-interpreter":
-        return "triton", _needs_interpreter
+        return "triton", _needs_interpreter, None
     if backend == "compiled":
-        return backend, _compiled(op)
-    return backend, _peer(op, backend)
+        return backend, _compiled(op), counted_as
+    return backend, _peer(op, backend), None
 
 
 @cache
@@ -443,10 +445,12 @@ def _peer(op: str, name: str) -> Implementation:
         return_lse: bool = False,
     ) -> Any:
         if _peer_supports(q, k, causal, q_offset, k_offset, q_doc, k_doc, return_lse):
-            _count(op, name)
+            _count((op, name))
             return peer(q, k, v, slopes, causal, scale, q_doc=q_doc, k_doc=k_doc)
-        fallback = "triton" if q.is_cuda and _triton_installed() else "reference"
-        return _pick(op, fallback)[1](
+        fallback = _pick(op, "triton" if q.is_cuda and _triton_installed() else "reference")
+        if fallback[2] is not None:
+            _count(fallback[2])
+        return fallback[1](
             q, k, v, slopes, causal, scale, q_offset=q_offset, k_offset=k_offset, q_doc=q_doc, k_doc=k_doc,
             return_lse=return_lse,
         )  # fmt: skip
@@ -462,7 +466,7 @@ def implementations(op: str, device: torch.device) -> dict[str, Implementation]:
     if op not in SELECTABLE:
         raise KernelBackendError(f"implementations(): unknown op {op!r}; selectable: {', '.join(SELECTABLE)}")
     device_type = torch.device(device).type
-    found = {"reference": _REFERENCE[op]}
+    found = {"reference": getattr(reference, op)}
     if _inductor_runs(device_type):
         found["compiled"] = _compiled(op)
     if _triton_installed() and (device_type == "cuda" or (device_type == "cpu" and _kernels_interpreted())):
@@ -475,12 +479,12 @@ def implementations(op: str, device: torch.device) -> dict[str, Implementation]:
 # ----- the ops ----------------------------------------------------------------------------------------------------
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
     """LayerNorm over the last dim, fp32 statistics, output in x's dtype (rows wider than 16384: torch twin)."""
-    return _route("layer_norm", x)[1](x, weight, bias, eps)
+    return _route("layer_norm", x)(x, weight, bias, eps)
 
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(x + bias), bias over the last dim; output in x's dtype."""
-    return _route("bias_gelu", x)[1](x, bias)
+    return _route("bias_gelu", x)(x, bias)
 
 
 def alibi_softmax(
@@ -496,7 +500,7 @@ def alibi_softmax(
     nonzero for real tokens (transformers' attention_mask) or None. Full contract: kernels.reference.alibi_softmax.
     More than 16384 keys: the torch twin (the flash path is the one for long sequences).
     """
-    return _route("alibi_softmax", scores)[1](scores, slopes, padding_mask, scale, causal)
+    return _route("alibi_softmax", scores)(scores, slopes, padding_mask, scale, causal)
 
 
 def flash_alibi_attention(
@@ -523,7 +527,7 @@ def flash_alibi_attention(
     run fused; wider ones fall back to the materialized torch twin. With "sdpa" or "flex" chosen, the calls
     those support (causal self-attention over whole sequences, no return_lse) go to them, the rest to Triton.
     """
-    return _route("flash_alibi_attention", q)[1](
+    return _route("flash_alibi_attention", q)(
         q, k, v, slopes, causal, scale, q_offset=q_offset, k_offset=k_offset, q_doc=q_doc, k_doc=k_doc,
         return_lse=return_lse,
     )  # fmt: skip
@@ -549,7 +553,7 @@ def flash_alibi_attention_backward(
     as flash_alibi_attention returns it, merged over all key chunks) and delta = rowsum(O * dO) of the final
     output. Arguments as flash_alibi_attention; contract: kernels.reference.flash_alibi_attention_backward.
     Triton on CUDA (the chunked calls it serves are never the peers'), as BLOOM_KERNELS says otherwise."""
-    return _route("flash_alibi_attention_backward", q)[1](
+    return _route("flash_alibi_attention_backward", q)(
         do, q, k, v, lse, delta, slopes, scale, causal=causal, q_offset=q_offset, k_offset=k_offset, q_doc=q_doc,
         k_doc=k_doc,
     )  # fmt: skip
@@ -573,7 +577,7 @@ def vocab_cross_entropy(
     already summed over the group. reduction: "mean" (all labels ignored gives 0), "sum" (padded evaluation
     micro-batches), "none" (per-token fp32 losses shaped like labels, 0 where ignored; no gradient).
     """
-    return _route("vocab_cross_entropy", hidden)[1](
+    return _route("vocab_cross_entropy", hidden)(
         hidden, weight, labels, chunk_size=chunk_size, ignore_index=ignore_index, tp_group=tp_group,
         reduction=reduction,
     )  # fmt: skip
@@ -590,7 +594,7 @@ def vocab_scores(
     """Evaluation's view of the same chunked pass: (log p(target) [...] fp32, or None when targets is None;
     greedy token [...] int64, the lowest global id of the largest logit) for hidden [..., H] and this rank's
     vocab shard weight [V_local, H]; the same on every rank of tp_group. No gradient."""
-    return _route("vocab_scores", hidden)[1](hidden, weight, targets, chunk_size=chunk_size, tp_group=tp_group)
+    return _route("vocab_scores", hidden)(hidden, weight, targets, chunk_size=chunk_size, tp_group=tp_group)
 
 
 def _build_now() -> None:
