@@ -255,7 +255,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="tokens/s and MFU of the trainer against transformers eager and compiled; kernels")
     p.add_argument("--model", help="model preset name or TOML file (default: what the plan picks for this machine)")
     p.add_argument("--out", type=Path, help="JSON result file (default: runs/bench/<date>-<device>.json)")
-    p.add_argument("--quick", action="store_true", help="a few steps of bloom-micro-test (default model): a smoke run")
+    p.add_argument("--quick", action="store_true", help="a smoke run: a few steps of bloom-micro-test on CPU; on a GPU"
+                   " bloom-560m at micro-batch 2, 5 timed steps (default model and sizes)")  # fmt: skip
+    p.add_argument("--micro-batch", type=int, metavar="N",
+                   help="samples per micro-batch, instead of the plan's; a step is then one micro-batch")  # fmt: skip
+    p.add_argument("--steps", type=int, metavar="K",
+                   help="timed steps per contender (default: 20; --quick: 3, GPU 5), after 3 warm-up steps"
+                        " (--quick: 1, GPU 2), not timed, where torch.compile and autotuning happen")  # fmt: skip
+    p.add_argument("--micro-batches", type=int, metavar="M",
+                   help="micro-batches per step, gradient accumulation (default: the plan's for one data-parallel"
+                        " rank; 1 with --micro-batch)")  # fmt: skip
+    p.add_argument("--profile", action="store_true",
+                   help="trace 3 more steps of each contender with torch.profiler: top kernels, GPU idle share,"
+                        " launches and host syncs per step; the traces beside the JSON,"
+                        " <out>-<contender>.trace.json")  # fmt: skip
 
     p = sub.add_parser("sbatch", help="write a SLURM batch script that trains the plan on an allocation")
     p.add_argument("--run-dir", type=Path, required=True, help="the run directory the job will use")
@@ -605,8 +618,10 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from appliance.benchmark.command import run_bench
+    from appliance.benchmark.workload import BenchSize
 
-    run_bench(args.model, args.out, quick=args.quick)
+    size = BenchSize(micro_batch=args.micro_batch, steps=args.steps, micro_batches=args.micro_batches)
+    run_bench(args.model, args.out, quick=args.quick, size=size, profile=args.profile)
     return 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,29 +18,54 @@ import torch
 Thunk = Callable[[], Any]
 
 
+@dataclass(frozen=True)
+class Timing:
+    ms: float  # device time per call (GPU: CUDA events around back-to-back calls); on CPU the host time
+    cpu_us: float  # host time per call: launching on a GPU (no synchronisation inside the loop), the work on CPU
+
+
 class Timer:
-    """Median milliseconds per call over `iters` calls after `warmup` untimed ones (CUDA events on GPUs)."""
+    """Time per call of a thunk after `warmup` untimed calls.
+
+    GPU: `iters` calls back to back between one pair of CUDA events, so a call's time excludes the launch gaps
+    between calls that a lone call would show; the host time of the same loop (nothing synchronises inside it) is
+    the CPU cost of launching. The median of GPU_GROUPS such loops. CPU: the median of `iters` calls timed one by
+    one (robust to a neighbour's burst on a shared machine); the host time is the work itself."""
+
+    GPU_GROUPS = 3
 
     def __init__(self, cuda: bool, warmup: int, iters: int) -> None:
         self.cuda, self.warmup, self.iters = cuda, warmup, iters
 
     def __call__(self, fn: Thunk) -> float:
+        """Milliseconds per call (Timing.ms)."""
+        return self.measure(fn).ms
+
+    def measure(self, fn: Thunk) -> Timing:
         for _ in range(self.warmup):
             fn()
-        samples = []
-        for _ in range(self.iters):
-            if self.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                torch.cuda.synchronize()
-                samples.append(start.elapsed_time(end))
-            else:
+        if not self.cuda:
+            samples = []
+            for _ in range(self.iters):
                 t0 = time.perf_counter()
                 fn()
                 samples.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(samples)
+            ms = statistics.median(samples)
+            return Timing(ms, ms * 1e3)
+        groups = [self._back_to_back(fn) for _ in range(self.GPU_GROUPS)]
+        return Timing(statistics.median(g.ms for g in groups), statistics.median(g.cpu_us for g in groups))
+
+    def _back_to_back(self, fn: Thunk) -> Timing:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()  # the queue is empty: the loop's host time is its launches alone
+        t0 = time.perf_counter()
+        start.record()
+        for _ in range(self.iters):
+            fn()
+        end.record()
+        host_s = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        return Timing(start.elapsed_time(end) / self.iters, host_s * 1e6 / self.iters)
 
 
 def machine_ceilings(timer: Timer, device: torch.device, dtype: torch.dtype, *, small: bool) -> dict[str, Any]:

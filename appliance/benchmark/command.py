@@ -1,9 +1,10 @@
 """`./bloom_appliance.py bench`: the contenders, the kernel table and the ceilings, measured in one run.
 
 Order: the machine's ceilings; the contenders, built in this order: the trainer (its first weights seed the peers),
-transformers eager, transformers compiled (taking turns step by step on CPU, one after the other on a GPU); the
-kernel table at the trained model's rank shapes. Everything runs in this process, on the device the plan targets
-(workload.py says what every contender shares, hf_peers.py what is equal).
+transformers eager, transformers compiled (taking turns step by step on CPU, one after the other on a GPU;
+contenders.py); the kernel table at the trained model's rank shapes. Everything runs in this process, on the device
+the plan targets (workload.py says what every contender shares and how the flags size it, hf_peers.py what is
+equal). --profile adds a trace of each contender (profile.py).
 MFU = model FLOPs per token (report.FLOP_CONVENTION) x tokens/s / the plan's peak per device.
 """
 
@@ -14,25 +15,19 @@ import os
 import platform
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from appliance.benchmark.ceilings import Timer, machine_ceilings
-from appliance.benchmark.hf_peers import compile_backend, hf_contender
-from appliance.benchmark.kernel_table import KernelCases, RankShapes, kernel_records
+from appliance.benchmark.contenders import Contender, Outcome, Running, run_contenders
+from appliance.benchmark.hf_peers import PeerContender, compile_backend
+from appliance.benchmark.kernel_table import HEAD_DIMS, KernelCases, RankShapes, kernel_records
 from appliance.benchmark.report import FLOP_CONVENTION, format_table, write_json
 from appliance.benchmark.trainer_speed import TrainerContender, one_rank_group
-from appliance.benchmark.workload import (
-    Batch,
-    Progress,
-    StepFn,
-    StepTimes,
-    Workload,
-    plan_workload,
-    time_contenders,
-)
+from appliance.benchmark.workload import BenchSize, Progress, Workload, plan_workload
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -63,14 +58,16 @@ def _versions() -> dict[str, str]:
     return found
 
 
-def run_bench(model: str | None, out: Path | None, *, quick: bool = False, progress: Progress = _progress) -> dict:
+def run_bench(model: str | None, out: Path | None, *, quick: bool = False, size: BenchSize | None = None,
+              profile: bool = False, progress: Progress = _progress) -> dict:  # fmt: skip
     load_before = os.getloadavg()  # the machine may be shared: the JSON says how busy it was
-    work = plan_workload(model, quick=quick)
+    work = plan_workload(model, quick=quick, size=size or BenchSize())
     spec, train = work.spec, work.spec.train
     cuda = work.device.type == "cuda"
     device_name = (
         torch.cuda.get_device_name(work.device) if cuda else f"{platform.machine()} CPU ({work.threads} threads)"
     )
+    path = out or default_out(device_name)
     if not cuda:
         from appliance.train.cpu_memory import keep_freed_memory
 
@@ -78,55 +75,67 @@ def run_bench(model: str | None, out: Path | None, *, quick: bool = False, progr
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(work.threads)
     try:
-        progress(f"bench: {spec.model.name}, {work.tokens_per_step} tokens per step, {train.dtype}, on {device_name}")
+        progress(f"bench: {spec.model.name}, {work.tokens_per_step} tokens per step ({work.micro_batches} x"
+                 f" micro-batch {train.micro_batch_size} x {train.seq_len}), {train.dtype}, on {device_name}; per"
+                 f" contender {work.warmup_steps} warm-up steps (not timed: torch.compile and Triton autotuning"
+                 f" happen there) and {work.steps} timed")  # fmt: skip
         dtype = DTYPES[train.dtype]
-        timer = Timer(cuda, warmup=1 if quick else 3, iters=2 if quick else (20 if cuda else 5))
-        ceiling = machine_ceilings(timer, work.device, dtype, small=quick)
+        # GPU: 20 calls back to back per timed loop, --quick too: fewer would leave the first launch's gap unamortized
+        timer = Timer(cuda, warmup=1 if quick else 3, iters=20 if cuda else (2 if quick else 5))
+        # Full size on a GPU (tiny buffers would measure its L2 cache): a 1 GiB copy moves 2 GiB, ~0.6 ms at H100
+        # rates, and an 8192^3 bf16 matmul is ~1.4 ms, so 63 calls of each take well under a second.
+        ceiling = machine_ceilings(timer, work.device, dtype, small=quick and not cuda)
         progress(f"  ceilings: copy {ceiling['copy_gbps']:.1f} GB/s, matmul {ceiling['matmul_tflops']:.3f} TFLOP/s")
-        batches = work.batches()
-        times, ours, hf_attention = _run_contenders(work, batches, progress)
+        built: dict[str, Any] = {}
+        with one_rank_group("nccl" if cuda else "gloo"):
+            outcomes = run_contenders(bench_contenders(work, built), work, work.batches(), progress,
+                                      profile_out=path if profile else None)  # fmt: skip
+        ours: TrainerContender | None = built.get("trainer")
+        calls = ours.calls_per_step if ours is not None else Counter[str]()
         shapes = RankShapes(batch=train.micro_batch_size, seq=train.seq_len, hidden=spec.model.hidden,
                             heads=spec.model.heads, ffn=spec.model.ffn_hidden, vocab=spec.model.padded_vocab(),
                             dtype=dtype)  # fmt: skip
+        # A quick GPU run times attention at the model's own head dim: each head dim compiles its peers anew.
+        head_dims = (spec.model.hidden // spec.model.heads,) if quick and cuda else HEAD_DIMS
         progress("  kernels (ours = what kernels.registry runs on this device):")
-        kernels = kernel_records(KernelCases(work.device, shapes), timer, ceiling, calls=ours.calls_per_step,
+        kernels = kernel_records(KernelCases(work.device, shapes, head_dims), timer, ceiling, calls=calls,
                                  progress=lambda line: progress("    " + line))  # fmt: skip
     finally:
         torch.set_num_threads(previous_threads)
-    result = _result(work, device_name, ceiling, {name: t.to_json() for name, t in times.items()}, kernels)
-    result["workload"]["hf_attention"] = hf_attention
-    result["first_loss"] = ours.first_loss
-    result["calls_per_step"] = dict(ours.calls_per_step)
+    result = bench_result(work, device_name, ceiling, outcomes, kernels)
+    result["workload"]["hf_attention"] = built.get("hf_attention")
+    result["workload"]["hf_weights"] = (
+        "the trainer's first weights" if ours is not None else "transformers' own (the trainer never built)"
+    )
+    result["first_loss"] = ours.first_loss if ours is not None else None
+    result["calls_per_step"] = dict(calls)
     result["load_average_1min"] = {"start": load_before[0], "end": os.getloadavg()[0]}
     print(format_table(result))
-    path = out or default_out(device_name)
     write_json(result, path)
     print(f"wrote {path}")
     return result
 
 
-def _run_contenders(
-    work: Workload, batches: list[list[Batch]], progress: Progress
-) -> tuple[dict[str, StepTimes], TrainerContender, str]:
-    """(each contender's step times, the trainer contender, the attention implementation transformers chose)."""
-    built: dict[str, Any] = {}
+def bench_contenders(work: Workload, built: dict[str, Any]) -> list[Contender]:
+    """The three contenders, in build order; `built` receives the trainer ("trainer") and the attention
+    implementation transformers chose ("hf_attention")."""
 
-    def trainer() -> StepFn:
+    def trainer() -> Running:
         built["trainer"] = TrainerContender(work)
         return built["trainer"]
 
-    def peer(compiled: bool) -> StepFn:
-        ours = built["trainer"]
-        if not work.interleaved:
-            ours.release()  # its steps are done; its weights stay
-        step, built["hf_attention"] = hf_contender(work, ours.weights, compiled=compiled)
-        return step
+    def peer(compiled: bool) -> Running:
+        ours = built.get("trainer")  # absent when the trainer ran out of memory while building
+        made = PeerContender(work, ours.weights if ours is not None else None, compiled=compiled)
+        built["hf_attention"] = made.attention
+        return made
 
     names = contender_names(work)
-    makers = {names[0]: trainer, names[1]: lambda: peer(False), names[2]: lambda: peer(True)}
-    with one_rank_group("nccl" if work.device.type == "cuda" else "gloo"):
-        times = time_contenders(makers, work, batches, progress)
-    return times, built["trainer"], built["hf_attention"]
+    return [
+        Contender("trainer", names[0], trainer),
+        Contender("hf-eager", names[1], lambda: peer(False)),
+        Contender("hf-compile", names[2], lambda: peer(True)),
+    ]
 
 
 def contender_names(work: Workload) -> tuple[str, str, str]:
@@ -137,13 +146,21 @@ def contender_names(work: Workload) -> tuple[str, str, str]:
     )
 
 
-def _result(work: Workload, device_name: str, ceiling: dict[str, Any], contenders: dict[str, dict[str, Any]],
+def _ratio(ours: Outcome, peer: Outcome) -> float | None:
+    """ours / it in tokens/s, only where both ran."""
+    if ours.times is None or peer.times is None:
+        return None
+    return ours.times.tokens_per_s / peer.times.tokens_per_s
+
+
+def bench_result(work: Workload, device_name: str, ceiling: dict[str, Any], outcomes: dict[str, Outcome],
             kernels: list[dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
     spec, train = work.spec, work.spec.train
-    ours, eager, compiled = (contenders[name] for name in contender_names(work))
+    ours, eager, compiled = (outcomes[name] for name in contender_names(work))
     flops_per_token = spec.model.flops_per_token(train.seq_len)
     peak = spec.device.peak_tflops  # the plan's per-rank peak: dense bf16 on GPUs, fp32 FMA of the cores on CPU
-    tflops = ours["tokens_per_s"] * flops_per_token / 1e12
+    tokens_per_s = ours.times.tokens_per_s if ours.times is not None else None
+    tflops = tokens_per_s * flops_per_token / 1e12 if tokens_per_s is not None else None
     return {
         "device": device_name,
         "date": datetime.date.today().isoformat(),
@@ -168,14 +185,14 @@ def _result(work: Workload, device_name: str, ceiling: dict[str, Any], contender
         "flop_convention": FLOP_CONVENTION,
         "model_flops_per_token": flops_per_token,
         "peak_tflops_per_device": peak,
-        "tokens_per_s": ours["tokens_per_s"],
-        "tokens_per_s_hf_eager": eager["tokens_per_s"],
-        "tokens_per_s_hf_compile": compiled["tokens_per_s"],
-        "ratio_vs_hf_eager": ours["tokens_per_s"] / eager["tokens_per_s"],
-        "ratio_vs_hf_compile": ours["tokens_per_s"] / compiled["tokens_per_s"],
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_hf_eager": eager.times.tokens_per_s if eager.times is not None else None,
+        "tokens_per_s_hf_compile": compiled.times.tokens_per_s if compiled.times is not None else None,
+        "ratio_vs_hf_eager": _ratio(ours, eager),
+        "ratio_vs_hf_compile": _ratio(ours, compiled),
         "tflops_per_device": tflops,
-        "mfu": tflops / peak if peak else None,
-        "contenders": contenders,
+        "mfu": tflops / peak if peak and tflops is not None else None,
+        "contenders": {name: outcome.to_json(work) for name, outcome in outcomes.items()},
         "ceilings": ceiling,
         "kernels": kernels,
     }

@@ -23,29 +23,33 @@ from typing import Any
 
 import torch
 
-from appliance.benchmark.workload import Batch, StepFn, Workload
+from appliance.benchmark.workload import Batch, Workload
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def compile_backend(work: Workload) -> str:
-    """inductor, torch.compile's default; --quick (a smoke run) only captures the graph ("eager" backend), which
-    spares the C++ build of the generated kernels on CPU."""
-    return "eager" if work.quick else "inductor"
+    """inductor, torch.compile's default; --quick on CPU (a smoke run) only captures the graph ("eager" backend),
+    which spares the C++ build of the generated kernels. --quick on a GPU keeps inductor: its Triton kernels are the
+    peer worth measuring there, and they build in the warm-up."""
+    return "eager" if work.quick and work.device.type == "cpu" else "inductor"
 
 
-def hf_model(work: Workload, weights: dict[str, torch.Tensor]) -> Any:
+def hf_model(work: Workload, weights: dict[str, torch.Tensor] | None) -> Any:
+    """transformers' Bloom for the workload's model on its device, with `weights` (None: transformers' own
+    initialisation, when the trainer ran out of memory before it had any)."""
     import transformers
 
     from appliance.train.from_spec import model_config
 
     config = model_config(work.spec, work.spec.model.vocab_size)  # as the trainer's engine was built
     model: Any = transformers.BloomForCausalLM(transformers.BloomConfig(**config.to_hf_dict()))
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    if unexpected or [k for k in missing if k != "lm_head.weight"]:  # the LM head is tied to the embedding
-        raise RuntimeError(
-            f"bench: transformers' Bloom did not take our weights: missing {missing}, unexpected {unexpected}"
-        )
+    if weights is not None:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        if unexpected or [k for k in missing if k != "lm_head.weight"]:  # the LM head is tied to the embedding
+            raise RuntimeError(
+                f"bench: transformers' Bloom did not take our weights: missing {missing}, unexpected {unexpected}"
+            )
     model.to(work.device)
     return model.train()
 
@@ -87,11 +91,24 @@ def training_step(model: Any, work: Workload) -> Callable[[list[Batch]], float]:
     return step
 
 
-def hf_contender(work: Workload, weights: dict[str, torch.Tensor], *, compiled: bool) -> tuple[StepFn, str]:
-    """(one training step of transformers' Bloom on the trainer's first weights, the attention implementation
-    transformers chose for it)."""
-    model = hf_model(work, weights)
-    attention = str(model.config._attn_implementation)
-    if compiled:
-        model = torch.compile(model, backend=compile_backend(work))
-    return training_step(model, work), attention
+class PeerContender:
+    """transformers' Bloom with its optimizer, one training step per call (training_step)."""
+
+    def __init__(self, work: Workload, weights: dict[str, torch.Tensor] | None, *, compiled: bool) -> None:
+        model = hf_model(work, weights)
+        self.attention = str(model.config._attn_implementation)  # the implementation transformers chose
+        self.compiled = compiled
+        if compiled:
+            model = torch.compile(model, backend=compile_backend(work))
+        self.step: Callable[[list[Batch]], float] | None = training_step(model, work)
+
+    def __call__(self, micro_batches: list[Batch]) -> float:
+        if self.step is None:
+            raise RuntimeError("bench: this transformers contender was released")
+        return self.step(micro_batches)
+
+    def release(self) -> None:
+        """Drop the model and its optimizer state (the step's closure holds both); compiled: dynamo's caches too."""
+        self.step = None
+        if self.compiled:
+            torch.compiler.reset()

@@ -1,13 +1,16 @@
 """Each fused op against its torch twin and peers, at the shapes a training rank runs, with its share of the ceilings.
 
 For every op, first the correctness check against the fp32 torch twin (kernels/reference.py); an op that fails it
-is not timed. Then, per pass (forward, forward+backward): the median time, the achieved bandwidth (memory-bound
-ops) or TFLOP/s (attention, the LM head), its share of the ceiling measured in the same run (ceilings.py), and the
-speedup over each peer (peer time / ours, > 1: ours is faster). Attention is measured at head dims 64, 80, 96 and
-128 (every BLOOM preset's, bloom-560m to bloom-176b) with the rank's hidden width, against SDPA with an additive
-ALiBi+causal bias and FlexAttention with an ALiBi score_mod (compiled on GPUs; eager on CPU, where compiling every
-shape would take minutes). `calls_per_step` says how often one training step of the benchmarked model called the op
-(count_registry_calls): 0 means that path does not run this op on this device (CPU ranks run the torch twins).
+is not timed. Then, per pass (forward, forward+backward): the device time per call (`ms`: on a GPU from back-to-back
+calls between one pair of CUDA events, so launch gaps are left out; ceilings.Timer) and the host time per call
+(`cpu_us`: what launching costs the CPU), the achieved bandwidth (memory-bound ops) or TFLOP/s (attention, the LM
+head), its share of the ceiling measured in the same run (ceilings.py), and the speedup over each peer (peer time /
+ours in device time, > 1: ours is faster; each peer's `<peer>_ms` and `<peer>_cpu_us` beside it). Attention is
+measured at head dims 64, 80, 96 and 128 (every BLOOM preset's, bloom-560m to bloom-176b; `bench --quick` on a GPU
+the model's own) with the rank's hidden width, against SDPA with an additive ALiBi+causal bias and FlexAttention
+with an ALiBi score_mod (compiled on GPUs; eager on CPU, where compiling every shape would take minutes).
+`calls_per_step` says how often one training step of the benchmarked model called the op (count_registry_calls): 0
+means that path does not run this op on this device (CPU ranks run the torch twins).
 """
 
 from __future__ import annotations
@@ -290,18 +293,21 @@ class KernelCases:
 
 
 def measure(case: Case, timer: Timer, ceiling: dict[str, Any]) -> dict[str, Any]:
-    ms = timer(case.ours)
+    """ms: device time per call (the speedups compare these); cpu_us: host time per call (Timer.measure)."""
+    timing = timer.measure(case.ours)
+    ms = timing.ms
     achieved = case.work / ms / (1e6 if case.unit == "GB/s" else 1e9)  # bytes/ms -> GB/s, FLOP/ms -> TFLOP/s
     peak = ceiling["copy_gbps"] if case.unit == "GB/s" else ceiling["matmul_tflops"]
-    result: dict[str, Any] = {"ms": ms, "unit": case.unit, "achieved": achieved, "ceiling": peak,
-                              "pct_of_ceiling": 100 * achieved / peak}  # fmt: skip
+    result: dict[str, Any] = {"ms": ms, "cpu_us": timing.cpu_us, "unit": case.unit, "achieved": achieved,
+                              "ceiling": peak, "pct_of_ceiling": 100 * achieved / peak}  # fmt: skip
     speedup = {}
     for name, peer in case.peers.items():
         if isinstance(peer, str):  # why this peer was not measured
             result[f"{name}_ms"] = peer
             continue
-        result[f"{name}_ms"] = timer(peer)
-        speedup[name] = result[f"{name}_ms"] / ms  # > 1: ours is faster
+        peer_timing = timer.measure(peer)
+        result[f"{name}_ms"], result[f"{name}_cpu_us"] = peer_timing.ms, peer_timing.cpu_us
+        speedup[name] = peer_timing.ms / ms  # > 1: ours is faster
     result["speedup"] = speedup
     if "apex" in speedup:
         result["apex_faster"] = speedup["apex"] < 1.0  # the reason to call registry.use_apex_layer_norm(True)
@@ -336,8 +342,9 @@ def kernel_records(
                 continue
             record.update(measure(case, timer, ceiling))
             ratios = "  ".join(f"{name} x{value:.2f}" for name, value in record["speedup"].items())
-            progress(f"{kernel:22s} {case.passes:8s} {record['ms']:9.3f} ms {record['achieved']:8.2f} {case.unit:7s} "
-                     f"{record['pct_of_ceiling']:5.1f}% of ceiling  {ratios}")  # fmt: skip
+            progress(f"{kernel:22s} {case.passes:8s} {record['ms']:9.3f} ms {record['cpu_us']:9.1f} us host"
+                     f" {record['achieved']:8.2f} {case.unit:7s} {record['pct_of_ceiling']:5.1f}% of ceiling"
+                     f"  {ratios}")  # fmt: skip
         if cases.cuda:
             torch.cuda.empty_cache()
     return records

@@ -12,12 +12,16 @@ import socket
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from appliance.benchmark.kernel_table import count_registry_calls
 from appliance.benchmark.workload import Batch, Workload
+
+if TYPE_CHECKING:
+    from appliance.parallel.engine import ParallelEngine
 
 ONE_RANK_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
@@ -62,23 +66,29 @@ class TrainerContender:
 
         spec = work.spec
         # The vocabulary the plan states (a run would read the tokenizer's; both are padded the same way).
-        self.engine = engine_for(
+        engine = engine_for(
             spec, model_config(spec, spec.model.vocab_size), ParallelTopology(tp=1, pp=1, dp=1, world_size=1)
         )
-        self.weights: dict[str, torch.Tensor] = self.engine.model_shard()
+        self.weights: dict[str, torch.Tensor] = engine.model_shard()
+        self.engine: ParallelEngine | None = engine
         self.calls_per_step: Counter[str] = Counter()
         self.first_loss: float | None = None
 
     def release(self) -> None:
         """Drop the engine (its device memory), keeping weights, calls and loss: the peers run next."""
-        del self.engine
+        if self.engine is None:
+            raise RuntimeError("bench: the trainer contender was already released")
+        self.engine.close()
+        self.engine = None
 
     def __call__(self, micro_batches: list[Batch]) -> None:
+        if self.engine is None:
+            raise RuntimeError("bench: the trainer contender was released")
         if self.first_loss is not None:
             self.engine.train_batch(micro_batches)
             return
         # The first (warm-up) step counts the registry ops training calls; the counting wrappers add a Python call
         # per op, so the timed steps run without them.
         with count_registry_calls() as counted:
-            self.first_loss = self.engine.train_batch(micro_batches).loss
+            self.first_loss = float(self.engine.train_batch(micro_batches).loss)
         self.calls_per_step.update(counted)

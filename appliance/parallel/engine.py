@@ -103,6 +103,7 @@ from appliance.parallel.shards import (
     model_sources,
     shard_file_name,
 )
+from appliance.parallel.single_replica import SingleReplicaEngine
 from appliance.parallel.topology import ParallelTopology
 from appliance.planner.train_settings import TrainSettings
 
@@ -124,6 +125,36 @@ class StepResult:
     # of the routed tokens. The same on every rank.
     moe_aux_loss: float | None = None
     expert_load: list[list[float]] | None = None
+
+
+class PendingStep:
+    """A step whose figures may still be on the device: ``result()`` reads them, once, in one device-to-host copy.
+
+    The single-replica engine leaves the loss and the gradient norm on the device ([loss, grad norm] in one fp32
+    tensor), so the host can queue the next step before this one has finished and read these figures afterwards:
+    the one host sync per step, one step late. DeepSpeed's engines read theirs inside the step; their result comes
+    here already resolved.
+    """
+
+    def __init__(self, figures: torch.Tensor | StepResult) -> None:
+        self._figures = figures
+        self._result: StepResult | None = figures if isinstance(figures, StepResult) else None
+
+    def result(self) -> StepResult:
+        if self._result is None:
+            assert isinstance(self._figures, torch.Tensor)
+            loss, grad_norm = self._figures.tolist()  # the step's one device-to-host read
+            self._result = StepResult(loss=loss, grad_norm=grad_norm)
+        return self._result
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` without stopping the host: a copy from pageable host memory to a GPU waits for every kernel
+    queued before it (torch synchronises the stream), so host tensors go through pinned memory, asynchronously (the
+    caching host allocator keeps the pinned block until the copy has run)."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _pipeline_batches(micro_batches: Sequence[Batch]) -> list[Any]:
@@ -175,6 +206,7 @@ def build_engine(
     expert_disk_dir: Path | None = None,
     seq_len: int | None = None,  # MoE: sizes the exchanges the all-to-all choice weighs (model/moe.py)
     hardware: Hardware | None = None,  # MoE: the run's profile, its nodes and links (None: LOCAL_WORLD_SIZE)
+    step_engine: str = "auto",  # "auto": single_replica_step decides; "deepspeed": DeepSpeed's engine regardless
     compile: str = TrainSettings.compile,  # auto | on | off: torch.compile of each block (parallelize.compile_blocks)
 ) -> ParallelEngine:
     """Build this rank's part of the model and its DeepSpeed engine. Collective: every rank calls it."""
@@ -245,6 +277,16 @@ def build_engine(
         init_shards_(named, config, seed, topology.tp_rank(dist.get_rank()), topology.tp)
     if sequence_parallel:
         register_sequence_parallel_grad_hooks(module, topology.tp_group)
+    if step_engine not in STEP_ENGINES:
+        raise ValueError(f"step_engine must be one of {STEP_ENGINES}, got {step_engine!r}")
+    if step_engine == "auto" and single_replica_step(
+        config, topology, dtype=dtype, zero_stage=zero_stage, tiered=tiered
+    ):
+        return _single_replica_engine(
+            module, named, config, topology, loss_fn,
+            micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, dtype=dtype,
+            grad_clip=grad_clip, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
+        )  # fmt: skip
     # With the store, the experts' AdamW is the store's own, so DeepSpeed's optimizer gets the dense parameters only.
     groups = param_groups(dense_for_optimizer(named) if tiered else named, weight_decay)
     if config.is_moe and not tiered:
@@ -307,6 +349,67 @@ def build_engine(
     )
 
 
+STEP_ENGINES = ("auto", "deepspeed")
+
+
+def single_replica_step(
+    config: BloomConfig, topology: ParallelTopology, *, dtype: str, zero_stage: int = 0, tiered: bool = False
+) -> bool:
+    """Whether this layout trains through SingleReplicaEngine (single_replica.py) rather than DeepSpeed's engine: one
+    replica (dp x cp = 1) on one pipeline stage, a dense model, bf16 or fp32, ZeRO 0 or 1 (over one data-parallel
+    rank both shard nothing; bf16 runs DeepSpeed's stage-1 optimizer either way). fp16 keeps DeepSpeed's loss scaler,
+    BLOOM-MoE its expert groups and store, the 2D mesh its own norm accounting, and an explicit ZeRO-2 DeepSpeed's
+    optimizer."""
+    return (
+        topology.pp == 1
+        and topology.dp * topology.cp == 1
+        and zero_stage <= 1
+        and topology.tp2d <= 1
+        and not config.is_moe
+        and not tiered
+        and dtype in ("bf16", "fp32")
+    )
+
+
+def _single_replica_engine(
+    module: torch.nn.Module,
+    named: Sequence[tuple[str, torch.nn.Parameter]],
+    config: BloomConfig,
+    topology: ParallelTopology,
+    loss_fn: VocabParallelLoss,
+    *,
+    micro_batch_size: int,
+    global_batch_size: int,
+    dtype: str,
+    grad_clip: float,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    eps: float,
+) -> ParallelEngine:
+    from appliance.parallel.flat_optimizer import FlatAdamW
+
+    if dtype == "bf16":
+        # The weights in bf16, buffers (the ALiBi slopes) as they are: what DeepSpeed's engine casts for bf16.
+        with torch.no_grad():
+            for param in module.parameters():
+                param.data = param.data.to(torch.bfloat16)
+    optimizer = FlatAdamW(
+        named, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+        max_grad_norm=grad_clip if grad_clip > 0 else math.inf,
+        tp_rank=topology.tp_rank(dist.get_rank()), norm_group=topology.mp_group,
+    )  # fmt: skip
+    record = deepspeed_config(
+        global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, dp=1, zero_stage=0, dtype=dtype,
+        grad_clip=grad_clip if grad_clip > 0 else math.inf,
+    )  # fmt: skip
+    # The record says what ran: the same batch, precision and clipping, stepped without DeepSpeed's engine.
+    record["zero_optimization"] = {"stage": 0, "overlap_comm": False}
+    record["step_engine"] = "single_replica: dp x cp = 1 and pp = 1, flat fp32 AdamW (parallel/single_replica.py)"
+    engine = SingleReplicaEngine(module, optimizer, config=record, micro_batch_size=micro_batch_size)
+    return ParallelEngine(engine, topology, config, micro_batch_size=micro_batch_size, loss_fn=loss_fn)
+
+
 def _expert_offset(config: BloomConfig, topology: ParallelTopology) -> int:
     """This rank's first global expert: ep rank r holds experts [r * E/ep, (r + 1) * E/ep)."""
     if not config.is_moe:
@@ -350,6 +453,9 @@ class ParallelEngine:
         # This rank's index in DeepSpeed's data-parallel group (dp x cp, adjacent in the rank order).
         self.data_rank = self.dp_rank * topology.cp + self.cp_rank
         self.pipelined = topology.pp > 1
+        # dp x cp = 1, pp = 1: the step runs without DeepSpeed's engine (single_replica.py), its figures left on the
+        # device (train_batch_async).
+        self.single_replica = isinstance(engine, SingleReplicaEngine)
         self.is_last_stage = self.pp_rank == topology.pp - 1
         # An MoE model at ep > 1 is split too: each ep rank holds other experts.
         self.sharded = topology.tp > 1 or topology.pp > 1 or (config.is_moe and topology.ep > 1)
@@ -399,7 +505,12 @@ class ParallelEngine:
 
     def train_batch(self, micro_batches: Sequence[Batch]) -> StepResult:
         """Forward and backward over this DP rank's micro-batches (whole sequences; every CP rank of a DP rank gets
-        the same), then one optimizer step (collective)."""
+        the same), then one optimizer step (collective). Its figures are read at once: see train_batch_async."""
+        return self.train_batch_async(micro_batches).result()
+
+    def train_batch_async(self, micro_batches: Sequence[Batch]) -> PendingStep:
+        """train_batch, leaving the figures on the device where the engine allows (the single-replica step): the
+        caller reads them with ``result()`` after it has queued more work, e.g. the next step."""
         count = len(micro_batches)
         if count < 1:
             raise ValueError("a step needs at least one micro-batch")
@@ -407,14 +518,21 @@ class ParallelEngine:
         if count != self.engine.gradient_accumulation_steps():
             # DeepSpeed counts micro-batches over its data-parallel world, dp x cp (see build_engine).
             self.engine.set_train_batch_size(count * self.micro_batch_size * self.topology.dp * self.topology.cp)
-        scale = self.loss_scale
-        issued = self.param_gather.issued if self.param_gather is not None else 0
         self.loss_fn.lm_losses.clear()
         self.loss_fn.aux_losses.clear()
+        if self.single_replica:
+            loss = self._train_batch_plain(micro_batches)
+            norm = self.engine.get_global_grad_norm()
+            return PendingStep(torch.stack([loss, norm]))
+        return PendingStep(self._train_batch_deepspeed(micro_batches))
+
+    def _train_batch_deepspeed(self, micro_batches: Sequence[Batch]) -> StepResult:
+        scale = self.loss_scale
+        issued = self.param_gather.issued if self.param_gather is not None else 0
         if self.pipelined:
             loss = float(self.engine.train_batch(self._pipeline_iter(micro_batches, training=True)))
         else:
-            loss = self._train_batch_plain(micro_batches)
+            loss = float(self._train_batch_plain(micro_batches))
         if self.topology.tp2d > 1:
             # Each mesh row's loss is its share of the micro-batch mean (layers2d.loss_2d): the rows add up.
             total = torch.tensor(loss, dtype=torch.float64, device=collective_device(self.topology.tp_col_group))
@@ -473,16 +591,18 @@ class ParallelEngine:
             self._pipeline_carries = carries
         return iter(_pipeline_batches(micro_batches))
 
-    def _train_batch_plain(self, micro_batches: Sequence[Batch]) -> float:
+    def _train_batch_plain(self, micro_batches: Sequence[Batch]) -> torch.Tensor:
+        """The step at pp = 1 (DeepSpeed's plain engine or the single-replica one); returns the mean loss over the
+        step's micro-batches and data ranks, on the device, unread."""
         self.engine.train()
         losses = []
-        mean = torch.zeros(())
+        mean = torch.zeros((), device=self.engine.device)
         for i, batch in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             # The caller owns the step boundary, so a change in the number of micro-batches is always honoured.
             self.engine.set_gradient_accumulation_boundary(last)
             # (inputs, labels[, doc_ids]) -> BloomStack.forward(input_ids, labels, doc_ids)
-            loss = self.engine(*(t.to(self.engine.device) for t in batch))
+            loss = self.engine(*(to_device(t, self.engine.device) for t in batch))
             self.engine.backward(loss)  # scaled by 1 / micro-batches
             losses.append(loss.detach().float())
             if last:
@@ -495,8 +615,11 @@ class ParallelEngine:
                 if data_ranks > 1:
                     dist.all_reduce(mean, group=self.topology.dp_cp_group)
                     mean /= data_ranks
-            self.engine.step()  # updates only at the boundary
-        return float(mean)
+            if self.single_replica:
+                self.engine.step(mean if last else None)  # a non-finite loss skips the update on the device
+            else:
+                self.engine.step()  # updates only at the boundary
+        return mean
 
     @torch.no_grad()
     def eval_sums(self, micro_batches: Sequence[Batch]) -> tuple[float, float]:
@@ -522,7 +645,7 @@ class ParallelEngine:
             else:
                 self.engine.eval()
                 device = self.engine.device
-                losses = [self.engine(*(t.to(device) for t in batch)) for batch in micro_batches]
+                losses = [self.engine(*(to_device(t, device) for t in batch)) for batch in micro_batches]
                 self.engine.train()
         finally:
             self.loss_fn.reduction = "mean"
@@ -599,7 +722,10 @@ class ParallelEngine:
             param.copy_(value)
             # ZeRO and bf16 master weights take the file's fp32 numbers (bf16 weights would round them); the
             # optimizer state's own masters, where saved, replace them in load_optimizer.
-            safe_set_full_fp32_param(param, value)
+            if self.single_replica:
+                self.engine.optimizer.set_master(param, value)
+            else:
+                safe_set_full_fp32_param(param, value)
         self.last_checkpoint = step_dir
 
     def _read_piece(self, reader: ShardReader, key: str, name: str) -> torch.Tensor:

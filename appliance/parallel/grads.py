@@ -27,7 +27,7 @@ from appliance.parallel.mappings import Group, collective_device, group_size
 from appliance.parallel.topology import ParallelTopology
 
 # DeepSpeed's clipping formula (runtime/utils.py clip_grad_norm_, bf16 and ZeRO optimizers alike).
-_CLIP_EPS = 1e-6
+CLIP_EPS = 1e-6
 
 
 class TopologyMPU:
@@ -86,7 +86,8 @@ class TopologyMPU:
         return self.topology.pp_group
 
 
-def _counted_here(param: torch.Tensor, tp_rank: int, mesh_row: int = 0) -> bool:
+def counted_in_norm(param: torch.Tensor, tp_rank: int, mesh_row: int = 0) -> bool:
+    """Whether this rank counts `param`'s gradient in the global norm (the module docstring's rule)."""
     if getattr(param, "ds_pipe_replicated", False):
         return False  # the last stage's copy of the tied embedding: the first stage counts it
     if getattr(param, "tp2d_row_replica", False):
@@ -106,7 +107,7 @@ def global_grad_norm(
     params = list(params)
     tp_rank = topology.tp_rank(dist.get_rank())
     mesh_row = tp_rank // topology.tp2d if topology.tp2d > 1 else 0  # tp2d: tp rank = mesh row * q + mesh column
-    grads = [p.grad.detach() for p in params if p.grad is not None and _counted_here(p, tp_rank, mesh_row)]
+    grads = [p.grad.detach() for p in params if p.grad is not None and counted_in_norm(p, tp_rank, mesh_row)]
     # Summed on the gradients' device in fp32, one number per parameter, then one collective. A rank that counts no
     # gradient (a TP rank > 0 of a stage holding only replicated parameters) still joins the collective with a zero
     # on its parameters' device: a CPU zero would fail under NCCL.
@@ -120,11 +121,11 @@ def global_grad_norm(
         # BLOOM-MoE: each ep rank of a replica holds other experts (marked allreduce=False by DeepSpeed), so their
         # squares are summed over the ep group too before the replica's sum.
         # At tp > 1 the experts' tp-sharded weights count on every tp rank, their replicated biases on tp rank 0
-        # (_counted_here, as `squares` counted them); the mp all-reduce below sums the tp ranks.
+        # (counted_in_norm, as `squares` counted them); the mp all-reduce below sums the tp ranks.
         experts = [
             p.grad.detach()
             for p in params
-            if p.grad is not None and getattr(p, "allreduce", True) is False and _counted_here(p, tp_rank, mesh_row)
+            if p.grad is not None and getattr(p, "allreduce", True) is False and counted_in_norm(p, tp_rank, mesh_row)
         ]
         expert_squares = torch.zeros((), device=squares.device)
         if experts:
@@ -141,7 +142,7 @@ def global_grad_norm(
 
 def clip_coefficient(norm: float, max_norm: float) -> float | None:
     """The factor clipping multiplies every gradient by, min(1, max_norm / (norm + 1e-6)); None when it is 1."""
-    coefficient = max_norm / (norm + _CLIP_EPS)
+    coefficient = max_norm / (norm + CLIP_EPS)
     return coefficient if max_norm > 0 and coefficient < 1.0 else None
 
 

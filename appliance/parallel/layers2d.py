@@ -101,7 +101,7 @@ def _mark_2d(param: nn.Parameter, mesh: Mesh2D) -> None:
     """Each mesh rank holds its own block (sharding.py cuts and rejoins), so the drift check over tp leaves it alone.
 
     A vector's slice (biases, LayerNorms) is the same on every mesh row, and every gradient norm must count it once.
-    Ours (grads._counted_here) reads ``tp2d_row_replica``. DeepSpeed's bf16 and ZeRO optimizers count a parameter on
+    Ours (grads.counted_in_norm) reads ``tp2d_row_replica``. DeepSpeed's bf16 and ZeRO optimizers count a parameter on
     every tensor rank when ``is_model_parallel_parameter`` (its ``tensor_model_parallel``) says split, and on tensor
     rank 0 only otherwise. So the vector is marked split on mesh row 0 only (its q column slices differ) and
     replicated on rows > 0, whose tensor ranks row * q + col are all > 0: DeepSpeed then counts row 0's copies,

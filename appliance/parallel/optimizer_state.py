@@ -137,6 +137,46 @@ def _partitioned_state(named_params: NamedParams, optimizer: Any, keep: Callable
     return out
 
 
+def _is_flat(optimizer: Any) -> bool:
+    """True for the single-replica engine's FlatAdamW (state in flat buffers, one view per parameter)."""
+    from appliance.parallel.flat_optimizer import FlatAdamW
+
+    return isinstance(optimizer, FlatAdamW)
+
+
+def _flat_state(named_params: NamedParams, optimizer: Any, keep: Callable[[str], bool]) -> dict[str, Any]:
+    """FlatAdamW's views: its moments, the master of bf16 weights, the step count once it has stepped."""
+    out: dict[str, Any] = {}
+    step = int(optimizer.step_count)  # a checkpoint reads the device anyway
+    for name, param in named_params:
+        if not keep(name):
+            continue
+        for kind, value in optimizer.param_state(param).items():
+            if kind == STEP:
+                if step > 0:  # before its first step Adam has no state, as torch's AdamW: only the master
+                    out[f"{name}.{STEP}"] = torch.tensor(step, dtype=torch.int64)
+            elif kind == MASTER or step > 0:
+                out[f"{name}.{kind}"] = value.detach().float().cpu().clone()
+    return out
+
+
+def _load_flat(named_params: NamedParams, optimizer: Any, keys: Collection[str], read: Read) -> bool:
+    kinds = _saved_kinds(keys)
+    step = _saved_step(named_params, keys, read)
+    for name, param in named_params:
+        views = optimizer.param_state(param)
+        for kind in kinds:
+            _require(f"{name}.{kind}", keys)
+            if kind not in views:
+                raise KeyError(f"optimizer state: {name}.{kind} has no place in this optimizer ({sorted(views)})")
+            views[kind].copy_(read(f"{name}.{kind}", name))
+        if f"{name}.{MASTER}" in keys:
+            optimizer.set_master(param, read(f"{name}.{MASTER}", name))
+    if step is not None:
+        optimizer.step_count.fill_(float(step))
+    return bool(kinds) or step is not None
+
+
 def _plain_state(named_params: NamedParams, optimizer: Any, keep: Callable[[str], bool]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, param in named_params:
@@ -160,6 +200,8 @@ def optimizer_state(
     Empty before the first step (Adam has no state yet), except for bf16 master weights."""
     if _is_partitioned(optimizer):
         return _partitioned_state(named_params, optimizer, keep)
+    if _is_flat(optimizer):
+        return _flat_state(named_params, optimizer, keep)
     return _plain_state(named_params, optimizer, keep)
 
 
@@ -236,4 +278,6 @@ def load_optimizer_state(named_params: NamedParams, optimizer: Any, keys: Collec
     keys = set(keys)
     if _is_partitioned(optimizer):
         return _load_partitioned(named_params, optimizer, keys, read)
+    if _is_flat(optimizer):
+        return _load_flat(named_params, optimizer, keys, read)
     return _load_plain(named_params, optimizer, keys, read)

@@ -27,13 +27,13 @@ from appliance.data.documents import document_ids, document_lengths
 from appliance.data.sampler import BalancedPretrainingSampler
 from appliance.monitor.events import EventWriter
 from appliance.parallel.drift import ReplicaDriftError
-from appliance.parallel.engine import ParallelEngine
+from appliance.parallel.engine import ParallelEngine, PendingStep
 from appliance.parallel.expert_store import expert_step_fields
 from appliance.planner.train_settings import DRIFT_CHECK_INTERVAL
 from appliance.rundir import RunDir
 from appliance.train import checkpoint as ckpt
 from appliance.train.budget_watch import BudgetWatch, budget_message
-from appliance.train.control import ControlChannel
+from appliance.train.control import ControlChannel, host_group
 from appliance.train.faults import FaultInjector
 from appliance.train.metrics import StepFlops
 from appliance.train.schedule import global_batch_at
@@ -55,6 +55,34 @@ class UnrecoverableError(RuntimeError):
 class Position:
     step: int = 0
     consumed_samples: int = 0
+
+
+@dataclass
+class IssuedStep:
+    """A step whose work is queued: its number, the samples consumed once it is done, when the host started it, the
+    lr and batch it ran with, and its figures, still on the device (None: its data lay in a skip window)."""
+
+    step: int
+    consumed_samples: int
+    started: float
+    lr: float
+    batch: int
+    pending: PendingStep | None
+
+    def figures(self) -> dict[str, Any]:
+        """What the step event and the outcome need; the first call reads the device (the step's one host sync)."""
+        assert self.pending is not None
+        result = self.pending.result()
+        return {
+            "loss": result.loss,
+            "lr": self.lr,
+            "grad_norm": result.grad_norm,
+            "batch": float(self.batch),
+            "loss_scale": result.loss_scale,
+            "overflow": result.overflow,
+            "moe_aux_loss": result.moe_aux_loss,
+            "expert_load": result.expert_load,
+        }
 
 
 def in_windows(step: int, windows: Sequence[Sequence[int]]) -> bool:
@@ -114,6 +142,7 @@ class Trainer:
         budget: BudgetWatch | None = None,
         cp_rank: int = 0,
         eod_id: int | None = None,
+        late_reads: bool | None = None,
     ) -> None:
         self.engine = engine
         self.s = settings
@@ -130,7 +159,14 @@ class Trainer:
         self.versions = versions
         self.device = device
         self.pos = Position()
-        self.control = ControlChannel(run_dir, poll_files=rank == 0, device=device)
+        # Flags, times and counts the ranks agree on travel over gloo, on the host: agreeing never waits for the
+        # device's queue (a collective on device tensors, read back, would wait for every kernel before it).
+        self.host_group = host_group()
+        self.control = ControlChannel(run_dir, poll_files=rank == 0, group=self.host_group)
+        # Read a step's figures after queueing the next one (one host sync per step, one step late), where the device
+        # runs asynchronously from the host; on CPU every op has finished when it returns, so there is nothing to gain.
+        self.late_reads = device.type == "cuda" if late_reads is None else late_reads
+        self._last_finish: float | None = None  # when the newest step's figures were read
         self.drift_check_interval = drift_check_interval
         # The group the final evaluation spreads its requests over: one rank per model replica position.
         self.dp_group = engine.topology.dp_group
@@ -186,9 +222,10 @@ class Trainer:
 
     # ---- collectives -------------------------------------------------------------------------------------
     def _all_reduce(self, values: list[float], op: Any = None) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        """Host values reduced over every rank, on the host group (no device involved)."""
+        t = torch.tensor(values, dtype=torch.float64, device="cpu")
         if dist.is_initialized():
-            dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+            dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.host_group)
         return t.tolist()
 
     def _barrier(self) -> None:
@@ -213,7 +250,13 @@ class Trainer:
         return steps
 
     def train_step(self, batches: Iterator[list[int]]) -> dict[str, Any] | None:
-        """One step; None when the step's data lies in a skip window (consumed, not trained on)."""
+        """One step, its figures read at once; None when the step's data lies in a skip window."""
+        issued = self.issue_step(batches)
+        return None if issued.pending is None else issued.figures()
+
+    def issue_step(self, batches: Iterator[list[int]]) -> IssuedStep:
+        """Queue one step's work and advance the position; its figures stay on the device until asked for."""
+        started = time.time()
         step = self.pos.step + 1
         if self.on_step is not None:
             self.on_step(step)
@@ -227,23 +270,15 @@ class Trainer:
         micro_batches = [self.to_batch(self.train_data, next(batches)) for _ in range(count)]
         self.pos.step += 1
         self.pos.consumed_samples += batch
+        issued = IssuedStep(step, self.pos.consumed_samples, started, lr, batch, pending=None)
         if in_windows(step, self.skip_windows):
-            return None
+            return issued
         self.engine.loss_fn.inject_nan = self.faults.due("nan", step)
         try:
-            result = self.engine.train_batch(micro_batches)
+            issued.pending = self.engine.train_batch_async(micro_batches)
         finally:
             self.engine.loss_fn.inject_nan = False
-        return {
-            "loss": result.loss,
-            "lr": lr,
-            "grad_norm": result.grad_norm,
-            "batch": float(batch),
-            "loss_scale": result.loss_scale,
-            "overflow": result.overflow,
-            "moe_aux_loss": result.moe_aux_loss,
-            "expert_load": result.expert_load,
-        }
+        return issued
 
     def step_outcome(self, out: Mapping[str, Any]) -> str:
         """TRAINED, OVERFLOW or NONFINITE, the same on every rank (the MAX makes it so, whatever each rank saw of
@@ -255,11 +290,13 @@ class Trainer:
         bad, overflow = self._all_reduce([float(nonfinite), float(out["overflow"])], dist.ReduceOp.MAX)
         return NONFINITE if bad > 0 else OVERFLOW if overflow > 0 else TRAINED
 
-    def roll_back(self) -> None:
-        """After nan_rollback_after skipped steps in a row: back to the newest checkpoint, and skip the data of
-        those steps when training reaches them again (BLOOM-176B's remedy for its loss spikes, done by hand then)."""
+    def roll_back(self, last_step: int | None = None) -> None:
+        """After nan_rollback_after skipped steps in a row, the last of them `last_step` (default: the current step):
+        back to the newest checkpoint, and skip the data of those steps when training reaches them again (BLOOM-176B's
+        remedy for its loss spikes, done by hand then). A step queued after them is thrown away with the rest."""
         started = time.time()
-        window = (self.pos.step - self.nonfinite_streak + 1, self.pos.step)
+        last = self.pos.step if last_step is None else last_step
+        window = (last - self.nonfinite_streak + 1, last)
         self.rollbacks += 1
         if self.rollbacks > self.s.max_rollbacks:
             raise UnrecoverableError(
@@ -451,60 +488,112 @@ class Trainer:
 
     # ---- the loop ----------------------------------------------------------------------------------------
     def fit(self) -> str:
-        """Train until train_samples; returns "done", or "preempted" after a stop request and a checkpoint."""
+        """Train until train_samples; returns "done", or "preempted" after a stop request and a checkpoint.
+
+        With late reads (a GPU), each step's figures are read after the next step is queued: the host waits only for
+        the older step, which the device has (nearly) finished, while the newer one keeps it busy. A step is read at
+        once when something must act on it before training goes on: an evaluation, a drift check, a checkpoint, a
+        stop, the last step. Stop and save requests and the time since the last save are agreed on the host group.
+        """
         total_steps = self.planned_steps()
         batches = self.step_batches(self.pos.consumed_samples)
         last_save_time = time.time()
         if self.pos.step == 0:
             self._record_eval(self._timed_evaluate())
+        pending: IssuedStep | None = None  # queued, figures not read yet
+        carried = (0.0, 0.0)  # save and stop requests agreed at a step that then rolled back: they still hold
         while self.pos.step < total_steps:
-            started = time.time()
-            out = self.train_step(batches)
-            if out is None:
-                self._emit("warning", message=f"step {self.pos.step}: data skipped (it gave non-finite losses)")
-            else:
-                outcome = self.step_outcome(out)
-                if outcome == OVERFLOW:
-                    self.overflow_steps += 1
-                self._emit_step(out, time.time() - started, total_steps, outcome=outcome)
-                self._check_budget(time.time() - started, total_steps)
-                if outcome == NONFINITE:
-                    self.nonfinite_streak += 1
-                    self._emit(
-                        "warning",
-                        message=f"step {self.pos.step} skipped: loss {out['loss']}, grad norm {out['grad_norm']}; "
-                        f"parameters unchanged ({self.nonfinite_streak} of {self.s.nan_rollback_after} in a row)",
-                    )
-                    if self.nonfinite_streak >= self.s.nan_rollback_after:
-                        self.roll_back()
-                        batches = self.step_batches(self.pos.consumed_samples)
-                        last_save_time = time.time()
-                        continue
-                else:
-                    self.nonfinite_streak = 0  # a finite loss ends a run of non-finite ones, overflow or not
-            if self.drift_check_interval > 0 and self.pos.step % self.drift_check_interval == 0:
-                self.check_drift()
-            if self.pos.step % self.s.eval_interval == 0 or self.pos.step == total_steps:
-                self._record_eval(self._timed_evaluate())
-            requests = self.control.poll()
-            # Every rank computes the same decision from the all-reduced inputs: wall time is agreed on too.
-            (elapsed,) = self._all_reduce([time.time() - last_save_time], dist.ReduceOp.MAX)
+            issued = self.issue_step(batches)
+            if pending is not None and self.finish_step(pending, total_steps):
+                # Rolled back (the queued step goes with the rest): resume from the checkpoint's position.
+                pending = None
+                batches = self.step_batches(self.pos.consumed_samples)
+                last_save_time = time.time()
+                continue
+            pending = issued
+            drift_due = self.drift_check_interval > 0 and self.pos.step % self.drift_check_interval == 0
+            eval_due = self.pos.step % self.s.eval_interval == 0 or self.pos.step == total_steps
+            # One host all-reduce agrees on the stop and save requests and on the time since the last save: every
+            # rank then takes the same branch, wall time included.
+            save_seen, stop_seen = self.control.local_flags()
+            save_asked, stop_asked, elapsed = self._all_reduce(
+                [max(save_seen, carried[0]), max(stop_seen, carried[1]), time.time() - last_save_time],
+                dist.ReduceOp.MAX,
+            )
+            carried = (0.0, 0.0)
             due = self.pos.step % self.s.save_interval == 0 or elapsed >= self.s.save_interval_minutes * 60
-            stop = requests.stop or self.pos.step == self.stop_at_step
-            if requests.save or stop or due or self.pos.step == total_steps:
+            stop = bool(stop_asked) or self.pos.step == self.stop_at_step
+            save = bool(save_asked) or stop or due or self.pos.step == total_steps
+            if self.late_reads and not (drift_due or eval_due or save):
+                continue
+            pending = None
+            if self.finish_step(issued, total_steps):
+                carried = (save_asked, stop_asked)  # the request files are consumed: keep what they asked for
+                batches = self.step_batches(self.pos.consumed_samples)
+                last_save_time = time.time()
+                continue
+            if drift_due:
+                self.check_drift()
+            if eval_due:
+                self._record_eval(self._timed_evaluate())
+            if save:
                 self.save()
                 last_save_time = time.time()
+            self._last_finish = time.time()  # the next step's clock starts after the checkpoint or evaluation
             if stop and self.pos.step < total_steps:
                 reason = self.control.signal_name or (
-                    "save-and-exit requested" if requests.stop else f"--stop-at-step {self.stop_at_step}"
+                    "save-and-exit requested" if stop_asked else f"--stop-at-step {self.stop_at_step}"
                 )
                 self._emit("run", state="preempted", step=self.pos.step, reason=reason)
                 if self.rank == 0:
                     self.run_dir.preempted_marker.write_text(f"{self.pos.step}\n")
                 return "preempted"
+        if pending is not None:  # the last step always saves, so this is only a safeguard
+            self.finish_step(pending, total_steps)
         return "done"
 
-    def _emit_step(self, out: Mapping[str, Any], seconds: float, total_steps: int, *, outcome: str) -> None:
+    def finish_step(self, issued: IssuedStep, total_steps: int) -> bool:
+        """Read a queued step's figures, emit its step event and act on its outcome; True when it completed a run
+        of non-finite steps and training rolled back to the newest checkpoint."""
+        if issued.pending is None:
+            self._emit("warning", message=f"step {issued.step}: data skipped (it gave non-finite losses)")
+            return False
+        out = issued.figures()
+        finished = time.time()
+        # The step's time: from its start, or from when the previous step's figures arrived if it was queued
+        # behind that one (the device ran them back to back).
+        seconds = finished - max(issued.started, self._last_finish or issued.started)
+        self._last_finish = finished
+        outcome = self.step_outcome(out)
+        if outcome == OVERFLOW:
+            self.overflow_steps += 1
+        self._emit_step(out, seconds, total_steps, outcome=outcome, step=issued.step,
+                        consumed_samples=issued.consumed_samples)  # fmt: skip
+        self._check_budget(seconds, total_steps, step=issued.step)
+        if outcome != NONFINITE:
+            self.nonfinite_streak = 0  # a finite loss ends a run of non-finite ones, overflow or not
+            return False
+        self.nonfinite_streak += 1
+        self._emit(
+            "warning",
+            message=f"step {issued.step} skipped: loss {out['loss']}, grad norm {out['grad_norm']}; "
+            f"parameters unchanged ({self.nonfinite_streak} of {self.s.nan_rollback_after} in a row)",
+        )
+        if self.nonfinite_streak < self.s.nan_rollback_after:
+            return False
+        self.roll_back(last_step=issued.step)
+        return True
+
+    def _emit_step(
+        self,
+        out: Mapping[str, Any],
+        seconds: float,
+        total_steps: int,
+        *,
+        outcome: str,
+        step: int | None = None,
+        consumed_samples: int | None = None,
+    ) -> None:
         per_device = seconds * self.world_size
         # FLOPs scale with the step's batch, which is smaller during a ramp-up.
         share = out["batch"] / self.s.global_batch_size
@@ -522,7 +611,7 @@ class Trainer:
             moe = {"moe_aux_loss": out["moe_aux_loss"], "expert_load": out["expert_load"]}
         self._emit(
             "step",
-            step=self.pos.step,
+            step=self.pos.step if step is None else step,
             loss=out["loss"],
             lr=out["lr"],
             grad_norm=out["grad_norm"],
@@ -532,7 +621,7 @@ class Trainer:
             tflops_per_gpu=share * self.flops.hardware / per_device / 1e12,
             model_tflops_per_gpu=share * self.flops.model / per_device / 1e12,
             mfu=share * self.flops.model / per_device / self.peak if self.peak else None,
-            consumed_samples=self.pos.consumed_samples,
+            consumed_samples=self.pos.consumed_samples if consumed_samples is None else consumed_samples,
             total_steps=total_steps,
             global_batch_size=int(out["batch"]),
             skipped=outcome != TRAINED,
@@ -548,10 +637,10 @@ class Trainer:
             return self.last_eval[1]
         return self.evaluate()
 
-    def _check_budget(self, seconds: float, total_steps: int) -> None:
+    def _check_budget(self, seconds: float, total_steps: int, *, step: int | None = None) -> None:
         if self.budget is None:
             return
-        over = self.budget.after_step(self.pos.step, seconds, total_steps)
+        over = self.budget.after_step(self.pos.step if step is None else step, seconds, total_steps)
         if over is not None:
             self._emit("warning", message=budget_message(over), budget=over)
 

@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 from appliance.data.sample_corpus import SAMPLE_CORPUS_DIR
 from appliance.data.tokenize_corpus import build_indexed_datasets
 from appliance.hardware import load_hardware
+from appliance.parallel.testing import RANK_ENVIRONMENT
 from appliance.planner import load_model_shape, make_plan, parse_layout
 from appliance.rundir import RunDir
 from appliance.tokenizer.bpe import train_tokenizer
@@ -69,10 +70,17 @@ def copy_run(source: RunDir, root: Path, *, max_restarts: int = 0, **train: Any)
     return run_dir
 
 
+def cpu_only_env() -> dict[str, str]:
+    """This process's environment with no CUDA device visible (and DeepSpeed on its CPU accelerator), as the
+    in-process distributed tests' ranks get it: these plans are CPU plans, and on a GPU machine every rank of
+    `train` would otherwise take cuda:<local rank> (train/worker.py), more GPUs than a one-GPU machine has."""
+    return {**os.environ, **RANK_ENVIRONMENT}
+
+
 def train(
     run_dir: RunDir, *args: str, faults: str | None = None, timeout: float = 600
 ) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "BLOOM_FAULTS"}
+    env = {k: v for k, v in cpu_only_env().items() if k != "BLOOM_FAULTS"}
     if faults:
         env["BLOOM_FAULTS"] = faults
     return subprocess.run(

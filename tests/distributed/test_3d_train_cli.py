@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prepared_runs import cpu_only_env
 
 from appliance.data.sample_corpus import SAMPLE_CORPUS_DIR
 from appliance.data.tokenize_corpus import build_indexed_datasets
@@ -47,6 +48,7 @@ def _train(run_dir: Path) -> subprocess.CompletedProcess[str]:
         capture_output=True,
         text=True,
         timeout=600,
+        env=cpu_only_env(),
     )
 
 

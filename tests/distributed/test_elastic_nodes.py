@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prepared_runs import events, prepare_run
+from prepared_runs import cpu_only_env, events, prepare_run
 
 from appliance.rundir import RunDir
 
@@ -88,7 +88,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     run_dir.plan.write_text(json.dumps(plan, indent=1))
 
     port = _free_port()
-    base = {k: v for k, v in os.environ.items() if k != "BLOOM_FAULTS"} | {"BLOOM_RDZV_CONF": RDZV_CONF}
+    base = {k: v for k, v in cpu_only_env().items() if k != "BLOOM_FAULTS"} | {"BLOOM_RDZV_CONF": RDZV_CONF}
     heads = {}
     for rank in (2, 1, 0):  # the others first: they wait for node 0's rendezvous
         env = base | ({"BLOOM_FAULTS": f"hang@step={STOP_AT + 1}"} if rank == 2 else {})

@@ -32,6 +32,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from prepared_runs import cpu_only_env
 
 from appliance.hardware.profile import load_hardware
 from appliance.model.bloom import BloomForCausalLM
@@ -548,7 +549,7 @@ def test_run_trains_bloom_moe_tiny_at_pp2_dp2_ep2(tmp_path: Path) -> None:
         [sys.executable, str(ROOT / "bloom_appliance.py"), "run", "--headless", "--model", "bloom-moe-tiny-cpu",
          "--layout", "tp=1,pp=2,dp=2,ep=2,mbs=2", "--max-steps", "2", "--run-dir", "runs/moe",
          "--set", "eval_task_limit=4", "--set", "eval_samples=2", "--set", "max_restarts=0"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=900,
+        cwd=tmp_path, capture_output=True, text=True, timeout=900, env=cpu_only_env(),
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     run_dir = tmp_path / "runs" / "moe"

@@ -10,7 +10,6 @@ naming the flag.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prepared_runs import events, explain, prepare_run
+from prepared_runs import cpu_only_env, events, explain, prepare_run
 
 from appliance.rundir import RunDir
 
@@ -63,6 +62,7 @@ def _two_nodes(run_dir: RunDir, *args: str) -> dict[str, Any]:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            env=cpu_only_env(),
         )
         for rank in (1, 0)
     ]
@@ -137,7 +137,9 @@ def _bad(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
     if not run_dir.plan.exists():
         plan = prepare_plan_json()
         run_dir.plan.write_text(json.dumps(plan))
-    return subprocess.run(_train_cmd(run_dir, *args), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        _train_cmd(run_dir, *args), cwd=ROOT, capture_output=True, text=True, timeout=120, env=cpu_only_env()
+    )
 
 
 def prepare_plan_json() -> dict[str, Any]:
@@ -165,7 +167,7 @@ def test_bad_node_flags_exit_2_naming_the_flag(tmp_path: Path, args: tuple[str, 
 
 
 def test_unreachable_master_exits_2(tmp_path: Path) -> None:
-    env = {**os.environ, "BLOOM_MASTER_WAIT_S": "2"}
+    env = {**cpu_only_env(), "BLOOM_MASTER_WAIT_S": "2"}
     run_dir = RunDir(tmp_path / "bad").make()
     run_dir.plan.write_text(json.dumps(prepare_plan_json()))
     cmd = _train_cmd(run_dir, "--nnodes", "2", "--node-rank", "1", "--master", f"127.0.0.1:{_free_port()}")

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from appliance_cli import appliance_command
+from appliance_cli import appliance_command, cpu_only_env
 
 STEPS = 40
 
@@ -37,7 +37,9 @@ def test_sigterm_saves_at_one_step_exits_3_and_rerun_resumes(tmp_path):
         "eval_interval=1000",
     )
     run_dir = tmp_path / "runs" / "p"
-    head = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    head = subprocess.Popen(
+        cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cpu_only_env()
+    )
     deadline = time.time() + 600
     while not any(e["kind"] == "step" and e["step"] >= 3 for e in events(run_dir)):
         assert head.poll() is None, head.stdout.read()[-3000:] if head.stdout else ""
@@ -59,7 +61,7 @@ def test_sigterm_saves_at_one_step_exits_3_and_rerun_resumes(tmp_path):
     assert max(e["step"] for e in first if e["kind"] == "step") == stop_step  # no rank went past it
     assert json.loads((run_dir / "summary.json").read_text())["state"] == "preempted"
 
-    again = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    again = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=cpu_only_env())
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     second = events(run_dir)[len(first) :]
     resumed = [e for e in second if e["kind"] == "recovery"]

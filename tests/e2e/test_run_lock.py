@@ -18,7 +18,7 @@ from typing import Any
 
 import psutil
 import pytest
-from appliance_cli import appliance_command, run_appliance
+from appliance_cli import appliance_command, cpu_only_env, run_appliance
 
 from appliance.data.sample_corpus import SAMPLE_CORPUS_DIR
 
@@ -83,7 +83,9 @@ def test_a_run_orphaned_by_its_head_keeps_its_directory_until_it_stops(tmp_path)
     deadline = time.time() + 240
     try:
         with open(tmp_path / "head1.log", "wb") as log:
-            head = subprocess.Popen(appliance_command(*run_args), cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+            head = subprocess.Popen(
+                appliance_command(*run_args), cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, env=cpu_only_env()
+            )
         started.append(psutil.Process(head.pid))
         first_save = _wait_for(run_dir, "the first checkpoint", lambda e: e["kind"] == "checkpoint", deadline, head)
         assert first_save["step"] == FIRST_SAVE
@@ -124,7 +126,9 @@ def test_a_run_orphaned_by_its_head_keeps_its_directory_until_it_stops(tmp_path)
         assert stop_step > FIRST_SAVE
 
         with open(tmp_path / "head2.log", "wb") as log:
-            rerun = subprocess.Popen(appliance_command(*run_args), cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+            rerun = subprocess.Popen(
+                appliance_command(*run_args), cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, env=cpu_only_env()
+            )
         started.append(psutil.Process(rerun.pid))
         resumed = _wait_for(run_dir, "the resume", lambda e: e["kind"] == "recovery", deadline, rerun)
         started += psutil.Process(rerun.pid).children(recursive=True)

@@ -1,5 +1,6 @@
-"""The model swaps in the fused kernels through the registry: with BLOOM_KERNELS=triton (Triton's interpreter on
-CPU here), a tiny BLOOM gives the same logits and gradients as with the reference ops."""
+"""The model swaps in the fused kernels through the registry: with BLOOM_KERNELS=triton, a tiny BLOOM gives the same
+logits and gradients as with the reference ops, on the kernel tests' device (a CUDA GPU where there is one, else the
+CPU under Triton's interpreter: conftest.py)."""
 
 from __future__ import annotations
 
@@ -10,20 +11,23 @@ from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
 
 
-def _run(monkeypatch: pytest.MonkeyPatch, backend: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _run(
+    monkeypatch: pytest.MonkeyPatch, backend: str, device: torch.device
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     monkeypatch.setenv("BLOOM_KERNELS", backend)
     torch.manual_seed(0)
     config = BloomConfig(vocab_size=64, hidden_size=24, n_layer=2, n_head=3)  # head dim 8, 3 heads (odd count)
     model = BloomForCausalLM(config)
     model.init_weights(seed=1)
-    ids = torch.randint(0, 64, (2, 9))  # an odd sequence length
+    model.to(device)
+    ids = torch.randint(0, 64, (2, 9)).to(device)  # an odd sequence length
     logits = model(ids)
     logits.float().square().mean().backward()
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_fused_path_matches_reference_logits_and_grads(monkeypatch: pytest.MonkeyPatch) -> None:
-    ref_logits, ref_grads = _run(monkeypatch, "reference")
+def test_fused_path_matches_reference_logits_and_grads(monkeypatch: pytest.MonkeyPatch, device: torch.device) -> None:
+    ref_logits, ref_grads = _run(monkeypatch, "reference", device)
     calls: list[str] = []
     import kernels.registry as registry
 
@@ -34,7 +38,7 @@ def test_fused_path_matches_reference_logits_and_grads(monkeypatch: pytest.Monke
         return original(*args, **kwargs)
 
     monkeypatch.setattr(registry, "flash_alibi_attention", counting)
-    fused_logits, fused_grads = _run(monkeypatch, "triton")
+    fused_logits, fused_grads = _run(monkeypatch, "triton", device)
     assert calls == ["flash", "flash"]  # one per layer: the model really took the fused attention
     torch.testing.assert_close(fused_logits, ref_logits, rtol=1e-4, atol=1e-5)
     assert fused_grads.keys() == ref_grads.keys()
@@ -42,7 +46,9 @@ def test_fused_path_matches_reference_logits_and_grads(monkeypatch: pytest.Monke
         torch.testing.assert_close(fused_grads[name], grad, rtol=1e-3, atol=1e-5, msg=name)
 
 
-def test_alibi_bias_is_built_only_for_the_materialized_path_and_shared(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_alibi_bias_is_built_only_for_the_materialized_path_and_shared(
+    monkeypatch: pytest.MonkeyPatch, device: torch.device
+) -> None:
     """Pass: the flash path never builds the ALiBi bias and mask; the materialized path builds them once per
     length and device, the same tensors for every block (and every step)."""
     from appliance.model.alibi import RankAlibi
@@ -55,9 +61,9 @@ def test_alibi_bias_is_built_only_for_the_materialized_path_and_shared(monkeypat
         return built[-1]
 
     monkeypatch.setattr(RankAlibi, "bias_and_mask", spy)
-    _run(monkeypatch, "triton")
+    _run(monkeypatch, "triton", device)
     assert built == []
-    _run(monkeypatch, "reference")
-    _run(monkeypatch, "reference")
+    _run(monkeypatch, "reference", device)
+    _run(monkeypatch, "reference", device)
     assert len(built) == 4  # two blocks, two runs
     assert all(bias is built[0][0] and mask is built[0][1] for bias, mask in built)

@@ -439,16 +439,23 @@ def _record_collective(monkeypatch: pytest.MonkeyPatch, module: Any) -> list[tor
     return seen
 
 
-def test_control_flags_are_reduced_on_the_engine_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_control_flags_are_reduced_on_the_host_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stop and save flags are host values: CPU tensors on the host group (gloo), never the engine's device,
+    whose all-reduce read back would wait for every kernel queued before it."""
     monkeypatch.setattr(signal, "signal", lambda *args: None)  # leave the test process's handlers alone
     run_dir = RunDir(tmp_path)
     run_dir.control.mkdir(parents=True)
     run_dir.request_stop.touch()
-    channel = control_module.ControlChannel(run_dir, poll_files=True, device=torch.device("meta"))
-    seen = _record_collective(monkeypatch, control_module)
-    with pytest.raises(ReachedCollective):
-        channel.poll()
-    assert seen == [torch.device("meta")]
+    host = object()
+    channel = control_module.ControlChannel(run_dir, poll_files=True, group=host)  # type: ignore[arg-type]
+    seen: list[tuple[torch.device, Any]] = []
+
+    def all_reduce(tensor: torch.Tensor, *args: Any, group: Any = None, **kwargs: Any) -> None:
+        seen.append((tensor.device, group))
+
+    monkeypatch.setattr(control_module.dist, "all_reduce", all_reduce)
+    assert channel.poll().stop
+    assert seen == [(torch.device("cpu"), host)]
 
 
 def test_a_rank_counting_no_gradient_joins_the_norm_on_its_parameters_device(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from appliance.data.sampler import PretrainingSampler
 from appliance.monitor.events import EventWriter
-from appliance.parallel.engine import StepResult
+from appliance.parallel.engine import PendingStep, StepResult
 from appliance.rundir import RunDir
 from appliance.train import checkpoint as ckpt
 from appliance.train.metrics import StepFlops
@@ -56,6 +56,9 @@ class ScriptedEngine:
 
     def train_batch(self, micro_batches: list[Any]) -> StepResult:
         return next(self.results)
+
+    def train_batch_async(self, micro_batches: list[Any]) -> PendingStep:
+        return PendingStep(self.train_batch(micro_batches))
 
     def check_drift(self) -> list[str]:
         return []

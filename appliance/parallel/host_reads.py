@@ -1,0 +1,70 @@
+"""Counting what makes the host wait for the device, on any device: the ops that read a tensor's value on the host.
+
+On a GPU the host queues kernels and runs ahead; it waits only when it reads a value the device computes: a
+scalar (`.item()`, `float(t)`, `bool(t)`, `if t:` all end in `aten._local_scalar_dense`), a data-dependent shape
+(`nonzero`, boolean-mask indexing), a comparison answered on the host (`aten.equal`, `is_nonzero`), or a copy to host
+memory. The same ops run on CPU tensors, so counting them in a CPU test shows the syncs a GPU step would have.
+`Tensor.tolist()` reads without going through the dispatcher and is counted apart (`tolist` in the counts).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# Ops whose result the host must wait for, by the name of their schema.
+HOST_READ_OPS = frozenset({"aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero", "aten::equal"})
+_COPIES = frozenset({"aten::_to_copy", "aten::copy_"})
+
+
+def _device_of(value: Any) -> torch.device | None:
+    return value.device if isinstance(value, torch.Tensor) else None
+
+
+class HostReadCounter(TorchDispatchMode):
+    """Counts host reads by op (see the module docstring), plus device-to-host copies as "device_to_host"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = func._schema.name
+        if name in HOST_READ_OPS:
+            self.counts[name] += 1
+        out = func(*args, **kwargs)
+        if name in _COPIES:
+            source = _device_of(args[1]) if name == "aten::copy_" and len(args) > 1 else _device_of(args[0])
+            target = _device_of(args[0]) if name == "aten::copy_" else _device_of(out)
+            if source is not None and target is not None and source.type != "cpu" and target.type == "cpu":
+                self.counts["device_to_host"] += 1
+        return out
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+@contextmanager
+def counting_host_reads() -> Iterator[HostReadCounter]:
+    """Count the host reads of the enclosed code (this thread's ops and the autograd engine's on CPU), including
+    `Tensor.tolist()` calls."""
+    counter = HostReadCounter()
+    original = torch.Tensor.tolist
+
+    def tolist(self: torch.Tensor) -> Any:
+        counter.counts["tolist"] += 1
+        return original(self)
+
+    torch.Tensor.tolist = tolist  # type: ignore[method-assign,assignment]
+    try:
+        with counter:
+            yield counter
+    finally:
+        torch.Tensor.tolist = original  # type: ignore[method-assign]
