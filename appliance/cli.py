@@ -269,6 +269,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="trace 3 more steps of each contender with torch.profiler: top kernels, GPU idle share,"
                         " launches and host syncs per step; the traces beside the JSON,"
                         " <out>-<contender>.trace.json")  # fmt: skip
+    p.add_argument("--contenders", metavar="NAMES",
+                   help="run only these, comma-separated, of trainer, hf-eager, hf-compile (default: all three);"
+                        " the others are recorded as skipped")  # fmt: skip
+    p.add_argument("--no-kernel-table", action="store_true",
+                   help="skip the per-op kernel table (its compiled peers take minutes on a GPU)")  # fmt: skip
 
     p = sub.add_parser("sbatch", help="write a SLURM batch script that trains the plan on an allocation")
     p.add_argument("--run-dir", type=Path, required=True, help="the run directory the job will use")
@@ -617,11 +622,18 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from appliance.benchmark.command import run_bench
+    from appliance.benchmark.command import CONTENDER_KEYS, run_bench
     from appliance.benchmark.workload import BenchSize
 
     size = BenchSize(micro_batch=args.micro_batch, steps=args.steps, micro_batches=args.micro_batches)
-    run_bench(args.model, args.out, quick=args.quick, size=size, profile=args.profile)
+    chosen = CONTENDER_KEYS
+    if args.contenders is not None:
+        chosen = tuple(name.strip() for name in args.contenders.split(",") if name.strip())
+        unknown = [name for name in chosen if name not in CONTENDER_KEYS]
+        if unknown or not chosen:
+            raise BadInput(f"--contenders {args.contenders!r}: name one or more of {', '.join(CONTENDER_KEYS)}")
+    run_bench(args.model, args.out, quick=args.quick, size=size, profile=args.profile, contenders=chosen,
+              kernel_table=not args.no_kernel_table)  # fmt: skip
     return 0
 
 

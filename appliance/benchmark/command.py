@@ -58,8 +58,13 @@ def _versions() -> dict[str, str]:
     return found
 
 
+CONTENDER_KEYS = ("trainer", "hf-eager", "hf-compile")
+
+
 def run_bench(model: str | None, out: Path | None, *, quick: bool = False, size: BenchSize | None = None,
-              profile: bool = False, progress: Progress = _progress) -> dict:  # fmt: skip
+              profile: bool = False, contenders: tuple[str, ...] = CONTENDER_KEYS, kernel_table: bool = True,
+              progress: Progress = _progress) -> dict:  # fmt: skip
+    """`contenders`: the keys of those to run (the others are recorded as skipped); `kernel_table`: time each op."""
     load_before = os.getloadavg()  # the machine may be shared: the JSON says how busy it was
     work = plan_workload(model, quick=quick, size=size or BenchSize())
     spec, train = work.spec, work.spec.train
@@ -88,8 +93,10 @@ def run_bench(model: str | None, out: Path | None, *, quick: bool = False, size:
         progress(f"  ceilings: copy {ceiling['copy_gbps']:.1f} GB/s, matmul {ceiling['matmul_tflops']:.3f} TFLOP/s")
         built: dict[str, Any] = {}
         with one_rank_group("nccl" if cuda else "gloo"):
-            outcomes = run_contenders(bench_contenders(work, built), work, work.batches(), progress,
-                                      profile_out=path if profile else None)  # fmt: skip
+            every = bench_contenders(work, built)
+            ran = run_contenders([c for c in every if c.key in contenders], work, work.batches(), progress,
+                                 profile_out=path if profile else None)  # fmt: skip
+            outcomes = {c.name: ran.get(c.name, Outcome(skipped=True)) for c in every}
         ours: TrainerContender | None = built.get("trainer")
         calls = ours.calls_per_step if ours is not None else Counter[str]()
         shapes = RankShapes(batch=train.micro_batch_size, seq=train.seq_len, hidden=spec.model.hidden,
@@ -97,9 +104,11 @@ def run_bench(model: str | None, out: Path | None, *, quick: bool = False, size:
                             dtype=dtype)  # fmt: skip
         # A quick GPU run times attention at the model's own head dim: each head dim compiles its peers anew.
         head_dims = (spec.model.hidden // spec.model.heads,) if quick and cuda else HEAD_DIMS
-        progress("  kernels (ours = what kernels.registry runs on this device):")
-        kernels = kernel_records(KernelCases(work.device, shapes, head_dims), timer, ceiling, calls=calls,
-                                 progress=lambda line: progress("    " + line))  # fmt: skip
+        kernels: list[dict[str, Any]] = []
+        if kernel_table:
+            progress("  kernels (ours = what kernels.registry runs on this device):")
+            kernels = kernel_records(KernelCases(work.device, shapes, head_dims), timer, ceiling, calls=calls,
+                                     progress=lambda line: progress("    " + line))  # fmt: skip
     finally:
         torch.set_num_threads(previous_threads)
     result = bench_result(work, device_name, ceiling, outcomes, kernels)
@@ -140,7 +149,7 @@ def bench_contenders(work: Workload, built: dict[str, Any]) -> list[Contender]:
 
 def contender_names(work: Workload) -> tuple[str, str, str]:
     return (
-        "trainer (DeepSpeed engine)",
+        "trainer (the run's engine)",
         "transformers eager",
         f"transformers torch.compile ({compile_backend(work)})",
     )

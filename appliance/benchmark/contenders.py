@@ -43,12 +43,15 @@ class Outcome:
 
     times: StepTimes | None = None
     out_of_memory: str | None = None
+    skipped: bool = False  # not asked for (bench --contenders)
     peak_memory_gb: float | None = None  # torch.cuda.max_memory_allocated over its run; None on CPU
     profile: dict[str, Any] | None = None
 
     def to_json(self, work: Workload) -> dict[str, Any]:
         if self.times is not None:
             record = self.times.to_json()
+        elif self.skipped:
+            record = {"status": "skipped"}
         else:
             record = {"status": "out_of_memory", "micro_batch_size": work.spec.train.micro_batch_size,
                       "tokens_per_step": work.tokens_per_step, "error": self.out_of_memory}  # fmt: skip

@@ -57,6 +57,9 @@ def format_table(result: dict[str, Any]) -> str:
     peak = result["peak_tflops_per_device"]
     for name, c in result["contenders"].items():
         memory = _figure(c.get("peak_memory_gb"), ".1f", 8)
+        if c.get("status") == "skipped":
+            lines.append(f"{name:38s} {'skipped':>37s}")
+            continue
         if c.get("status", "ok") != "ok":
             lines.append(f"{name:38s} {'out of memory':>37s} {'':9s} {memory}  {c['error'][:60]}")
             continue

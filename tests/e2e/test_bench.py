@@ -201,3 +201,18 @@ def test_quick_profile_on_the_gpu(tmp_path: Path) -> None:
             assert profile["top_kernels"] and 0 <= profile["gpu_idle_share"] <= 1, name
             assert profile["launches_per_step"] > 0 and Path(profile["trace"]).exists(), name
     assert all(r["cpu_us"] > 0 for r in payload["kernels"] if r["correct"])
+
+
+def test_contenders_and_the_kernel_table_can_be_left_out(tmp_path: Path) -> None:
+    """--contenders runs only the named ones (the others recorded as skipped, no ratio against them) and
+    --no-kernel-table leaves the kernel rows out: what a GPU check with minutes to spare runs."""
+    out = tmp_path / "bench.json"
+    done = _bench("--quick", "--contenders", "trainer,hf-compile", "--no-kernel-table", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    written = json.loads(out.read_text())
+    statuses = {name: c.get("status", "ok") for name, c in written["contenders"].items()}
+    assert list(statuses.values()) == ["ok", "skipped", "ok"], statuses
+    assert written["tokens_per_s_hf_eager"] is None and written["ratio_vs_hf_eager"] is None
+    assert written["ratio_vs_hf_compile"] is not None and written["kernels"] == []
+    bad = _bench("--quick", "--contenders", "trainer,nobody", timeout=120)
+    assert bad.returncode == 2 and "--contenders" in bad.stderr
