@@ -7,7 +7,7 @@ from dataclasses import fields
 from typing import Any
 
 from appliance.errors import BadInput
-from appliance.planner.train_settings import DTYPES, NOT_SETTINGS
+from appliance.planner.train_settings import COMPILE_MODES, DTYPES, NOT_SETTINGS
 from appliance.train.settings import TrainSettings
 
 # Keys outside the plan's "train" section that a user may still set.
@@ -75,4 +75,6 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
             out[key] = value
     if "dtype" in out and out["dtype"] not in DTYPES:
         raise BadInput(f"--set precision={out['dtype']}: must be one of {', '.join(DTYPES)}")
+    if "compile" in out and out["compile"] not in COMPILE_MODES:
+        raise BadInput(f"--set compile={out['compile']}: must be one of {', '.join(COMPILE_MODES)}")
     return out

@@ -1,7 +1,8 @@
 """Fused bias + GeLU (tanh approximation), as in BLOOM's MLP: y = gelu_tanh(x + bias).
 
 Layers: `_bias_gelu_fwd_kernel` / `_bias_gelu_bwd_kernel` -> `bias_gelu_fwd` / `bias_gelu_bwd` launchers ->
-`BiasGeluFunction` (autograd) -> `FusedBiasGelu` (module). The torch twin is `kernels.reference.bias_gelu`.
+the custom ops bloom::bias_gelu and bloom::bias_gelu_backward, the first differentiated through the second
+(kernels.custom_ops) -> `bias_gelu` -> `FusedBiasGelu` (module). The torch twin is `kernels.reference.bias_gelu`.
 Math in fp32 whatever the storage dtype.
 """
 
@@ -13,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.custom_ops import kernel_op, on_device
 from kernels.launch import compute_capability, launch
 
 
@@ -106,32 +108,53 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2d if t2d.stride(-1) == 1 else t2d.contiguous()
 
 
-class BiasGeluFunction(torch.autograd.Function):
+def _bias_gelu_fake(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@kernel_op("bias_gelu", _bias_gelu_fake)
+def bias_gelu_op(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(x + bias), x's shape and dtype, contiguous."""
+    with on_device(x):
+        return bias_gelu_fwd(_rows(x), bias.contiguous()).view(x.shape)
+
+
+def _bias_gelu_backward_fake(
+    dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty_like(bias)
+
+
+@kernel_op("bias_gelu_backward", _bias_gelu_backward_fake)
+def bias_gelu_backward_op(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """dx (x's shape and dtype, contiguous) and dbias (the bias's dtype)."""
+    with on_device(x):
+        dx, db = bias_gelu_bwd(_rows(dy), _rows(x), bias.contiguous())
+    return dx.view(x.shape), db
+
+
+def _bias_gelu_setup(ctx: Any, inputs: tuple[torch.Tensor, torch.Tensor], output: torch.Tensor) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _bias_gelu_backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """y = gelu_tanh(x + b), gelu_tanh(z) = 0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3))).
 
-    Backward: dz = dy * gelu_tanh'(z); dx = dz; db = sum of dz over all rows. Only x and b are saved;
-    z and tanh are recomputed (cheaper than storing them: the kernel is memory-bound).
+    dz = dy * gelu_tanh'(z); dx = dz; db = sum of dz over all rows. Only x and b are saved; z and tanh are
+    recomputed (cheaper than storing them: the kernel is memory-bound).
     """
+    x, bias = ctx.saved_tensors
+    return bias_gelu_backward_op(dy, x, bias)
 
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        x2d = _rows(x)
-        y = bias_gelu_fwd(x2d, bias.contiguous())
-        ctx.save_for_backward(x2d, bias)
-        return y.view(x.shape)
 
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x2d, bias = ctx.saved_tensors
-        dx, db = bias_gelu_bwd(_rows(dy), x2d, bias.contiguous())
-        return dx.view(dy.shape), db
+bias_gelu_op.register_autograd(_bias_gelu_backward, setup_context=_bias_gelu_setup)
 
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(x + bias) over the last dim; output in x's dtype."""
     if bias.shape != (x.shape[-1],):
         raise ValueError(f"bias_gelu: bias shape {tuple(bias.shape)} does not match last dim {x.shape[-1]}")
-    return BiasGeluFunction.apply(x, bias)
+    return bias_gelu_op(x, bias)
 
 
 class FusedBiasGelu(torch.nn.Module):

@@ -1,7 +1,9 @@
 """Causal flash attention with ALiBi slopes (FlashAttention-2 schedule), forward and backward.
 
 Layers: `_flash_fwd_kernel`, `_flash_bwd_preprocess_kernel`, `_flash_bwd_dkdv_kernel`, `_flash_bwd_dq_kernel` ->
-`flash_fwd` / `flash_bwd` launchers -> `FlashAlibiAttentionFunction` (autograd). The torch twin is
+`flash_fwd` / `flash_bwd` launchers -> the custom ops bloom::flash_alibi_attention and
+bloom::flash_alibi_attention_backward, the first differentiated through the second (kernels.custom_ops) ->
+`flash_alibi_attention` / `flash_alibi_attention_backward`. The torch twin is
 `kernels.reference.flash_alibi_attention`.
 
 Scores never exist as an [s, s] matrix: each program streams key/value blocks past a block of queries with an
@@ -28,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.custom_ops import kernel_op, on_device
 from kernels.launch import compute_capability, launch
 
 LOG2E = 1.4426950408889634
@@ -467,50 +470,110 @@ def base2_lse(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse * LOG2E).contiguous()
 
 
-class FlashAlibiAttentionFunction(torch.autograd.Function):
+def _flash_fake(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slopes: torch.Tensor,
+    causal: bool,
+    scale: float,
+    shift: int,
+    q_doc: torch.Tensor | None,
+    k_doc: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    b, h, q_len, d = q.shape
+    return q.new_empty((b, h, q_len, d)), q.new_empty((b, h, q_len), dtype=torch.float32)
+
+
+@kernel_op("flash_alibi_attention", _flash_fake)
+def flash_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slopes: torch.Tensor,
+    causal: bool,
+    scale: float,
+    shift: int,
+    q_doc: torch.Tensor | None,
+    k_doc: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """O [b, h, q_len, d] (contiguous, q's dtype) and the base-2 logsumexp [b, h, q_len] fp32 (flash_fwd) of
+    q, k, v with unit-stride rows and fp32 slopes."""
+    with on_device(q):
+        return flash_fwd(q, k, v, slopes, causal, scale, shift, q_doc, k_doc)
+
+
+def _flash_backward_fake(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor | None,
+    lse: torch.Tensor,
+    slopes: torch.Tensor,
+    causal: bool,
+    scale: float,
+    shift: int,
+    q_doc: torch.Tensor | None,
+    k_doc: torch.Tensor | None,
+    delta: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (
+        q.new_empty(q.shape),
+        k.new_empty(k.shape),
+        v.new_empty(v.shape),
+    )
+
+
+@kernel_op("flash_alibi_attention_backward", _flash_backward_fake)
+def flash_attention_backward_op(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor | None,
+    lse: torch.Tensor,
+    slopes: torch.Tensor,
+    causal: bool,
+    scale: float,
+    shift: int,
+    q_doc: torch.Tensor | None,
+    k_doc: torch.Tensor | None,
+    delta: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv (each contiguous, its input's dtype) from the base-2 lse, and o or delta (flash_bwd)."""
+    with on_device(q):
+        return flash_bwd(do, q, k, v, o, lse, slopes, causal, scale, shift, q_doc, k_doc, delta)
+
+
+def _flash_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
+    q, k, v, slopes, causal, scale, shift, q_doc, k_doc = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, slopes, q_doc, k_doc)
+    ctx.causal, ctx.scale, ctx.shift = causal, scale, shift
+
+
+def _flash_backward(ctx: Any, do: torch.Tensor, _lse_grad: Any) -> tuple[torch.Tensor | None, ...]:
     """O = softmax(scale * Q K^T + B) V, B[i, j] = slope_h * (j - i - shift), -inf above the causal diagonal
     (key j > i + shift) and between documents.
 
-    Saved: Q, K, V, O and the per-row logsumexp L (no probabilities). Backward, recomputing
-    P = exp(scale * Q K^T + B - L) block by block:
+    Saved: Q, K, V, O and the per-row logsumexp L (no probabilities). Recomputing P = exp(scale * Q K^T + B - L)
+    block by block:
       dV = P^T dO
       dP = dO V^T
       dS = P * (dP - delta),  delta_i = sum_j P_ij dP_ij = sum_d O_id dO_id
       dQ = scale * dS K,   dK = scale * dS^T Q
-    Slopes and document ids are constants: no gradient. The optional second output, L in natural log, is
-    returned for merging partial attentions and carries no gradient.
+    Slopes and document ids are constants: no gradient. L is returned for merging partial attentions and carries
+    no gradient (its incoming one is ignored).
     """
+    q, k, v, o, lse, slopes, q_doc, k_doc = ctx.saved_tensors
+    dq, dk, dv = flash_attention_backward_op(
+        do, q, k, v, o, lse, slopes, ctx.causal, ctx.scale, ctx.shift, q_doc, k_doc, None
+    )
+    return dq, dk, dv, None, None, None, None, None, None
 
-    @staticmethod
-    def forward(
-        ctx: Any,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        slopes: torch.Tensor,
-        causal: bool,
-        scale: float,
-        shift: int | None = None,
-        q_doc: torch.Tensor | None = None,
-        k_doc: torch.Tensor | None = None,
-        return_lse: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
-        slopes = slopes.to(torch.float32).contiguous()
-        o, lse = flash_fwd(q, k, v, slopes, causal, scale, shift, q_doc, k_doc)
-        ctx.save_for_backward(q, k, v, o, lse, slopes, q_doc, k_doc)
-        ctx.causal, ctx.scale, ctx.shift = causal, scale, shift
-        if not return_lse:
-            return o
-        lse_out = natural_lse(lse)
-        ctx.mark_non_differentiable(lse_out)
-        return o, lse_out
 
-    @staticmethod
-    def backward(ctx: Any, do: torch.Tensor, *_lse_grad: Any) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, o, lse, slopes, q_doc, k_doc = ctx.saved_tensors
-        dq, dk, dv = flash_bwd(do, q, k, v, o, lse, slopes, ctx.causal, ctx.scale, ctx.shift, q_doc, k_doc)
-        return dq, dk, dv, None, None, None, None, None, None, None
+flash_attention_op.register_autograd(_flash_backward, setup_context=_flash_setup)
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor) -> None:
@@ -551,7 +614,9 @@ def flash_alibi_attention(
     _check_shapes(q, k, v, slopes)
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
     shift = _shift(q, k, q_offset, k_offset)
-    return FlashAlibiAttentionFunction.apply(q, k, v, slopes, causal, scale, shift, q_doc, k_doc, return_lse)
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    o, lse = flash_attention_op(q, k, v, slopes.to(torch.float32).contiguous(), causal, scale, shift, q_doc, k_doc)
+    return (o, natural_lse(lse.detach())) if return_lse else o
 
 
 def flash_alibi_attention_backward(
@@ -576,4 +641,6 @@ def flash_alibi_attention_backward(
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     slopes = slopes.to(torch.float32).contiguous()
     shift = _shift(q, k, q_offset, k_offset)
-    return flash_bwd(do, q, k, v, None, base2_lse(lse), slopes, causal, scale, shift, q_doc, k_doc, delta)
+    return flash_attention_backward_op(
+        do, q, k, v, None, base2_lse(lse), slopes, causal, scale, shift, q_doc, k_doc, delta
+    )  # fmt: skip

@@ -1,7 +1,8 @@
 """Fused LayerNorm: whole rows per Triton program, fp32 statistics, any input dtype.
 
 Layers: `_layer_norm_fwd_kernel` and the backward kernels -> `layer_norm_fwd` / `layer_norm_bwd` launchers ->
-`LayerNormFunction` (autograd) -> `FusedLayerNorm` (module). The torch twin is `kernels.reference.layer_norm`.
+the custom ops bloom::layer_norm and bloom::layer_norm_backward, the first differentiated through the second
+(kernels.custom_ops) -> `layer_norm` -> `FusedLayerNorm` (module). The torch twin is `kernels.reference.layer_norm`.
 
 The backward has two schedules. Rows up to FUSED_BWD_MAX wide: one kernel keeps a row tile and the running
 dw, db in registers (x and dy read once). Wider rows (BLOOM-176B's 14336) would spill registers, so there the
@@ -17,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.custom_ops import kernel_op, on_device
 from kernels.launch import compute_capability, gpu_target, launch
 
 # The forward holds a whole row in registers: 16384 fp32 at 16 warps is 32 per thread, no spills (checked
@@ -232,36 +234,73 @@ def _layer_norm_bwd_wide(
     return dx, dw_partial.sum(0).to(weight.dtype), db_partial.sum(0).to(weight.dtype)
 
 
-class LayerNormFunction(torch.autograd.Function):
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t as [rows, N] with unit-stride rows (a view when it already has them)."""
+    t2d = t.reshape(-1, t.shape[-1])
+    return t2d if t2d.stride(-1) == 1 else t2d.contiguous()
+
+
+def _statistics(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty(x.numel() // x.shape[-1], dtype=torch.float32, device=x.device)
+
+
+def _layer_norm_fake(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device), _statistics(x), _statistics(x)
+
+
+@kernel_op("layer_norm", _layer_norm_fake)
+def layer_norm_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """y (x's shape and dtype, contiguous), and the mean and rstd of each row ([rows] fp32) the backward reuses."""
+    with on_device(x):
+        y, mean, rstd = layer_norm_fwd(_rows(x), weight.contiguous(), bias.contiguous(), eps)
+    return y.view(x.shape), mean, rstd
+
+
+def _layer_norm_backward_fake(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty_like(weight), torch.empty_like(weight)
+
+
+@kernel_op("layer_norm_backward", _layer_norm_backward_fake)
+def layer_norm_backward_op(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dx (x's shape and dtype, contiguous), dweight and dbias (the weight's dtype)."""
+    with on_device(x):
+        dx, dw, db = layer_norm_bwd(_rows(dy), _rows(x), weight.contiguous(), mean, rstd)
+    return dx.view(x.shape), dw, db
+
+
+def _layer_norm_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+    x, weight, _bias, _eps = inputs
+    _y, mean, rstd = output
+    ctx.save_for_backward(x, weight, mean, rstd)
+
+
+def _layer_norm_backward(ctx: Any, dy: torch.Tensor, *_statistics_grads: Any) -> tuple[torch.Tensor | None, ...]:
     """y = (x - mean) * rstd * w + b over the last dim, rstd = 1 / sqrt(var + eps).
 
-    Backward, with xhat = (x - mean) * rstd and g = dy * w (per row, means over the N columns):
+    With xhat = (x - mean) * rstd and g = dy * w (per row, means over the N columns):
       dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
       dw = sum over rows of dy * xhat,   db = sum over rows of dy
+    mean and rstd are saved statistics, not results anyone differentiates: their gradients are ignored.
     """
+    x, weight, mean, rstd = ctx.saved_tensors
+    dx, dw, db = layer_norm_backward_op(dy, x, weight, mean, rstd)
+    return dx, dw, db, None
 
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-        x2d = x.reshape(-1, x.shape[-1])
-        if x2d.stride(-1) != 1:
-            x2d = x2d.contiguous()
-        y, mean, rstd = layer_norm_fwd(x2d, weight.contiguous(), bias.contiguous(), eps)
-        ctx.save_for_backward(x2d, weight, mean, rstd)
-        return y.view(x.shape)
 
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x2d, weight, mean, rstd = ctx.saved_tensors
-        dy2d = dy.reshape(-1, dy.shape[-1])
-        if dy2d.stride(-1) != 1:
-            dy2d = dy2d.contiguous()
-        dx, dw, db = layer_norm_bwd(dy2d, x2d, weight.contiguous(), mean, rstd)
-        return dx.view(dy.shape), dw, db, None
+layer_norm_op.register_autograd(_layer_norm_backward, setup_context=_layer_norm_setup)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
     """Fused LayerNorm over the last dim; output in x's dtype, statistics in fp32."""
-    return LayerNormFunction.apply(x, weight, bias, eps)
+    return layer_norm_op(x, weight, bias, eps)[0]
 
 
 class FusedLayerNorm(torch.nn.Module):

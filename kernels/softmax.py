@@ -2,7 +2,8 @@
 `FusedScaleMaskSoftmax`), fp32 math, output in the scores' dtype.
 
 Layers: `_alibi_softmax_fwd_kernel` / `_alibi_softmax_bwd_kernel` -> `alibi_softmax_fwd` / `alibi_softmax_bwd`
-launchers -> `AlibiSoftmaxFunction` (autograd). The torch twin is `kernels.reference.alibi_softmax`, whose
+launchers -> the custom ops bloom::alibi_softmax and bloom::alibi_softmax_backward, the first differentiated through
+the second (kernels.custom_ops) -> `alibi_softmax`. The torch twin is `kernels.reference.alibi_softmax`, whose
 docstring defines the semantics (BLOOM's ALiBi, right-aligned causal mask, zero rows when nothing is visible).
 """
 
@@ -14,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.custom_ops import kernel_op, on_device
 from kernels.launch import compute_capability, launch
 from kernels.reference import alibi_key_positions
 
@@ -113,32 +115,49 @@ def alibi_softmax_bwd(dprobs: torch.Tensor, probs: torch.Tensor, scale: float) -
     return dscores
 
 
-class AlibiSoftmaxFunction(torch.autograd.Function):
+def _alibi_softmax_fake(
+    scores: torch.Tensor, slopes: torch.Tensor, padding_mask: torch.Tensor | None, scale: float, causal: bool
+) -> torch.Tensor:
+    return scores.new_empty(scores.shape)
+
+
+@kernel_op("alibi_softmax", _alibi_softmax_fake)
+def alibi_softmax_op(
+    scores: torch.Tensor, slopes: torch.Tensor, padding_mask: torch.Tensor | None, scale: float, causal: bool
+) -> torch.Tensor:
+    """The probabilities [b, h, q, k], contiguous, in the scores' dtype."""
+    with on_device(scores):
+        return alibi_softmax_fwd(scores, slopes, padding_mask, scale, causal)
+
+
+def _alibi_softmax_backward_fake(dprobs: torch.Tensor, probs: torch.Tensor, scale: float) -> torch.Tensor:
+    return probs.new_empty(probs.shape)
+
+
+@kernel_op("alibi_softmax_backward", _alibi_softmax_backward_fake)
+def alibi_softmax_backward_op(dprobs: torch.Tensor, probs: torch.Tensor, scale: float) -> torch.Tensor:
+    """d scores, contiguous, in the probabilities' dtype."""
+    with on_device(probs):
+        return alibi_softmax_bwd(dprobs, probs, scale)
+
+
+def _alibi_softmax_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    ctx.save_for_backward(output)
+    ctx.scale = inputs[3]
+
+
+def _alibi_softmax_backward(ctx: Any, dprobs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     """p = softmax_k(scale * s + slope_h * pos_k + mask), mask 0 or -inf.
 
-    Backward: the ALiBi bias and the mask are constants, so with dp the incoming gradient,
+    The ALiBi bias and the mask are constants, so with dp the incoming gradient,
       d s = scale * p * (dp - sum_k(p * dp))
     (masked entries have p = 0 and get no gradient). Slopes are fixed, not learned: no gradient for them.
     """
+    (probs,) = ctx.saved_tensors
+    return alibi_softmax_backward_op(dprobs, probs, ctx.scale), None, None, None, None
 
-    @staticmethod
-    def forward(
-        ctx: Any,
-        scores: torch.Tensor,
-        slopes: torch.Tensor,
-        padding_mask: torch.Tensor | None,
-        scale: float,
-        causal: bool,
-    ) -> torch.Tensor:
-        probs = alibi_softmax_fwd(scores, slopes, padding_mask, scale, causal)
-        ctx.save_for_backward(probs)
-        ctx.scale = scale
-        return probs
 
-    @staticmethod
-    def backward(ctx: Any, dprobs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        (probs,) = ctx.saved_tensors
-        return alibi_softmax_bwd(dprobs, probs, ctx.scale), None, None, None, None
+alibi_softmax_op.register_autograd(_alibi_softmax_backward, setup_context=_alibi_softmax_setup)
 
 
 def alibi_softmax(
@@ -149,4 +168,4 @@ def alibi_softmax(
     causal: bool = True,
 ) -> torch.Tensor:
     """Fused softmax(scale * scores + ALiBi) with causal and padding masks; scores [batch, heads, q, k]."""
-    return AlibiSoftmaxFunction.apply(scores, slopes, padding_mask, scale, causal)
+    return alibi_softmax_op(scores, slopes, padding_mask, scale, causal)

@@ -33,11 +33,17 @@ def _slopes(n_head: int) -> tuple[float, ...]:
     return tuple(slopes.tolist())
 
 
+# A constant to torch.compile: traced, _slopes's .tolist() would end the graph, and the tuple is fixed per head count.
+@torch.compiler.assume_constant_result
+def _slope_values(n_head: int) -> tuple[float, ...]:
+    return _slopes(n_head)
+
+
 def alibi_slopes(n_head: int) -> torch.Tensor:
     """Per-head ALiBi slopes, float32 [n_head], on CPU, for any head count (BLOOM's rule)."""
     if isinstance(n_head, bool) or not isinstance(n_head, int) or n_head <= 0:
         raise ValueError(f"n_head must be a positive integer (got {n_head!r})")
-    return torch.tensor(_slopes(n_head), dtype=torch.float32, device="cpu")
+    return torch.tensor(_slope_values(n_head), dtype=torch.float32, device="cpu")
 
 
 def alibi_slopes_for_rank(n_head: int, tp_rank: int, tp_size: int) -> torch.Tensor:

@@ -33,8 +33,8 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """GeLU (tanh approximation, as BLOOM) of x + bias. x: [N..., C]; bias: [C] or None. Returns x's shape."""
-    if bias is not None and fused.get_backend(x) == "triton":
-        return fused.bias_gelu(x, bias)  # one pass over memory instead of five
+    if bias is not None and fused.backend_for("bias_gelu", x) != "reference":
+        return fused.bias_gelu(x, bias)  # Triton: one pass over memory instead of five (or the backend use() chose)
     if bias is not None:
         x = x + bias
     return 0.5 * x * (1.0 + torch.tanh(_SQRT_2_OVER_PI * x * (1.0 + _GELU_CUBIC * x * x)))
@@ -98,9 +98,14 @@ def attention_core(
     return torch.matmul(probs, v)
 
 
+# The backends of flash_alibi_attention that never materialize [S, S] scores.
+FLASH_BACKENDS = ("triton", "sdpa", "flex")
+
+
 def flash_attention_available(q: torch.Tensor) -> bool:
-    """Whether the fused causal ALiBi flash attention runs for q (the Triton backend, head dims up to 128)."""
-    return fused.get_backend(q) == "triton" and q.shape[-1] <= 128
+    """Whether a fused causal ALiBi attention runs for q (Triton's flash kernel or a peer the registry chose, head
+    dims up to 128)."""
+    return fused.backend_for("flash_alibi_attention", q) in FLASH_BACKENDS and q.shape[-1] <= 128
 
 
 def flash_attention(

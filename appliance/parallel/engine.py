@@ -82,7 +82,7 @@ from appliance.parallel.optimizer_state import (
     optimizer_files,
     optimizer_state,
 )
-from appliance.parallel.parallelize import Parallelism
+from appliance.parallel.parallelize import Parallelism, compile_blocks
 from appliance.parallel.param_gather import DeepSpeedStructureError, OverlappedParamGather, build_overlap
 from appliance.parallel.pipeline_parallel import (
     BloomStack,
@@ -207,6 +207,7 @@ def build_engine(
     seq_len: int | None = None,  # MoE: sizes the exchanges the all-to-all choice weighs (model/moe.py)
     hardware: Hardware | None = None,  # MoE: the run's profile, its nodes and links (None: LOCAL_WORLD_SIZE)
     step_engine: str = "auto",  # "auto": single_replica_step decides; "deepspeed": DeepSpeed's engine regardless
+    compile: str = TrainSettings.compile,  # auto | on | off: torch.compile of each block (parallelize.compile_blocks)
 ) -> ParallelEngine:
     """Build this rank's part of the model and its DeepSpeed engine. Collective: every rank calls it."""
     import deepspeed
@@ -266,6 +267,7 @@ def build_engine(
     else:
         specs = bloom_layer_specs(config, parallelism, device=device)
         module = BloomStack(specs, loss_fn, recompute_blocks=parallelism.full_recompute)
+    compile_blocks(module, parallelism, compile, device)  # the last step of parallelize.py's order
     set_expert_offsets(module, topology)
     expert_offset = _expert_offset(config, topology)
     named = [(hf_parameter_name(n, config.n_layer, expert_offset), p) for n, p in module.named_parameters()]

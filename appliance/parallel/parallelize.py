@@ -13,9 +13,15 @@ engine and the pp = 1 BloomStack make the same decisions. The order, and why:
 2. Context parallel: ``apply_context_parallel`` replaces a block's attention core, after TP, because it works on
    this TP rank's heads and on the CP-local sequence the QKV projection returns (with sequence parallelism, after
    its gather over TP). Which tokens a CP rank holds, and the loss over them, are context_parallel.py's.
-3. Recompute last: it wraps whatever the first two produced (selective: the attention core, CP's collectives
+3. Recompute: it wraps whatever the first two produced (selective: the attention core, CP's collectives
    included, runs again in the backward pass; full: the whole block, in the pipeline's checkpoint interval or
    BloomStack's forward), so it must see the finished block.
+4. Compile last (``compile_blocks``, the run setting ``compile``), as torchtitan compiles after TP and activation
+   checkpointing: torch.compile traces the block as the steps before left it, so the graph holds the TP/SP
+   collectives and selective recompute's checkpoint region, and what the steps before install must already be
+   there. Full recompute stays outside: the pipeline's checkpoint (or BloomStack's) calls the compiled block, and
+   runs it again in the backward pass. Each transformer block is compiled on its own ("regional" compile): the
+   blocks are alike, so one graph serves them all and compiling costs one block's trace, not the model's.
 """
 
 from __future__ import annotations
@@ -23,10 +29,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
-from appliance.model.bloom import BloomBlock, LinearFactory
+from appliance.errors import BadInput
+from appliance.model.bloom import BloomBlock, BloomMLP, LinearFactory
 from appliance.parallel.context_parallel import ContextParallelCore
 from appliance.parallel.layers import tp_linear_factory
 from appliance.parallel.layers2d import Mesh2D, layer_norm_2d, tp2d_linear_factory
@@ -118,3 +126,54 @@ def apply_selective_recompute(block: BloomBlock, on: bool) -> None:
     """Selective recompute (Korthikanti et al. 2022): keep the attention core's inputs only and recompute its
     scores and softmax, the largest activations, in the backward pass."""
     block.self_attention.recompute_core = on
+
+
+# ---- 4. compile ----
+
+
+def compiles_blocks(mode: str, device: torch.device) -> bool:
+    """Whether the run setting ``compile`` (auto | on | off) compiles the blocks of a rank whose model lives on
+    ``device``: auto does on CUDA, where a compiled block fuses its elementwise ops and drops Python's per-op cost
+    from every step, and not on CPU, where compiling a block costs more than the steps of a CPU run win back
+    (docs/PERFORMANCE.md, "compile")."""
+    return mode == "on" or (mode == "auto" and device.type == "cuda")
+
+
+def compile_blocks(module: nn.Module, parallelism: Parallelism, mode: str, device: torch.device) -> list[BloomBlock]:
+    """Step 4: torch.compile(fullgraph=True) of each dense transformer block of ``module`` (a BloomStack or this
+    rank's pipeline stage), in place; returns the blocks compiled.
+
+    In place means the block's ``forward``, not the module: parameter names and state_dict keys do not change, and
+    forward hooks (the overlapped parameter gather waits in one, param_gather.py) keep running eagerly around the
+    compiled graph instead of being traced into it. fullgraph=True makes any graph break an error at the first
+    step rather than a silent slowdown. Shapes: training's never change, so training never recompiles;
+    evaluation and scoring (no_grad, module.eval()) get graphs of their own, the first for their first shape and, if
+    their shapes vary (a last partial micro-batch, scoring's lengths), one more in which torch's automatic dynamic
+    shapes make the varying sizes symbolic, after which nothing recompiles.
+
+    MoE blocks stay eager (their routing sizes are data-dependent); context parallelism and tp2d keep every block
+    eager too: their exchanges are not traceable into one graph yet, so ``on`` is refused there and ``auto`` is off.
+    """
+    if not compiles_blocks(mode, device):
+        return []
+    untraceable = [
+        f"{axis}({size})"
+        for axis, size in (("cp", parallelism.topology.cp), ("tp2d", parallelism.topology.tp2d))
+        if size > 1
+    ]
+    if untraceable:
+        if mode == "auto":
+            return []
+        raise BadInput(
+            f"compile=on: {' and '.join(untraceable)} > 1 is not compiled (context parallel's and 2D tensor "
+            "parallel's exchanges do not trace into one graph); set compile=auto or off"
+        )
+    blocks = [m for m in module.modules() if isinstance(m, BloomBlock) and isinstance(m.mlp, BloomMLP)]
+    for block in blocks:
+        if "forward" in vars(block):
+            raise RuntimeError(f"block {block.layer_number} is compiled already")
+        # The slopes cached on the device now: built inside the trace they would be a new dictionary entry, which
+        # the next step's guards would see as a change and recompile for.
+        block.alibi.slopes(device)
+        block.forward = torch.compile(block.forward, fullgraph=True)  # type: ignore[method-assign]
+    return blocks

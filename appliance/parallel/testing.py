@@ -129,6 +129,10 @@ class CollectiveGuard:
     def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
         def guarded(*args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_dynamo_compiling():
+                # Traced into a compiled block (parallelize.compile_blocks): the count and the nesting depth are
+                # side effects a graph cannot hold, so the collective goes in unguarded and uncounted.
+                return original(*args, **kwargs)
             for tensor in _tensors((args, kwargs)):
                 if tensor.device != self.device:
                     raise WrongDeviceError(

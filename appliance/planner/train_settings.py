@@ -14,6 +14,9 @@ DTYPES = ("bf16", "fp16", "fp32")
 LR_DECAY_STYLES = ("cosine",)  # the one decay appliance/train/schedule.py implements
 RAMPUP_KEYS = ("start", "increment", "samples")  # Megatron --rampup-batch-size START INCREMENT SAMPLES
 DRIFT_CHECK_INTERVAL = 50  # steps between TP-replica drift checks (appliance/parallel/drift.py)
+# Regional torch.compile of the transformer blocks (appliance/parallel/parallelize.py, compile_blocks): auto is on
+# for CUDA ranks and off on CPU ones.
+COMPILE_MODES = ("auto", "on", "off")
 
 
 def overlap_comm(zero_stage: int, dtype: str) -> bool:
@@ -78,6 +81,9 @@ class TrainSettings:
     # expert under run_dir/expert_store/rank<N>/. 0: host memory holds every expert the device does not. Only with
     # expert_device_budget_mb > 0, for host memory is the second tier: experts go to disk when it is full.
     expert_host_budget_mb: int = 0
+    # torch.compile of each transformer block, in place (parallelize.py, compile_blocks): auto is on for CUDA ranks
+    # and off on CPU, where compiling costs more than it saves (docs/PERFORMANCE.md, "compile").
+    compile: str = "auto"
 
     def __post_init__(self) -> None:
         problems = []
@@ -122,6 +128,8 @@ class TrainSettings:
                 f"global_batch_size({self.global_batch_size}) is not a multiple of"
                 f" micro_batch_size({self.micro_batch_size})"
             )
+        if self.compile not in COMPILE_MODES:
+            problems.append(f"compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
         if self.dtype not in DTYPES:
             problems.append(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.lr_decay_style not in LR_DECAY_STYLES:
@@ -185,6 +193,8 @@ CHANGEABLE_MID_RUN: dict[str, str] = {
     " bit like the all-resident one (tests/unit/test_expert_store.py); read at each launch",
     "expert_host_budget_mb": "where experts wait between uses (host memory or disk), not what is computed: the disk"
     " tier trains bit for bit like the all-resident run (tests/distributed/test_moe_parallel.py); read at each launch",
+    "compile": "how the blocks run, not what they compute: compiled blocks train like eager ones within float rounding"
+    " (tests/distributed/test_compile.py); applied when the ranks build the model, at each launch",
 }
 FIXED_MID_RUN: dict[str, str] = {
     "seq_len": "the data position (consumed samples) counts samples of this length, the data index is cut into"
