@@ -119,6 +119,7 @@ class Selection:
     times_ms: dict[str, dict[str, float]]
     rejected: dict[str, dict[str, str]] = field(default_factory=dict)
     flash_tiles: dict[str, Any] | None = None  # {"chosen": FlashConfig fields, "times_ms": {...}, "rejected": {...}}
+    source: str = "measured"  # or "cache": read back from where a measurement was kept for this key
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -137,6 +138,7 @@ class Selection:
             times_ms={op: dict(t) for op, t in data["times_ms"].items()},
             rejected={op: dict(r) for op, r in data["rejected"].items()},
             flash_tiles=data["flash_tiles"],
+            source=data["source"],
         )
 
     def apply(self) -> None:
