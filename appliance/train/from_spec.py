@@ -8,6 +8,7 @@ for a missing key (the spec refuses a plan without it).
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,8 @@ from appliance.model.config import BloomConfig, config_for_shape
 from appliance.parallel.engine import ParallelEngine, build_engine
 from appliance.parallel.kernel_choice import choose_kernels, kernel_record
 from appliance.parallel.topology import ParallelTopology
-from appliance.planner.runspec import RunSpec
+from appliance.planner.measured_kernels import MeasuredKernels, reprice
+from appliance.planner.runspec import RunSpec, load_spec
 from appliance.rundir import RunDir
 from appliance.train.atomic import write_atomic
 
@@ -106,6 +108,27 @@ def engine_for(
         record["kernels"] = kernels  # which implementation of each fused op runs, and its measured time
         write_ds_config(run_dir, record)
     return engine
+
+
+def reprice_plan(run_dir: RunDir, spec: RunSpec, kernels: dict[str, Any]) -> RunSpec:
+    """plan.json's estimate priced with the fused-op times measured at this launch (planner/measured_kernels.py),
+    written into plan.json (its estimate, time breakdown and notes only, atomically) when that changes them; the
+    spec as the run now reads it. Unchanged without measured times, and when this launch runs another layout than
+    plan.json's (a re-formed elastic world: its estimate stays the plan's)."""
+    measured = MeasuredKernels.from_record(kernels)
+    if measured is None:
+        return spec
+    on_disk = load_spec(run_dir.plan)
+    if on_disk.layout != spec.layout:
+        return spec
+    priced = reprice(on_disk, measured)
+    if priced.report != on_disk.report:
+        data = json.loads(run_dir.plan.read_text())
+        written = priced.to_json()
+        data.update({key: written[key] for key in ("estimate", "time_breakdown_s", "notes")})
+        RunSpec.from_json(data, str(run_dir.plan))  # the spec's own checks, as on any read of plan.json
+        write_atomic(run_dir.plan, json.dumps(data, indent=1).encode())
+    return replace(spec, report=priced.report)
 
 
 def expert_disk_dir(run_dir: RunDir, rank: int) -> Path:
