@@ -218,7 +218,9 @@ def registry_api(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         }  # fmt: skip
 
         def implementations(op: str, device: torch.device) -> dict[str, Callable[..., Any]]:
-            found = {"reference": getattr(reference, op), "triton": triton[op]}
+            found = {"reference": getattr(reference, op)}
+            if torch.device(device).type == "cuda" or not torch.cuda.is_available():  # CPU: the interpreter only
+                found["triton"] = triton[op]
             if op == "flash_alibi_attention":
                 for name in ("sdpa", "flex"):
                     peer = getattr(attention_peers, f"{name}_alibi_attention")
