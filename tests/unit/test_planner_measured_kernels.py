@@ -42,9 +42,12 @@ def _device():
 
 
 def test_the_record_gives_the_chosen_backends_seconds() -> None:
-    assert MeasuredKernels(
-        2, S, {"flash_alibi_attention": 3e-3, "layer_norm": 2e-4, "bias_gelu": 5e-4, "vocab_cross_entropy": 2e-2}
-    ) == MEASURED
+    assert (
+        MeasuredKernels(
+            2, S, {"flash_alibi_attention": 3e-3, "layer_norm": 2e-4, "bias_gelu": 5e-4, "vocab_cross_entropy": 2e-2}
+        )
+        == MEASURED
+    )
     assert MeasuredKernels.from_record({"source": "default", "backend": "reference", "choices": {}}) is None
 
 
