@@ -21,6 +21,11 @@ class RunDir:
         return self.root / "ds_config.json"
 
     @property
+    def kernels(self) -> Path:
+        """The measured kernel selection of this run's GPU and shapes (rank 0; parallel/kernel_choice.py)."""
+        return self.root / "kernels.json"
+
+    @property
     def corpus(self) -> Path:
         return self.root / "corpus"
 

@@ -84,6 +84,37 @@ def compile_table(quick: bool) -> list[dict]:
     return rows
 
 
+def tile_candidate_table() -> list[dict]:
+    """Rows for every flash-attention tile candidate the measured selection may time
+    (kernels.flash_attention.tile_candidates), at each GPU preset's head dim, without and with documents, in bf16,
+    for sm_80 and sm_90: each candidate recorded as the launchers launch it when the selection has chosen it."""
+    from kernels import aot
+    from kernels import flash_attention as fa
+    from kernels.launch import recording
+
+    by_head_dim: dict[int, object] = {}
+    for shape in training_shapes():
+        by_head_dim.setdefault(shape.head_dim, shape)
+    rows = []
+    for target in aot.TARGETS:
+        recorded = []
+        for shape in by_head_dim.values():
+            for documents, op in ((False, "flash_attention"), (True, "flash_attention_packed")):
+                run, size = aot.OPS[op]
+                for cfg in fa.tile_candidates(shape.head_dim, torch.bfloat16, target.capability, documents):
+                    key = (shape.head_dim, torch.bfloat16, target.capability, documents, shape.seq_len, shape.seq_len)
+                    fa.TUNED_TILES[key] = cfg
+                    try:
+                        with recording(target) as launches:
+                            run(shape, torch.bfloat16)
+                    finally:
+                        del fa.TUNED_TILES[key]
+                    recorded += [aot.Recorded(op, size(shape), torch.bfloat16, shape, one) for one in launches]
+        for build in aot.compile_all(recorded, target):
+            rows.append(asdict(build) | {"problems": aot.problems(build)})
+    return rows
+
+
 def _short(kernel: str) -> str:
     return kernel.removeprefix("_").removesuffix("_kernel")
 
@@ -115,6 +146,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="one compile per kernel and target")
     parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
+    parser.add_argument(
+        "--tile-candidates", action="store_true", help="flash attention's tile candidates (measured selection) only"
+    )
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):
         print("kernels_compile: unset TRITON_INTERPRET (the interpreter replaces the kernels)", file=sys.stderr)
@@ -122,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import triton
 
     start = time.perf_counter()
-    rows = compile_table(args.quick)
+    rows = tile_candidate_table() if args.tile_candidates else compile_table(args.quick)
     print(format_table(rows))
     print(f"\n{len(rows)} builds in {time.perf_counter() - start:.0f} s, triton {triton.__version__}")
     if args.json:

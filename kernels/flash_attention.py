@@ -23,7 +23,7 @@ logsumexp and delta = rowsum(O * dO) of the final output.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -352,6 +352,47 @@ def launch_config(head_dim: int, dtype: torch.dtype, capability: int | None, doc
     )  # fmt: skip
 
 
+# (head dim, dtype, compute capability, documents, q_len, k_len) -> the tiles measured fastest at that shape on this
+# GPU, filled by the measured kernel selection (kernels/selection.py tune_flash_tiles); launch_config elsewhere.
+TUNED_TILES: dict[tuple[int, torch.dtype, int, bool, int, int], FlashConfig] = {}
+
+
+def tiles(
+    head_dim: int, dtype: torch.dtype, capability: int | None, documents: bool, q_len: int, k_len: int
+) -> FlashConfig:
+    """The tiles a launch uses: the tuned ones for this shape where the selection measured some, else
+    launch_config's (always on the interpreter)."""
+    if capability is not None:
+        tuned = TUNED_TILES.get((head_dim, dtype, capability, documents, q_len, k_len))
+        if tuned is not None:
+            return tuned
+    return launch_config(head_dim, dtype, capability, documents)
+
+
+def tile_candidates(
+    head_dim: int, dtype: torch.dtype, capability: int | None, documents: bool = False
+) -> tuple[FlashConfig, ...]:
+    """The tiles the measured selection times at a run's shape, launch_config's first. Only for 16-bit inputs on a
+    GPU (fp32's tiles are bounded by spills, the interpreter's by test shapes). Each variation compiles without
+    spills for every head dim it is offered at, with and without documents, on sm_80 and sm_90
+    (`python -m bench.kernels_compile --tile-candidates`, tests/kernels/test_kernel_compile.py); those that
+    spilled there are left out: FA2's 128 x 128 forward at head dim 64 (64-392 bytes per thread), Triton's tutorial
+    dk/dv tile 32 x 128 (80-1072 bytes), 16 warps at head dim 128 (8-216 bytes), and 4 stages at head dim 64 with
+    documents (16 bytes on sm_90)."""
+    default = launch_config(head_dim, dtype, capability, documents)
+    if capability is None or dtype == torch.float32:
+        return (default,)
+    variants = [
+        replace(default, fwd_m=64),  # half the forward's query block: twice the programs to fill 132 SMs
+        replace(default, dq_m=128, dq_n=32),  # dq over wide query blocks and narrow key blocks (the tutorial's)
+    ]
+    if default.block_d <= 64:
+        variants.append(replace(default, warps=8))  # more warps on the same tiles
+    if default.block_d > 64 or not documents:
+        variants.append(replace(default, stages=4))  # a deeper software pipeline for the forward's K/V loads
+    return tuple(dict.fromkeys([default, *variants]))
+
+
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
@@ -388,7 +429,7 @@ def flash_fwd(
     b, h, q_len, d = q.shape
     k_len = k.shape[2]
     shift = k_len - q_len if shift is None else shift
-    cfg = launch_config(d, q.dtype, compute_capability(q), documents=q_doc is not None)
+    cfg = tiles(d, q.dtype, compute_capability(q), q_doc is not None, q_len, k_len)
     o = torch.empty((b, h, q_len, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, q_len), dtype=torch.float32, device=q.device)
     q_doc_ptr, k_doc_ptr, has_docs = _docs(q_doc, k_doc, slopes)
@@ -422,7 +463,7 @@ def flash_bwd(
     b, h, q_len, d = q.shape
     k_len = k.shape[2]
     shift = k_len - q_len if shift is None else shift
-    cfg = launch_config(d, q.dtype, compute_capability(q), documents=q_doc is not None)
+    cfg = tiles(d, q.dtype, compute_capability(q), q_doc is not None, q_len, k_len)
     do = do.contiguous()  # the kernels index dO like O: dense [b, h, q_len, d]
     lse = lse.contiguous()
     if delta is None:

@@ -31,6 +31,8 @@ REQUIRED_KEYS: dict[str, tuple[str, ...]] = {
     "plan": (),
     "run": ("state",),
     "settings": ("step", "changes"),  # --set on a started run: changes is [{key, old, new}] (train/live_settings.py)
+    # op -> implementation each launch runs, with the measured ms per op and backend (parallel/kernel_choice.py)
+    "kernels": ("source", "choices", "times_ms"),
 }
 
 STAGE_STATES = ("started", "running", "done", "skipped", "failed", "stopped")  # stopped: preempted, resumable

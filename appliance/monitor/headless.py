@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from appliance.errors import BadInput
-from appliance.monitor.events import EventTail
+from appliance.monitor.events import EventTail, finite
 from appliance.monitor.snapshot import SAVE_EVERY_S, SAVE_MIN_NEW_BYTES, SnapshotSaver, attach
 from appliance.monitor.state import RunState, reduce
 from appliance.rundir import RunDir
@@ -175,6 +175,8 @@ class HeadlessPrinter:
         if kind == "settings":  # --set on a started run (train/live_settings.py)
             changed = ", ".join(f"{c.get('key')} {c.get('old')} -> {c.get('new')}" for c in e.get("changes") or [])
             return f"settings changed after step {e.get('step')}: {changed}"
+        if kind == "kernels":  # the fused ops' implementations this launch runs (parallel/kernel_choice.py)
+            return f"kernels {kernels_text(e)}"
         return None  # gpu and energy events are dashboard material; json mode carries them
 
     def _stage_text(self, e: dict[str, Any]) -> str | None:
@@ -186,6 +188,28 @@ class HeadlessPrinter:
         if state in ("done", "failed", "skipped", "stopped") and info.finished_t is not None:
             return f"stage {name} {state} after {fmt_duration(info.finished_t - info.started_t)}"
         return f"stage {name} {state}"
+
+
+# The fused ops by the names a reader knows them by.
+KERNEL_OP_NAMES = {
+    "flash_alibi_attention": "attention",
+    "layer_norm": "LayerNorm",
+    "bias_gelu": "bias+GeLU",
+    "vocab_cross_entropy": "loss",
+}
+
+
+def kernels_text(e: dict[str, Any]) -> str:
+    """A measured (or cached) selection as `measured: attention sdpa 3.1 ms, LayerNorm compiled 0.21 ms, ...`;
+    without one, `forced: triton (BLOOM_KERNELS=triton)` or `default: reference (BLOOM_KERNELS=auto)`."""
+    choices, times = e.get("choices") or {}, e.get("times_ms") or {}
+    if not choices:
+        return f"{e.get('source')}: {e.get('backend')} ({e.get('backend_env')})"
+    parts = []
+    for op, backend in choices.items():
+        ms = finite((times.get(op) or {}).get(backend))
+        parts.append(f"{KERNEL_OP_NAMES.get(op, op)} {backend}" + (f" {ms:.3g} ms" if ms is not None else ""))
+    return f"{e.get('source')}: " + ", ".join(parts)
 
 
 def plan_line(e: dict[str, Any]) -> str:

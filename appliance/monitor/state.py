@@ -19,6 +19,7 @@ Optional keys this reader understands beyond the required ones of events.py (all
   plan:        the plan.json object (or {"plan": {...}}): estimate.*, train.steps, train.save_interval,
                run.energy_kwh / run.co2_kg (the pre-run estimate for the whole run)
   run:         state (started, done, failed, preempted), name, reason
+  kernels:     source, choices, times_ms (and backend when nothing was chosen per op): the newest is kept
   step (MoE):  moe_aux_loss (the load-balancing loss), expert_load (per MoE layer, each expert's fraction of the
                tokens), expert_tier (the tiered expert store's counters: parallel/expert_store.py
                expert_tier_event); any of them makes `experts` non-None and shows the experts panel
@@ -232,6 +233,7 @@ class RunState:
     sample_text: str | None = None
     plan: dict[str, Any] = field(default_factory=dict)
     budget: dict[str, Any] | None = None  # the newest budget warning's object (appliance/train/budget_watch.py)
+    kernels: dict[str, Any] | None = None  # the newest `kernels` event: what the fused ops run, and measured ms
     experts: ExpertsInfo | None = None  # None until a step event carries an MoE field
     # Control requests still waiting for the trainer (the file exists); set by the reader, not by events.
     checkpoint_requested: bool = False
@@ -404,6 +406,10 @@ class RunState:
         if isinstance(e.get("budget"), dict):
             self.budget = dict(e["budget"])
             self.changed.add("throughput")
+
+    def _on_kernels(self, e: dict[str, Any], t: float) -> None:
+        self.kernels = {k: v for k, v in e.items() if k not in ("t", "kind")}
+        self.changed.add("throughput")
 
     def _on_eval(self, e: dict[str, Any], t: float) -> None:
         results: dict[str, Any] = {}

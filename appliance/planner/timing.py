@@ -16,7 +16,8 @@ optimizer step at memory bandwidth.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from appliance.hardware.profile import Hardware
 from appliance.planner import calibration as cal
@@ -35,6 +36,9 @@ from appliance.planner.kernel_path import (
 from appliance.planner.layout import Layout, Partition, pipeline_partition
 from appliance.planner.memory import layer_parameters_per_rank, stage_parameters
 from appliance.planner.model_shape import ModelShape
+
+if TYPE_CHECKING:
+    from appliance.planner.measured_kernels import MeasuredKernels
 
 BREAKDOWN_KEYS = (
     "gemm",
@@ -135,12 +139,20 @@ class BlockSeconds:
 
 
 def block_seconds(
-    model: ModelShape, layout: Layout, device: Device, hw: Hardware, s: int, kernels: KernelPath
+    model: ModelShape,
+    layout: Layout,
+    device: Device,
+    hw: Hardware,
+    s: int,
+    kernels: KernelPath,
+    measured: MeasuredKernels | None = None,
 ) -> BlockSeconds:
     """The seconds of one block's pieces for one micro-batch of sequences s long on one TP rank of ``layout``: the
     planner's one count of a block's work, which the step time (here) and the 1D-vs-2D comparison (tp2d.py) share.
     With cp ranks per sequence (context_parallel.py) the rank runs s/cp tokens through the GEMMs and
-    elementwise kernels and its share of the attention square, then pays the exchange."""
+    elementwise kernels and its share of the attention square, then pays the exchange. `measured`: fused-op times
+    measured on the run's GPU, which replace the estimates of the attention, LayerNorm and bias+GeLU terms where
+    they were measured at this micro-batch (measured_kernels.py)."""
     b, h, a, f, t, c = layout.micro_batch_size, model.hidden, model.heads, model.ffn_hidden, layout.tp, layout.cp
     act = device.act_bytes
     s_local = local_tokens(s, c)
@@ -170,7 +182,36 @@ def block_seconds(
     allreduce = _ring_time(allreduce_sent(act * tokens * h, t), 2 * (t - 1), link)
     cp_forward, cp_backward = _cp_exchange(model, layout, device, hw, s, attention, backward)
     elementwise = ew_bytes / mem_rate + softmax
-    return BlockSeconds(gemm, attention, backward, elementwise, softmax, allreduce, cp_forward, cp_backward)
+    blk = BlockSeconds(gemm, attention, backward, elementwise, softmax, allreduce, cp_forward, cp_backward)
+    if measured is None or not measured.applies(layout, s):
+        return blk
+    return _measured_block(blk, measured, layout, tokens * h * act / sp_div / mem_rate, tokens * f / t * act / mem_rate)
+
+
+def _measured_block(
+    blk: BlockSeconds, measured: MeasuredKernels, layout: Layout, full_width_s: float, split_ffn_s: float
+) -> BlockSeconds:
+    """blk with its attention, LayerNorm and bias+GeLU terms replaced by the measured ones (fwd + bwd each).
+    full_width_s / split_ffn_s: the seconds one element of each of the s b h (over t with SP) and s b f / t
+    activations costs at the memory rate, the unit the elementwise estimate counts in."""
+    from appliance.planner import measured_kernels as mk
+
+    attention, backward, elementwise = blk.attention, blk.attention_backward, blk.elementwise
+    attention_s = measured.seconds("flash_alibi_attention")
+    if attention_s is not None and layout.cp == 1:  # under cp the attention runs as the exchange's chunks instead
+        scale = attention_s / (attention + backward)  # forward and backward keep the estimate's proportion
+        attention, backward = attention * scale, backward * scale
+    # elementwise is a forward figure that the stage counts 3 times (backward moves twice as much): a measured
+    # forward + backward enters as a third of itself, in place of the estimated forward it replaces.
+    layer_norm_s = measured.seconds("layer_norm")
+    if layer_norm_s is not None:  # measured over s b tokens; SP gives each rank s b / t of them
+        sp = layout.tp if layout.sequence_parallel else 1
+        estimated = mk.LAYER_NORM_ELEMENTS * full_width_s
+        elementwise += mk.LAYER_NORMS_PER_BLOCK * layer_norm_s / sp / 3 - estimated
+    bias_gelu_s = measured.seconds("bias_gelu")
+    if bias_gelu_s is not None:
+        elementwise += bias_gelu_s / 3 - cal.ELEMENTWISE_SPLIT_FFN * split_ffn_s
+    return replace(blk, attention=attention, attention_backward=backward, elementwise=elementwise)
 
 
 def _cp_exchange(
@@ -207,13 +248,14 @@ def _stage_microbatch(
     layers: int,
     s: int,
     kernels: KernelPath,
+    measured: MeasuredKernels | None = None,
 ) -> dict[str, float]:
     """Seconds one micro-batch costs on one stage, by component."""
     b, h, t, p = layout.micro_batch_size, model.hidden, layout.tp, layout.pp
     act = device.act_bytes
     tokens = b * local_tokens(s, layout.cp)
     mem_rate = device.memory_bw * device.efficiency.memory
-    blk = block_seconds(model, layout, device, hw, s, kernels)
+    blk = block_seconds(model, layout, device, hw, s, kernels, measured)
 
     out = {
         "gemm": 3 * layers * blk.gemm,
@@ -229,7 +271,10 @@ def _stage_microbatch(
 
     if stage == 0:  # embedding gather and its LayerNorm, forward and backward
         out["elementwise"] += 3 * 4 * tokens * h * act / mem_rate
-    if stage == p - 1:  # LM head GEMMs (forward + 2x backward) and the vocab-parallel cross entropy
+    loss_s = measured.seconds("vocab_cross_entropy") if measured and measured.applies(layout, s) else None
+    if stage == p - 1 and loss_s is not None:  # measured: the fused loss with its LM head products, fwd + bwd
+        out["elementwise"] += loss_s
+    elif stage == p - 1:  # LM head GEMMs (forward + 2x backward) and the vocab-parallel cross entropy
         head_gemm, head_memory = _loss_seconds(model, layout, device, tokens, kernels)
         out["gemm"] += head_gemm
         out["elementwise"] += head_memory
@@ -302,9 +347,11 @@ def step_time_for_device(
     hw: Hardware,
     seq_len: int | None = None,
     kernels: KernelPath | None = None,
+    measured: MeasuredKernels | None = None,
 ) -> StepTime:
     """step_time with the device already built (the search calls this in its loop). `kernels`: what the run
-    executes (default: what our appliance runs on this device, kernel_path.kernels_for)."""
+    executes (default: what our appliance runs on this device, kernel_path.kernels_for); `measured`: fused-op
+    times measured on the run's GPU, in place of their estimates (block_seconds)."""
     kernels = kernels or kernels_for(device, model)
     s = model.seq_len if seq_len is None else seq_len
     partition = pipeline_partition(model.layers, layout.pp)
@@ -312,7 +359,7 @@ def step_time_for_device(
     m = max(1, layout.micro_batches)
     stages = sorted({0, min(1, p - 1), p - 1})
     per_stage = {
-        st: _stage_microbatch(model, layout, device, hw, st, partition.layers_per_stage[st], s, kernels)
+        st: _stage_microbatch(model, layout, device, hw, st, partition.layers_per_stage[st], s, kernels, measured)
         for st in stages
     }
     slowest = max(per_stage, key=lambda st: sum(per_stage[st].values()))
@@ -324,7 +371,7 @@ def step_time_for_device(
     mem_rate = device.memory_bw * device.efficiency.memory
     link = dp_link(hw, device, t, d)
     overlap = p == 1 and layout.zero_stage >= 1 and overlap_comm_configured(layout, device.dtype)
-    blk = block_seconds(model, layout, device, hw, s, kernels)
+    blk = block_seconds(model, layout, device, hw, s, kernels, measured)
     dp_parts: list[tuple[float, float]] = []  # (gradient reduce, exposed parameter gather) per stage
     for st in stages:
         params = stage_parameters(model, layout, st, partition)
@@ -375,8 +422,10 @@ def step_time(
     seq_len: int | None = None,
     precision: str | None = None,
     kernels: KernelPath | None = None,
+    measured: MeasuredKernels | None = None,
 ) -> StepTime:
     """Seconds per training step of `layout` on `hardware` in `precision` (None: the hardware's default) with
-    `kernels` (None: ours), with a breakdown that sums to the total."""
+    `kernels` (None: ours) and `measured` fused-op times (None: estimated), with a breakdown that sums to the
+    total."""
     device = make_device(hardware, layout.world_size, precision)
-    return step_time_for_device(layout, model, device, hardware, seq_len, kernels)
+    return step_time_for_device(layout, model, device, hardware, seq_len, kernels, measured)

@@ -8,14 +8,19 @@ for a missing key (the spec refuses a plan without it).
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from appliance.model.config import BloomConfig, config_for_shape
 from appliance.parallel.engine import ParallelEngine, build_engine
+from appliance.parallel.kernel_choice import choose_kernels, kernel_record
 from appliance.parallel.topology import ParallelTopology
-from appliance.planner.runspec import RunSpec
+from appliance.planner.measured_kernels import MeasuredKernels, reprice
+from appliance.planner.runspec import RunSpec, load_spec
 from appliance.rundir import RunDir
 from appliance.train.atomic import write_atomic
 
@@ -28,12 +33,48 @@ def model_config(spec: RunSpec, tokenizer_size: int) -> BloomConfig:
     return config_for_shape(spec.model, padded_vocab_size(tokenizer_size, spec.layout.tp))
 
 
-def engine_for(
+def engine_device() -> torch.device:
+    """Where the engine keeps the model: DeepSpeed's current device (cuda:<local rank>, or cpu)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().current_device_name())
+
+
+def kernels_for(
     spec: RunSpec, config: BloomConfig, topology: ParallelTopology, *, run_dir: RunDir | None = None
+) -> dict[str, Any]:
+    """The kernels this run's ranks use, chosen by measurement on CUDA under BLOOM_KERNELS=auto (collective: rank 0
+    measures, or reads run_dir/kernels.json when it was measured for this GPU, software and shapes; every rank
+    installs the choice), as the record ds_config.json and the `kernels` event carry (kernel_choice.kernel_record)."""
+    device = engine_device()
+    selection = choose_kernels(
+        config,
+        topology,
+        micro_batch_size=spec.train.micro_batch_size,
+        seq_len=spec.train.seq_len,
+        dtype=spec.train.dtype,
+        device=device,
+        cache_file=None if run_dir is None else run_dir.kernels,
+        documents=spec.train.reset_attention_mask,
+    )
+    return kernel_record(selection, device)
+
+
+def engine_for(
+    spec: RunSpec,
+    config: BloomConfig,
+    topology: ParallelTopology,
+    *,
+    run_dir: RunDir | None = None,
+    kernels: dict[str, Any] | None = None,
 ) -> ParallelEngine:
-    """This rank's engine for the spec's layout and training settings (collective). With `run_dir`, rank 0 writes
-    the DeepSpeed config the engine runs with to run_dir/ds_config.json, replacing the previous launch's."""
+    """This rank's engine for the spec's layout and training settings (collective). The kernels are chosen first
+    (kernels_for; `kernels`: that record when the caller has chosen them already). With `run_dir`, rank 0 writes
+    the DeepSpeed config the engine runs with, and the kernels, to run_dir/ds_config.json, replacing the previous
+    launch's."""
     layout, train = spec.layout, spec.train
+    if kernels is None:
+        kernels = kernels_for(spec, config, topology, run_dir=run_dir)
     engine = build_engine(
         config,
         topology,
@@ -65,8 +106,30 @@ def engine_for(
         record = engine.ds_config
         if engine.all_to_all is not None:
             record["moe_all_to_all"] = engine.all_to_all.record()  # which exchange the experts use, and why
+        record["kernels"] = kernels  # which implementation of each fused op runs, and its measured time
         write_ds_config(run_dir, record)
     return engine
+
+
+def reprice_plan(run_dir: RunDir, spec: RunSpec, kernels: dict[str, Any]) -> RunSpec:
+    """plan.json's estimate priced with the fused-op times measured at this launch (planner/measured_kernels.py),
+    written into plan.json (its estimate, time breakdown and notes only, atomically) when that changes them; the
+    spec as the run now reads it. Unchanged without measured times, and when this launch runs another layout than
+    plan.json's (a re-formed elastic world: its estimate stays the plan's)."""
+    measured = MeasuredKernels.from_record(kernels)
+    if measured is None:
+        return spec
+    on_disk = load_spec(run_dir.plan)
+    if on_disk.layout != spec.layout:
+        return spec
+    priced = reprice(on_disk, measured)
+    if priced.report != on_disk.report:
+        data = json.loads(run_dir.plan.read_text())
+        written = priced.to_json()
+        data.update({key: written[key] for key in ("estimate", "time_breakdown_s", "notes")})
+        RunSpec.from_json(data, str(run_dir.plan))  # the spec's own checks, as on any read of plan.json
+        write_atomic(run_dir.plan, json.dumps(data, indent=1).encode())
+    return replace(spec, report=priced.report)
 
 
 def expert_disk_dir(run_dir: RunDir, rank: int) -> Path:

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     from appliance.parallel.topology import ParallelTopology
     from appliance.train.budget_watch import BudgetWatch
     from appliance.train.faults import FaultInjector
-    from appliance.train.from_spec import engine_for, model_config
+    from appliance.train.from_spec import engine_for, kernels_for, model_config, reprice_plan
     from appliance.train.launch import check_plan_runs_here
     from appliance.train.metrics import peak_flops_per_device, step_flops
     from appliance.train.trainer import Trainer
@@ -170,7 +170,11 @@ def main(argv: list[str] | None = None) -> int:
 
     sampler = _start_sampler(run_dir, events, spec)
     seed_everything(settings.seed)
-    engine = engine_for(spec, config, topology, run_dir=run_dir)
+    kernels = kernels_for(spec, config, topology, run_dir=run_dir)
+    if events is not None:
+        events.emit("kernels", **kernels)
+        spec = reprice_plan(run_dir, spec, kernels)  # the budget watch compares the steps with this estimate
+    engine = engine_for(spec, config, topology, run_dir=run_dir, kernels=kernels)
 
     train_data, valid_data = build_datasets(
         run_dir.data,

@@ -76,6 +76,7 @@ def test_training_ran_data_parallel_through_the_elastic_agent(default_run):
 
 
 def test_the_launch_wrote_the_deepspeed_config_it_ran_with(default_run):
+    from appliance.monitor.events import read_events
     from appliance.parallel.deepspeed_config import deepspeed_config
     from appliance.planner.runspec import load_spec
 
@@ -92,7 +93,16 @@ def test_the_launch_wrote_the_deepspeed_config_it_ran_with(default_run):
         grad_clip=train.grad_clip,
         pipeline=lay.pp > 1,
     )
-    assert json.loads((run_dir / "ds_config.json").read_text()) == expected
+    written = json.loads((run_dir / "ds_config.json").read_text())
+    kernels = written.pop("kernels")
+    assert written == expected
+    # CPU ranks under BLOOM_KERNELS=auto measure nothing: the record names the one backend every op runs, and rank 0
+    # said the same in a `kernels` event
+    assert kernels == {
+        "source": "default", "backend": "reference", "choices": {}, "times_ms": {}, "backend_env": "BLOOM_KERNELS=auto",
+    }  # fmt: skip
+    said = [e for e in read_events(run_dir / "metrics.jsonl") if e["kind"] == "kernels"]
+    assert said and {key: said[-1][key] for key in kernels} == kernels
 
 
 def test_headless_prints_readable_progress_and_never_imports_textual(default_run):

@@ -154,3 +154,25 @@ def test_whole_matrix_compiles_without_spills(triton_cache: Path, tmp_path: Path
             assert sizes == {"d=64", "d=80", "d=96", "d=128"}, (cc, dtype)
     _check_limits(builds)
     _check_specialised(builds)
+
+
+@needs_ptxas
+@pytest.mark.slow
+def test_flash_tile_candidates_compile_without_spills(triton_cache: Path, tmp_path: Path) -> None:
+    # Every tile configuration the measured selection may time and install (kernels/selection.py), at each GPU
+    # preset's head dim, without and with documents, as the launchers launch it once installed.
+    builds = _compile(triton_cache, tmp_path / "tiles.json", "--tile-candidates")
+    _check_limits(builds)
+    _check_specialised(builds)
+    for cc in (80, 90):
+        for d in (64, 80, 96, 128):
+            for documents in (False, True):
+                candidates = flash_attention.tile_candidates(d, torch.bfloat16, cc, documents)
+                assert len(candidates) >= 4
+                compiled = {
+                    (b["constexprs"]["BLOCK_M"], b["constexprs"]["BLOCK_N"], b["num_warps"], b["num_stages"])
+                    for b in builds
+                    if b["kernel"] == "_flash_fwd_kernel" and b["capability"] == cc and f"d={d}" in b["sizes"]
+                    and b["constexprs"]["HAS_DOCS"] is documents
+                }  # fmt: skip
+                assert compiled == {(c.fwd_m, c.fwd_n, c.warps, c.stages) for c in candidates}, (cc, d, documents)

@@ -218,3 +218,24 @@ def test_a_run_over_its_budget_says_so_in_the_throughput_panel(tmp_path: Path) -
         assert "OVER budget" in throughput and "+23%" in throughput and "812" in throughput
 
     drive(run_dir.root, check)
+
+
+def test_the_throughput_panel_names_the_kernels_the_run_measured(tmp_path: Path) -> None:
+    from tui_support import write_run
+
+    from appliance.monitor.events import make_event
+
+    events = synthetic_events(last_step=600, finished=False)
+    events.insert(1, make_event(
+        "kernels", t=events[0]["t"], source="measured",
+        choices={"flash_alibi_attention": "sdpa", "vocab_cross_entropy": "compiled"},
+        times_ms={"flash_alibi_attention": {"sdpa": 3.25, "triton": 4.5}, "vocab_cross_entropy": {"compiled": 21.5}},
+    ))  # fmt: skip
+    run_dir = write_run(tmp_path / "kernels", events)
+
+    async def check(app: DashboardApp, pilot: Pilot[int]) -> None:
+        throughput = text(app, "#throughput")
+        assert "kernels" in throughput and "measured" in throughput
+        assert "attention sdpa 3.25 ms" in throughput and "loss compiled 21.5 ms" in throughput
+
+    drive(run_dir.root, check)

@@ -9,7 +9,7 @@ from rich.table import Table
 from rich.text import Text
 from textual.app import RenderResult
 
-from appliance.monitor.headless import fmt_duration, fmt_float, fmt_pct, fmt_si
+from appliance.monitor.headless import fmt_duration, fmt_float, fmt_pct, fmt_si, kernels_text
 from appliance.monitor.state import RunState, Series
 from appliance.tui.widgets.panel import Panel, kv_grid, waiting
 from appliance.tui.widgets.plot import sparkline
@@ -32,6 +32,14 @@ def _budget_rows(budget: dict[str, Any] | None) -> list[tuple[str, str, str]]:
         ]
     except (KeyError, TypeError, ZeroDivisionError):
         return [(f"OVER {what}", "?", "")]
+
+
+def _kernel_rows(kernels: dict[str, Any] | None) -> list[tuple[str, str, str]]:
+    """What the fused ops run: "measured" (or "cache", "forced", "default") and the choices with their times."""
+    if not kernels:
+        return []
+    source, _, detail = kernels_text(kernels).partition(": ")
+    return [("kernels", source, detail)]
 
 
 class ThroughputPanel(Panel):
@@ -57,6 +65,7 @@ class ThroughputPanel(Panel):
                 ("step time", fmt_duration(state.step_time_s), _plan(fmt_duration(est.get("step_time_s")))),
                 ("step", str(state.step), total),
                 ("samples", fmt_si(state.consumed_samples), "consumed"),
+                *_kernel_rows(state.kernels),
             ]
         )
         self._tokens = state.tokens_series.copy()

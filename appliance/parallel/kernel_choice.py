@@ -1,0 +1,175 @@
+"""The kernels a run uses, chosen by measurement on its GPU at its shapes, the same on every rank.
+
+Under BLOOM_KERNELS=auto on CUDA, before the engine is built (train/from_spec.py engine_for):
+1. rank 0 reads the cache file (`<run dir>/kernels.json`) and uses it when its key equals this run's exactly
+   (device name, compute capability, torch, triton and project versions, the rank's shapes); otherwise it measures
+   (kernels/selection.py: each op's candidates checked against the fp32 twin, then timed) and writes the file,
+   atomically;
+2. rank 0 broadcasts the selection to every rank over the world group;
+3. every rank compares its own key with rank 0's: a rank on another GPU model or software stack would run kernels
+   measured elsewhere, so any difference stops every rank with an error naming both; else every rank installs it
+   (`Selection.apply`: flash attention's tiles, then `registry.use(choices)`).
+On CPU under auto, or with BLOOM_KERNELS=triton|reference, nothing is measured and `choose_kernels` returns None;
+`kernel_record` then records the backend that runs instead.
+
+The shapes are one rank's: heads, MLP width and vocabulary over tp, a sequence over cp (ring attention's chunk;
+Ulysses' attention sees the whole sequence over cp heads, measured at the chunk's shape all the same).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from appliance.model.config import BloomConfig
+from appliance.parallel.topology import ParallelTopology
+from kernels import registry
+from kernels.selection import Implementations, RankShapes, Selection, SelectionKey, Timer, current_key, select
+
+# plan.json's train.dtype -> RankShapes.dtype
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+class KernelChoiceError(RuntimeError):
+    """The ranks cannot share one measured selection (their keys differ); the message names every difference."""
+
+
+def forced_backend() -> str | None:
+    """BLOOM_KERNELS's value when it forces a backend ("triton" or "reference"); None under auto."""
+    value = os.environ.get(registry.BACKEND_ENV, "auto").strip().lower() or "auto"
+    return None if value == "auto" else value
+
+
+def rank_shapes(
+    config: BloomConfig,
+    topology: ParallelTopology,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    dtype: str,
+    documents: bool = False,
+) -> RankShapes:
+    """What one rank feeds the selectable ops (the vocabulary is already padded to a multiple of tp)."""
+    tp = topology.tp
+    return RankShapes(
+        micro_batch_size=micro_batch_size,
+        seq_len=seq_len // topology.cp,
+        hidden=config.hidden_size,
+        heads=config.n_head // tp,
+        head_dim=config.hidden_size // config.n_head,
+        ffn=4 * config.hidden_size // tp,
+        vocab=config.vocab_size // tp,
+        dtype=DTYPE_NAMES[dtype],
+        documents=documents,
+    )
+
+
+def choose_kernels(
+    config: BloomConfig,
+    topology: ParallelTopology,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    dtype: str,
+    device: torch.device,
+    cache_file: Path | None,
+    timer: Timer | None = None,
+    documents: bool = False,
+) -> Selection | None:
+    """The measured selection every rank now runs with (collective over the world group), or None on CPU under
+    auto and when BLOOM_KERNELS forces a backend (nothing measured; see kernel_record)."""
+    if forced_backend() is not None or torch.device(device).type != "cuda":
+        return None
+    shapes = rank_shapes(
+        config, topology, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype, documents=documents
+    )
+    return agree(shapes, torch.device(device), cache_file=cache_file, timer=timer)
+
+
+def agree(
+    shapes: RankShapes,
+    device: torch.device,
+    *,
+    cache_file: Path | None,
+    timer: Timer | None = None,
+    implementations: Implementations | None = None,
+) -> Selection:
+    """Rank 0's selection for `shapes` (from the cache when its key matches, else measured and cached), on every
+    rank and installed there; KernelChoiceError on every rank when any rank's key differs from rank 0's."""
+    from appliance import __version__
+
+    key = current_key(shapes, device, __version__)
+    payload: list[Any] = [None]
+    if dist.get_rank() == 0:
+        selection = read_cache(cache_file, key)
+        if selection is None:
+            selection = select(
+                shapes, device, project_version=__version__, timer=timer, implementations=implementations
+            )
+            if cache_file is not None:
+                write_cache(cache_file, selection)
+        payload = [selection.to_json()]
+    # NCCL moves the pickled object through a tensor on the current CUDA device; gloo through a CPU one.
+    dist.broadcast_object_list(payload, src=0, device=device if device.type == "cuda" else None)
+    selection = Selection.from_json(payload[0])
+    differences: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(differences, key.differences(selection.key))
+    mismatched = {rank: found for rank, found in enumerate(differences) if found}
+    if mismatched:
+        raise KernelChoiceError(
+            "kernel selection: ranks differ from rank 0, whose measured kernels they would run ("
+            + "; ".join(f"rank {rank} vs rank 0: {', '.join(found)}" for rank, found in mismatched.items())
+            + "); run every rank on one GPU model with one software stack, or set BLOOM_KERNELS=triton"
+        )
+    selection.apply()
+    return selection
+
+
+def read_cache(cache_file: Path | None, key: SelectionKey) -> Selection | None:
+    """The cached selection when the file exists, parses, and its key equals `key` in every field; else None (a
+    stale or damaged cache is measured again and replaced)."""
+    if cache_file is None or not cache_file.exists():
+        return None
+    try:
+        cached = Selection.from_json(json.loads(cache_file.read_text()))
+    except (ValueError, KeyError, TypeError):
+        return None
+    return None if cached.key.differences(key) else replace(cached, source="cache")
+
+
+def write_cache(cache_file: Path, selection: Selection) -> None:
+    """kernels.json, written to a temporary name and renamed: a reader sees the old file or the new one."""
+    temporary = cache_file.with_name(f".{cache_file.name}.tmp.{os.getpid()}")
+    temporary.write_text(json.dumps(selection.to_json(), indent=1, sort_keys=True) + "\n")
+    os.replace(temporary, cache_file)
+
+
+def kernel_record(selection: Selection | None, device: torch.device) -> dict[str, Any]:
+    """What ds_config.json's "kernels" key and the `kernels` event say: the choice per op and the times (ms of one
+    forward + backward at the rank's shapes), with where the choice came from: "measured" or "cache"; without a
+    selection, "forced" (BLOOM_KERNELS=triton|reference) or "default" (CPU under auto: the torch twins), with the
+    one backend every op runs."""
+    if selection is not None:
+        return {
+            "source": selection.source,
+            "choices": dict(selection.choices),
+            "times_ms": {op: dict(times) for op, times in selection.times_ms.items()},
+            "rejected": {op: dict(found) for op, found in selection.rejected.items()},
+            "flash_tiles": None if selection.flash_tiles is None else selection.flash_tiles["chosen"],
+            "device": selection.key.device,
+            "shapes": vars(selection.key.shapes),
+        }
+    forced = forced_backend()
+    return {
+        "source": "default" if forced is None else "forced",
+        "backend": registry.get_backend(device),  # what every fused op runs: nothing was chosen per op
+        "choices": {},
+        "times_ms": {},
+        "backend_env": f"{registry.BACKEND_ENV}={forced or 'auto'}",
+    }
