@@ -64,6 +64,7 @@ __all__ = [
     "flash_alibi_attention",
     "flash_alibi_attention_backward",
     "get_backend",
+    "given",
     "implementations",
     "layer_norm",
     "nvidia_apex_layer_norm",
@@ -128,15 +129,35 @@ _tables: dict[str | None, _Routes] = {}  # per BLOOM_KERNELS value seen, under t
 _choices: dict[str, str] = {}  # use()'s, op -> backend for CUDA tensors under auto
 
 
-def _parse(raw: str | None) -> str:
-    value = (raw or "auto").strip().lower() or "auto"
-    if value not in BACKENDS:
-        raise KernelBackendError(f"{BACKEND_ENV}={value!r} is not one of {', '.join(BACKENDS)}")
-    return value
+def _parse(raw: str | None) -> tuple[str, dict[str, str]]:
+    """(auto, triton or reference; the per-op backends the value names). Besides the three words, BLOOM_KERNELS may
+    name a backend per op, e.g. `layer_norm=reference,flash_alibi_attention=triton`: auto for the ops it leaves out,
+    these for CUDA tensors, nothing measured (a run's choice known in advance, or a check with no time to measure)."""
+    value = (raw or "auto").strip() or "auto"
+    if "=" not in value:
+        if value.lower() not in BACKENDS:
+            raise KernelBackendError(
+                f"{BACKEND_ENV}={value!r} is not one of {', '.join(BACKENDS)}, nor op=backend pairs such as "
+                "layer_norm=reference,flash_alibi_attention=triton"
+            )
+        return value.lower(), {}
+    given: dict[str, str] = {}
+    for pair in value.split(","):
+        op, _, backend = (part.strip() for part in pair.partition("="))
+        if op not in SELECTABLE or backend.lower() not in _valid_backends(op):
+            valid = "; ".join(f"{name}: {', '.join(_valid_backends(name))}" for name in SELECTABLE)
+            raise KernelBackendError(f"{BACKEND_ENV}: {pair.strip()!r} names no op and backend of ({valid})")
+        given[op] = backend.lower()
+    return "auto", given
+
+
+def given() -> dict[str, str]:
+    """The per-op backends BLOOM_KERNELS names (see _parse), {} when it names none."""
+    return _parse(os.environ.get(BACKEND_ENV))[1]
 
 
 def _build(raw: str | None) -> _Routes:
-    requested = _parse(raw)
+    requested, named = _parse(raw)
     if requested == "triton" and not _triton_installed():
         raise KernelBackendError(f"{BACKEND_ENV}=triton but the triton package is not installed")
     if requested != "auto":
@@ -145,7 +166,8 @@ def _build(raw: str | None) -> _Routes:
         return _Routes(raw, requested, cuda, {op: _pick(op, on_cpu) for op in KERNEL_MODULES})
     default = "triton" if _triton_installed() else "reference"
     # Without CUDA nothing is built for it (Triton's modules stay unimported on a machine that cannot use them).
-    cuda = {op: _pick(op, _choices.get(op, default)) for op in KERNEL_MODULES} if torch.cuda.is_available() else {}
+    choices = _choices | named  # the environment's names over use()'s measured ones
+    cuda = {op: _pick(op, choices.get(op, default)) for op in KERNEL_MODULES} if torch.cuda.is_available() else {}
     return _Routes(raw, None, cuda, {op: _pick(op, "reference") for op in KERNEL_MODULES})
 
 
@@ -226,7 +248,8 @@ def use(choices: Mapping[str, str]) -> None:
 def chosen() -> dict[str, str]:
     """The backend each selectable op runs with for CUDA tensors under BLOOM_KERNELS=auto (defaults included)."""
     default = "triton" if _triton_installed() else "reference"
-    return {op: _choices.get(op, default) for op in SELECTABLE}
+    choices = _choices | given()
+    return {op: choices.get(op, default) for op in SELECTABLE}
 
 
 # ----- which backend ran each op ------------------------------------------------------------------------------------

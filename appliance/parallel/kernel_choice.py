@@ -41,9 +41,10 @@ class KernelChoiceError(RuntimeError):
 
 
 def forced_backend() -> str | None:
-    """BLOOM_KERNELS's value when it forces a backend ("triton" or "reference"); None under auto."""
+    """BLOOM_KERNELS's value when it forces a backend ("triton" or "reference"); None under auto, and when it names
+    a backend per op (registry.given)."""
     value = os.environ.get(registry.BACKEND_ENV, "auto").strip().lower() or "auto"
-    return None if value == "auto" else value
+    return None if value == "auto" or "=" in value else value
 
 
 def rank_shapes(
@@ -84,7 +85,7 @@ def choose_kernels(
 ) -> Selection | None:
     """The measured selection every rank now runs with (collective over the world group), or None on CPU under
     auto and when BLOOM_KERNELS forces a backend (nothing measured; see kernel_record)."""
-    if forced_backend() is not None or torch.device(device).type != "cuda":
+    if forced_backend() is not None or registry.given() or torch.device(device).type != "cuda":
         return None
     shapes = rank_shapes(
         config, topology, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype, documents=documents
@@ -164,6 +165,14 @@ def kernel_record(selection: Selection | None, device: torch.device) -> dict[str
             "flash_tiles": None if selection.flash_tiles is None else selection.flash_tiles["chosen"],
             "device": selection.key.device,
             "shapes": vars(selection.key.shapes),
+        }
+    named = registry.given()
+    if named:  # BLOOM_KERNELS named a backend per op: nothing measured, the rest as under auto
+        return {
+            "source": "given",
+            "choices": registry.chosen(),
+            "times_ms": {},
+            "backend_env": f"{registry.BACKEND_ENV}={os.environ.get(registry.BACKEND_ENV, '')}",
         }
     forced = forced_backend()
     return {

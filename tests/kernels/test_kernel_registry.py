@@ -276,3 +276,22 @@ def test_a_compiled_region_counts_once_per_trace_and_keeps_its_graph(monkeypatch
         for _ in range(3):
             torch.testing.assert_close(compiled(x, w, b), reference.layer_norm(x, w, b), atol=0, rtol=0)
     assert registry.call_counts() == {("layer_norm", "reference"): 1}
+
+
+def test_bloom_kernels_may_name_a_backend_per_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    """BLOOM_KERNELS=op=backend,... chooses per op without measuring (auto for the ops it leaves out); a pair that
+    names no op or no backend of it is refused naming the valid ones."""
+    from appliance.parallel import kernel_choice
+
+    monkeypatch.setenv("BLOOM_KERNELS", "layer_norm=reference, flash_alibi_attention=sdpa")
+    assert registry.given() == {"layer_norm": "reference", "flash_alibi_attention": "sdpa"}
+    assert registry.chosen()["layer_norm"] == "reference" and registry.chosen()["flash_alibi_attention"] == "sdpa"
+    assert kernel_choice.forced_backend() is None
+    assert kernel_choice.choose_kernels(None, None, micro_batch_size=1, seq_len=8, dtype="bf16",  # type: ignore[arg-type]
+                                        device=torch.device("cuda"), cache_file=None) is None  # fmt: skip
+    record = kernel_choice.kernel_record(None, torch.device("cpu"))
+    assert record["source"] == "given" and record["choices"]["layer_norm"] == "reference"
+    for bad in ("layer_norm=flex", "softmax=reference", "layer_norm"):
+        monkeypatch.setenv("BLOOM_KERNELS", bad)
+        with pytest.raises(registry.KernelBackendError, match="BLOOM_KERNELS"):
+            registry.given()
