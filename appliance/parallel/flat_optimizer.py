@@ -7,7 +7,8 @@ fp32, to take its norm and to clip it, and reads two verdicts on the host each s
 parallelism nothing needs its partitions or its reductions, so here the model's parameters and their gradients are
 views into one flat buffer each, and a step is a fixed handful of kernels whatever the depth:
 
-    per micro-batch   fp32_grads (+)= bf16 grads            one copy (first micro-batch) or add, then one zero
+    per micro-batch   flat grads (+)= the parameters' gradients   one multi-tensor copy (first micro-batch) or add
+                      fp32_grads (+)= flat bf16 grads             one copy or add
     per step          norm^2 = sum of squares of the counted gradients, all-reduced over the model-parallel group
                       skip   = loss or norm not finite                  (stays on the device)
                       scale  = max(1, (norm + 1e-6) / max_norm)       DeepSpeed's clipping, as a divisor
@@ -106,12 +107,14 @@ class FlatAdamW:
                 n = p.numel()
                 self.weights[offset : offset + n].copy_(p.reshape(-1))
                 p.data = self.weights[offset : offset + n].view_as(p)
-                # A gradient already defined is accumulated into in place by autograd: every backward adds into
-                # the flat buffer, with no per-parameter copy or allocation.
-                p.grad = self.grads[offset : offset + n].view_as(p)
+                p.grad = None
                 self._offsets[p] = (offset, n)
                 offset += n
         self._params = ordered
+        # Autograd hands each parameter a fresh gradient (no kernel: it keeps the tensor the backward made); a defined
+        # .grad would instead be added into in place, one kernel per parameter and micro-batch (on an H200 at
+        # bloom-560m, 294 of a step's 1381 launches). The fold moves them all into the flat buffer at once.
+        self._grad_views = [self.grads[o : o + n].view_as(p) for p, (o, n) in self._offsets.items()]
         low_precision = self.dtype != torch.float32
         # bf16: fp32 masters drawn from the bf16 weights (as DeepSpeed's bf16 optimizer draws them) and an fp32
         # gradient sum over the step's micro-batches (BLOOM's recipe); fp32: the weights and their gradients.
@@ -164,15 +167,26 @@ class FlatAdamW:
     # ---- the step -----------------------------------------------------------------------------------------
     @torch.no_grad()
     def fold_micro_batch(self) -> None:
-        """After a micro-batch's backward: add its bf16 gradients into the fp32 sum and zero them (fp32 weights
-        accumulate in place, nothing to do)."""
-        if self.master_grads is self.grads:
-            return
-        if self._folded == 0:
-            self.master_grads.copy_(self.grads)
-        else:
-            self.master_grads.add_(self.grads)
-        self.grads.zero_()
+        """After a micro-batch's backward: its gradients into the flat buffer (one multi-tensor copy, or add after
+        the first micro-batch of a step, for fp32 weights), and for bf16 weights from there into the fp32 sum; the
+        parameters' gradients are released. A parameter the backward did not reach adds nothing."""
+        reached = [(view, p.grad) for view, p in zip(self._grad_views, self._params, strict=True) if p.grad is not None]
+        views, grads = [v for v, _ in reached], [g for _, g in reached]
+        into_flat_sum = self.master_grads is self.grads and self._folded > 0  # fp32: the flat buffer is the sum
+        if len(reached) < len(self._params) and not into_flat_sum:
+            self.grads.zero_()  # (rare) a parameter without a gradient keeps no stale value
+        if views:
+            if into_flat_sum:
+                torch._foreach_add_(views, grads)
+            else:
+                torch._foreach_copy_(views, grads)
+        for p in self._params:
+            p.grad = None
+        if self.master_grads is not self.grads:
+            if self._folded == 0:
+                self.master_grads.copy_(self.grads)
+            else:
+                self.master_grads.add_(self.grads)
         self._folded += 1
 
     @torch.no_grad()
@@ -206,12 +220,11 @@ class FlatAdamW:
             )  # fmt: skip
         if self.master is not self.weights:
             self.weights.copy_(self.master)
-        else:
-            self.grads.zero_()  # fp32: the next step's micro-batches accumulate from zero
-        self._folded = 0
+        self._folded = 0  # the next step's first micro-batch overwrites the flat gradients
         return norm, skipped
 
     def zero_grad(self) -> None:
         """Forget the gradients of a step that will not be taken (a step's micro-batches thrown away)."""
-        self.grads.zero_()
+        for p in self._params:
+            p.grad = None
         self._folded = 0

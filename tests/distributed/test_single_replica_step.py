@@ -230,8 +230,9 @@ def test_flat_adamw_is_torch_adamw_with_deepspeeds_clipping() -> None:
     for _ in range(3):
         grads = {n: torch.randn(p.shape, generator=generator) for n, p in model.named_parameters()}
         for n, p in model.named_parameters():
-            p.grad.copy_(grads[n])
+            p.grad = grads[n].clone()
             twin[n].grad = grads[n].clone()
+        optimizer.fold_micro_batch()
         norm = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads.values()]))
         factor = 1.0 / (float(norm) + 1e-6)
         for p in twin.values():
@@ -243,3 +244,34 @@ def test_flat_adamw_is_torch_adamw_with_deepspeeds_clipping() -> None:
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), twin[n].detach(), rtol=0, atol=1e-6, msg=n)
     assert float(optimizer.step_count) == 3.0
+
+
+def test_gradients_reach_the_flat_buffer_without_a_kernel_per_parameter() -> None:
+    """The backward leaves each parameter a fresh gradient (autograd keeps the tensor it made: no kernel) and one
+    multi-tensor copy moves them all into the flat buffer. A gradient defined beforehand would be added into in place,
+    one `add_` per parameter (measured on an H200 at bloom-560m: 294 of a step's 1381 launches)."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Writes(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.found: Counter[str] = Counter()
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func._schema.name.endswith(("add_", "copy_")):
+                self.found[func._schema.name] += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = {}
+    for layers in (2, 8):
+        model, optimizer = _model_optimizer(layers, torch.bfloat16)
+        ids = torch.randint(0, 256, (2, 9))
+        loss = model.loss(ids, ids)
+        with Writes() as writes:
+            loss.backward()
+            optimizer.fold_micro_batch()
+        counts[layers] = dict(writes.found)
+        assert all(p.grad is None for p in model.parameters())  # released: the flat buffers hold them
+    assert counts[2] == counts[8] == {"aten::_foreach_copy_": 1, "aten::copy_": 1}, counts
