@@ -44,13 +44,11 @@ def kernel_op(name: str, fake: Callable[..., Any]) -> Callable[[_F], Any]:
     def define(impl: _F) -> Any:
         op = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=())(impl)
         op.register_fake(fake)
-        try:
+        # torch before 2.13 keeps the fake as the Meta kernel and refuses a second one: meta tensors then get the
+        # fake's empty outputs, and only kernels.aot's recording (CPU tooling, run on the CPU build) misses the
+        # launches. Training never sends meta tensors here.
+        with contextlib.suppress(RuntimeError):
             op.register_kernel("meta", impl)
-        except RuntimeError:
-            # torch before 2.13 keeps the fake as the Meta kernel and refuses a second one: meta tensors then get
-            # the fake's empty outputs, and only kernels.aot's recording (CPU tooling, run on the CPU build) misses
-            # the launches. Training never sends meta tensors here.
-            pass
         return op
 
     return define
