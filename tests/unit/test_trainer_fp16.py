@@ -8,15 +8,14 @@ from __future__ import annotations
 import json
 import math
 import signal
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
+from stand_in_engine import StandInEngine
 
 from appliance.data.sampler import PretrainingSampler
 from appliance.monitor.events import EventWriter
@@ -39,58 +38,19 @@ def trained(scale: float | None, loss: float = 4.9) -> StepResult:
     return StepResult(loss=loss, grad_norm=1.2, loss_scale=scale, overflow=False)
 
 
-class ScriptedEngine:
-    """What the trainer asks of a ParallelEngine, answering train_batch from a script. `scaler` stands for the
-    loss scaler's state (None: a bf16 or fp32 engine)."""
-
-    topology = SimpleNamespace(dp_group=None)
+class ScriptedEngine(StandInEngine):
+    """The trainer's engine, answering train_batch from a script. `scaler` stands for the loss scaler's state (None:
+    a bf16 or fp32 engine)."""
 
     def __init__(self, results: list[StepResult], scaler: dict[str, float] | None = None) -> None:
+        super().__init__(scaler)
         self.results = iter(results)
-        self.scaler = scaler
-        self.loss_fn = SimpleNamespace(inject_nan=False)
-        self.loaded_scaler: dict[str, float] | None = None
-
-    def set_lr(self, lr: float) -> None:
-        pass
 
     def train_batch(self, micro_batches: list[Any]) -> StepResult:
         return next(self.results)
 
     def train_batch_async(self, micro_batches: list[Any]) -> PendingStep:
         return PendingStep(self.train_batch(micro_batches))
-
-    def check_drift(self) -> list[str]:
-        return []
-
-    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
-        return [("w", torch.nn.Parameter(torch.zeros(4)))]
-
-    def optimizer_shard(self) -> dict[str, torch.Tensor]:
-        return {}
-
-    def save_model(self, step_dir: Path, metadata: Mapping[str, str]) -> Path:
-        save_file({"w": torch.zeros(4)}, str(step_dir / "model.safetensors"))
-        return step_dir / "model.safetensors"
-
-    def save_optimizer(self, step_dir: Path, shard: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
-        return None
-
-    def load_model(self, step_dir: Path) -> None:
-        pass
-
-    def load_optimizer(self, step_dir: Path) -> bool:
-        return True
-
-    @property
-    def loss_scale(self) -> float | None:
-        return None if self.scaler is None else self.scaler["scale"]
-
-    def loss_scaler_state(self) -> dict[str, float] | None:
-        return None if self.scaler is None else dict(self.scaler)
-
-    def load_loss_scaler_state(self, state: Mapping[str, float]) -> None:
-        self.loaded_scaler = dict(state)
 
 
 SCALER = {"scale": 16384.0, "hysteresis_left": 1.0, "iteration": 6.0, "last_overflow_iteration": 2.0}

@@ -9,15 +9,14 @@ from __future__ import annotations
 import json
 import math
 import signal
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
+from stand_in_engine import StandInEngine
 
 from appliance.data.sampler import PretrainingSampler
 from appliance.monitor.events import EventWriter
@@ -44,45 +43,16 @@ class RecordedStep:
         return self._result
 
 
-class LateEngine:
-    topology = SimpleNamespace(dp_group=None)
-
+class LateEngine(StandInEngine):
     def __init__(self, results: list[StepResult]) -> None:
+        super().__init__()
         self.results = iter(results)
-        self.loss_fn = SimpleNamespace(inject_nan=False)
         self.issued = 0
         self.reads: list[tuple[int, int]] = []  # (issue number of the step read, steps issued when it was read)
-
-    def set_lr(self, lr: float) -> None:
-        pass
 
     def train_batch_async(self, micro_batches: list[Any]) -> RecordedStep:
         self.issued += 1
         return RecordedStep(self, self.issued, next(self.results))
-
-    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
-        return [("w", torch.nn.Parameter(torch.zeros(4)))]
-
-    def optimizer_shard(self) -> dict[str, torch.Tensor]:
-        return {}
-
-    def save_model(self, step_dir: Path, metadata: Mapping[str, str]) -> Path:
-        save_file({"w": torch.zeros(4)}, str(step_dir / "model.safetensors"))
-        return step_dir / "model.safetensors"
-
-    def save_optimizer(self, step_dir: Path, shard: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
-        return None
-
-    def load_model(self, step_dir: Path) -> None:
-        pass
-
-    def load_optimizer(self, step_dir: Path) -> bool:
-        return True
-
-    loss_scale = None
-
-    def loss_scaler_state(self) -> None:
-        return None
 
 
 @pytest.fixture(autouse=True)
