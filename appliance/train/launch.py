@@ -96,8 +96,14 @@ def rendezvous_conf(*, elastic: bool, store_hosted_elsewhere: bool, env: dict[st
 FRESH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
-def worker_env(base: dict[str, str] | None = None) -> dict[str, str]:
+def worker_env(base: dict[str, str] | None = None, *, cpu_plan: bool = False) -> dict[str, str]:
+    """The ranks' environment. `cpu_plan`: the plan has no GPUs (it was made for CPU ranks, e.g. with --hardware
+    cpu-laptop-2core on a GPU node): the ranks see no GPU, or each would take cuda:<local rank> and DeepSpeed its
+    CUDA accelerator, and a second rank would find no second GPU."""
     env = dict(os.environ if base is None else base)
+    if cpu_plan:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        env["DS_ACCELERATOR"] = "cpu"
     env[FRESH_STORE_ENV] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     # One compute thread per rank on CPU: ranks x threads must not exceed the cores (the agent sets this to 1 too
@@ -192,6 +198,7 @@ def run_agent(
     max_restarts: int,
     worker_args: tuple[str, ...] = (),
     nodes: NodeGroup | None = None,
+    cpu_plan: bool = False,
 ) -> int:
     """Runs the agent to completion; returns its exit code. Its own chatter goes to logs/agent.log (node R > 0:
     logs/agent-node<R>.log), which is watched for dead workers (each becomes a `failure` event)."""
@@ -220,7 +227,8 @@ def run_agent(
             # A new session: a Ctrl-C in the terminal reaches the head process only, which turns it into a
             # save-and-exit request instead of killing ranks mid-step. The agent inherits the run directory's
             # lock (pass_fds) and keeps it if this process dies; its ranks join it (appliance/train/runlock.py).
-            env = worker_env() if lock is None else lock.child_env(worker_env())
+            env = worker_env(cpu_plan=cpu_plan)
+            env = env if lock is None else lock.child_env(env)
             if multi and nodes is not None:
                 env[NODE_NAME_ENV] = nodes.node_name()
                 if nodes.elastic:
@@ -312,6 +320,7 @@ def run_plan(run_dir: RunDir, *, worker_args: tuple[str, ...] = (), nodes: NodeG
         max_restarts=spec.run.max_restarts,
         worker_args=worker_args,
         nodes=nodes,
+        cpu_plan=spec.hardware.gpus_per_node == 0,
     )
 
 

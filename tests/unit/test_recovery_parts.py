@@ -150,3 +150,11 @@ def test_agent_log_watcher_reports_a_killed_worker_once_and_skips_a_hung_one(tmp
 def test_restarted_workers_get_a_fresh_rendezvous_store() -> None:
     # Without it the agent's shared store still holds the dead workers' addresses and a restart cannot connect.
     assert worker_env({})["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+
+
+def test_a_cpu_plans_ranks_see_no_gpu() -> None:
+    """A plan made for CPU ranks (no GPUs in its hardware) run on a GPU node: its ranks must not each take
+    cuda:<local rank> (a second rank finds no second GPU), nor DeepSpeed its CUDA accelerator."""
+    env = worker_env({"CUDA_VISIBLE_DEVICES": "0,1"}, cpu_plan=True)
+    assert env["CUDA_VISIBLE_DEVICES"] == "" and env["DS_ACCELERATOR"] == "cpu"
+    assert worker_env({"CUDA_VISIBLE_DEVICES": "0,1"})["CUDA_VISIBLE_DEVICES"] == "0,1"  # a GPU plan's are kept
