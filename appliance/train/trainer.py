@@ -165,7 +165,7 @@ class Trainer:
         self.control = ControlChannel(run_dir, poll_files=rank == 0, group=self.host_group)
         # Read a step's figures after queueing the next one (one host sync per step, one step late), where the device
         # runs asynchronously from the host; on CPU every op has finished when it returns, so there is nothing to gain.
-        self.late_reads = device.type == "cuda" if late_reads is None else late_reads
+        self.late_reads = getattr(device, "type", None) == "cuda" if late_reads is None else late_reads
         self._last_finish: float | None = None  # when the newest step's figures were read
         self.drift_check_interval = drift_check_interval
         # The group the final evaluation spreads its requests over: one rank per model replica position.
