@@ -99,7 +99,6 @@ class FlatAdamW:
         self._groups = [g for g in groups if g.end > g.start]
         total = sum(p.numel() for p in ordered)
         self.weights = torch.empty(total, dtype=self.dtype, device=self.device)
-        self.grads = torch.zeros(total, dtype=self.dtype, device=self.device)
         self._offsets: dict[nn.Parameter, tuple[int, int]] = {}
         offset = 0
         with torch.no_grad():
@@ -111,31 +110,47 @@ class FlatAdamW:
                 self._offsets[p] = (offset, n)
                 offset += n
         self._params = ordered
-        # Autograd hands each parameter a fresh gradient (no kernel: it keeps the tensor the backward made); a defined
-        # .grad would instead be added into in place, one kernel per parameter and micro-batch (on an H200 at
-        # bloom-560m, 294 of a step's 1381 launches). The fold moves them all into the flat buffer at once.
-        self._grad_views = [self.grads[o : o + n].view_as(p) for p, (o, n) in self._offsets.items()]
-        low_precision = self.dtype != torch.float32
-        # bf16: fp32 masters drawn from the bf16 weights (as DeepSpeed's bf16 optimizer draws them) and an fp32
-        # gradient sum over the step's micro-batches (BLOOM's recipe); fp32: the weights and their gradients.
-        self.master = self.weights.float() if low_precision else self.weights
-        self.master_grads = torch.zeros_like(self.master) if low_precision else self.grads
-        self.exp_avg = torch.zeros_like(self.master)
-        self.exp_avg_sq = torch.zeros_like(self.master)
+        # bf16: fp32 masters drawn from the bf16 weights (as DeepSpeed's bf16 optimizer draws them); fp32: the weights.
+        self.master = self.weights.float() if self.dtype != torch.float32 else self.weights
         # Adam's step count, float32 on the device as the fused kernel reads it; a skipped step does not count.
         self.step_count = torch.zeros((), dtype=torch.float32, device=self.device)
-        self._folded = 0  # micro-batches folded into master_grads since the last step (bf16)
+        self._folded = 0  # micro-batches folded into master_grads since the last step
         self.param_groups: list[dict[str, Any]] = [
             {"params": [self.master[g.start : g.end]], "lr": lr, "weight_decay": g.weight_decay} for g in self._groups
         ]
-        self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {
-            group["params"][0]: {
-                "exp_avg": self.exp_avg[g.start : g.end],
-                "exp_avg_sq": self.exp_avg_sq[g.start : g.end],
-                "step": self.step_count,
-            }
-            for group, g in zip(self.param_groups, self._groups, strict=True)
-        }
+        # The gradient buffers and Adam's moments come with the first backward and the first step (or a checkpoint's
+        # state), as torch's and DeepSpeed's optimizers make theirs: building the engine holds the weights alone.
+        self.grads: torch.Tensor | None = None  # the weights' dtype; for fp32 weights also the step's sum
+        self.master_grads: torch.Tensor | None = None  # fp32: the gradient sum over the step's micro-batches
+        self._grad_views: list[torch.Tensor] = []
+        self.exp_avg: torch.Tensor | None = None
+        self.exp_avg_sq: torch.Tensor | None = None
+        self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+
+    def _gradient_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the flat gradients in the weights' dtype, the fp32 sum), made at first use."""
+        if self.grads is None or self.master_grads is None:
+            self.grads = torch.empty_like(self.weights)
+            # bf16: an fp32 sum over the step's micro-batches (BLOOM's recipe); fp32: the flat gradients themselves.
+            self.master_grads = torch.empty_like(self.master) if self.master is not self.weights else self.grads
+            # Autograd hands each parameter a fresh gradient (no kernel: it keeps the tensor the backward made); a
+            # defined .grad would instead be added into in place, one kernel per parameter and micro-batch (on an
+            # H200 at bloom-560m, 294 of a step's 1381 launches). The fold moves them all at once.
+            self._grad_views = [self.grads[o : o + n].view_as(p) for p, (o, n) in self._offsets.items()]
+        return self.grads, self.master_grads
+
+    def _moments(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Adam's (exp_avg, exp_avg_sq), fp32 zeros made at first use; `state` then presents them per group."""
+        if self.exp_avg is None or self.exp_avg_sq is None:
+            self.exp_avg = torch.zeros_like(self.master)
+            self.exp_avg_sq = torch.zeros_like(self.master)
+            for group, g in zip(self.param_groups, self._groups, strict=True):
+                self.state[group["params"][0]] = {
+                    "exp_avg": self.exp_avg[g.start : g.end],
+                    "exp_avg_sq": self.exp_avg_sq[g.start : g.end],
+                    "step": self.step_count,
+                }
+        return self.exp_avg, self.exp_avg_sq
 
     # ---- per parameter (checkpoints) ------------------------------------------------------------------------
     def parameters(self) -> Iterator[nn.Parameter]:
@@ -148,9 +163,10 @@ class FlatAdamW:
         """Views of one parameter's fp32 state: exp_avg, exp_avg_sq, master (bf16 weights only), and the shared step
         count (0-d)."""
         offset, n = self._offsets[param]
+        exp_avg, exp_avg_sq = self._moments()
         views = {
-            "exp_avg": self.exp_avg[offset : offset + n].view_as(param),
-            "exp_avg_sq": self.exp_avg_sq[offset : offset + n].view_as(param),
+            "exp_avg": exp_avg[offset : offset + n].view_as(param),
+            "exp_avg_sq": exp_avg_sq[offset : offset + n].view_as(param),
         }
         if self.master is not self.weights:
             views["master"] = self.master[offset : offset + n].view_as(param)
@@ -170,11 +186,12 @@ class FlatAdamW:
         """After a micro-batch's backward: its gradients into the flat buffer (one multi-tensor copy, or add after
         the first micro-batch of a step, for fp32 weights), and for bf16 weights from there into the fp32 sum; the
         parameters' gradients are released. A parameter the backward did not reach adds nothing."""
+        flat, fp32_sum = self._gradient_buffers()
         reached = [(view, p.grad) for view, p in zip(self._grad_views, self._params, strict=True) if p.grad is not None]
         views, grads = [v for v, _ in reached], [g for _, g in reached]
-        into_flat_sum = self.master_grads is self.grads and self._folded > 0  # fp32: the flat buffer is the sum
+        into_flat_sum = fp32_sum is flat and self._folded > 0  # fp32: the flat buffer is the sum
         if len(reached) < len(self._params) and not into_flat_sum:
-            self.grads.zero_()  # (rare) a parameter without a gradient keeps no stale value
+            flat.zero_()  # a parameter the backward did not reach adds zero
         if views:
             if into_flat_sum:
                 torch._foreach_add_(views, grads)
@@ -182,11 +199,11 @@ class FlatAdamW:
                 torch._foreach_copy_(views, grads)
         for p in self._params:
             p.grad = None
-        if self.master_grads is not self.grads:
+        if fp32_sum is not flat:
             if self._folded == 0:
-                self.master_grads.copy_(self.grads)
+                fp32_sum.copy_(flat)
             else:
-                self.master_grads.add_(self.grads)
+                fp32_sum.add_(flat)
         self._folded += 1
 
     @torch.no_grad()
@@ -194,7 +211,10 @@ class FlatAdamW:
         """Clip and update; returns (the gradient norm before clipping, 1.0 if the update was skipped else 0.0), both
         0-d fp32 tensors on the device, never read here. `loss`: the step's loss; a non-finite one skips the update
         too (its gradients are usually non-finite as well)."""
-        grads = self.master_grads
+        if self._folded == 0:  # no backward since the last step: a zero gradient (the update is the weight decay)
+            self._gradient_buffers()[1].zero_()
+        grads = self._gradient_buffers()[1]
+        exp_avg, exp_avg_sq = self._moments()
         squares = torch.stack([grads[g.start : g.counted_end].pow(2).sum() for g in self._groups]).sum()
         if self.norm_group is not None and dist.get_world_size(self.norm_group) > 1:
             dist.all_reduce(squares, group=self.norm_group)
@@ -214,7 +234,7 @@ class FlatAdamW:
         for group, g in zip(self.param_groups, self._groups, strict=True):
             torch._fused_adamw_(
                 [self.master[g.start : g.end]], [grads[g.start : g.end]],
-                [self.exp_avg[g.start : g.end]], [self.exp_avg_sq[g.start : g.end]], [], [self.step_count],
+                [exp_avg[g.start : g.end]], [exp_avg_sq[g.start : g.end]], [], [self.step_count],
                 lr=float(group["lr"]), beta1=beta1, beta2=beta2, weight_decay=g.weight_decay, eps=self.eps,
                 amsgrad=False, maximize=False, grad_scale=scale, found_inf=skipped,
             )  # fmt: skip

@@ -1,12 +1,11 @@
 """Kernel tests run the Triton kernels through Triton's CPU interpreter when there is no GPU.
 
-TRITON_INTERPRET is read when `@triton.jit` decorates a kernel, so it is set here, before any test module
-imports `kernels.*`. With a GPU the kernels compile for it and the same tests run on CUDA tensors.
+TRITON_INTERPRET is read when `@triton.jit` decorates a kernel, so tests/conftest.py sets it before any test module
+is collected. With a GPU the kernels compile for it and the same tests run on CUDA tensors.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 from collections.abc import Callable
@@ -17,10 +16,9 @@ import torch
 
 ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
-    # A kernel module imported earlier in this process (by another test directory) was built for a GPU: rebuild.
-    for name in [m for m in sys.modules if m.startswith("kernels.")]:
-        importlib.reload(sys.modules[name])
+    # tests/conftest.py set it before any test module was collected; reloading kernel modules built without it
+    # would not do (Triton's own library functions keep the mode triton was imported in).
+    assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py sets TRITON_INTERPRET=1 on CPU machines"
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
