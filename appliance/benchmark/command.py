@@ -118,6 +118,7 @@ def run_bench(model: str | None, out: Path | None, *, quick: bool = False, size:
     )
     result["first_loss"] = ours.first_loss if ours is not None else None
     result["calls_per_step"] = dict(calls)
+    result["workload"]["kernels"] = ours.kernels if ours is not None else None  # what the trainer ran, and why
     result["load_average_1min"] = {"start": load_before[0], "end": os.getloadavg()[0]}
     print(format_table(result))
     write_json(result, path)

@@ -12,6 +12,7 @@ import socket
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -55,6 +56,9 @@ def one_rank_group(backend: str) -> Iterator[None]:
                 os.environ[key] = value
 
 
+KERNELS_CACHE = Path("runs") / "bench" / "kernels.json"
+
+
 class TrainerContender:
     """The trainer's engine for the workload, built in the one-rank group (one_rank_group must be open), called
     once per step like the peers. It keeps the engine's first weights, the first step's loss and the registry ops
@@ -62,13 +66,15 @@ class TrainerContender:
 
     def __init__(self, work: Workload) -> None:
         from appliance.parallel.topology import ParallelTopology
-        from appliance.train.from_spec import engine_for, model_config
+        from appliance.train.from_spec import engine_for, kernels_for, model_config
 
         spec = work.spec
         # The vocabulary the plan states (a run would read the tokenizer's; both are padded the same way).
-        engine = engine_for(
-            spec, model_config(spec, spec.model.vocab_size), ParallelTopology(tp=1, pp=1, dp=1, world_size=1)
-        )
+        config, topology = model_config(spec, spec.model.vocab_size), ParallelTopology(tp=1, pp=1, dp=1, world_size=1)
+        # The kernels as a run chooses them (measured on a GPU, about a minute and a half), kept beside the bench's
+        # results so that the next bench of this GPU, software and shapes reads them instead.
+        self.kernels = kernels_for(spec, config, topology, cache_file=KERNELS_CACHE)
+        engine = engine_for(spec, config, topology, kernels=self.kernels)
         self.weights: dict[str, torch.Tensor] = engine.model_shard()
         self.engine: ParallelEngine | None = engine
         self.calls_per_step: Counter[str] = Counter()

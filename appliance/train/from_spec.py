@@ -41,11 +41,17 @@ def engine_device() -> torch.device:
 
 
 def kernels_for(
-    spec: RunSpec, config: BloomConfig, topology: ParallelTopology, *, run_dir: RunDir | None = None
+    spec: RunSpec,
+    config: BloomConfig,
+    topology: ParallelTopology,
+    *,
+    run_dir: RunDir | None = None,
+    cache_file: Path | None = None,
 ) -> dict[str, Any]:
     """The kernels this run's ranks use, chosen by measurement on CUDA under BLOOM_KERNELS=auto (collective: rank 0
     measures, or reads run_dir/kernels.json when it was measured for this GPU, software and shapes; every rank
-    installs the choice), as the record ds_config.json and the `kernels` event carry (kernel_choice.kernel_record)."""
+    installs the choice), as the record ds_config.json and the `kernels` event carry (kernel_choice.kernel_record).
+    `cache_file`: another place for that cache (bench keeps one beside its results)."""
     device = engine_device()
     selection = choose_kernels(
         config,
@@ -54,7 +60,7 @@ def kernels_for(
         seq_len=spec.train.seq_len,
         dtype=spec.train.dtype,
         device=device,
-        cache_file=None if run_dir is None else run_dir.kernels,
+        cache_file=cache_file if cache_file is not None else None if run_dir is None else run_dir.kernels,
         documents=spec.train.reset_attention_mask,
     )
     return kernel_record(selection, device)
