@@ -17,13 +17,15 @@ def test_run_plan_starts_tp_pp_dp_ranks_and_clears_a_stale_preempted_marker(tmp_
     run_dir.preempted_marker.write_text("7\n")  # left by an earlier preempted launch
     seen = {}
 
-    def fake_agent(rd, *, nproc_per_node, max_restarts, worker_args=(), nodes=None):
-        seen.update(nproc=nproc_per_node, restarts=max_restarts, args=worker_args, marker=rd.preempted_marker.exists())
+    def fake_agent(rd, *, nproc_per_node, max_restarts, worker_args=(), nodes=None, cpu_plan=False):
+        seen.update(nproc=nproc_per_node, restarts=max_restarts, args=worker_args, marker=rd.preempted_marker.exists(),
+                    cpu_plan=cpu_plan)  # fmt: skip
         return 0
 
     monkeypatch.setattr(launch, "run_agent", fake_agent)
     assert launch.run_plan(run_dir, worker_args=("--eval-only",)) == 0
-    assert seen == {"nproc": 8, "restarts": 5, "args": ("--eval-only",), "marker": False}
+    # A CPU plan (cpu-laptop-2core): its ranks see no GPU, even on a GPU node (launch.worker_env)
+    assert seen == {"nproc": 8, "restarts": 5, "args": ("--eval-only",), "marker": False, "cpu_plan": True}
 
 
 def test_agent_command_single_node_uses_a_loopback_standalone_rendezvous(tmp_path):
