@@ -13,9 +13,10 @@ Optional keys this reader understands beyond the required ones of events.py (all
   gpu/energy:  node (one sampler per node; the totals sum the latest event of each node)
   energy:      gpu_kwh, cpu_kwh, attempt_kwh, source, gpu_source, cpu_source, pue, grid_g_per_kwh (kwh and the
                split are the node's totals for the whole run, restarts included: monitor/energy.py)
-  eval:        any numeric metric, nested dicts of them (per_source, tasks), sample / prompt (a generated text);
-               per_source and tasks are also read as a report (monitor/eval_report.py: a row per language, a row
-               per task with its standard errors)
+  eval:        any numeric metric, nested dicts of them (per_source, per_source_bits_per_byte, tasks), sample /
+               prompt (a generated text); per_source, valid_bits_per_byte, per_source_bits_per_byte and tasks are
+               also read as a report (monitor/eval_report.py: a row per language with its loss, perplexity and
+               bits per byte, a row per task with its standard errors)
   plan:        the plan.json object (or {"plan": {...}}): estimate.*, train.steps, train.save_interval,
                run.energy_kwh / run.co2_kg (the pre-run estimate for the whole run)
   run:         state (started, done, failed, preempted), name, reason

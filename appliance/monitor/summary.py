@@ -57,6 +57,8 @@ def summarize(run_dir: RunDir, *, state: str, wall_seconds: float, stage_seconds
     last_consumed = steps[-1]["consumed_samples"] if steps else 0
     eval_result = json.loads(run_dir.eval.read_text()) if run_dir.eval.exists() else None
     valid_curve = [(e["step"], e["valid_loss"]) for e in evals if "valid_loss" in e]
+    # Comparable across tokenizers, where the loss per token is not (train/validation.py).
+    bits_per_byte = [e["valid_bits_per_byte"] for e in evals if e.get("valid_bits_per_byte") is not None]
     return {
         "state": state,
         "run_dir": str(run_dir.root),
@@ -69,6 +71,8 @@ def summarize(run_dir: RunDir, *, state: str, wall_seconds: float, stage_seconds
         "last_loss": steps[-1]["loss"] if steps else None,
         "first_valid_loss": valid_curve[0][1] if valid_curve else None,
         "last_valid_loss": valid_curve[-1][1] if valid_curve else None,
+        "first_valid_bits_per_byte": bits_per_byte[0] if bits_per_byte else None,
+        "last_valid_bits_per_byte": bits_per_byte[-1] if bits_per_byte else None,
         "throughput": {
             "tokens_per_s": median("tokens_per_s"),
             "tflops_per_gpu": median("tflops_per_gpu"),

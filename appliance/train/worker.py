@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     from appliance.data.sampler import PretrainingSampler
     from appliance.parallel.deepspeed_comm import init_deepspeed_comm
     from appliance.parallel.topology import ParallelTopology
+    from appliance.tokenizer.token_bytes import token_byte_lengths
     from appliance.train.budget_watch import BudgetWatch
     from appliance.train.faults import FaultInjector
     from appliance.train.from_spec import engine_for, kernels_for, model_config, reprice_plan
@@ -220,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         on_step=watchdog.set_step,
         budget=BudgetWatch.for_spec(spec) if rank == 0 else None,
         eod_id=eod_id,
+        token_bytes=token_byte_lengths(run_dir.tokenizer_json),  # for bits per byte in evaluations
     )
 
     def warn(message: str) -> None:
