@@ -111,6 +111,14 @@ def _add_nodes(p: argparse.ArgumentParser) -> None:
         help="one host a line: N is the line count, the first host the master (port 29500 unless --master),"
         " this machine's line its rank unless --node-rank",
     )
+    g.add_argument(
+        "--spares",
+        type=int,
+        default=0,
+        metavar="K",
+        help="K more machines (node ranks N..N+K-1, or the hostfile's last K lines) stand by, idle, and take a lost"
+        " node's ranks: the run goes on at the plan's layout (default: %(default)s)",
+    )
 
 
 def _nodes(args: argparse.Namespace) -> NodeGroup | None:
@@ -118,7 +126,12 @@ def _nodes(args: argparse.Namespace) -> NodeGroup | None:
 
     min_nodes, nnodes = parse_nnodes(args.nnodes)
     return node_group(
-        nnodes=nnodes, node_rank=args.node_rank, master=args.master, hostfile=args.hostfile, min_nodes=min_nodes
+        nnodes=nnodes,
+        node_rank=args.node_rank,
+        master=args.master,
+        hostfile=args.hostfile,
+        min_nodes=min_nodes,
+        spares=args.spares,
     )
 
 

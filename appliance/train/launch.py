@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -203,7 +204,7 @@ def run_agent(
     """Runs the agent to completion; returns its exit code. Its own chatter goes to logs/agent.log (node R > 0:
     logs/agent-node<R>.log), which is watched for dead workers (each becomes a `failure` event)."""
     run_dir.logs.mkdir(parents=True, exist_ok=True)
-    multi = nodes is not None and nodes.nnodes > 1
+    multi = nodes is not None and nodes.total_nodes > 1
     cmd = agent_command(
         run_dir.root,
         nproc_per_node=nproc_per_node,
@@ -300,15 +301,18 @@ def run_plan(run_dir: RunDir, *, worker_args: tuple[str, ...] = (), nodes: NodeG
     world = spec.layout.world_size
     ranks_here = world if nodes is None else nodes.ranks_per_node(world, str(run_dir.plan))
     check_plan_runs_here(spec, str(run_dir.plan), ranks_here=ranks_here)
-    if nodes is not None and nodes.elastic and nodes.min_nodes is not None:
-        from appliance.train.elastic import check_node_range
+    if nodes is not None and nodes.elastic:
+        from appliance.train.elastic import check_node_range, min_agents
 
-        stopping = check_node_range(spec, nodes.min_nodes, nodes.nnodes, str(run_dir.plan))
-        if stopping and nodes.is_head:
+        # With spares and no MIN, the agents carry on down to the plan's smallest usable node count.
+        nodes = replace(nodes, min_nodes=min_agents(spec, nodes))
+        assert nodes.min_nodes is not None
+        stepping = check_node_range(spec, nodes.min_nodes, nodes.nnodes, str(run_dir.plan))
+        if stepping and nodes.is_head:
             print(
-                f"warning: --nnodes {nodes.agent_nnodes}: should the agents re-form on {stopping} nodes, the plan's"
-                f" {spec.layout.factors} has no layout there with global batch({spec.layout.global_batch_size}),"
-                " and the run stops",
+                f"warning: --nnodes {nodes.agent_nnodes}: should fewer than {nodes.nnodes} nodes be left, the"
+                f" plan's {spec.layout.factors} with global batch({spec.layout.global_batch_size}) trains on"
+                f" {stepping} of them (the others stand by)",
                 file=sys.stderr,
             )
     if nodes is None or nodes.is_head:
