@@ -175,6 +175,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--budget", help=BUDGET_HELP)
     p.add_argument("--corpus-tokens", type=int, help="size the plan for a corpus of N tokens (run counts its own)")
+    p.add_argument(
+        "--spares",
+        type=int,
+        default=0,
+        metavar="K",
+        help="hot spare nodes the run would have (run|train --spares K), for the expected cost of failures"
+        " (default: %(default)s)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object: layout, estimate, rejected alternatives")
 
     p = sub.add_parser("prep", help="clean, filter, deduplicate and redact a corpus")
@@ -434,7 +442,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         budget=budget,
         precision=args.precision,
     )
-    print(json.dumps(plan.to_json(), indent=1) if args.json else format_plan(plan))
+    if args.spares < 0:
+        raise BadInput(f"--spares {args.spares}: must be 0 or more")
+    if args.json:
+        from appliance.planner.failures import plan_failure_cost
+
+        failures = plan_failure_cost(plan, args.spares)
+        print(json.dumps({**plan.to_json(), "failures": failures and failures.to_json()}, indent=1))
+    else:
+        print(format_plan(plan, spares=args.spares))
     return 0
 
 

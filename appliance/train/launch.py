@@ -24,6 +24,7 @@ from typing import Any
 
 from appliance.errors import BadInput
 from appliance.monitor.events import EventWriter
+from appliance.planner.failures import RDZV_KEEP_ALIVE_ATTEMPTS, RDZV_KEEP_ALIVE_S, RDZV_LAST_CALL_S
 from appliance.planner.runspec import RunSpec, load_spec
 from appliance.rundir import RunDir
 from appliance.train.nodes import NodeGroup, check_master_here, store_host_command, wait_for_master
@@ -68,12 +69,17 @@ def agent_command(
     return cmd
 
 
-# How quickly the agents of an elastic launch (--nnodes MIN:MAX) give up on a lost node and re-form: torch's c10d
-# rendezvous declares a node dead after keep_alive_interval x keep_alive_max_attempt seconds without a keep-alive
-# (torch's defaults: 5 x 3), and, once MIN nodes have joined a new round, waits last_call_timeout for the others
-# (torch's 30 s: a node that restarts within it still joins the same round). BLOOM_RDZV_CONF (k=v,k=v) replaces or
-# adds keys, e.g. shorter timings for a test on one machine.
-ELASTIC_RDZV_CONF = {"keep_alive_interval": "5", "keep_alive_max_attempt": "3", "last_call_timeout": "30"}
+# How quickly the agents of an elastic launch (--nnodes MIN:MAX, --spares K) give up on a lost node and re-form:
+# torch's c10d rendezvous declares a node dead after keep_alive_interval x keep_alive_max_attempt seconds without a
+# keep-alive (torch's defaults: 5 x 3), and, once MIN nodes have joined a new round, waits last_call_timeout for the
+# others (torch's 30 s: a node that restarts within it still joins the same round). The figures live in
+# planner/failures.py, which prices a loss with them. BLOOM_RDZV_CONF (k=v,k=v) replaces or adds keys, e.g. shorter
+# timings for a test on one machine.
+ELASTIC_RDZV_CONF = {
+    "keep_alive_interval": str(RDZV_KEEP_ALIVE_S),
+    "keep_alive_max_attempt": str(RDZV_KEEP_ALIVE_ATTEMPTS),
+    "last_call_timeout": str(RDZV_LAST_CALL_S),
+}
 RDZV_CONF_ENV = "BLOOM_RDZV_CONF"
 
 
