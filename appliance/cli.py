@@ -119,6 +119,12 @@ def _add_nodes(p: argparse.ArgumentParser) -> None:
         help="K more machines (node ranks N..N+K-1, or the hostfile's last K lines) stand by, idle, and take a lost"
         " node's ranks: the run goes on at the plan's layout (default: %(default)s)",
     )
+    g.add_argument(
+        "--store-elsewhere",
+        action="store_true",
+        help="the rendezvous store at --master runs on a machine that does not train (`python -m"
+        " appliance.train.nodes --host-store HOST:PORT` there): node 0's loss then does not end the run",
+    )
 
 
 def _nodes(args: argparse.Namespace) -> NodeGroup | None:
@@ -132,6 +138,7 @@ def _nodes(args: argparse.Namespace) -> NodeGroup | None:
         hostfile=args.hostfile,
         min_nodes=min_nodes,
         spares=args.spares,
+        store_elsewhere=args.store_elsewhere,
     )
 
 

@@ -223,11 +223,11 @@ def run_agent(
     )
     previous = _request_stop_on_signals(run_dir) if threading.current_thread() is threading.main_thread() else {}
     agent_log = run_dir.logs / ("agent.log" if nodes is None or nodes.is_head else f"agent-node{nodes.node_rank}.log")
-    if nodes is not None and nodes.is_head:
+    if nodes is not None and nodes.hosts_store:
         check_master_here(nodes)  # exit 2 naming --master before anything starts
         cmd = store_host_command(nodes, cmd)
     try:
-        if nodes is not None and not nodes.is_head:
+        if nodes is not None and not nodes.hosts_store:
             wait_for_master(nodes)
         with open(agent_log, "ab") as log, EventWriter(run_dir.metrics) as events, _node_lock(run_dir, nodes) as lock:
             watcher = AgentLogWatcher(run_dir, agent_log, events, node=nodes.node_name() if multi and nodes else None)

@@ -11,6 +11,10 @@ line count.
 inside the worker group: the agents meet as N + K, the ranks the plan needs train and the others idle until a
 node is lost, when the agents re-form and a spare takes the lost node's ranks (appliance/train/elastic.py).
 
+`--store-elsewhere`: the store runs on a machine that does not train (`python -m appliance.train.nodes --host-store
+HOST:PORT` there), every node's launcher, node 0's included, joins it as a client, and losing node 0 is then a
+node loss like any other.
+
 Who hosts the rendezvous: on node 0, a small process that runs the agent as its child, not the agent. torch's
 TCPStore server listens on every interface (`*:PORT`) whatever host it is given; this process binds the listening
 socket itself, to HOST only, and hands it to the store (`master_listen_fd`); every agent, node 0's included, joins
@@ -55,6 +59,7 @@ class NodeGroup:
     master_port: int
     min_nodes: int | None = None  # MIN of --nnodes MIN:MAX: the agents carry on with as few (None: all of nnodes)
     spares: int = 0  # --spares K: nodes beyond nnodes that stand by to take a lost node's ranks
+    store_elsewhere: bool = False  # --store-elsewhere: the store at --master runs on a machine that does not train
 
     def __post_init__(self) -> None:
         if self.nnodes < 1:
@@ -95,6 +100,11 @@ class NodeGroup:
     @property
     def is_head(self) -> bool:
         return self.node_rank == 0
+
+    @property
+    def hosts_store(self) -> bool:
+        """This node's launcher hosts the rendezvous store (node 0, unless it runs elsewhere)."""
+        return self.is_head and not self.store_elsewhere
 
     def ranks_per_node(self, world_size: int, source: str) -> int:
         """The plan's ranks divided over the nodes, or BadInput naming both numbers."""
@@ -174,6 +184,7 @@ def node_group(
     hostfile: Path | None,
     min_nodes: int | None = None,
     spares: int = 0,
+    store_elsewhere: bool = False,
 ) -> NodeGroup | None:
     """The flags as a NodeGroup, or None for the one-node default (no flag given). `min_nodes`: MIN of
     --nnodes MIN:MAX (`nnodes` is then MAX; with --hostfile, MAX must be its line count less the spares, which are
@@ -196,10 +207,12 @@ def node_group(
             master_port=port,
             min_nodes=min_nodes,
             spares=spares,
+            store_elsewhere=store_elsewhere,
         )
     if nnodes is None and node_rank is None and master is None:
-        if spares:
-            raise BadInput(f"--spares {spares}: needs --nnodes and --master (or --hostfile)")
+        if spares or store_elsewhere:
+            flag = f"--spares {spares}" if spares else "--store-elsewhere"
+            raise BadInput(f"{flag}: needs --nnodes and --master (or --hostfile)")
         return None
     if nnodes is None or master is None:
         missing = " and ".join(f for f, v in (("--nnodes", nnodes), ("--master", master)) if v is None)
@@ -215,6 +228,7 @@ def node_group(
         master_port=port,
         min_nodes=min_nodes,
         spares=spares,
+        store_elsewhere=store_elsewhere,
     )
 
 
@@ -247,8 +261,9 @@ def store_host_command(group: NodeGroup, agent: list[str], python: str = sys.exe
     return [python, "-m", "appliance.train.nodes", "--host-store", group.master, "--", *agent]
 
 
-def host_store_while(host: str, port: int, command: list[str]) -> int:
-    """Serve the c10d store on HOST:PORT only while `command` runs; its exit code."""
+def host_store_while(host: str, port: int, command: list[str] | None) -> int:
+    """Serve the c10d store on HOST:PORT only while `command` runs (its exit code), or, without one, until the
+    process is stopped (SIGINT: 0; SIGTERM ends it): a store on a machine that does not train (--store-elsewhere)."""
     from torch.distributed import TCPStore
 
     sock = _listening_socket(host, port, "--master")
@@ -264,17 +279,25 @@ def host_store_while(host: str, port: int, command: list[str]) -> int:
     )
     sock.detach()
     try:
-        return subprocess.call(command)
+        if command:
+            return subprocess.call(command)
+        print(f"rendezvous store on {host}:{port}; Ctrl-C ends it", flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0
     finally:
         del store
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`--host-store HOST:PORT [-- AGENT COMMAND...]`: node 0's launcher runs its agent under it; alone, it is the
+    store for runs started with --store-elsewhere, on any machine the nodes reach that does not train."""
     args = sys.argv[1:] if argv is None else argv
-    if len(args) < 4 or args[0] != "--host-store" or args[2] != "--":
-        raise SystemExit("usage: python -m appliance.train.nodes --host-store HOST:PORT -- AGENT COMMAND...")
+    if len(args) < 2 or args[0] != "--host-store" or (len(args) > 2 and (args[2] != "--" or len(args) < 4)):
+        raise SystemExit("usage: python -m appliance.train.nodes --host-store HOST:PORT [-- AGENT COMMAND...]")
     host, port = parse_master(args[1])
-    return host_store_while(host, port, args[3:])
+    return host_store_while(host, port, args[3:] or None)
 
 
 def wait_for_master(group: NodeGroup, *, wait_s: float | None = None) -> None:

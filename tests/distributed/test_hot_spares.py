@@ -8,6 +8,9 @@ rendezvous gives them, so nodes 0 and 1 train and node 2 is the spare.
 2. Node 2, training now, freezes as step 5 starts and is killed too. No spare is left: node 0 alone carries on at
    dp1 (the next usable node count), with the same global batch through more accumulation, from step 4.
 
+3. A second run, with the rendezvous store in a process of its own (`--store-elsewhere`, as on a machine that does
+   not train), loses node 0 the same way at step 3: the spare takes its rank and nodes 1 and 2 finish the run.
+
 What it shows: the run finishes; each recovery event names the lost node, the spare that took over and the layouts;
 every step number is trained once; the losses follow an uninterrupted single-process run of the same plan within
 the noise floor of those steps; the spare stood outside the training world (the world's ranks, gathered, are nodes
@@ -53,41 +56,51 @@ def _wait_for_checkpoint(run_dir: RunDir, step: int, heads: dict[int, subprocess
     time.sleep(0.3)  # the frozen rank stopped as the next step started, right after the checkpoint
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def _prepared(root: Path, steps: int) -> RunDir:
     run_dir = prepare_run(
-        tmp_path_factory.mktemp("spares") / "run",
+        root,
         LAYOUT,
-        train_samples=GBS * STEPS,
+        train_samples=GBS * steps,
         warmup_samples=GBS,
-        decay_samples=GBS * STEPS,
+        decay_samples=GBS * steps,
         eval_interval=100,  # only the final evaluation
         eval_samples=2,
         save_interval=2,
         eval_task_limit=1,
     )
     plan = json.loads(run_dir.plan.read_text())
-    plan["run"]["max_restarts"] = 3  # node 0's two restarts after the losses
+    plan["run"]["max_restarts"] = 3  # the survivors' restarts after the losses
     run_dir.plan.write_text(json.dumps(plan, indent=1))
+    return run_dir
 
-    port = _free_port()
+
+def _start_nodes(run_dir: RunDir, port: int, faults: dict[int, str], *flags: str) -> dict[int, subprocess.Popen[str]]:
+    """Three nodes' `train --nnodes 2 --spares 1`, node R at local address 127.0.0.(R + 1) (the rendezvous orders the
+    agents by it: nodes 0 and 1 train, node 2 stands by), with its BLOOM_FAULTS."""
     base = {k: v for k, v in cpu_only_env().items() if k != "BLOOM_FAULTS"} | {"BLOOM_RDZV_CONF": RDZV_CONF}
-    # Global rank 1 freezes: node 1 at step 3 in the first start; node 2, rank 1 once it took node 1's place (its
-    # agent's first attempt still: a spare's restart for new members is no failure), at step 5.
-    faults = {1: f"hang@step={FIRST_LOSS + 1}:rank=1", 2: f"hang@step={SECOND_LOSS + 1}:rank=1"}
     heads = {}
-    started = time.monotonic()
-    for rank in (2, 1, 0):  # the others first: they wait for node 0's rendezvous
+    for rank in (2, 1, 0):  # the others first: they wait for the rendezvous
         env = (
             base
             | {"PET_LOCAL_ADDR": f"127.0.0.{rank + 1}"}
             | ({"BLOOM_FAULTS": faults[rank]} if rank in faults else {})
         )
         cmd = [sys.executable, str(ROOT / "bloom_appliance.py"), "train", "--run-dir", str(run_dir.root)]
-        cmd += ["--nnodes", "2", "--spares", "1", "--node-rank", str(rank), "--master", f"127.0.0.1:{port}"]
+        cmd += ["--nnodes", "2", "--spares", "1", "--node-rank", str(rank), "--master", f"127.0.0.1:{port}", *flags]
         heads[rank] = subprocess.Popen(
             cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
         )
+    return heads
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    run_dir = _prepared(tmp_path_factory.mktemp("spares") / "run", STEPS)
+    # Global rank 1 freezes: node 1 at step 3 in the first start; node 2, rank 1 once it took node 1's place (its
+    # agent's first attempt still: a spare's restart for new members is no failure), at step 5.
+    faults = {1: f"hang@step={FIRST_LOSS + 1}:rank=1", 2: f"hang@step={SECOND_LOSS + 1}:rank=1"}
+    started = time.monotonic()
+    heads = _start_nodes(run_dir, _free_port(), faults)
 
     deadline = time.monotonic() + 300
     _wait_for_checkpoint(run_dir, FIRST_LOSS, heads, deadline)
@@ -178,3 +191,50 @@ def test_every_step_once_with_the_global_batch_and_the_loss_of_an_uninterrupted_
 
     want, floor = measure_floor(functools.partial(reference))
     assert_within(losses, want["losses"], "losses", floor, FACTOR, "the run across two losses against one process")
+
+
+# ---- node 0 lost, the store elsewhere ------------------------------------------------------------------------------
+NODE0_STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def node0_lost(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The same three nodes with --store-elsewhere and the store in a process of its own (a machine that does not
+    train); node 0 (rank 0) freezes as step 3 starts and is killed whole."""
+    run_dir = _prepared(tmp_path_factory.mktemp("spares-node0") / "run", NODE0_STEPS)
+    port = _free_port()
+    store = subprocess.Popen(
+        [sys.executable, "-m", "appliance.train.nodes", "--host-store", f"127.0.0.1:{port}"],
+        cwd=ROOT,
+        env=cpu_only_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        heads = _start_nodes(run_dir, port, {0: f"hang@step={FIRST_LOSS + 1}:rank=0"}, "--store-elsewhere")
+        deadline = time.monotonic() + 240
+        _wait_for_checkpoint(run_dir, FIRST_LOSS, heads, deadline)
+        killed = time.time()
+        _kill_node(heads[0])
+        results = {r: heads[r].communicate(timeout=max(1.0, deadline - time.monotonic())) for r in (1, 2)}
+        heads[0].communicate(timeout=10)
+    finally:
+        store.terminate()
+        store.wait(timeout=10)
+    output = "\n".join(
+        f"node {r} exit {heads[r].returncode}\n{o[-1500:]}\n{e[-4000:]}" for r, (o, e) in results.items()
+    )
+    return {"dir": run_dir, "codes": [heads[1].returncode, heads[2].returncode], "output": output, "killed": killed}
+
+
+def test_with_the_store_elsewhere_losing_node_0_is_a_node_loss_like_any_other(node0_lost: dict[str, Any]) -> None:
+    run_dir: RunDir = node0_lost["dir"]
+    assert node0_lost["codes"] == [0, 0], node0_lost["output"]
+    assert run_dir.eval.exists()
+    changes = [e for e in events(run_dir, "recovery") if e.get("lost_nodes")]
+    assert [(e["lost_nodes"], e["took_over"], e["layout_to"]) for e in changes] == [
+        ([_node(0)], [_node(2)], "tp(1) * pp(1) * dp(2)")
+    ]
+    steps = events(run_dir, "step")
+    assert [e["step"] for e in steps if e["t"] < node0_lost["killed"]] == list(range(1, FIRST_LOSS + 1))
+    assert [e["step"] for e in steps if e["t"] >= node0_lost["killed"]] == list(range(FIRST_LOSS + 1, NODE0_STEPS + 1))
