@@ -27,7 +27,8 @@ and the lost seconds: from the last step completed before the loss to the start 
 (detection, re-rendezvous, restart, loading); the steps past the checkpoint that are trained again are named too
 (`redone_steps`). Every elastic start also says which nodes train and which stand by (a `nodes` event).
 
-Node 0 hosts the rendezvous store (train/nodes.py): losing node 0 ends the run, as before.
+Node 0 hosts the rendezvous store (train/nodes.py): losing node 0 ends the run, unless the store runs on a machine
+that does not train (--store-elsewhere); then node 0 is lost like any node.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from appliance.train.elastic import (
 )
 from appliance.train.launch import agent_command
 from appliance.train.nodes import NodeGroup, node_group, parse_nnodes
+from appliance.train.nodes import main as nodes_main
 
 PLAN = parse_layout("tp=1,pp=1,dp=3,mbs=1,gbs=6")
 MODEL = {"heads": 4, "layers": 2, "seq_len": 64}
@@ -181,3 +182,13 @@ def test_spares_flags(tmp_path: Path) -> None:
         node_group(nnodes=3, node_rank=0, master=None, hostfile=hostfile, spares=1)
     spec = _spec("tp=1,pp=1,dp=2,mbs=1,gbs=4")
     assert min_agents(spec, listed) == 1  # dp1 still carries gbs 4: the run steps down to one node
+    # --store-elsewhere: node 0 joins the store as every other node does, instead of hosting it.
+    assert listed.hosts_store
+    elsewhere = node_group(
+        nnodes=2, node_rank=0, master="127.0.0.1:29611", hostfile=None, spares=1, store_elsewhere=True
+    )
+    assert elsewhere is not None and elsewhere.is_head and not elsewhere.hosts_store
+    with pytest.raises(BadInput, match=r"--store-elsewhere: needs --nnodes and --master"):
+        node_group(nnodes=None, node_rank=None, master=None, hostfile=None, store_elsewhere=True)
+    with pytest.raises(SystemExit, match="usage"):
+        nodes_main(["--host-store", "127.0.0.1:29611", "python"])  # a command comes after --
