@@ -34,6 +34,7 @@ from noise_floor import Order, assert_within, measure_floor
 from prepared_runs import cpu_only_env, events, prepare_run, reference_losses
 from test_elastic_nodes import RDZV_CONF, _free_port, _kill_node
 
+from appliance.monitor.summary import summarize
 from appliance.rundir import RunDir
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -174,6 +175,17 @@ def test_with_no_spare_left_the_run_steps_down_to_one_node(run: dict[str, Any]) 
     assert (second["lost_nodes"], second["took_over"], second["spares_left"]) == ([_node(2)], [], 0)
     assert (second["layout_from"], second["layout_to"]) == ("tp(1) * pp(1) * dp(2)", "tp(1) * pp(1) * dp(1)")
     assert second["resumed_step"] == SECOND_LOSS
+
+
+def test_summary_lists_what_each_loss_cost(run: dict[str, Any]) -> None:
+    summary = summarize(run["dir"], state="done", wall_seconds=0.0, stage_seconds={})
+    losses = summary["node_losses"]
+    assert [(e["lost_nodes"], e["took_over"], e["layout_to"]) for e in losses] == [
+        ([_node(1)], [_node(2)], "tp(1) * pp(1) * dp(2)"),
+        ([_node(2)], [], "tp(1) * pp(1) * dp(1)"),
+    ]
+    assert all(e["lost_seconds"] > 0 and e["redone_steps"] == 0 for e in losses)
+    assert summary["spares_left"] == 0
 
 
 def test_every_step_once_with_the_global_batch_and_the_loss_of_an_uninterrupted_run(run: dict[str, Any]) -> None:
