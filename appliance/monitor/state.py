@@ -153,6 +153,7 @@ class TimelineEntry:
     restart: int | None = None
     resumed_step: int | None = None
     lost_seconds: float | None = None
+    nodes: bool = False  # a recovery after a change of nodes (its reason names them)
 
 
 @dataclass
@@ -225,6 +226,9 @@ class RunState:
     failures: int = 0
     restarts: int = 0
     lost_seconds: float = 0.0
+    # Elastic launches (--nnodes MIN:MAX, --spares K): the newest start's nodes that train and those standing by.
+    training_nodes: list[str] = field(default_factory=list)
+    spare_nodes: list[str] | None = None  # None: no `nodes` event, a launch without spares or elasticity
     warnings: deque[tuple[float, str]] = field(default_factory=lambda: deque(maxlen=20))
     energy_by_node: dict[str, dict[str, Any]] = field(default_factory=dict)
     _energy_marks: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)  # node -> (t, kWh)
@@ -383,6 +387,11 @@ class RunState:
         self.timeline.append(TimelineEntry(t, "failure", where=where, rank=rank, reason=reason))
         self.changed.add("timeline")
 
+    def _on_nodes(self, e: dict[str, Any], t: float) -> None:
+        self.training_nodes = [str(n) for n in e.get("nodes", [])]
+        self.spare_nodes = [str(n) for n in e.get("spares", [])]
+        self.changed.add("timeline")
+
     def _on_recovery(self, e: dict[str, Any], t: float) -> None:
         self.restarts += 1
         lost = finite(e.get("lost_seconds")) or 0.0
@@ -396,6 +405,7 @@ class RunState:
                 resumed_step=int(resumed) if resumed is not None else None,
                 lost_seconds=lost,
                 reason=str(e.get("reason", "")),
+                nodes=bool(e.get("lost_nodes") or e.get("joined_nodes")),
             )
         )
         self._steps.clear()  # the time spent down is not step time

@@ -84,5 +84,15 @@ def summarize(run_dir: RunDir, *, state: str, wall_seconds: float, stage_seconds
         "eval": eval_result,
         "failures": failures,
         "recoveries": recoveries,
+        "node_losses": node_losses(recoveries),
+        "spares_left": None if state_of_run.spare_nodes is None else len(state_of_run.spare_nodes),
         "export": str(run_dir.export) if Path(run_dir.export).exists() else None,
     }
+
+
+def node_losses(recoveries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What each change of nodes cost (--nnodes MIN:MAX, --spares K): the nodes lost, the spare that took over, the
+    time and steps lost, the layouts either side and the spares left (train/elastic.py)."""
+    keys: tuple[str, ...] = ("lost_nodes", "joined_nodes", "took_over", "lost_seconds", "redone_steps")
+    keys += ("resumed_step", "layout_from", "layout_to", "spares_left")
+    return [{k: e.get(k) for k in keys} for e in recoveries if e.get("lost_nodes") or e.get("joined_nodes")]
