@@ -17,8 +17,10 @@ from appliance.errors import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, BadInput, Pre
 from appliance.hardware.carbon import carbon_kg, resolve_profile
 from appliance.monitor.events import EventWriter
 from appliance.overrides import CARBON_KEYS, RUN_KEYS
+from appliance.planner.cadence import cadence_for
 from appliance.planner.runspec import RunSection, RunSpec, load_spec
 from appliance.planner.sizing import retime
+from appliance.planner.train_settings import TrainSettings
 from appliance.rundir import RunDir, point_latest
 from appliance.stages import Stages, fingerprint, settings_key
 from appliance.train.atomic import write_atomic
@@ -121,6 +123,7 @@ def apply_request(spec: RunSpec, req: RunRequest) -> RunSpec:
             eval_interval=max(1, min(train.eval_interval, train.train_samples // train.global_batch_size)),
         )
         if train.train_samples != spec.train.train_samples or train.global_batch_size != spec.train.global_batch_size:
+            train = _cadence_for_length(spec, train, sets)
             run = retime(run, train, spec.report.estimate["step_time_s"])  # the user's length: time it, limit "user"
         return replace(
             spec,
@@ -131,6 +134,35 @@ def apply_request(spec: RunSpec, req: RunRequest) -> RunSpec:
         )
     except ValueError as e:
         raise BadInput(f"--set: {e}") from None
+
+
+CADENCE_KEYS = ("eval_interval", "save_interval", "save_interval_minutes")
+
+
+def _cadence_for_length(spec: RunSpec, train: TrainSettings, sets: dict[str, Any]) -> TrainSettings:
+    """A length the user set (--max-steps, --set train_tokens, ...) gets the cadences the planner gives a run of that
+    length (planner/cadence.py), from the plan's step time and its estimates of one evaluation and one save; the
+    cadences the user set stay as set."""
+    if any(key in sets for key in CADENCE_KEYS):
+        return train
+    step_s = float(spec.report.estimate["step_time_s"])
+    planned_samples = max(1, spec.train.eval_samples)
+    cadence = cadence_for(
+        train.steps_at_full_batch,
+        step_s,
+        spec.run.eval_s * train.eval_samples / planned_samples,
+        spec.run.checkpoint_s,
+        devices=spec.layout.world_size,
+        eval_samples=train.eval_samples,
+        recipe_eval=spec.model.recipe.eval_interval,
+        recipe_save=spec.model.recipe.save_interval,
+    )
+    return replace(
+        train,
+        eval_interval=cadence.eval_interval,
+        save_interval=cadence.save_interval,
+        save_interval_minutes=cadence.save_interval_minutes,
+    )
 
 
 def _carbon_overrides(run: RunSection, overrides: dict[str, Any]) -> RunSection:

@@ -261,10 +261,22 @@ def make_plan(
     step_s = chosen.time.total_s
 
     sized = _size(model, layout, hardware, step_s, budget, smoke)
-    train = train_section(model, layout, device, step_s, train_tokens=sized.tokens, notes=notes)
+    checkpoint_s = overheads(model, layout, hardware, step_s, 0, budget.languages).checkpoint_s
+    cadence: list[str] = []
+    train = train_section(
+        model,
+        layout,
+        device,
+        step_s,
+        train_tokens=sized.tokens,
+        notes=notes,
+        languages=budget.languages,
+        checkpoint_s=checkpoint_s,
+        reasons=cadence,
+    )
     ov = overheads(model, layout, hardware, step_s, train.eval_samples, budget.languages)
     steps = train.steps_at_full_batch
-    seconds = run_seconds(steps, step_s, ov, train.eval_interval, train.save_interval)
+    seconds = run_seconds(steps, step_s, ov, train.eval_interval, train.save_interval, train.save_interval_minutes)
     limit = model_bound if sized.bound == COMPUTE_OPTIMAL and model_bound else sized.bound
     run = replace(
         run_estimate(hardware, device, layout, step_s, steps, seconds - steps * step_s),
@@ -275,8 +287,9 @@ def make_plan(
         limit=limit,
     )
     tokens = train.train_samples * train.seq_len
-    sizing = explain(
-        model, sized, budget, tokens=tokens, steps=steps, step_s=step_s, ov=ov, seconds=seconds, limit=limit
+    sizing = (
+        explain(model, sized, budget, tokens=tokens, steps=steps, step_s=step_s, ov=ov, seconds=seconds, limit=limit)
+        + cadence
     )
     return Plan(
         hardware=hardware,
