@@ -68,6 +68,7 @@ class Budget:
 
     seconds: float | None = None  # the user's (or the smoke default); None: DEFAULT_TIME_BUDGET_DAYS caps it
     corpus_tokens: int | None = None  # known after the data stage
+    corpus_bytes: int | None = None  # the prepared corpus's bytes, known after the prep stage (the vocabulary's size)
     train_tokens: int | None = None  # --set train_tokens: the user's count, not sized
     languages: int | None = None  # validation sets, known after the data stage
 
