@@ -27,7 +27,7 @@ from appliance.train.atomic import write_atomic
 from appliance.train.nodes import NodeGroup
 from appliance.train.runlock import own_run_dir
 
-PLAN_EVENT_KEYS = ("hardware", "model", "layout", "estimate", "run", "sizing")
+PLAN_EVENT_KEYS = ("hardware", "model", "layout", "estimate", "run", "sizing", "vocabulary")
 
 
 @dataclass
