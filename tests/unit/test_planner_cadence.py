@@ -95,10 +95,11 @@ def test_cpu_default_plan_evaluates_within_five_percent() -> None:
 
 
 def test_one_gpu_sample_corpus_plan_no_longer_evaluates_twenty_times() -> None:
-    """The issue's run: bloom-560m on one GPU, the sample corpus (1,377,972 tokens, 12 languages), 10 minutes: 336
-    steps of 8 x 2048. One evaluation: 12 x 8 / 8 / 3 = 4 steps' time; 5% of 336 steps is 16.8: m = floor(16.8 / 4)
-    - 1 = 3 intervals of 112 steps (4 evaluations, 4.8%), not 21 at 16 steps. One save, at the end: 336 steps take
-    a minute or two, and Young's interval on one GPU is the 180-minute ceiling."""
+    """bloom-560m on one GPU, 10 minutes, the sample corpus as BLOOM's tokenizer counts it (1,377,972 tokens, 12
+    languages): 336 steps of 8 x 2048, the run the issue measured with 21 evaluations every 16 steps. One evaluation:
+    12 x 8 / 8 / 3 = 4 steps' time; 5% of 336 steps is 16.8: m = floor(16.8 / 4) - 1 = 3 intervals of 112 steps (4
+    evaluations, 4.8%). One save, at the end: 336 steps take a minute or two, and Young's interval on one GPU is the
+    180-minute ceiling."""
     plan = make_plan(load_hardware("h100-sxm5-x1"), budget=Budget(seconds=600, corpus_tokens=1_377_972, languages=12))
     train, run = plan.train, plan.run
     assert train.steps_at_full_batch == 336 and train.eval_samples == 8
