@@ -17,15 +17,17 @@ from appliance.errors import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, BadInput, Pre
 from appliance.hardware.carbon import carbon_kg, resolve_profile
 from appliance.monitor.events import EventWriter
 from appliance.overrides import CARBON_KEYS, RUN_KEYS
+from appliance.planner.cadence import cadence_for
 from appliance.planner.runspec import RunSection, RunSpec, load_spec
 from appliance.planner.sizing import retime
+from appliance.planner.train_settings import TrainSettings
 from appliance.rundir import RunDir, point_latest
 from appliance.stages import Stages, fingerprint, settings_key
 from appliance.train.atomic import write_atomic
 from appliance.train.nodes import NodeGroup
 from appliance.train.runlock import own_run_dir
 
-PLAN_EVENT_KEYS = ("hardware", "model", "layout", "estimate", "run", "sizing")
+PLAN_EVENT_KEYS = ("hardware", "model", "layout", "estimate", "run", "sizing", "vocabulary")
 
 
 @dataclass
@@ -81,6 +83,7 @@ def make_run_plan(req: RunRequest) -> RunSpec:
         budget=Budget(seconds=seconds, train_tokens=req.overrides.get("train_tokens")),
         precision=req.overrides.get("dtype"),  # --set precision= (or dtype=)
         layout=parse_layout(req.layout) if req.layout else None,
+        vocab_size=req.overrides.get("vocab_size"),
     )
     if not plan.feasible:
         reasons = "; ".join(plan.reasons) or "see `plan`"
@@ -121,6 +124,7 @@ def apply_request(spec: RunSpec, req: RunRequest) -> RunSpec:
             eval_interval=max(1, min(train.eval_interval, train.train_samples // train.global_batch_size)),
         )
         if train.train_samples != spec.train.train_samples or train.global_batch_size != spec.train.global_batch_size:
+            train = _cadence_for_length(spec, train, sets)
             run = retime(run, train, spec.report.estimate["step_time_s"])  # the user's length: time it, limit "user"
         return replace(
             spec,
@@ -131,6 +135,35 @@ def apply_request(spec: RunSpec, req: RunRequest) -> RunSpec:
         )
     except ValueError as e:
         raise BadInput(f"--set: {e}") from None
+
+
+CADENCE_KEYS = ("eval_interval", "save_interval", "save_interval_minutes")
+
+
+def _cadence_for_length(spec: RunSpec, train: TrainSettings, sets: dict[str, Any]) -> TrainSettings:
+    """A length the user set (--max-steps, --set train_tokens, ...) gets the cadences the planner gives a run of that
+    length (planner/cadence.py), from the plan's step time and its estimates of one evaluation and one save; the
+    cadences the user set stay as set."""
+    if any(key in sets for key in CADENCE_KEYS):
+        return train
+    step_s = float(spec.report.estimate["step_time_s"])
+    planned_samples = max(1, spec.train.eval_samples)
+    cadence = cadence_for(
+        train.steps_at_full_batch,
+        step_s,
+        spec.run.eval_s * train.eval_samples / planned_samples,
+        spec.run.checkpoint_s,
+        devices=spec.layout.world_size,
+        eval_samples=train.eval_samples,
+        recipe_eval=spec.model.recipe.eval_interval,
+        recipe_save=spec.model.recipe.save_interval,
+    )
+    return replace(
+        train,
+        eval_interval=cadence.eval_interval,
+        save_interval=cadence.save_interval,
+        save_interval_minutes=cadence.save_interval_minutes,
+    )
 
 
 def _carbon_overrides(run: RunSection, overrides: dict[str, Any]) -> RunSection:
@@ -233,6 +266,19 @@ def _run_stages(req: RunRequest, spec: RunSpec, run_dir: RunDir, stages: Stages,
         ),
     )
     point_latest(run_dir.root.parent, run_dir.root)
+
+    def fix_plan(new: RunSpec) -> None:
+        """A re-fixed plan: written, announced, and its stage re-recorded so that a rerun skips it."""
+        write_atomic(run_dir.plan, new.dumps())
+        new_plan = new.to_json()
+        events.emit("plan", **{k: new_plan[k] for k in PLAN_EVENT_KEYS})
+        stages.refix("plan", key=settings_key(plan=new_plan), outputs=[run_dir.plan])
+
+    # The vocabulary follows the prepared corpus (planner/vocabulary.py): decided before the tokenizer learns it.
+    vocab_sized = size_vocabulary_to_corpus(spec, req, run_dir, stages)
+    if vocab_sized is not None:
+        spec, plan = vocab_sized, vocab_sized.to_json()
+        fix_plan(spec)
     if spec.init is not None:
         # An imported model keeps its own tokenizer (already in place): its weights only make sense with those ids.
         stages.run(
@@ -250,6 +296,7 @@ def _run_stages(req: RunRequest, spec: RunSpec, run_dir: RunDir, stages: Stages,
                 run_dir.corpus,
                 run_dir.tokenizer,
                 vocab_size=spec.model.vocab_size,
+                vocab_reasons=spec.report.vocabulary,
                 tp_size=layout.tp,
                 seed=train.seed,
                 on_progress=progress,
@@ -268,11 +315,9 @@ def _run_stages(req: RunRequest, spec: RunSpec, run_dir: RunDir, stages: Stages,
     sized = size_to_corpus(spec, req, run_dir, stages)
     if sized is not None:
         spec, plan = sized, sized.to_json()
-        write_atomic(run_dir.plan, spec.dumps())
-        events.emit("plan", **{k: plan[k] for k in PLAN_EVENT_KEYS})
         # The plan and the tokenizer stage keys follow the plan: re-record them so a rerun skips both. A tokenizer
         # padded for another TP still serves: the model pads its rows to 128 x tp (train/from_spec.py).
-        stages.refix("plan", key=settings_key(plan=plan), outputs=[run_dir.plan])
+        fix_plan(spec)
         if spec.init is None:
             stages.refix("tokenizer", key=_tokenizer_key(run_dir, spec), outputs=[run_dir.tokenizer])
 
@@ -385,11 +430,11 @@ def _tokenizer_key(run_dir: RunDir, spec: RunSpec) -> str:
 
 def size_to_corpus(spec: RunSpec, req: RunRequest, run_dir: RunDir, stages: Stages) -> RunSpec | None:
     """After the data stage, the plan re-fixed from the corpus's token count (planner/sizing.py): the model (when the
-    ladder chose it and the new choice shares the tokenizer's vocabulary), the layout, the tokens and the schedule,
+    ladder chose it; at the tokenizer's vocabulary), the layout, the tokens and the schedule,
     with the time the data stages took taken off the budget. None when the plan is fixed already: sized before, or
     a run has trained under it (a resume never re-plans under its checkpoints)."""
     from appliance.data.blend import read_datasets_json
-    from appliance.planner import Budget, make_plan
+    from appliance.planner import Budget
 
     if spec.run.corpus_tokens is not None or "train" in stages.records or _has_checkpoints(run_dir):
         return None
@@ -398,17 +443,51 @@ def size_to_corpus(spec: RunSpec, req: RunRequest, run_dir: RunDir, stages: Stag
     budget = Budget(
         seconds=None if spec.run.budget_s is None else max(0.0, spec.run.budget_s - spent),
         corpus_tokens=sum(int(e["tokens"]) for e in entries.values()),
+        corpus_bytes=spec.run.corpus_bytes,
         train_tokens=req.overrides.get("train_tokens"),
         languages=len(entries),
     )
+    # The tokenizer is trained: its vocabulary, and the reasons it was chosen for, stay.
+    sized = _replan(spec, req, budget, vocab_size=spec.model.vocab_size)
+    return None if sized is None else replace(sized, report=replace(sized.report, vocabulary=spec.report.vocabulary))
+
+
+def size_vocabulary_to_corpus(spec: RunSpec, req: RunRequest, run_dir: RunDir, stages: Stages) -> RunSpec | None:
+    """After the prep stage, the plan re-fixed with the vocabulary sized to the prepared corpus's bytes
+    (planner/vocabulary.py; prep_report.json's totals.bytes_out), before the tokenizer learns it: the embedding's
+    size changes the parameters, so the model (when the ladder chose it), the layout and the tokens follow. None when
+    the vocabulary is decided already: sized before, fixed by `--set vocab_size`, an imported model's tokenizer, or a
+    plan a run has trained under."""
+    from appliance.data.prep import REPORT_JSON
+    from appliance.planner import Budget
+
+    if spec.run.corpus_bytes is not None or spec.run.corpus_tokens is not None or spec.init is not None:
+        return None
+    if "vocab_size" in req.overrides or "train" in stages.records or _has_checkpoints(run_dir):
+        return None
+    report = json.loads((run_dir.corpus / REPORT_JSON).read_text())
+    budget = Budget(
+        seconds=spec.run.budget_s,  # the data stages' time comes off once, when the corpus has sized the plan
+        corpus_bytes=int(report["totals"]["bytes_out"]),
+        train_tokens=req.overrides.get("train_tokens"),
+    )
+    return _replan(spec, req, budget)
+
+
+def _replan(spec: RunSpec, req: RunRequest, budget: Any, vocab_size: int | None = None) -> RunSpec | None:
+    """The plan made again for what the data stages found (`budget`): the ladder's choice again when it chose the
+    model, else the same model; None when the new plan cannot run (the plan that passed the checks stays)."""
+    from appliance.planner import make_plan
+
     ladder_chose = bool(spec.report.model_choice) and spec.init is None and spec.hardware.has_gpus
     seq_len = spec.model.seq_len
-    plan = make_plan(spec.hardware, None, seq_len=seq_len, budget=budget) if ladder_chose else None
-    if plan is None or plan.model.vocab_size != spec.model.vocab_size:
+    if ladder_chose:
+        plan = make_plan(spec.hardware, None, seq_len=seq_len, budget=budget, vocab_size=vocab_size)
+    else:
         given = spec.layout if req.layout else None  # a --layout stays the layout
-        plan = make_plan(spec.hardware, spec.model, seq_len=seq_len, budget=budget, layout=given)
+        plan = make_plan(spec.hardware, spec.model, seq_len=seq_len, budget=budget, layout=given, vocab_size=vocab_size)
     if not plan.feasible:
-        return None  # the plan that passed the checks stays
+        return None
     return apply_request(replace(plan.spec(), init=spec.init), req)
 
 

@@ -4,8 +4,9 @@
 Each cell is `./bloom_appliance.py plan --hardware HW --corpus-tokens N [--budget 10m] --json`, called in-process
 through the same make_plan. Corpus bytes become tokens at 4.6 bytes per token, ROOTS' own ratio (1.61 TB of text,
 about 350B tokens with BLOOM's tokenizer). The sample corpus is the data stage's own count: 2,532,916 tokens with
-the CPU model's 8,192-entry tokenizer, 1,377,972 with BLOOM's 250,680 (`run --prepare-only`, data/datasets.json),
-and on GPUs its default 10-minute smoke budget applies, as `run` applies it.
+the CPU model's 8,192-entry tokenizer, 2,434,926 with the 9,728 entries `run` sizes for its 8,617,538 prepared bytes
+on GPUs (`run --prepare-only`, data/datasets.json and corpus/prep_report.json), and on GPUs its default 10-minute
+smoke budget applies, as `run` applies it.
 
     .venv/bin/python bench/plan_table.py
 """
@@ -28,14 +29,18 @@ from appliance.planner.sizing import SMOKE_BUDGET_S, duration_text, tokens_text 
 BYTES_PER_TOKEN = 4.6
 HARDWARE = ("cpu-laptop-2core", "h100-sxm5-x1", "h100-sxm5-x8-node", "jean-zay-a100-48n")
 CORPORA = (("sample (3 MB)", None), ("1 GB", 1e9), ("100 GB", 100e9), ("1.6 TB", 1.6e12))
-SAMPLE_TOKENS = {False: 2_532_916, True: 1_377_972}  # by hardware.has_gpus: the tokenizer differs
+SAMPLE_TOKENS = {False: 2_532_916, True: 2_434_926}  # by hardware.has_gpus: the tokenizer differs
+SAMPLE_BYTES = 8_617_538  # what prep keeps of the sample corpus: the vocabulary is sized on it
 
 
 def cell(hw_name: str, corpus_bytes: float | None) -> list[str]:
     hw = load_hardware(hw_name)
     if corpus_bytes is None:
         budget = Budget(
-            seconds=SMOKE_BUDGET_S if hw.has_gpus else None, corpus_tokens=SAMPLE_TOKENS[hw.has_gpus], languages=12
+            seconds=SMOKE_BUDGET_S if hw.has_gpus else None,
+            corpus_tokens=SAMPLE_TOKENS[hw.has_gpus],
+            corpus_bytes=SAMPLE_BYTES,
+            languages=12,
         )
     else:
         budget = Budget(corpus_tokens=int(corpus_bytes / BYTES_PER_TOKEN))

@@ -26,6 +26,7 @@ from appliance.planner.sizing import (
     overheads,
     tokens_text,
 )
+from appliance.planner.vocabulary import sized_model
 
 LADDER = ("bloom-176b", "bloom-7b1", "bloom-3b", "bloom-1b7", "bloom-1b1", "bloom-560m")
 CPU_MODEL = "bloom-tiny-cpu"
@@ -38,6 +39,7 @@ class ModelChoice:
     search: SearchResult | None = None  # the chosen model's search, reused by make_plan
     global_batch_size: int = 0
     bound: str | None = None  # why the next larger size was passed over: memory, data, time; None: none was
+    vocabulary: str = ""  # the chosen shape's vocabulary and why (planner/vocabulary.py)
 
 
 def _budget_text(budget: Budget) -> str:
@@ -53,20 +55,32 @@ def choose_model(
     seq_len: int | None = None,
     budget: Budget | None = None,
     precision: str | None = None,
+    vocab_size: int | None = None,
 ) -> ModelChoice:
     """Walk the ladder from the largest shape down; the first that fits memory and trains its target tokens within
-    the time and the data wins."""
+    the time and the data wins. Each shape has its vocabulary sized to the corpus (planner/vocabulary.py), or
+    vocab_size when given."""
     budget = budget or Budget()
     lines: list[str] = []
+
+    vocab_lines: dict[str, str] = {}
+
+    def shape(name: str) -> ModelShape:
+        model = load_model_shape(name).with_seq_len(seq_len)
+        corpus = {"corpus_bytes": budget.corpus_bytes, "corpus_tokens": budget.corpus_tokens}
+        model, vocab_lines[name] = sized_model(model, **corpus, user=vocab_size)
+        return model
+
     if not hardware.has_gpus:
-        tiny = load_model_shape(CPU_MODEL).with_seq_len(seq_len)
+        tiny = shape(CPU_MODEL)
         lines.append(f"no GPU: the CPU smoke model {tiny.name} ({tiny.parameters() / 1e6:.1f}M parameters)")
-        return ModelChoice(tiny, lines, None, global_batch_size or default_global_batch_size(tiny, hardware), MEMORY)
+        gbs = global_batch_size or default_global_batch_size(tiny, hardware)
+        return ModelChoice(tiny, lines, None, gbs, MEMORY, vocab_lines[tiny.name])
 
     fitting: list[tuple[ModelShape, SearchResult, int]] = []
     bound: str | None = None
     for name in LADDER:
-        model = load_model_shape(name).with_seq_len(seq_len)
+        model = shape(name)
         gbs = global_batch_size or default_global_batch_size(model, hardware)
         result = search_layouts(hardware, model, gbs, precision)
         if result.best is None:
@@ -84,7 +98,7 @@ def choose_model(
         if ok:
             lines.append(f"{name}: {what}, within {_budget_text(budget)}" + _data_text(budget, target))
             lines.append(f"chosen: {name}, the largest BLOOM shape that trains its tokens within the limits here")
-            return ModelChoice(model, lines, result, gbs, bound)
+            return ModelChoice(model, lines, result, gbs, bound, vocab_lines[name])
         if failed == TIME:
             lines.append(f"{name}: {what}, over {_budget_text(budget)}")
         else:
@@ -98,10 +112,11 @@ def choose_model(
     if fitting:
         model, result, gbs = fitting[-1]
         lines.append(f"chosen: {model.name}, the smallest BLOOM shape; it trains what the data and time allow")
-        return ModelChoice(model, lines, result, gbs, bound)
-    tiny = load_model_shape(CPU_MODEL).with_seq_len(seq_len)
+        return ModelChoice(model, lines, result, gbs, bound, vocab_lines[model.name])
+    tiny = shape(CPU_MODEL)
     lines.append(f"chosen: {tiny.name}; no BLOOM shape fits this GPU memory")
-    return ModelChoice(tiny, lines, None, global_batch_size or default_global_batch_size(tiny, hardware), MEMORY)
+    gbs = global_batch_size or default_global_batch_size(tiny, hardware)
+    return ModelChoice(tiny, lines, None, gbs, MEMORY, vocab_lines[tiny.name])
 
 
 def _data_text(budget: Budget, target: int) -> str:

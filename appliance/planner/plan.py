@@ -33,6 +33,7 @@ from appliance.planner.sizing import (
 from appliance.planner.timing import StepTime
 from appliance.planner.tp2d import TensorParallelComparison, tensor_parallel_comparison
 from appliance.planner.train_settings import TrainSettings
+from appliance.planner.vocabulary import sized_model
 
 MAX_REJECTED_PER_KIND = 6
 
@@ -68,6 +69,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     model_choice: list[str] = field(default_factory=list)  # the ladder's reasoning when no model was named
     sizing: list[str] = field(default_factory=list)  # the token count, the limit that bound it, what more would buy
+    vocabulary: list[str] = field(default_factory=list)  # the tokenizer's size and why (planner/vocabulary.py)
     # 1D (with and without sequence parallelism) against Optimus 2D tensor parallelism (planner/tp2d.py), GPUs only
     tensor_parallel: TensorParallelComparison | None = None
     candidates: int = 0
@@ -124,6 +126,7 @@ class Plan:
                 notes=list(self.notes),
                 model_choice=list(self.model_choice),
                 sizing=list(self.sizing),
+                vocabulary=list(self.vocabulary),
                 tensor_parallel=self.tensor_parallel,
             ),
         )
@@ -210,12 +213,14 @@ def make_plan(
     train_tokens: int | None = None,
     budget: Budget | None = None,
     precision: str | None = None,
+    vocab_size: int | None = None,
 ) -> Plan:
     """Plan a run: with `layout`, evaluate it (BadInput if it does not match the hardware or model; feasible=False
     with reasons if it cannot run); without, search for the fastest feasible layout. With model=None, the ladder
     picks the largest BLOOM shape the budget's time and data train compute-optimally; the budget then fixes the
     token count (planner/sizing.py). `precision` (bf16, fp16, fp32; `--set precision=`) overrides the hardware's
-    default (device.default_precision)."""
+    default (device.default_precision). The model's vocabulary is sized to the budget's corpus
+    (planner/vocabulary.py) unless vocab_size fixes it (`--set vocab_size`, or a tokenizer already trained)."""
     started = time.perf_counter()
     budget = budget or Budget()
     if train_tokens is not None:
@@ -227,10 +232,19 @@ def make_plan(
     model_bound: str | None = None
     if model is None:
         choice = choose_model(
-            hardware, global_batch_size=global_batch_size, seq_len=seq_len, budget=budget, precision=precision
+            hardware,
+            global_batch_size=global_batch_size,
+            seq_len=seq_len,
+            budget=budget,
+            precision=precision,
+            vocab_size=vocab_size,
         )
         model, choice_lines, model_bound = choice.model, choice.lines, choice.bound
+        vocabulary = choice.vocabulary
         search = choice.search if layout is None else None  # same model, batch and sequence: reuse it
+    else:
+        corpus = {"corpus_bytes": budget.corpus_bytes, "corpus_tokens": budget.corpus_tokens}
+        model, vocabulary = sized_model(model, **corpus, user=vocab_size)
     model = model.with_seq_len(seq_len)
     gbs = _resolve_batch(layout, global_batch_size, default_global_batch_size(model, hardware))
     notes: list[str] = []
@@ -261,10 +275,22 @@ def make_plan(
     step_s = chosen.time.total_s
 
     sized = _size(model, layout, hardware, step_s, budget, smoke)
-    train = train_section(model, layout, device, step_s, train_tokens=sized.tokens, notes=notes)
+    checkpoint_s = overheads(model, layout, hardware, step_s, 0, budget.languages).checkpoint_s
+    cadence: list[str] = []
+    train = train_section(
+        model,
+        layout,
+        device,
+        step_s,
+        train_tokens=sized.tokens,
+        notes=notes,
+        languages=budget.languages,
+        checkpoint_s=checkpoint_s,
+        reasons=cadence,
+    )
     ov = overheads(model, layout, hardware, step_s, train.eval_samples, budget.languages)
     steps = train.steps_at_full_batch
-    seconds = run_seconds(steps, step_s, ov, train.eval_interval, train.save_interval)
+    seconds = run_seconds(steps, step_s, ov, train.eval_interval, train.save_interval, train.save_interval_minutes)
     limit = model_bound if sized.bound == COMPUTE_OPTIMAL and model_bound else sized.bound
     run = replace(
         run_estimate(hardware, device, layout, step_s, steps, seconds - steps * step_s),
@@ -272,11 +298,13 @@ def make_plan(
         checkpoint_s=ov.checkpoint_s,
         budget_s=budget.seconds,
         corpus_tokens=budget.corpus_tokens,
+        corpus_bytes=budget.corpus_bytes,
         limit=limit,
     )
     tokens = train.train_samples * train.seq_len
-    sizing = explain(
-        model, sized, budget, tokens=tokens, steps=steps, step_s=step_s, ov=ov, seconds=seconds, limit=limit
+    sizing = (
+        explain(model, sized, budget, tokens=tokens, steps=steps, step_s=step_s, ov=ov, seconds=seconds, limit=limit)
+        + cadence
     )
     return Plan(
         hardware=hardware,
@@ -293,6 +321,7 @@ def make_plan(
         notes=notes,
         model_choice=choice_lines,
         sizing=sizing,
+        vocabulary=[vocabulary],
         tensor_parallel=tensor_parallel_comparison(model, layout, device, hardware) if hardware.has_gpus else None,
         train=train,
         run=run,

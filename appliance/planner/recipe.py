@@ -14,6 +14,7 @@ from appliance.hardware.carbon import carbon_kg, resolve_profile, site_profile
 from appliance.hardware.profile import Hardware
 from appliance.hardware.specs import gpu_spec
 from appliance.planner import calibration as cal
+from appliance.planner.cadence import cadence_for, eval_samples_cap, eval_seconds
 from appliance.planner.device import Device
 from appliance.planner.layout import Layout
 from appliance.planner.model_shape import ModelShape
@@ -56,19 +57,6 @@ def train_samples_for(model: ModelShape, train_tokens: int | None = None) -> int
     return max(1, CHINCHILLA_TOKENS_PER_PARAM * model.parameters() // model.seq_len)
 
 
-def eval_interval_for(steps: int, recipe_interval: int | None = None) -> int:
-    """About 20 evaluations over the run, and at least as often as the recipe's interval (BLOOM's 1,000 steps
-    were set for runs of 100,000s of steps)."""
-    derived = max(1, steps // 20)
-    return min(recipe_interval, derived) if recipe_interval else derived
-
-
-def save_interval_for(steps: int, step_time_s: float, recipe_interval: int | None = None) -> int:
-    """About hourly (and at least once, at the end), and at least as often as the recipe's interval."""
-    derived = max(1, min(steps, round(3600 / max(step_time_s, 1e-9))))
-    return min(recipe_interval, derived) if recipe_interval else derived
-
-
 def _rampup(model: ModelShape, layout: Layout, samples: int, notes: list[str]) -> dict[str, int] | None:
     """BLOOM's ramp-up where it applies: same global batch as the recipe, every step a multiple of mbs x dp, and a
     run at least twice as long as the ramp-up (BLOOM-176B ramped over 5% of its samples)."""
@@ -97,8 +85,13 @@ def train_section(
     *,
     train_tokens: int | None = None,
     notes: list[str] | None = None,
+    languages: int | None = None,
+    checkpoint_s: float = 0.0,
+    reasons: list[str] | None = None,
 ) -> TrainSettings:
-    """The "train" section of plan.json: what the trainer needs, in samples."""
+    """The "train" section of plan.json: what the trainer needs, in samples. The cadences follow the run's length
+    and the cost of one evaluation (of `languages` validation sets) and one save (checkpoint_s), planner/cadence.py;
+    their reasons are appended to `reasons`."""
     notes = [] if notes is None else notes
     r = model.recipe
     gbs = layout.global_batch_size
@@ -110,13 +103,25 @@ def train_section(
     warmup = warmup if own_budget else min(warmup, max(1, samples // 10))  # at most 10% of a shorter run
     decay = r.decay_samples if (own_budget and r.decay_samples) else samples
     steps = max(1, samples // gbs)
-    # A run of the recipe's own length keeps its intervals and evaluation size; a sized run gets its own, and an
-    # evaluation of at most one global batch per language (the recipe's "--eval-iters 1" at its batch).
-    eval_interval = r.eval_interval if (own_budget and r.eval_interval) else eval_interval_for(steps, r.eval_interval)
-    save_interval = (
-        r.save_interval if (own_budget and r.save_interval) else save_interval_for(steps, step_time_s, r.save_interval)
+    # A run of the recipe's own length keeps its evaluation size, a sized run evaluates at most one global batch per
+    # language (the recipe's "--eval-iters 1" at its batch); either at most what keeps the two evaluations every run
+    # makes within the evaluation share.
+    wanted = r.eval_samples if (own_budget and r.eval_samples) else min(r.eval_samples or gbs, gbs)
+    unit = layout.micro_batch_size * layout.dp  # one micro-batch per data-parallel rank
+    eval_samples = min(wanted, eval_samples_cap(steps, gbs, languages, unit))
+    cadence = cadence_for(
+        steps,
+        step_time_s,
+        eval_seconds(languages, eval_samples, gbs, step_time_s),
+        checkpoint_s,
+        devices=layout.world_size,
+        eval_samples=eval_samples,
+        recipe_eval=r.eval_interval,
+        recipe_save=r.save_interval,
+        own_recipe=own_budget,
     )
-    eval_samples = r.eval_samples if (own_budget and r.eval_samples) else min(r.eval_samples or gbs, gbs)
+    if reasons is not None:
+        reasons.extend(cadence.reasons)
     optimizer: dict[str, float] = {
         k: getattr(r, k) if getattr(r, k) is not None else v for k, v in BLOOM_OPTIMIZER.items()
     }
@@ -136,9 +141,10 @@ def train_section(
         adam_beta1=optimizer["adam_beta1"],
         adam_beta2=optimizer["adam_beta2"],
         adam_eps=optimizer["adam_eps"],
-        eval_interval=eval_interval,
+        eval_interval=cadence.eval_interval,
         eval_samples=eval_samples,
-        save_interval=save_interval,
+        save_interval=cadence.save_interval,
+        save_interval_minutes=cadence.save_interval_minutes,
         dtype=device.dtype,
         seed=r.seed if r.seed is not None else BLOOM_SEED,
     )

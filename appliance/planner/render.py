@@ -90,9 +90,9 @@ def format_plan(plan: Plan, *, spares: int = 0) -> str:
         f" ({t.adam_beta1}, {t.adam_beta2}), wd {t.weight_decay}, clip {t.grad_clip}, {t.dtype}, seed {t.seed},"
         f" init std {plan.model.init_std:g}"
     )
-    if plan.sizing:
+    if plan.sizing or plan.vocabulary:
         out.append("Sizing:")
-        out += [f"  {line}" for line in plan.sizing]
+        out += [f"  {line}" for line in [*plan.sizing, *plan.vocabulary]]
     r = plan.run
     cost = f", ${r.cost_usd:,.0f} at ${r.usd_per_gpu_hour:.2f} per GPU-hour" if hw.has_gpus else ""
     # whole GPU-hours for real runs; two digits for the minutes-long runs a small corpus or budget plans

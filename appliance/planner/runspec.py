@@ -80,6 +80,8 @@ class RunSection:
     checkpoint_s: float = 0.0
     budget_s: float | None = None  # wall time training was given (the user's budget less the data stages); None: none
     corpus_tokens: int | None = None  # the corpus the plan was sized on; None: not yet known (before the data stage)
+    # The prepared corpus's bytes the vocabulary was sized on (planner/vocabulary.py); None: not yet (before prep).
+    corpus_bytes: int | None = None
     limit: str | None = None  # what bound the plan: compute-optimal, data, time, memory, recipe or user
 
     def __post_init__(self) -> None:
@@ -132,6 +134,8 @@ class PlanReport:
     notes: list[str]
     model_choice: list[str]
     sizing: list[str] = dataclasses.field(default_factory=list)  # absent from plans written before sizing
+    # The tokenizer's size and why (planner/vocabulary.py); absent from plans written before it
+    vocabulary: list[str] = dataclasses.field(default_factory=list)
     # 1D vs Optimus 2D tensor parallelism per block (planner/tp2d.py); None: a CPU plan, or one written before it
     tensor_parallel: TensorParallelComparison | None = None
 

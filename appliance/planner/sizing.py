@@ -18,15 +18,15 @@ with the measured step time.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, replace
 
 from appliance.errors import BadInput
 from appliance.hardware.profile import Hardware
+from appliance.planner.cadence import cadence_for, eval_seconds, evaluations, saves
 from appliance.planner.layout import Layout
 from appliance.planner.model_shape import ModelShape
-from appliance.planner.recipe import CHINCHILLA_TOKENS_PER_PARAM, eval_interval_for, save_interval_for
+from appliance.planner.recipe import CHINCHILLA_TOKENS_PER_PARAM
 from appliance.planner.runspec import RunSection
 from appliance.planner.train_settings import TrainSettings
 
@@ -38,17 +38,14 @@ SMOKE_BUDGET_S = 600.0  # the sample corpus on GPUs, no budget given: a smoke ru
 MIN_STEPS = 200
 
 # Overhead estimates (the plan's run.eval_s and run.checkpoint_s):
-# - an evaluation runs eval_samples per language forward only: a forward pass is about 1/3 of a training step's
-#   FLOPs (backward is twice the forward), so it costs samples / global batch x step time / 3;
+# - an evaluation runs eval_samples per language forward only, at a third of a step per global batch
+#   (planner/cadence.py, eval_seconds);
 # - a checkpoint writes about 16 bytes per parameter (fp32 weights 4, Adam's m and v 8, and the RNG and manifest
 #   files; the trainer checks free space for the same 4 x fp32 weights) at 1 GB/s per node (a local NVMe or a
 #   parallel file system's share), plus a fixed 2 s for the gathers, barrier, fsync and manifest.
-EVAL_FORWARD_SHARE = 1 / 3
 CHECKPOINT_BYTES_PER_PARAM = 16
 CHECKPOINT_BYTES_PER_S_PER_NODE = 1e9
 CHECKPOINT_FIXED_S = 2.0
-# Languages evaluated before the data stage has counted them: the sample corpus's 12.
-ASSUMED_LANGUAGES = 12
 
 # What bound the plan (plan.json run.limit).
 COMPUTE_OPTIMAL, DATA, TIME, MEMORY, RECIPE, USER = "compute-optimal", "data", "time", "memory", "recipe", "user"
@@ -71,6 +68,7 @@ class Budget:
 
     seconds: float | None = None  # the user's (or the smoke default); None: DEFAULT_TIME_BUDGET_DAYS caps it
     corpus_tokens: int | None = None  # known after the data stage
+    corpus_bytes: int | None = None  # the prepared corpus's bytes, known after the prep stage (the vocabulary's size)
     train_tokens: int | None = None  # --set train_tokens: the user's count, not sized
     languages: int | None = None  # validation sets, known after the data stage
 
@@ -93,41 +91,64 @@ def overheads(
     model: ModelShape, layout: Layout, hardware: Hardware, step_s: float, eval_samples: int, languages: int | None
 ) -> Overheads:
     """Seconds one evaluation and one checkpoint take (the module docstring gives the arithmetic)."""
-    langs = languages or ASSUMED_LANGUAGES
-    eval_s = langs * eval_samples / layout.global_batch_size * step_s * EVAL_FORWARD_SHARE
+    eval_s = eval_seconds(languages, eval_samples, layout.global_batch_size, step_s)
     write_rate = CHECKPOINT_BYTES_PER_S_PER_NODE * max(1, hardware.nodes)
     checkpoint_s = CHECKPOINT_FIXED_S + CHECKPOINT_BYTES_PER_PARAM * model.parameters() / write_rate
     return Overheads(eval_s, checkpoint_s)
 
 
-def run_seconds(steps: int, step_s: float, ov: Overheads, eval_interval: int, save_interval: int) -> float:
+def run_seconds(
+    steps: int,
+    step_s: float,
+    ov: Overheads,
+    eval_interval: int,
+    save_interval: int,
+    save_interval_minutes: float | None = None,
+) -> float:
     """Wall time of `steps` steps: evaluations at step 0, every eval_interval and at the last step (the trainer's
-    rule), checkpoints every save_interval and at the last step."""
-    evals = 1 + math.ceil(steps / eval_interval)
-    saves = math.ceil(steps / save_interval)
-    return steps * step_s + evals * ov.eval_s + saves * ov.checkpoint_s
+    rule), saves by step count or by time and at the last step (planner/cadence.py, `saves`)."""
+    busy = steps * step_s + evaluations(steps, eval_interval) * ov.eval_s
+    return busy + saves(steps, busy, save_interval, save_interval_minutes) * ov.checkpoint_s
 
 
 def planned_seconds(
-    steps: int, step_s: float, ov: Overheads, recipe_eval: int | None, recipe_save: int | None
+    steps: int,
+    step_s: float,
+    ov: Overheads,
+    recipe_eval: int | None,
+    recipe_save: int | None,
+    devices: int = 1,
 ) -> float:
-    """run_seconds with the intervals the plan would give a run of `steps` steps."""
-    return run_seconds(
-        steps, step_s, ov, eval_interval_for(steps, recipe_eval), save_interval_for(steps, step_s, recipe_save)
+    """run_seconds with the cadences the plan would give a sized run of `steps` steps on `devices` devices."""
+    c = cadence_for(
+        steps,
+        step_s,
+        ov.eval_s,
+        ov.checkpoint_s,
+        devices=devices,
+        eval_samples=0,
+        recipe_eval=recipe_eval,
+        recipe_save=recipe_save,
     )
+    return run_seconds(steps, step_s, ov, c.eval_interval, c.save_interval, c.save_interval_minutes)
 
 
 def steps_within(
-    seconds: float, step_s: float, ov: Overheads, recipe_eval: int | None = None, recipe_save: int | None = None
+    seconds: float,
+    step_s: float,
+    ov: Overheads,
+    recipe_eval: int | None = None,
+    recipe_save: int | None = None,
+    devices: int = 1,
 ) -> int:
     """The most steps whose planned_seconds fit in `seconds` (0 when not even one does). Bisection: the intervals
     depend on the step count, so there is no closed form, and the time grows with the steps."""
-    if planned_seconds(1, step_s, ov, recipe_eval, recipe_save) > seconds:
+    if planned_seconds(1, step_s, ov, recipe_eval, recipe_save, devices) > seconds:
         return 0
     lo, hi = 1, max(2, int(seconds / step_s) + 1)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if planned_seconds(mid, step_s, ov, recipe_eval, recipe_save) <= seconds:
+        if planned_seconds(mid, step_s, ov, recipe_eval, recipe_save, devices) <= seconds:
             lo = mid
         else:
             hi = mid - 1
@@ -147,7 +168,7 @@ def optimal_tokens(model: ModelShape) -> int:
 
 def time_cap_tokens(model: ModelShape, layout: Layout, step_s: float, ov: Overheads, budget: Budget) -> int:
     r = model.recipe
-    steps = steps_within(budget.time_cap_s, step_s, ov, r.eval_interval, r.save_interval)
+    steps = steps_within(budget.time_cap_s, step_s, ov, r.eval_interval, r.save_interval, layout.world_size)
     return steps * layout.global_batch_size * model.seq_len
 
 
@@ -182,7 +203,7 @@ def fits_optimally(
     target = budget.train_tokens if budget.train_tokens is not None else optimal_tokens(model)
     steps = max(1, target // (layout.global_batch_size * model.seq_len))
     r = model.recipe
-    seconds = planned_seconds(steps, step_s, ov, r.eval_interval, r.save_interval)
+    seconds = planned_seconds(steps, step_s, ov, r.eval_interval, r.save_interval, layout.world_size)
     if seconds > budget.time_cap_s:
         return False, TIME, seconds
     data = budget.data_cap_tokens
@@ -265,7 +286,12 @@ def retime(run: RunSection, train: TrainSettings, step_s: float) -> RunSection:
     step time and overheads over the new step count; energy, carbon and cost scale with the time."""
     steps = train.steps_at_full_batch
     seconds = run_seconds(
-        steps, step_s, Overheads(run.eval_s, run.checkpoint_s), train.eval_interval, train.save_interval
+        steps,
+        step_s,
+        Overheads(run.eval_s, run.checkpoint_s),
+        train.eval_interval,
+        train.save_interval,
+        train.save_interval_minutes,
     )
     scale = seconds / run.time_s if run.time_s > 0 else 0.0
     return replace(

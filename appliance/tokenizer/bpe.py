@@ -144,6 +144,7 @@ def train_tokenizer(
     out_dir: Path,
     *,
     vocab_size: int,
+    vocab_reasons: list[str] | None = None,
     tp_size: int = 1,
     placeholder_tokens: int | None = None,
     sample_bytes_per_lang: int | None = None,
@@ -155,7 +156,8 @@ def train_tokenizer(
     vocab_size counts what is trained: the 4 special tokens, the placeholders and the learned entries (BLOOM:
     250,680). The saved tokenizer is then padded with placeholders to padded_vocab_size(vocab_size, tp_size),
     the embedding's row count (also when the corpus is too small to learn vocab_size entries, so the model
-    shape follows from the arguments alone). placeholder_tokens=None takes BLOOM's share (200 of 250,680, at least 8).
+    shape follows from the arguments alone). vocab_reasons (the plan's, planner/vocabulary.py) say why vocab_size;
+    fertility.json records them. placeholder_tokens=None takes BLOOM's share (200 of 250,680, at least 8).
     on_progress(fraction, message) reports the stages. Returns the tokenizer.json path.
     """
     corpus_dir, out_dir = Path(corpus_dir), Path(out_dir)
@@ -194,6 +196,7 @@ def train_tokenizer(
     report = fertility_report(tokenizer, monolingual, held_out, in_sample=in_sample, reference=reference)
     report["tokenizer"] = {
         "vocab_size_requested": vocab_size,
+        "vocab_size_reasons": list(vocab_reasons) if vocab_reasons else ["as requested (--vocab-size)"],
         "vocab_size_trained": trained,
         "vocab_size_padded": padded,
         "tp_size": tp_size,

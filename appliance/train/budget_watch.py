@@ -35,6 +35,7 @@ class BudgetWatch:
     planned: Overheads
     eval_interval: int
     save_interval: int
+    save_interval_minutes: float | None = None
     _seen: int = 0
     _step_times: list[float] = field(default_factory=list)
     _eval_times: list[float] = field(default_factory=list)
@@ -52,6 +53,7 @@ class BudgetWatch:
             planned=Overheads(run.eval_s, run.checkpoint_s),
             eval_interval=train.eval_interval,
             save_interval=train.save_interval,
+            save_interval_minutes=train.save_interval_minutes,
         )
 
     def observe_eval(self, seconds: float) -> None:
@@ -79,7 +81,7 @@ class BudgetWatch:
         if rates is None or self.limit_s <= 0:
             return None
         step_s, ov = rates
-        projected = run_seconds(total_steps, step_s, ov, self.eval_interval, self.save_interval)
+        projected = self._seconds(total_steps, step_s, ov)
         if projected <= self.limit_s * (1 + OVER_FRACTION):
             return None
         if self._warned_at_s is not None and projected < self._warned_at_s + OVER_FRACTION * self.limit_s:
@@ -98,12 +100,15 @@ class BudgetWatch:
             "planned_step_s": self.planned_step_s,
         }
 
+    def _seconds(self, steps: int, step_s: float, ov: Overheads) -> float:
+        return run_seconds(steps, step_s, ov, self.eval_interval, self.save_interval, self.save_interval_minutes)
+
     def _steps_within(self, step_s: float, ov: Overheads, total_steps: int) -> int:
         """The most steps (up to total_steps) whose time at the measured rates fits the limit, by bisection."""
         lo, hi = 0, total_steps
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if run_seconds(mid, step_s, ov, self.eval_interval, self.save_interval) <= self.limit_s:
+            if self._seconds(mid, step_s, ov) <= self.limit_s:
                 lo = mid
             else:
                 hi = mid - 1

@@ -29,6 +29,7 @@ from appliance.monitor.events import EventWriter
 from appliance.parallel.drift import ReplicaDriftError
 from appliance.parallel.engine import ParallelEngine, PendingStep
 from appliance.parallel.expert_store import expert_step_fields
+from appliance.planner.cadence import save_due
 from appliance.planner.train_settings import DRIFT_CHECK_INTERVAL
 from appliance.rundir import RunDir
 from appliance.train import checkpoint as ckpt
@@ -533,7 +534,7 @@ class Trainer:
                 dist.ReduceOp.MAX,
             )
             carried = (0.0, 0.0)
-            due = self.pos.step % self.s.save_interval == 0 or elapsed >= self.s.save_interval_minutes * 60
+            due = save_due(self.pos.step, total_steps, self.s.save_interval, elapsed, self.s.save_interval_minutes)
             stop = bool(stop_asked) or self.pos.step == self.stop_at_step
             save = bool(save_asked) or stop or due or self.pos.step == total_steps
             if self.late_reads and not (drift_due or eval_due or save):

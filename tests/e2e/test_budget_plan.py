@@ -1,7 +1,9 @@
-"""The plan follows the corpus: after the data stage the one-GPU plan is re-fixed from the sample corpus's token
-count, and a rerun of the same run directory skips every stage and keeps that plan."""
+"""The plan follows the corpus: after the prep stage the one-GPU plan takes a vocabulary sized to the prepared
+corpus, after the data stage it is re-fixed from the corpus's token count, and a rerun of the same run directory
+skips every stage and keeps that plan."""
 
 import json
+import math
 
 import pytest
 from appliance_cli import run_appliance
@@ -32,7 +34,19 @@ def test_one_gpu_plan_is_sized_to_the_sample_corpus_and_reruns_keep_it(tmp_path)
     assert any(line.startswith("limit: data") for line in plan["sizing"])
     plans = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     plans = [e for e in plans if e["kind"] == "plan"]
-    assert len(plans) == 2 and plans[-1]["run"]["corpus_tokens"] == corpus  # the budget plan, then the sized one
+    # The budget plan (BLOOM's 250,880 entries), the plan with the vocabulary sized to the prepared corpus's bytes,
+    # then the one sized to its tokens, at that vocabulary.
+    assert len(plans) == 3 and plans[-1]["run"]["corpus_tokens"] == corpus
+    assert plans[0]["model"]["vocab_size"] == 250_880 and plans[0]["run"]["corpus_bytes"] is None
+    corpus_bytes = json.loads((run_dir / "corpus" / "prep_report.json").read_text())["totals"]["bytes_out"]
+    vocab = plan["model"]["vocab_size"]
+    assert plans[1]["model"]["vocab_size"] == vocab == plans[2]["model"]["vocab_size"]
+    assert plan["run"]["corpus_bytes"] == corpus_bytes and vocab % 128 == 0
+    # Every entry seen at least 20 times under Zipf's law: (bytes / 4.6) / (V (ln V + 0.5772)) >= 20 at V - 128.
+    assert (corpus_bytes / 4.6) / ((vocab - 128) * (math.log(vocab - 128) + 0.5772)) >= 20 and vocab < 20_000
+    fertility = json.loads((run_dir / "tokenizer" / "fertility.json").read_text())
+    assert fertility["tokenizer"]["vocab_size_requested"] == vocab
+    assert fertility["tokenizer"]["vocab_size_reasons"] == plan["vocabulary"]
 
     before = (run_dir / "plan.json").read_bytes()
     again = run_appliance(*args, cwd=tmp_path, timeout=900)

@@ -34,7 +34,15 @@ def run_dir(tmp_path) -> RunDir:
     run = RunDir(tmp_path / "run").make()
     layout = parse_layout(f"tp=1,pp=1,dp=1,mbs=8,gbs={GBS},zero=1")
     spec = make_plan(load_hardware("cpu-laptop-2core"), load_model_shape("bloom-micro-test"), layout=layout).spec()
-    train = replace(spec.train, lr=LR, min_lr=MIN_LR, warmup_samples=WARMUP, decay_samples=DECAY, train_samples=1600)
+    train = replace(
+        spec.train,
+        lr=LR,
+        min_lr=MIN_LR,
+        warmup_samples=WARMUP,
+        decay_samples=DECAY,
+        train_samples=1600,
+        eval_interval=10,  # the recipe's; stated here so the checks below do not follow the planner's cadence rule
+    )
     run.plan.write_bytes(replace(spec, train=train).dumps())
     step_dir = ckpt.prepare_step_dir(run.checkpoints, STEP)
     ckpt.commit(run.checkpoints, STEP, [], {"consumed_samples": CONSUMED})

@@ -88,7 +88,9 @@ def test_a_budget_is_honoured_and_used(budget: str) -> None:
     train = plan.train
     ov = Overheads(plan.run.eval_s, plan.run.checkpoint_s)
     step_s = plan.time.total_s
-    seconds = run_seconds(train.steps_at_full_batch, step_s, ov, train.eval_interval, train.save_interval)
+    seconds = run_seconds(
+        train.steps_at_full_batch, step_s, ov, train.eval_interval, train.save_interval, train.save_interval_minutes
+    )
     assert seconds == pytest.approx(plan.run.time_s)
 
 

@@ -88,7 +88,12 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     corpus = write_corpus(root / "corpus", {lang: 60 for lang in SENTENCES})
     progress: list[float] = []
     path = train_tokenizer(
-        corpus, root / "out", vocab_size=1000, tp_size=2, on_progress=lambda f, _msg: progress.append(f)
+        corpus,
+        root / "out",
+        vocab_size=1000,
+        vocab_reasons=["vocabulary: 1,000 entries, as this test asks"],
+        tp_size=2,
+        on_progress=lambda f, _msg: progress.append(f),
     )
     assert progress[0] == 0.0 and progress[-1] == 1.0 and progress == sorted(progress)
     return path
@@ -177,6 +182,7 @@ def test_fertility_report(trained: Path) -> None:
     assert report["flagged"] == [lang for lang, e in report["languages"].items() if e["flagged"]]
     assert report["ok"] == (not report["flagged"])
     assert report["tokenizer"]["vocab_size_padded"] == 1024
+    assert report["tokenizer"]["vocab_size_reasons"] == ["vocabulary: 1,000 entries, as this test asks"]
     # The references get an equal share of the learned entries: (1000 - 4 - 8 - 256) / 5 languages = 146.
     reference = report["reference"]
     assert reference["rule"] == "equal share of the learned vocabulary" and reference["languages"] == 5
