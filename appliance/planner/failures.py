@@ -1,7 +1,9 @@
 """What lost nodes cost a run, at its checkpoint interval, with and without hot spares (`plan --spares K`).
 
-BigScience reported roughly one or two GPU failures a week over BLOOM-176B's 384 A100s; we take 1.5 a week, spread
-evenly over GPUs and time, and a failed GPU takes its node out of the run. Each loss then costs:
+BigScience reported roughly one or two GPU failures a week over BLOOM-176B's 384 A100s; the planner takes one
+measured rate for both this estimate and the save cadence (planner/cadence.py: Llama 3's, one failure per ~50,700
+device-hours, 1.27 a week over 384 GPUs), spread evenly over GPUs and time, and a failed GPU takes its node out of
+the run. Each loss then costs:
 
     detection       keep_alive_interval x keep_alive_max_attempt      (the agents' rendezvous timings, below)
     re-forming      last_call_timeout                                  (the round waits that long for late nodes)
@@ -19,14 +21,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from appliance.planner.cadence import DEVICE_HOURS_BETWEEN_FAILURES
 from appliance.planner.plan import Plan
 from appliance.planner.shrink import usable_node_counts
 from appliance.planner.sizing import duration_text
 
-GPU_FAILURES_PER_WEEK_BLOOM = 1.5  # "one or two a week", BLOOM-176B
-BLOOM_GPUS = 384
 HOURS_PER_WEEK = 7 * 24
-GPU_FAILURES_PER_GPU_HOUR = GPU_FAILURES_PER_WEEK_BLOOM / (BLOOM_GPUS * HOURS_PER_WEEK)
+# One failure rate for the planner (the save cadence uses it too): Llama 3's measured one, ~1.27 a week over
+# BLOOM-176B's 384 GPUs, inside BigScience's "one or two a week".
+GPU_FAILURES_PER_GPU_HOUR = 1 / DEVICE_HOURS_BETWEEN_FAILURES
 
 # The agents' rendezvous timings under --nnodes MIN:MAX and --spares (train/launch.py passes them to torch's c10d
 # rendezvous): a node is dead after keep_alive_interval x keep_alive_max_attempt seconds without a keep-alive
@@ -75,7 +78,8 @@ class FailureCost:
         share = self.expected_s / self.run_s if self.run_s > 0 else 0.0
         out = [
             f"{self.failures:.2g} node losses expected over {duration_text(self.run_s)} ({self.failures_per_week:.2g}"
-            f" a week at BLOOM-176B's {GPU_FAILURES_PER_WEEK_BLOOM:g} GPU failures a week over {BLOOM_GPUS} GPUs);"
+            f" a week at one GPU failure per {DEVICE_HOURS_BETWEEN_FAILURES:,.0f} GPU-hours, as Llama 3 measured;"
+            " BigScience saw one or two a week on BLOOM-176B's 384 GPUs);"
             f" each costs ~{duration_text(self.per_loss_s)} (detection {RDZV_KEEP_ALIVE_S * RDZV_KEEP_ALIVE_ATTEMPTS}"
             f" s, re-forming {RDZV_LAST_CALL_S} s, reload, half the checkpoint interval of"
             f" {duration_text(self.interval_s)} redone) plus the ranks' start: ~{duration_text(self.expected_s)}"
