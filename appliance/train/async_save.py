@@ -10,11 +10,12 @@ One save, on every rank (docs/RELIABILITY.md, "Asynchronous saves", says why it 
     background, the writer thread: no collective, so it never races the training loop's own
         each file written, fsynced, hashed (FileRecord.of)
     foreground, at the first step-boundary poll that finds every rank's writer done (`poll`): the training loop's
-    own host all-reduce carries this rank's `writing()` flag, so agreeing costs no collective of its own
+    own host all-reduce carries this rank's `writing()` flag, so learning when to agree costs no collective
         every rank's file records to rank 0 (all_gather_object on the host group); a failed write on any rank: the
         same CheckpointError on every rank, nothing committed
     background again, rank 0 only
-        manifest, `latest`, pruning (checkpoint.commit, checkpoint.prune); `on_commit` once it is done
+        manifest, `latest`, pruning (checkpoint.commit, checkpoint.prune); the training thread calls `on_commit`
+        at the first poll (or wait) that finds it done
 
 A process killed at any point before the manifest's rename leaves the previous checkpoint as `latest`. `wait` does
 the rest of a save at once (a stop, the last save, a rollback, the next save) and returns when every rank knows it

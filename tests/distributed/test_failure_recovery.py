@@ -38,10 +38,12 @@ def _agent_attempts(run_dir: RunDir) -> set[str]:
 
 
 def test_a_hung_rank_is_detected_within_the_timeout_named_and_restarted(base: RunDir, tmp_path: Any) -> None:
-    """Pass: rank 1 SIGSTOPs itself at step 5; within the hang timeout (+ one heartbeat and a margin for the step
-    in flight) a failure event names rank 1 as hung, the group restarts from step 4 and the run finishes."""
+    """Pass: rank 1 SIGSTOPs itself at step 7; within the hang timeout (+ one heartbeat and a margin for the step
+    in flight) a failure event names rank 1 as hung, the group restarts from step 4 and the run finishes. (Step 6's
+    save made step 4's commit first, one save in flight; step 6's own commit needed step 7's boundary, which the
+    stopped rank never reached.)"""
     run_dir = copy_run(base, tmp_path / "hang", max_restarts=1, hang_timeout_s=HANG_TIMEOUT_S, heartbeat_interval_s=0.5)
-    result = train(run_dir, faults="hang@step=5:rank=1")
+    result = train(run_dir, faults="hang@step=7:rank=1")
     assert result.returncode == 0, explain(result)
     failures = events(run_dir, "failure")
     # Exactly one hang report; the agent's report of the killed process is not a second failure. A peer blocked in a
