@@ -8,14 +8,16 @@ One save, on every rank (docs/RELIABILITY.md, "Asynchronous saves", says why it 
         `snapshot(step_dir)`: host copies of this rank's files (the optimizer's gather over DP is collective, so it
         stays here, in step with the other ranks) and the manifest's fields as of this step
     background, the writer thread: no collective, so it never races the training loop's own
-        each file written, fsynced, hashed (FileRecord.of)
-    foreground, at the first step-boundary poll that finds every rank's writer done (`poll`): the training loop's
-    own host all-reduce carries this rank's `writing()` flag, so learning when to agree costs no collective
-        every rank's file records to rank 0 (all_gather_object on the host group); a failed write on any rank: the
-        same CheckpointError on every rank, nothing committed
+        each file written, fsynced, hashed (FileRecord.of); last, the records (names, sizes, SHA-256) in a small
+        file of the step directory for rank 0 (`written_file`): the checkpoint's directory is shared by every rank
+        already, and this way the commit needs no collective to gather them
+    foreground, at each step boundary (`poll`): the training loop's own host all-reduce carries every rank's
+    `writing()` state (MAX: a failure outranks a write still going on)
+        every rank done: the ranks agree, at no cost of their own; a failed write on any rank: the same
+        CheckpointError on every rank, nothing committed
     background again, rank 0 only
-        manifest, `latest`, pruning (checkpoint.commit, checkpoint.prune); the training thread calls `on_commit`
-        at the first poll (or wait) that finds it done
+        the records read, then manifest, `latest`, pruning (checkpoint.commit, checkpoint.prune); the training
+        thread calls `on_commit` at the first poll (or wait) that finds it done
 
 A process killed at any point before the manifest's rename leaves the previous checkpoint as `latest`. `wait` does
 the rest of a save at once (a stop, the last save, a rollback, the next save) and returns when every rank knows it
@@ -24,6 +26,7 @@ committed. Collectives run on `group` (the trainer's gloo host group), from the 
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -35,7 +38,17 @@ import torch
 import torch.distributed as dist
 
 from appliance.train import checkpoint as ckpt
+from appliance.train.atomic import write_atomic
 from appliance.train.faults import FaultInjector
+
+# What `writing()` says, all-reduced with MAX over the ranks at each step boundary: a failed write anywhere outranks
+# one still going on elsewhere, so every rank learns of a failure at the same boundary.
+DONE, WRITING, FAILED = 0.0, 1.0, 2.0
+
+
+def written_file(rank: int) -> str:
+    """A rank's file records for rank 0's commit, in the step directory (hidden; the commit removes it)."""
+    return f".written-rank{rank:05d}.json"
 
 
 class PendingFile(Protocol):
@@ -72,7 +85,7 @@ class Committed:
     step: int
     path: Path
     seconds: float  # the write: host copies, the slowest rank's files, and rank 0's commit
-    stall_s: float  # what the training loop waited for it, on the slowest rank
+    stall_s: float  # what the training loop waited for it: the slowest rank's host copies, and later waits
     bytes: int
 
 
@@ -82,10 +95,11 @@ class _Save:
     step_dir: Path
     started: float
     manifest: dict[str, Any]
-    stall_s: float = 0.0  # foreground seconds so far
+    copy_s: float = 0.0  # the foreground of `save` on this rank (rank 0: the slowest rank's, once committed)
+    later_s: float = 0.0  # rank 0: what the loop waited for the save afterwards (the next save, a stop, the end)
     records: list[ckpt.FileRecord] = field(default_factory=list)
     error: str = ""
-    write_s: float = 0.0  # from `started` until this rank's files were synced
+    write_s: float = 0.0  # from `started` until this rank's files were synced (rank 0: the slowest rank's)
     commit_s: float = 0.0  # rank 0: manifest, latest and pruning
 
 
@@ -137,25 +151,32 @@ class AsyncCheckpointer:
         agreed = time.time()
         step_dir = self.root / ckpt.step_dir_name(step)
         taken = snapshot(step_dir)
-        save = _Save(step, step_dir, started, taken.manifest)
-        self._writing = save
-        self._run(lambda: self._write(save, taken.files))
         # The wait inside the verdict's all-reduce is left out: it is rank 0's preparing, counted on rank 0, plus
         # how far apart the ranks reached this step, which the loop's next collective would absorb without a save.
-        save.stall_s = (prepared - started) + (time.time() - agreed)
+        save = _Save(step, step_dir, started, taken.manifest, copy_s=(prepared - started) + (time.time() - agreed))
+        self._writing = save
+        handing_over = time.time()
+        self._run(lambda: self._write(save, taken.files))
+        save.later_s += time.time() - handing_over  # the writer's start: well under a millisecond, rank 0's only
         if wait:
             self.wait()
         return step_dir
 
     def writing(self) -> float:
-        """1.0 while this rank's writer is still on the save in flight, else 0.0: for the loop's MAX all-reduce."""
-        return float(self._writing is not None and self._busy())
+        """This rank's part of the save in flight: WRITING, FAILED, or DONE (also with none), for a MAX all-reduce."""
+        if self._writing is None:
+            return DONE
+        if self._busy():
+            return WRITING
+        return FAILED if self._writing.error else DONE
 
-    def poll(self, *, writing_anywhere: bool) -> None:
-        """At a step boundary, after the all-reduce of `writing()`: agree on a save whose files every rank has written
-        (rank 0 then commits it in the background), and report a commit that has finished."""
-        if self._writing is not None and not writing_anywhere:
-            self._agree()
+    def poll(self, state: float) -> None:
+        """At a step boundary, with `writing()`'s MAX over the ranks: a save that every rank has written goes to rank
+        0's commit (in the background), a failed one raises on every rank, and a finished commit is reported."""
+        if self._writing is not None and state == FAILED:
+            self._fail()
+        if self._writing is not None and state == DONE:
+            self._agreed(later_s=0.0)
         if self._committing is not None and not self._busy():
             self._report_commit()
 
@@ -166,15 +187,19 @@ class AsyncCheckpointer:
     def _finish(self, *, barrier: bool) -> None:
         """The rest of the save in flight, at once. `barrier`: no rank returns before rank 0 has committed it."""
         if self._writing is not None:  # the same on every rank: saves start and agree collectively
-            self._writing.stall_s += self._timed_join()
-            self._agree()
+            began = time.time()
+            self._join()
+            state = self._all_max(self.writing())
+            if state == FAILED:
+                self._fail()
+            self._agreed(later_s=time.time() - began)  # rank 0's wait covers the slowest writer, via the all-reduce
         if self._committing is not None:  # rank 0
-            self._committing.stall_s += self._timed_join()
+            self._committing.later_s += self._timed_join()
         if barrier and dist.is_initialized():
             began = time.time()
             dist.barrier(group=self.group)
             if self._committing is not None:
-                self._committing.stall_s += time.time() - began
+                self._committing.later_s += time.time() - began
         if self._committing is not None:
             self._report_commit()
 
@@ -188,34 +213,42 @@ class AsyncCheckpointer:
                     self.faults.during_write(save.step)
                 save.records.append(ckpt.FileRecord.of(pending.write(save.step_dir)))
             self.faults.in_save(save.step)
-        except Exception as e:  # ENOSPC, EIO...: every rank learns it when the ranks agree, and nobody commits
+            save.write_s = time.time() - save.started
+            written = {"files": [r.__dict__ for r in save.records], "write_s": save.write_s, "copy_s": save.copy_s}
+            # No fsync: rank 0 reads it while this save is alive, and a crash voids the save anyway.
+            write_atomic(save.step_dir / written_file(self.rank), json.dumps(written).encode(), sync=False)
+        except Exception as e:  # ENOSPC, EIO...: every rank learns it at the next step boundary, and nobody commits
             save.error = f"rank {self.rank}: {e}"
-        save.write_s = time.time() - save.started
 
-    def _agree(self) -> None:
-        """Every rank's writer is done: gather the records and the errors; rank 0 commits in the background."""
+    def _fail(self) -> None:
+        """A write failed on some rank: every rank raises the same error (this rank's writer ended first)."""
         save, self._writing = self._writing, None
         assert save is not None
         self._join()
-        began = time.time()
-        mine = (save.records, save.error, save.write_s, save.stall_s)
-        gathered: list[Any] = [mine]
-        if dist.is_initialized():
-            gathered = [None] * self.world_size
-            dist.all_gather_object(gathered, mine, group=self.group)
-        causes = [error for _, error, _, _ in gathered if error]
-        if causes:
-            raise ckpt.CheckpointError(f"checkpoint at step {save.step} failed, previous one kept: {'; '.join(causes)}")
-        save.records = [record for records, _, _, _ in gathered for record in records]
-        save.write_s = max(write_s for _, _, write_s, _ in gathered)
-        save.stall_s = max(stall_s for _, _, _, stall_s in gathered) + time.time() - began
+        self._raise_failure(save.step, save.error)
+
+    def _agreed(self, *, later_s: float) -> None:
+        """Every rank's writer is done: rank 0 commits in the background."""
+        save, self._writing = self._writing, None
+        assert save is not None
+        self._join()  # done already: its thread may only be ending
         if self.rank == 0:
+            save.later_s += later_s
             self._committing = save
             self._run(lambda: self._commit(save))
 
     def _commit(self, save: _Save) -> None:
+        """Rank 0's writer thread: every rank's records, then the manifest and `latest`, then pruning."""
         began = time.time()
         try:
+            shares = []
+            for rank in range(self.world_size):
+                path = save.step_dir / written_file(rank)
+                shares.append(json.loads(path.read_text()))
+                path.unlink()
+            save.records = [ckpt.FileRecord(**record) for share in shares for record in share["files"]]
+            save.write_s = max(share["write_s"] for share in shares)
+            save.copy_s = max(share["copy_s"] for share in shares)
             ckpt.commit(self.root, save.step, save.records, save.manifest)
             ckpt.prune(self.root, self.keep_last)
         except BaseException as e:  # raised by the next `wait` or `poll` in the training thread
@@ -232,7 +265,7 @@ class AsyncCheckpointer:
                 step=save.step,
                 path=save.step_dir,
                 seconds=save.write_s + save.commit_s,
-                stall_s=save.stall_s,
+                stall_s=save.copy_s + save.later_s,
                 bytes=sum(r.bytes for r in save.records),
             )
         )
@@ -259,10 +292,13 @@ class AsyncCheckpointer:
         return time.time() - began
 
     def _all_agree(self, ok: float) -> bool:
-        t = torch.tensor([ok], dtype=torch.float64)
+        return -self._all_max(-ok) > 0
+
+    def _all_max(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
         if dist.is_initialized():
-            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(t.item())
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return float(t.item())
 
     def _raise_failure(self, step: int, error: str) -> None:
         """Every rank raises the same message, naming each rank's own cause."""

@@ -511,7 +511,7 @@ class Trainer:
             # One host all-reduce agrees on the stop and save requests, on the time since the last save and on
             # whether a background save is still being written anywhere: every rank then takes the same branch.
             save_seen, stop_seen = self.control.local_flags()
-            save_asked, stop_asked, elapsed, writing = self._all_reduce(
+            save_asked, stop_asked, elapsed, checkpoint_state = self._all_reduce(
                 [
                     max(save_seen, carried[0]),
                     max(stop_seen, carried[1]),
@@ -521,7 +521,7 @@ class Trainer:
                 dist.ReduceOp.MAX,
             )
             carried = (0.0, 0.0)
-            self.checkpointer.poll(writing_anywhere=bool(writing))
+            self.checkpointer.poll(checkpoint_state)
             due = self.pos.step % self.s.save_interval == 0 or elapsed >= self.s.save_interval_minutes * 60
             stop = bool(stop_asked) or self.pos.step == self.stop_at_step
             save = bool(save_asked) or stop or due or self.pos.step == total_steps

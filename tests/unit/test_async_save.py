@@ -22,7 +22,7 @@ from test_trainer_late_reads import OK, LateEngine, RecordedStep, events, make_t
 from appliance.parallel.engine import HostFile
 from appliance.rundir import RunDir
 from appliance.train import checkpoint as ckpt
-from appliance.train.async_save import AsyncCheckpointer, Committed, Snapshot
+from appliance.train.async_save import FAILED, WRITING, AsyncCheckpointer, Committed, Snapshot, written_file
 from appliance.train.faults import FaultInjector
 
 GATE_S = 0.3  # how long a gated write is held: long beside a commit's fsyncs on a loaded machine (~10-50 ms)
@@ -81,18 +81,19 @@ def test_a_save_returns_before_its_files_are_written_and_commits_after_a_poll_fi
     gate = threading.Event()
     saver.save(2, 0, files(GatedFile("model.safetensors", gate)), wait=False)
     assert saver.writing() == 1.0
-    saver.poll(writing_anywhere=True)  # another rank (or this one) still writes: nothing is agreed
+    saver.poll(saver.writing())  # this rank still writes: nothing is agreed
     assert not (root / "step-00000002" / ckpt.MANIFEST).exists()
     assert ckpt.find_latest(root) == root / "step-00000001"  # still latest, and not pruned (keep_last 1)
     time.sleep(GATE_S)
     gate.set()
     written(saver)
-    saver.poll(writing_anywhere=False)  # every rank done: rank 0 commits in the background
+    saver.poll(saver.writing())  # every rank done: rank 0 commits in the background
     saver.wait()
     assert [c.step for c in commits] == [1, 2]
     assert ckpt.find_latest(root) == root / "step-00000002"
     assert ckpt.verify(root / "step-00000002", verify_hashes=True) == []
     assert not (root / "step-00000001").exists()  # pruned once step 2 committed
+    assert not (root / "step-00000002" / written_file(0)).exists()  # the records reached the manifest, then went
     done = commits[-1]
     # The write took the gate and more; the loop waited only for the snapshot and the tail of the commit.
     assert done.seconds >= GATE_S and done.stall_s < done.seconds - GATE_S + 0.1, done
@@ -124,8 +125,9 @@ def test_a_failed_background_write_fails_every_rank_at_the_next_poll_and_keeps_t
     full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     saver.save(2, 0, files(GatedFile("rank00000.pt"), GatedFile("model.safetensors", error=full)), wait=False)
     written(saver)
+    assert saver.writing() == FAILED  # outranks WRITING in the loop's MAX all-reduce
     with pytest.raises(ckpt.CheckpointError, match=r"step 2 failed, previous one kept: rank 0: .*No space left"):
-        saver.poll(writing_anywhere=False)
+        saver.poll(saver.writing())
     assert [c.step for c in commits] == [1]
     assert ckpt.find_latest(root) == root / "step-00000001"
     assert not (root / "step-00000002" / ckpt.MANIFEST).exists()
@@ -138,9 +140,9 @@ def test_without_background_the_files_are_written_at_once_and_the_commit_still_w
     saver = checkpointer(root, commits, background=False)
     saver.save(4, 0, files(GatedFile("model.safetensors")), wait=False)
     assert (root / "step-00000004" / "model.safetensors").is_file() and saver.writing() == 0.0
-    saver.poll(writing_anywhere=True)
+    saver.poll(WRITING)  # another rank still writes
     assert commits == [] and not (root / "step-00000004" / ckpt.MANIFEST).exists()
-    saver.poll(writing_anywhere=False)
+    saver.poll(saver.writing())
     assert [c.step for c in commits] == [4] and ckpt.find_latest(root) == root / "step-00000004"
 
 
