@@ -111,6 +111,20 @@ def _add_nodes(p: argparse.ArgumentParser) -> None:
         help="one host a line: N is the line count, the first host the master (port 29500 unless --master),"
         " this machine's line its rank unless --node-rank",
     )
+    g.add_argument(
+        "--spares",
+        type=int,
+        default=0,
+        metavar="K",
+        help="K more machines (node ranks N..N+K-1, or the hostfile's last K lines) stand by, idle, and take a lost"
+        " node's ranks: the run goes on at the plan's layout (default: %(default)s)",
+    )
+    g.add_argument(
+        "--store-elsewhere",
+        action="store_true",
+        help="the rendezvous store at --master runs on a machine that does not train (`python -m"
+        " appliance.train.nodes --host-store HOST:PORT` there): node 0's loss then does not end the run",
+    )
 
 
 def _nodes(args: argparse.Namespace) -> NodeGroup | None:
@@ -118,7 +132,13 @@ def _nodes(args: argparse.Namespace) -> NodeGroup | None:
 
     min_nodes, nnodes = parse_nnodes(args.nnodes)
     return node_group(
-        nnodes=nnodes, node_rank=args.node_rank, master=args.master, hostfile=args.hostfile, min_nodes=min_nodes
+        nnodes=nnodes,
+        node_rank=args.node_rank,
+        master=args.master,
+        hostfile=args.hostfile,
+        min_nodes=min_nodes,
+        spares=args.spares,
+        store_elsewhere=args.store_elsewhere,
     )
 
 
@@ -162,6 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--budget", help=BUDGET_HELP)
     p.add_argument("--corpus-tokens", type=int, help="size the plan for a corpus of N tokens (run counts its own)")
+    p.add_argument(
+        "--spares",
+        type=int,
+        default=0,
+        metavar="K",
+        help="hot spare nodes the run would have (run|train --spares K), for the expected cost of failures"
+        " (default: %(default)s)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object: layout, estimate, rejected alternatives")
 
     p = sub.add_parser("prep", help="clean, filter, deduplicate and redact a corpus")
@@ -421,7 +449,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         budget=budget,
         precision=args.precision,
     )
-    print(json.dumps(plan.to_json(), indent=1) if args.json else format_plan(plan))
+    if args.spares < 0:
+        raise BadInput(f"--spares {args.spares}: must be 0 or more")
+    if args.json:
+        from appliance.planner.failures import plan_failure_cost
+
+        failures = plan_failure_cost(plan, args.spares)
+        print(json.dumps({**plan.to_json(), "failures": failures and failures.to_json()}, indent=1))
+    else:
+        print(format_plan(plan, spares=args.spares))
     return 0
 
 

@@ -1,5 +1,5 @@
-"""eval.json at the end of training (and for `eval --run-dir D`): validation loss and perplexity per source, the
-zero/few-shot tasks, and a generated sample.
+"""eval.json at the end of training (and for `eval --run-dir D`): validation loss, perplexity and bits per byte
+per source, the zero/few-shot tasks, and a generated sample.
 
 Every rank calls write_final_eval: the validation loss, the tasks and the sample are all spread over the
 data-parallel ranks (appliance/eval/scoring.py), and rank 0 writes the file. The model is reached through the
@@ -21,6 +21,7 @@ from appliance.eval.scoring import ModelScorer, generate_greedy
 from appliance.eval.tasks import SHIPPED_TASKS_DIR, Task, load_tasks
 from appliance.rundir import RunDir
 from appliance.train.atomic import write_atomic
+from appliance.train.validation import Validation
 
 # A prompt in the corpus's most common register (manual pages): a person can judge the continuation.
 SAMPLE_PROMPT = "The command"
@@ -80,6 +81,21 @@ def generation_sample(
     return codec.decode(tokens)
 
 
+def validation_figures(validation: Validation) -> dict[str, Any]:
+    """eval.json's validation keys: loss, perplexity and bits per byte (null where the tokenizer gives no bytes:
+    appliance/tokenizer/token_bytes.py), overall and per source."""
+    bpb = validation.bits_per_byte
+    return {
+        "valid_loss": validation.overall_loss,
+        "valid_ppl": math.exp(min(validation.overall_loss, 50.0)),
+        "valid_bits_per_byte": validation.overall_bits_per_byte,
+        "per_source": {
+            source: {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "bits_per_byte": bpb.get(source)}
+            for source, loss in validation.per_source_loss().items()
+        },
+    }
+
+
 # Scores the zero/few-shot tasks: (model, codec, window, dp group) -> eval.json's "tasks", "task_limit" and any
 # other keys it adds. Collective over the group. The default scores the shipped tasks with our own harness;
 # `eval --tasks` passes lm-evaluation-harness's (appliance/eval/lm_eval_tasks.py).
@@ -105,14 +121,12 @@ def write_final_eval(
     task_runner: TaskRunner | None = None,
 ) -> dict[str, Any]:
     started = time.time()
-    losses = trainer.evaluate()
+    validation: Validation = trainer.evaluate()
     result: dict[str, Any] = {
         "step": trainer.pos.step,
         "consumed_samples": trainer.pos.consumed_samples,
-        "valid_loss": losses["all"],
-        "valid_ppl": math.exp(min(losses["all"], 50.0)),
+        **validation_figures(validation),
         "first_valid_loss": trainer.first_valid_loss,
-        "per_source": {k: {"loss": v, "ppl": math.exp(min(v, 50.0))} for k, v in losses.items() if k != "all"},
     }
     codec = TextCodec(run_dir.tokenizer_json)
     model = task_model(trainer)

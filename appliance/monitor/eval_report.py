@@ -1,9 +1,12 @@
 """An evaluation event (or eval.json) read as a report: the overall validation figures, one row per language
-(validation set) with its loss and perplexity, and one row per task with its scores and their standard errors.
+(validation set) with its loss, perplexity and bits per byte, and one row per task with its scores and their
+standard errors.
 
 The shapes it reads (appliance/eval/final.py, appliance/train/trainer.py `_record_eval`, harness.py `_summary`):
-  periodic eval event: valid_loss, valid_ppl, per_source {lang: loss}
-  eval.json / final:   valid_loss, valid_ppl, first_valid_loss, per_source {lang: {loss, ppl}},
+  periodic eval event: valid_loss, valid_ppl, per_source {lang: loss}; with a byte-level tokenizer also
+                       valid_bits_per_byte, per_source_bits_per_byte {lang: bits per byte}
+  eval.json / final:   valid_loss, valid_ppl, valid_bits_per_byte, first_valid_loss,
+                       per_source {lang: {loss, ppl, bits_per_byte}},
                        tasks {name: {output_type, num_fewshot, n, acc, acc_stderr, acc_norm, acc_norm_stderr,
                        acc_bytes, acc_bytes_stderr, perplexity?, metric?}}, task_limit, eval_seconds
   older events:        loss / perplexity at the top level, tasks {name: {metric: value}}
@@ -26,11 +29,13 @@ MAX_LOSS_FOR_PPL = 50.0
 
 @dataclass(frozen=True)
 class LanguageScore:
-    """One validation set (a language, or code): mean next-token loss and its perplexity, exp(loss)."""
+    """One validation set (a language, or code): mean next-token loss, its perplexity exp(loss), and bits per
+    byte (the summed loss in bits over the text's UTF-8 bytes: comparable across tokenizers)."""
 
     name: str
     loss: float | None
     ppl: float | None
+    bits_per_byte: float | None = None
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,7 @@ class EvalReport:
     final: bool = False
     loss: float | None = None
     ppl: float | None = None
+    bits_per_byte: float | None = None
     first_loss: float | None = None  # the validation loss before training: how far the run has come
     task_limit: int | None = None  # documents per task (None: all of them)
     languages: list[LanguageScore] = field(default_factory=list)
@@ -75,12 +81,15 @@ def _int(value: Any) -> int | None:
     return int(number) if number is not None else None
 
 
-def _language(name: str, value: Any) -> LanguageScore:
+def _language(name: str, value: Any, bits_per_byte: Any = None) -> LanguageScore:
+    """value: {loss, ppl, bits_per_byte} (eval.json) or the loss alone, its bits per byte given beside it (the
+    periodic event's per_source_bits_per_byte)."""
     if isinstance(value, dict):
         loss = finite(value.get("loss"))
-        return LanguageScore(name, loss, finite(value.get("ppl")) or finite(value.get("perplexity")) or _ppl(loss))
+        ppl = finite(value.get("ppl")) or finite(value.get("perplexity")) or _ppl(loss)
+        return LanguageScore(name, loss, ppl, finite(value.get("bits_per_byte")))
     loss = finite(value)
-    return LanguageScore(name, loss, _ppl(loss))
+    return LanguageScore(name, loss, _ppl(loss), finite(bits_per_byte))
 
 
 def _task(name: str, value: dict[str, Any]) -> TaskScore:
@@ -107,14 +116,18 @@ def eval_report(event: dict[str, Any]) -> EvalReport:
     ppl = finite(event.get("valid_ppl"))
     ppl = ppl if ppl is not None else finite(event.get("perplexity"))
     per_source = event.get("per_source")
+    per_source = per_source if isinstance(per_source, dict) else {}
+    source_bpb = event.get("per_source_bits_per_byte")
+    source_bpb = source_bpb if isinstance(source_bpb, dict) else {}
     tasks = event.get("tasks")
     return EvalReport(
         step=_int(event.get("step")),
         final=event.get("final") is True,
         loss=loss,
         ppl=ppl if ppl is not None else _ppl(loss),
+        bits_per_byte=finite(event.get("valid_bits_per_byte")),
         first_loss=finite(event.get("first_valid_loss")),
         task_limit=_int(event.get("task_limit")),
-        languages=[_language(str(k), v) for k, v in per_source.items()] if isinstance(per_source, dict) else [],
+        languages=[_language(str(k), v, source_bpb.get(k)) for k, v in per_source.items()],
         tasks=[_task(str(k), v) for k, v in tasks.items() if isinstance(v, dict)] if isinstance(tasks, dict) else [],
     )

@@ -161,10 +161,13 @@ class HeadlessPrinter:
         if kind == "failure":
             return f"FAILURE rank {e.get('rank')}: {e.get('reason')}"
         if kind == "recovery":
+            nodes = f"; {e.get('reason')}" if e.get("lost_nodes") or e.get("joined_nodes") else ""
             return (
                 f"recovery: restart {e.get('restart')}, resumed at step {e.get('resumed_step')}, "
-                f"lost {fmt_duration(e.get('lost_seconds'))}"
+                f"lost {fmt_duration(e.get('lost_seconds'))}{nodes}"
             )
+        if kind == "nodes":
+            return f"nodes: {len(e.get('nodes', []))} training, {len(e.get('spares', []))} standing by as spares"
         if kind == "eval":
             return eval_line(e)
         if kind == "warning":

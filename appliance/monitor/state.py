@@ -14,9 +14,10 @@ Optional keys this reader understands beyond the required ones of events.py (all
   gpu/energy:  node (one sampler per node; the totals sum the latest event of each node)
   energy:      gpu_kwh, cpu_kwh, attempt_kwh, source, gpu_source, cpu_source, pue, grid_g_per_kwh (kwh and the
                split are the node's totals for the whole run, restarts included: monitor/energy.py)
-  eval:        any numeric metric, nested dicts of them (per_source, tasks), sample / prompt (a generated text);
-               per_source and tasks are also read as a report (monitor/eval_report.py: a row per language, a row
-               per task with its standard errors)
+  eval:        any numeric metric, nested dicts of them (per_source, per_source_bits_per_byte, tasks), sample /
+               prompt (a generated text); per_source, valid_bits_per_byte, per_source_bits_per_byte and tasks are
+               also read as a report (monitor/eval_report.py: a row per language with its loss, perplexity and
+               bits per byte, a row per task with its standard errors)
   plan:        the plan.json object (or {"plan": {...}}): estimate.*, train.steps, train.save_interval,
                run.energy_kwh / run.co2_kg (the pre-run estimate for the whole run)
   run:         state (started, done, failed, preempted), name, reason
@@ -154,6 +155,7 @@ class TimelineEntry:
     restart: int | None = None
     resumed_step: int | None = None
     lost_seconds: float | None = None
+    nodes: bool = False  # a recovery after a change of nodes (its reason names them)
 
 
 @dataclass
@@ -226,6 +228,9 @@ class RunState:
     failures: int = 0
     restarts: int = 0
     lost_seconds: float = 0.0
+    # Elastic launches (--nnodes MIN:MAX, --spares K): the newest start's nodes that train and those standing by.
+    training_nodes: list[str] = field(default_factory=list)
+    spare_nodes: list[str] | None = None  # None: no `nodes` event, a launch without spares or elasticity
     warnings: deque[tuple[float, str]] = field(default_factory=lambda: deque(maxlen=20))
     energy_by_node: dict[str, dict[str, Any]] = field(default_factory=dict)
     _energy_marks: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)  # node -> (t, kWh)
@@ -385,6 +390,11 @@ class RunState:
         self.timeline.append(TimelineEntry(t, "failure", where=where, rank=rank, reason=reason))
         self.changed.add("timeline")
 
+    def _on_nodes(self, e: dict[str, Any], t: float) -> None:
+        self.training_nodes = [str(n) for n in e.get("nodes", [])]
+        self.spare_nodes = [str(n) for n in e.get("spares", [])]
+        self.changed.add("timeline")
+
     def _on_recovery(self, e: dict[str, Any], t: float) -> None:
         self.restarts += 1
         lost = finite(e.get("lost_seconds")) or 0.0
@@ -398,6 +408,7 @@ class RunState:
                 resumed_step=int(resumed) if resumed is not None else None,
                 lost_seconds=lost,
                 reason=str(e.get("reason", "")),
+                nodes=bool(e.get("lost_nodes") or e.get("joined_nodes")),
             )
         )
         self._steps.clear()  # the time spent down is not step time

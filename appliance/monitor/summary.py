@@ -57,6 +57,8 @@ def summarize(run_dir: RunDir, *, state: str, wall_seconds: float, stage_seconds
     last_consumed = steps[-1]["consumed_samples"] if steps else 0
     eval_result = json.loads(run_dir.eval.read_text()) if run_dir.eval.exists() else None
     valid_curve = [(e["step"], e["valid_loss"]) for e in evals if "valid_loss" in e]
+    # Comparable across tokenizers, where the loss per token is not (train/validation.py).
+    bits_per_byte = [e["valid_bits_per_byte"] for e in evals if e.get("valid_bits_per_byte") is not None]
     return {
         "state": state,
         "run_dir": str(run_dir.root),
@@ -69,6 +71,8 @@ def summarize(run_dir: RunDir, *, state: str, wall_seconds: float, stage_seconds
         "last_loss": steps[-1]["loss"] if steps else None,
         "first_valid_loss": valid_curve[0][1] if valid_curve else None,
         "last_valid_loss": valid_curve[-1][1] if valid_curve else None,
+        "first_valid_bits_per_byte": bits_per_byte[0] if bits_per_byte else None,
+        "last_valid_bits_per_byte": bits_per_byte[-1] if bits_per_byte else None,
         "throughput": {
             "tokens_per_s": median("tokens_per_s"),
             "tflops_per_gpu": median("tflops_per_gpu"),
@@ -80,5 +84,15 @@ def summarize(run_dir: RunDir, *, state: str, wall_seconds: float, stage_seconds
         "eval": eval_result,
         "failures": failures,
         "recoveries": recoveries,
+        "node_losses": node_losses(recoveries),
+        "spares_left": None if state_of_run.spare_nodes is None else len(state_of_run.spare_nodes),
         "export": str(run_dir.export) if Path(run_dir.export).exists() else None,
     }
+
+
+def node_losses(recoveries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What each change of nodes cost (--nnodes MIN:MAX, --spares K): the nodes lost, the spare that took over, the
+    time and steps lost, the layouts either side and the spares left (train/elastic.py)."""
+    keys: tuple[str, ...] = ("lost_nodes", "joined_nodes", "took_over", "lost_seconds", "redone_steps")
+    keys += ("resumed_step", "layout_from", "layout_to", "spares_left")
+    return [{k: e.get(k) for k in keys} for e in recoveries if e.get("lost_nodes") or e.get("joined_nodes")]

@@ -83,8 +83,9 @@ def step_scalars(event: dict[str, Any]) -> Iterator[Scalar]:
 
 
 def eval_scalars(event: dict[str, Any]) -> Iterator[Scalar]:
-    """Validation loss and perplexity, over all sources and per source (the trainer's periodic evaluation and the
-    final one); the final evaluation's task scores, with their standard errors."""
+    """Validation loss, perplexity and bits per byte, over all sources and per source (the trainer's periodic
+    evaluation and the final one); the final evaluation's task scores, with their standard errors. Bits per byte
+    is not a Megatron-DeepSpeed scalar: it is named in the same style as the validation loss beside it."""
     step = int(event.get("step", 0))
     consumed = finite(event.get("consumed_samples"))
     samples = int(consumed) if consumed is not None else None
@@ -92,9 +93,16 @@ def eval_scalars(event: dict[str, Any]) -> Iterator[Scalar]:
     if loss is not None:
         yield from _with_samples_twin("lm-loss-validation/lm loss validation", loss, step, samples)
         yield from _with_samples_twin("lm-loss-validation/lm loss validation ppl", _ppl(loss), step, samples)
+    yield from _with_samples_twin("lm-loss-validation/bits per byte", event.get("valid_bits_per_byte"), step, samples)
+    source_bpb = event.get("per_source_bits_per_byte") or {}
     for source, figures in sorted((event.get("per_source") or {}).items()):
-        # The periodic evaluation gives {source: loss}; the final one {source: {"loss", "ppl"}}.
-        source_loss = finite(figures.get("loss") if isinstance(figures, dict) else figures)
+        # The periodic evaluation gives {source: loss} (and per_source_bits_per_byte beside it); the final one
+        # {source: {"loss", "ppl", "bits_per_byte"}}.
+        if isinstance(figures, dict):
+            source_loss, bpb = finite(figures.get("loss")), figures.get("bits_per_byte")
+        else:
+            source_loss, bpb = finite(figures), source_bpb.get(source)
+        yield from _with_samples_twin(f"lm-loss-validation/{source} bits per byte", bpb, step, samples)
         if source_loss is None:
             continue
         yield from _with_samples_twin(f"lm-loss-validation/{source} lm loss validation", source_loss, step, samples)

@@ -53,6 +53,7 @@ from appliance.hardware.profile import Hardware
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
 from appliance.model.moe import install_all_to_all
+from appliance.parallel.bf16_step import keep_verdicts_on_device
 from appliance.parallel.context_parallel import local_batch
 from appliance.parallel.deepspeed_comm import init_deepspeed_comm
 from appliance.parallel.deepspeed_config import deepspeed_config
@@ -221,7 +222,9 @@ def build_engine(
     expert_disk_dir: Path | None = None,
     seq_len: int | None = None,  # MoE: sizes the exchanges the all-to-all choice weighs (model/moe.py)
     hardware: Hardware | None = None,  # MoE: the run's profile, its nodes and links (None: LOCAL_WORLD_SIZE)
-    step_engine: str = "auto",  # "auto": single_replica_step decides; "deepspeed": DeepSpeed's engine regardless
+    # "auto": single_replica_step decides, and DeepSpeed's bf16 step keeps its verdicts on the device (bf16_step.py);
+    # "deepspeed": DeepSpeed's engine and step as DeepSpeed ships them
+    step_engine: str = "auto",
     compile: str = TrainSettings.compile,  # auto | on | off: torch.compile of each block (parallelize.compile_blocks)
 ) -> ParallelEngine:
     """Build this rank's part of the model and its DeepSpeed engine. Collective: every rank calls it."""
@@ -346,6 +349,12 @@ def build_engine(
         if experts is not None:  # None: a pipeline stage without MoE blocks, whose clipping stays the dense one
             install_store_step(engine, experts, topology)
     min_loss_scale = keep_training_at_the_minimum_scale(engine.optimizer) if engine.fp16_enabled() else None
+    # bf16 under DeepSpeed's BF16_Optimizer: its norm and skip verdicts stay on the device (bf16_step.py), so the
+    # step's figures can be read late, as the single-replica engine's are. Before the overlapped gather wraps the step.
+    device_figures = (
+        dtype == "bf16" and not tiered and not config.is_moe and topology.tp2d <= 1 and step_engine == "auto"
+        and keep_verdicts_on_device(engine.optimizer)
+    )  # fmt: skip
     # BLOOM-MoE: ZeRO partitions the expert groups over edp, not dp; the overlapped gather knows dp only, so an MoE
     # model keeps DeepSpeed's own gather inside the step.
     overlap = overlap_param_gather and not config.is_moe
@@ -361,6 +370,7 @@ def build_engine(
         param_gather=gather,
         experts=experts,
         all_to_all=all_to_all,
+        device_figures=device_figures,
     )
 
 
@@ -448,8 +458,12 @@ class ParallelEngine:
         cp_mode: str = "ulysses",
         experts: EngineExpertStore | None = None,
         all_to_all: AllToAllSelection | None = None,
+        device_figures: bool = False,
     ) -> None:
         self.engine = engine
+        # DeepSpeed's step leaves its loss and gradient norm on the device (bf16_step.py): read late, like the
+        # single-replica engine's (train_batch_async).
+        self.device_figures = device_figures
         # BLOOM-MoE: the expert exchange installed for this engine and why (moe_exchange.py); None for a dense model.
         self.all_to_all = all_to_all
         # BLOOM-MoE with expert_device_budget_mb > 0: the experts live in the tiered store (expert_store_engine.py);
@@ -539,7 +553,25 @@ class ParallelEngine:
             loss = self._train_batch_plain(micro_batches)
             norm = self.engine.get_global_grad_norm()
             return PendingStep(torch.stack([loss, norm]))
+        if self.device_figures:
+            return PendingStep(self._train_batch_deepspeed_on_device(micro_batches))
         return PendingStep(self._train_batch_deepspeed(micro_batches))
+
+    def _train_batch_deepspeed_on_device(self, micro_batches: Sequence[Batch]) -> torch.Tensor:
+        """DeepSpeed's step whose verdicts stay on the device (bf16_step.py): [loss, grad norm], unread. A dense
+        bf16 model: no loss scale, no MoE figures, no 2D mesh (the cases _train_batch_deepspeed reads on the host)."""
+        issued = self.param_gather.issued if self.param_gather is not None else 0
+        if self.pipelined:
+            loss = self.engine.train_batch(self._pipeline_iter(micro_batches, training=True))
+        else:
+            loss = self._train_batch_plain(micro_batches)
+        if self.param_gather is not None and self.param_gather.issued == issued:
+            raise DeepSpeedStructureError(
+                "the optimizer step did not go through the overlapped parameter gather: DeepSpeed's step no "
+                "longer ends with all_gather_dp_groups (read from 0.19.8); set train.overlap_param_gather to false"
+            )
+        norm = self.engine.get_global_grad_norm()
+        return torch.stack([loss.detach().float().reshape(()), norm.float().reshape(()).to(loss.device)])
 
     def _train_batch_deepspeed(self, micro_batches: Sequence[Batch]) -> StepResult:
         scale = self.loss_scale

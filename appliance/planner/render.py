@@ -3,6 +3,7 @@ training recipe, and the run's estimated time, energy and cost."""
 
 from __future__ import annotations
 
+from appliance.planner.failures import plan_failure_cost
 from appliance.planner.layout import pipeline_partition
 from appliance.planner.plan import CONVENTIONS, Plan
 from appliance.planner.sizing import duration_text
@@ -27,7 +28,8 @@ def _layout_line(plan: Plan) -> str:
     )
 
 
-def format_plan(plan: Plan) -> str:
+def format_plan(plan: Plan, *, spares: int = 0) -> str:
+    """`spares`: the hot spare nodes the run would have (`--spares`), for the cost of failures."""
     hw, model, lay, est = plan.hardware, plan.model, plan.layout, plan.estimate
     unit = "GPU" if plan.device.kind == "gpu" else "rank"
     where = f"{hw.world_gpus} x {hw.gpu}" if hw.has_gpus else f"{lay.world_size} CPU ranks on {hw.cpu_cores} cores"
@@ -100,6 +102,10 @@ def format_plan(plan: Plan) -> str:
         f"Run estimate: {duration_text(r.time_s)}{gpu_hours}, {_si(r.energy_kwh * 1000, 'Wh')} (PUE {r.pue:g}),"
         f" {r.co2_kg:,.3g} kg CO2 at {r.kg_co2_per_kwh:g} kg/kWh{cost}"
     )
+    failures = plan_failure_cost(plan, spares)
+    if failures is not None:
+        out.append("Failures (lost nodes; planner/failures.py):")
+        out += [f"  {line}" for line in failures.lines()]
     out.append("FLOP conventions:")
     out.append(f"  model FLOPs (MFU): {CONVENTIONS['model_flops']}")
     out.append(f"  hardware FLOPs (TFLOPs per GPU): {CONVENTIONS['hardware_flops']}")

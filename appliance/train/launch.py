@@ -17,12 +17,14 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from appliance.errors import BadInput
 from appliance.monitor.events import EventWriter
+from appliance.planner.failures import RDZV_KEEP_ALIVE_ATTEMPTS, RDZV_KEEP_ALIVE_S, RDZV_LAST_CALL_S
 from appliance.planner.runspec import RunSpec, load_spec
 from appliance.rundir import RunDir
 from appliance.train.nodes import NodeGroup, check_master_here, store_host_command, wait_for_master
@@ -67,12 +69,17 @@ def agent_command(
     return cmd
 
 
-# How quickly the agents of an elastic launch (--nnodes MIN:MAX) give up on a lost node and re-form: torch's c10d
-# rendezvous declares a node dead after keep_alive_interval x keep_alive_max_attempt seconds without a keep-alive
-# (torch's defaults: 5 x 3), and, once MIN nodes have joined a new round, waits last_call_timeout for the others
-# (torch's 30 s: a node that restarts within it still joins the same round). BLOOM_RDZV_CONF (k=v,k=v) replaces or
-# adds keys, e.g. shorter timings for a test on one machine.
-ELASTIC_RDZV_CONF = {"keep_alive_interval": "5", "keep_alive_max_attempt": "3", "last_call_timeout": "30"}
+# How quickly the agents of an elastic launch (--nnodes MIN:MAX, --spares K) give up on a lost node and re-form:
+# torch's c10d rendezvous declares a node dead after keep_alive_interval x keep_alive_max_attempt seconds without a
+# keep-alive (torch's defaults: 5 x 3), and, once MIN nodes have joined a new round, waits last_call_timeout for the
+# others (torch's 30 s: a node that restarts within it still joins the same round). The figures live in
+# planner/failures.py, which prices a loss with them. BLOOM_RDZV_CONF (k=v,k=v) replaces or adds keys, e.g. shorter
+# timings for a test on one machine.
+ELASTIC_RDZV_CONF = {
+    "keep_alive_interval": str(RDZV_KEEP_ALIVE_S),
+    "keep_alive_max_attempt": str(RDZV_KEEP_ALIVE_ATTEMPTS),
+    "last_call_timeout": str(RDZV_LAST_CALL_S),
+}
 RDZV_CONF_ENV = "BLOOM_RDZV_CONF"
 
 
@@ -203,7 +210,7 @@ def run_agent(
     """Runs the agent to completion; returns its exit code. Its own chatter goes to logs/agent.log (node R > 0:
     logs/agent-node<R>.log), which is watched for dead workers (each becomes a `failure` event)."""
     run_dir.logs.mkdir(parents=True, exist_ok=True)
-    multi = nodes is not None and nodes.nnodes > 1
+    multi = nodes is not None and nodes.total_nodes > 1
     cmd = agent_command(
         run_dir.root,
         nproc_per_node=nproc_per_node,
@@ -216,11 +223,11 @@ def run_agent(
     )
     previous = _request_stop_on_signals(run_dir) if threading.current_thread() is threading.main_thread() else {}
     agent_log = run_dir.logs / ("agent.log" if nodes is None or nodes.is_head else f"agent-node{nodes.node_rank}.log")
-    if nodes is not None and nodes.is_head:
+    if nodes is not None and nodes.hosts_store:
         check_master_here(nodes)  # exit 2 naming --master before anything starts
         cmd = store_host_command(nodes, cmd)
     try:
-        if nodes is not None and not nodes.is_head:
+        if nodes is not None and not nodes.hosts_store:
             wait_for_master(nodes)
         with open(agent_log, "ab") as log, EventWriter(run_dir.metrics) as events, _node_lock(run_dir, nodes) as lock:
             watcher = AgentLogWatcher(run_dir, agent_log, events, node=nodes.node_name() if multi and nodes else None)
@@ -300,15 +307,18 @@ def run_plan(run_dir: RunDir, *, worker_args: tuple[str, ...] = (), nodes: NodeG
     world = spec.layout.world_size
     ranks_here = world if nodes is None else nodes.ranks_per_node(world, str(run_dir.plan))
     check_plan_runs_here(spec, str(run_dir.plan), ranks_here=ranks_here)
-    if nodes is not None and nodes.elastic and nodes.min_nodes is not None:
-        from appliance.train.elastic import check_node_range
+    if nodes is not None and nodes.elastic:
+        from appliance.train.elastic import check_node_range, min_agents
 
-        stopping = check_node_range(spec, nodes.min_nodes, nodes.nnodes, str(run_dir.plan))
-        if stopping and nodes.is_head:
+        # With spares and no MIN, the agents carry on down to the plan's smallest usable node count.
+        nodes = replace(nodes, min_nodes=min_agents(spec, nodes))
+        assert nodes.min_nodes is not None
+        stepping = check_node_range(spec, nodes.min_nodes, nodes.nnodes, str(run_dir.plan))
+        if stepping and nodes.is_head:
             print(
-                f"warning: --nnodes {nodes.agent_nnodes}: should the agents re-form on {stopping} nodes, the plan's"
-                f" {spec.layout.factors} has no layout there with global batch({spec.layout.global_batch_size}),"
-                " and the run stops",
+                f"warning: --nnodes {nodes.agent_nnodes}: should fewer than {nodes.nnodes} nodes be left, the"
+                f" plan's {spec.layout.factors} with global batch({spec.layout.global_batch_size}) trains on"
+                f" {stepping} of them (the others stand by)",
                 file=sys.stderr,
             )
     if nodes is None or nodes.is_head:

@@ -7,6 +7,14 @@ rendezvous at HOST:PORT. `--nnodes MIN:MAX`: the plan's ranks divide over MAX no
 as few as MIN when a node is lost (the ranks re-plan dp: appliance/train/elastic.py); with --hostfile, MAX is its
 line count.
 
+`--spares K`: K more nodes run the same command (node ranks N..N+K-1, or the hostfile's last K lines) and stand by
+inside the worker group: the agents meet as N + K, the ranks the plan needs train and the others idle until a
+node is lost, when the agents re-form and a spare takes the lost node's ranks (appliance/train/elastic.py).
+
+`--store-elsewhere`: the store runs on a machine that does not train (`python -m appliance.train.nodes --host-store
+HOST:PORT` there), every node's launcher, node 0's included, joins it as a client, and losing node 0 is then a
+node loss like any other.
+
 Who hosts the rendezvous: on node 0, a small process that runs the agent as its child, not the agent. torch's
 TCPStore server listens on every interface (`*:PORT`) whatever host it is given; this process binds the listening
 socket itself, to HOST only, and hands it to the store (`master_listen_fd`); every agent, node 0's included, joins
@@ -50,15 +58,20 @@ class NodeGroup:
     master_host: str
     master_port: int
     min_nodes: int | None = None  # MIN of --nnodes MIN:MAX: the agents carry on with as few (None: all of nnodes)
+    spares: int = 0  # --spares K: nodes beyond nnodes that stand by to take a lost node's ranks
+    store_elsewhere: bool = False  # --store-elsewhere: the store at --master runs on a machine that does not train
 
     def __post_init__(self) -> None:
         if self.nnodes < 1:
             raise BadInput(f"--nnodes {self.nnodes}: must be at least 1")
+        if self.spares < 0:
+            raise BadInput(f"--spares {self.spares}: must be 0 or more")
         if self.min_nodes is not None and not 1 <= self.min_nodes <= self.nnodes:
             raise BadInput(f"--nnodes {self.min_nodes}:{self.nnodes}: MIN must be 1..MAX")
-        if not 0 <= self.node_rank < self.nnodes:
-            last = self.nnodes - 1
-            raise BadInput(f"--node-rank {self.node_rank}: out of range for --nnodes {self.nnodes} (0..{last})")
+        if not 0 <= self.node_rank < self.total_nodes:
+            last = self.total_nodes - 1
+            given = f"--nnodes {self.nnodes}" + (f" --spares {self.spares}" if self.spares else "")
+            raise BadInput(f"--node-rank {self.node_rank}: out of range for {given} (0..{last})")
         if not 0 < self.master_port < 65536:
             raise BadInput(f"--master {self.master}: port {self.master_port} is not a TCP port (1..65535)")
 
@@ -68,18 +81,30 @@ class NodeGroup:
         return f"{host}:{self.master_port}"
 
     @property
+    def total_nodes(self) -> int:
+        """The agents of the run: the plan's nodes and the spares."""
+        return self.nnodes + self.spares
+
+    @property
     def elastic(self) -> bool:
         """The agents re-form without a lost node (and with it again when it comes back)."""
-        return self.min_nodes is not None and self.min_nodes < self.nnodes
+        return self.spares > 0 or (self.min_nodes is not None and self.min_nodes < self.nnodes)
 
     @property
     def agent_nnodes(self) -> str:
-        """torch.distributed.run's --nnodes: N, or MIN:MAX."""
-        return f"{self.min_nodes}:{self.nnodes}" if self.elastic else str(self.nnodes)
+        """torch.distributed.run's --nnodes: N, or MIN:MAX (with spares, MAX counts them)."""
+        if not self.elastic:
+            return str(self.nnodes)
+        return f"{self.min_nodes or self.nnodes}:{self.total_nodes}"
 
     @property
     def is_head(self) -> bool:
         return self.node_rank == 0
+
+    @property
+    def hosts_store(self) -> bool:
+        """This node's launcher hosts the rendezvous store (node 0, unless it runs elsewhere)."""
+        return self.is_head and not self.store_elsewhere
 
     def ranks_per_node(self, world_size: int, source: str) -> int:
         """The plan's ranks divided over the nodes, or BadInput naming both numbers."""
@@ -158,27 +183,53 @@ def node_group(
     master: str | None,
     hostfile: Path | None,
     min_nodes: int | None = None,
+    spares: int = 0,
+    store_elsewhere: bool = False,
 ) -> NodeGroup | None:
     """The flags as a NodeGroup, or None for the one-node default (no flag given). `min_nodes`: MIN of
-    --nnodes MIN:MAX (`nnodes` is then MAX; with --hostfile, MAX must be its line count)."""
+    --nnodes MIN:MAX (`nnodes` is then MAX; with --hostfile, MAX must be its line count less the spares, which are
+    its last `spares` lines)."""
     if hostfile is not None:
         hosts = read_hostfile(hostfile)
-        if nnodes is not None and nnodes != len(hosts):
+        if spares >= len(hosts):
+            raise BadInput(f"--spares {spares}: --hostfile {hostfile} lists {len(hosts)} hosts, none left to train")
+        if nnodes is not None and nnodes + spares != len(hosts):
             given = f"{min_nodes}:{nnodes}" if min_nodes is not None else str(nnodes)
-            raise BadInput(f"--nnodes {given}: --hostfile {hostfile} lists {len(hosts)} hosts")
+            plus = f" + --spares {spares}" if spares else ""
+            raise BadInput(f"--nnodes {given}{plus}: --hostfile {hostfile} lists {len(hosts)} hosts")
         rank = node_rank if node_rank is not None else rank_in_hostfile(hosts, hostfile)
         host, port = parse_master(master) if master else (hosts[0], DEFAULT_PORT)
         parse_master(f"{host}:{port}", flag=f"--hostfile {hostfile}: first host")
-        return NodeGroup(nnodes=len(hosts), node_rank=rank, master_host=host, master_port=port, min_nodes=min_nodes)
+        return NodeGroup(
+            nnodes=len(hosts) - spares,
+            node_rank=rank,
+            master_host=host,
+            master_port=port,
+            min_nodes=min_nodes,
+            spares=spares,
+            store_elsewhere=store_elsewhere,
+        )
     if nnodes is None and node_rank is None and master is None:
+        if spares or store_elsewhere:
+            flag = f"--spares {spares}" if spares else "--store-elsewhere"
+            raise BadInput(f"{flag}: needs --nnodes and --master (or --hostfile)")
         return None
     if nnodes is None or master is None:
         missing = " and ".join(f for f, v in (("--nnodes", nnodes), ("--master", master)) if v is None)
         raise BadInput(f"{missing}: needed with --node-rank/--nnodes/--master (or give --hostfile)")
     host, port = parse_master(master)
-    if nnodes > 1 and node_rank is None:
-        raise BadInput(f"--node-rank: needed with --nnodes {nnodes} (0 on the master's machine)")
-    return NodeGroup(nnodes=nnodes, node_rank=node_rank or 0, master_host=host, master_port=port, min_nodes=min_nodes)
+    if nnodes + spares > 1 and node_rank is None:
+        given = f"--nnodes {nnodes}" + (f" --spares {spares}" if spares else "")
+        raise BadInput(f"--node-rank: needed with {given} (0 on the master's machine)")
+    return NodeGroup(
+        nnodes=nnodes,
+        node_rank=node_rank or 0,
+        master_host=host,
+        master_port=port,
+        min_nodes=min_nodes,
+        spares=spares,
+        store_elsewhere=store_elsewhere,
+    )
 
 
 def _listening_socket(host: str, port: int, flag: str) -> socket.socket:
@@ -210,8 +261,9 @@ def store_host_command(group: NodeGroup, agent: list[str], python: str = sys.exe
     return [python, "-m", "appliance.train.nodes", "--host-store", group.master, "--", *agent]
 
 
-def host_store_while(host: str, port: int, command: list[str]) -> int:
-    """Serve the c10d store on HOST:PORT only while `command` runs; its exit code."""
+def host_store_while(host: str, port: int, command: list[str] | None) -> int:
+    """Serve the c10d store on HOST:PORT only while `command` runs (its exit code), or, without one, until the
+    process is stopped (SIGINT: 0; SIGTERM ends it): a store on a machine that does not train (--store-elsewhere)."""
     from torch.distributed import TCPStore
 
     sock = _listening_socket(host, port, "--master")
@@ -227,17 +279,25 @@ def host_store_while(host: str, port: int, command: list[str]) -> int:
     )
     sock.detach()
     try:
-        return subprocess.call(command)
+        if command:
+            return subprocess.call(command)
+        print(f"rendezvous store on {host}:{port}; Ctrl-C ends it", flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0
     finally:
         del store
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`--host-store HOST:PORT [-- AGENT COMMAND...]`: node 0's launcher runs its agent under it; alone, it is the
+    store for runs started with --store-elsewhere, on any machine the nodes reach that does not train."""
     args = sys.argv[1:] if argv is None else argv
-    if len(args) < 4 or args[0] != "--host-store" or args[2] != "--":
-        raise SystemExit("usage: python -m appliance.train.nodes --host-store HOST:PORT -- AGENT COMMAND...")
+    if len(args) < 2 or args[0] != "--host-store" or (len(args) > 2 and (args[2] != "--" or len(args) < 4)):
+        raise SystemExit("usage: python -m appliance.train.nodes --host-store HOST:PORT [-- AGENT COMMAND...]")
     host, port = parse_master(args[1])
-    return host_store_while(host, port, args[3:])
+    return host_store_while(host, port, args[3:] or None)
 
 
 def wait_for_master(group: NodeGroup, *, wait_s: float | None = None) -> None:

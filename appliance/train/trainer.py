@@ -40,6 +40,7 @@ from appliance.train.metrics import StepFlops
 from appliance.train.schedule import global_batch_at
 from appliance.train.settings import TrainSettings, batch_rampup, lr_schedule
 from appliance.train.state import rng_state, seed_everything, set_rng_state
+from appliance.train.validation import IGNORE_INDEX, SourceSums, Validation, label_bytes
 
 # What became of a step's update, the same on every rank (Trainer.step_outcome).
 TRAINED = "trained"
@@ -144,6 +145,7 @@ class Trainer:
         cp_rank: int = 0,
         eod_id: int | None = None,
         late_reads: bool | None = None,
+        token_bytes: np.ndarray | None = None,
         background_saves: bool = True,
     ) -> None:
         self.engine = engine
@@ -173,7 +175,7 @@ class Trainer:
         # The group the final evaluation spreads its requests over: one rank per model replica position.
         self.dp_group = engine.topology.dp_group
         self.first_valid_loss: float | None = None
-        self.last_eval: tuple[int, dict[str, float]] | None = None  # (step, losses) of the newest evaluation
+        self.last_eval: tuple[int, Validation] | None = None  # (step, figures) of the newest evaluation
         self.faults = faults or FaultInjector(rank, faults=[])
         self.stop_at_step = stop_at_step  # train up to this step, save, and stop as if preempted
         self.on_step = on_step  # told each step number as it starts (the watchdog's heartbeat shows it)
@@ -189,6 +191,8 @@ class Trainer:
         if settings.reset_attention_mask and eod_id is None:
             raise ValueError("reset_attention_mask needs the EOD token id of the training data (eod_id)")
         self.eod_id = eod_id if settings.reset_attention_mask else None
+        # UTF-8 bytes per token id (tokenizer/token_bytes.py): with them, evaluations give bits per byte too.
+        self.token_bytes = None if token_bytes is None else torch.as_tensor(token_bytes, dtype=torch.int64)
         # Checkpoints: the step waits for host copies; files, manifest and commit follow in the background
         # (async_save.py). background_saves=False does all of it in this thread, at the same points of the protocol.
         self.checkpointer = AsyncCheckpointer(
@@ -356,12 +360,14 @@ class Trainer:
 
     # ---- evaluation --------------------------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """Mean next-token loss per validation set. Each DP rank takes every dp_size-th sample; sums are
-        all-reduced, so the figure is the same as one process evaluating everything."""
+    def evaluate(self) -> Validation:
+        """Mean next-token loss and bits per byte per validation set. Each DP rank takes every dp_size-th sample;
+        sums are all-reduced, so the figures are the same as one process evaluating everything."""
         names = sorted(self.valid_data)
         mbs = self.s.micro_batch_size
-        sums = []
+        # The bytes of a DP rank's samples are counted on one of its ranks (the others count none).
+        byte_lengths = self.token_bytes if self.token_bytes is not None and self._first_rank_of_dp_rank() else None
+        sums: list[float] = []
         for name in names:
             data = self.valid_data[name]
             count = min(len(data), self.s.eval_samples)
@@ -373,24 +379,30 @@ class Trainer:
             rows = math.ceil(per_rank / mbs) * mbs
             padded = mine + [0] * (rows - len(mine))
             micro_batches = []
+            text_bytes = 0
             for i in range(0, rows, mbs):
                 inputs, labels, *doc_ids = self.to_batch(data, padded[i : i + mbs])
                 labels = labels.clone()  # a one-sample batch's labels are a view of its inputs
-                labels[max(0, len(mine) - i) :] = -100
+                labels[max(0, len(mine) - i) :] = IGNORE_INDEX
                 micro_batches.append((inputs, labels, *doc_ids))
-            sums += list(self.engine.eval_sums(micro_batches))
-        reduced = self._all_reduce(sums)
-        losses = {n: reduced[2 * i] / max(reduced[2 * i + 1], 1.0) for i, n in enumerate(names)}
-        total_tokens = sum(reduced[1::2])
-        losses["all"] = sum(reduced[0::2]) / max(total_tokens, 1.0)
-        return losses
+                if byte_lengths is not None:
+                    text_bytes += label_bytes(labels, byte_lengths)
+            loss_nats, tokens = self.engine.eval_sums(micro_batches)
+            sums += SourceSums(loss_nats, tokens, float(text_bytes)).as_list()
+        # One reduction for every figure: the byte counts ride with the loss sums and token counts.
+        return Validation.from_reduced(names, self._all_reduce(sums))
 
-    def _timed_evaluate(self) -> dict[str, float]:
+    def _first_rank_of_dp_rank(self) -> bool:
+        """Whether this rank counts its DP rank's bytes: every rank of a DP rank (its tp, pp and cp ranks) sees the
+        same whole samples, and one of them, at tp = pp = cp = 0, counts them once."""
+        return self.engine.topology.rank_with(self.rank, tp=0, pp=0, cp=0) == self.rank
+
+    def _timed_evaluate(self) -> Validation:
         started = time.time()
-        losses = self.evaluate()
+        validation = self.evaluate()
         if self.budget is not None:
             self.budget.observe_eval(time.time() - started)
-        return losses
+        return validation
 
     # ---- checkpoints -------------------------------------------------------------------------------------
     def save(self, *, wait: bool = True) -> Path:
@@ -637,7 +649,7 @@ class Trainer:
             **moe,
         )
 
-    def evaluation_at_current_step(self) -> dict[str, float]:
+    def evaluation_at_current_step(self) -> Validation:
         """The newest evaluation if it was taken at this step (the last training step evaluates), else a new one."""
         if self.last_eval is not None and self.last_eval[0] == self.pos.step:
             return self.last_eval[1]
@@ -650,15 +662,23 @@ class Trainer:
         if over is not None:
             self._emit("warning", message=budget_message(over), budget=over)
 
-    def _record_eval(self, losses: dict[str, float]) -> None:
-        self.last_eval = (self.pos.step, losses)
+    def _record_eval(self, validation: Validation) -> None:
+        self.last_eval = (self.pos.step, validation)
+        loss = validation.overall_loss
         if self.first_valid_loss is None:
-            self.first_valid_loss = losses["all"]
+            self.first_valid_loss = loss
+        bits_per_byte: dict[str, Any] = {}
+        if validation.overall_bits_per_byte is not None:
+            bits_per_byte = {
+                "valid_bits_per_byte": validation.overall_bits_per_byte,
+                "per_source_bits_per_byte": validation.per_source_bits_per_byte(),
+            }
         self._emit(
             "eval",
             step=self.pos.step,
             consumed_samples=self.pos.consumed_samples,
-            valid_loss=losses["all"],
-            valid_ppl=math.exp(min(losses["all"], 50.0)),
-            per_source={k: v for k, v in losses.items() if k != "all"},
+            valid_loss=loss,
+            valid_ppl=math.exp(min(loss, 50.0)),
+            per_source=validation.per_source_loss(),
+            **bits_per_byte,
         )

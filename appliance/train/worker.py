@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     from appliance.data.sampler import PretrainingSampler
     from appliance.parallel.deepspeed_comm import init_deepspeed_comm
     from appliance.parallel.topology import ParallelTopology
+    from appliance.tokenizer.token_bytes import token_byte_lengths
     from appliance.train.budget_watch import BudgetWatch
     from appliance.train.faults import FaultInjector
     from appliance.train.from_spec import engine_for, kernels_for, model_config, reprice_plan
@@ -111,6 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     from appliance.train.metrics import peak_flops_per_device, step_flops
     from appliance.train.trainer import Trainer
 
+    # --spares / --nnodes MIN:MAX: the ranks beyond those that train stand by on the host, before any device or
+    # process group is touched; the others form a world of their own (train/elastic.py).
+    place = elastic.placement(spec)
+    if place.spare:
+        return elastic.stand_by(run_dir, place)
+    os.environ["WORLD_SIZE"] = str(place.train_world)
     device = _device()
     init_deepspeed_comm("nccl" if device.type == "cuda" else "gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -126,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             events.emit("failure", rank=rank, reason=str(e), fatal=True)
             run_dir.control.mkdir(parents=True, exist_ok=True)
             run_dir.failed_marker.write_text(f"{e}\n")
+            elastic.release_spares(run_dir)
         dist.destroy_process_group()
         return 0
     settings, layout = spec.train, spec.layout
@@ -220,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         on_step=watchdog.set_step,
         budget=BudgetWatch.for_spec(spec) if rank == 0 else None,
         eod_id=eod_id,
+        token_bytes=token_byte_lengths(run_dir.tokenizer_json),  # for bits per byte in evaluations
     )
 
     def warn(message: str) -> None:
@@ -229,10 +238,18 @@ def main(argv: list[str] | None = None) -> int:
     resume_from = ckpt.find_latest(run_dir.checkpoints, warn=warn)
     if resume_from is not None:
         trainer.load(resume_from)
-    if events is not None and node_change is not None:
-        # The nodes changed: this start's recovery event waits for its first step (train/elastic.py).
+    if events is not None and elastic.launched_elastic():
+        # Which nodes train and stand by, and a change of nodes, are reported as the first step starts
+        # (train/elastic.py); an ordinary restart's recovery event too, after the same check.
+        resumed = resume_from
         trainer.on_step = elastic.report_at_first_step(
-            events, node_change, resumed_step=trainer.pos.step, then=watchdog.set_step
+            events,
+            run_dir,
+            node_change,
+            resumed_step=trainer.pos.step,
+            spare_nodes=place.spare_nodes,
+            then=watchdog.set_step,
+            otherwise=None if resumed is None else lambda: _emit_recovery(events, run_dir, resumed, trainer.pos.step),
         )
     elif events is not None and resume_from is not None:
         _emit_recovery(events, run_dir, resume_from, trainer.pos.step)
@@ -270,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     watchdog.stop()
     if sampler is not None:
         sampler.stop()  # takes a last sample, so the energy total covers the whole run
+    if rank == 0 and elastic.launched_elastic():
+        elastic.release_spares(run_dir)  # this start's training ended (done, stopped or failed for good)
     dist.destroy_process_group()
     return 0
 
@@ -283,7 +302,10 @@ def _note_nodes(run_dir: RunDir, rank: int, factors: str) -> elastic.NodeChange 
     if rank != 0:
         return None
     change = elastic.note_nodes(run_dir, [str(n) for n in names], factors)
-    return change if elastic.launched_elastic() else None
+    if not elastic.launched_elastic():
+        return None
+    elastic.clear_old_starts(run_dir)
+    return change
 
 
 def _start_watchdog(run_dir: RunDir, rank: int, settings: TrainSettings) -> Any:

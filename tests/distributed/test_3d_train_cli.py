@@ -10,20 +10,24 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from prepared_runs import cpu_only_env
 
+from appliance.data.blend import build_datasets
 from appliance.data.sample_corpus import SAMPLE_CORPUS_DIR
 from appliance.data.tokenize_corpus import build_indexed_datasets
 from appliance.hardware import load_hardware
 from appliance.planner import load_model_shape, make_plan, parse_layout
 from appliance.rundir import RunDir
 from appliance.tokenizer.bpe import train_tokenizer
+from appliance.tokenizer.token_bytes import token_byte_lengths
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -106,6 +110,35 @@ def test_eight_ranks_train_evaluate_and_resume(run: dict[str, Any]) -> None:
     (recovery,) = _events(run["dir"], "recovery")
     assert recovery["resumed_step"] == 4
     assert (run["dir"] / "eval.json").is_file()
+
+
+def test_bits_per_byte_counts_each_validation_byte_once(run: dict[str, Any], tmp_path: Path) -> None:
+    """Eight ranks, two of them per DP rank on every pipeline stage and TP slice: bits per byte * ln 2 / loss is the
+    evaluated samples' tokens per byte, a figure of the data alone, so a byte counted on two ranks (or none) shows.
+    The data's own figure is counted here from the samples the worker evaluates and the tokenizer's byte table."""
+    train = json.loads((run["dir"] / "plan.json").read_text())["train"]
+    _, valid = build_datasets(
+        run["dir"] / "data",
+        seq_len=train["seq_len"],
+        train_samples=train["train_samples"],
+        valid_samples_per_lang=train["eval_samples"],
+        seed=train["seed"],
+        cache_dir=tmp_path,
+    )
+    lengths = token_byte_lengths(run["dir"] / "tokenizer" / "tokenizer.json")
+    assert lengths is not None
+    tokens_per_byte = {}
+    for lang, data in valid.items():
+        samples = [np.asarray(data[i]) for i in range(min(len(data), train["eval_samples"]))]
+        labels = np.concatenate([sample[1:] for sample in samples])  # a sample's first token is never a label
+        tokens_per_byte[lang] = labels.size / int(lengths[labels].sum())
+    evals = [e for e in _events(run["dir"], "eval") if not e.get("final")]
+    assert len(evals) >= 2
+    for e in evals:
+        for lang, loss in e["per_source"].items():
+            # loss = nats / tokens, bits per byte = nats / ln 2 / bytes: their quotient is float64 rounding from exact
+            got = e["per_source_bits_per_byte"][lang] * math.log(2) / loss
+            assert got == pytest.approx(tokens_per_byte[lang], rel=1e-12), (e["step"], lang)
 
 
 def test_checkpoints_hold_one_shard_per_model_parallel_position(run: dict[str, Any]) -> None:

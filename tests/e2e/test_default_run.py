@@ -60,6 +60,8 @@ def test_validation_loss_falls_clearly(default_run):
     assert summary["first_loss"] > summary["last_loss"]
     # From ~ln(vocab) at initialization to clearly lower after STEPS steps.
     assert summary["last_valid_loss"] < summary["first_valid_loss"] - 1.0, summary
+    # Bits per byte falls with it: the same summed loss over the validation text's fixed number of bytes.
+    assert 0 < summary["last_valid_bits_per_byte"] < summary["first_valid_bits_per_byte"], summary
 
 
 def test_training_ran_data_parallel_through_the_elastic_agent(default_run):
@@ -141,6 +143,8 @@ def test_eval_json_has_per_language_perplexity_and_a_sample(default_run):
     _, run_dir, _, _ = default_run
     result = json.loads((run_dir / "eval.json").read_text())
     assert len(result["per_source"]) >= 8
+    assert all(figures["bits_per_byte"] > 0 for figures in result["per_source"].values()), result["per_source"]
+    assert result["valid_bits_per_byte"] > 0
     assert result["sample"]["prompt"] and isinstance(result["sample"]["completion"], str)
 
 

@@ -54,6 +54,32 @@ def test_eval_json_reads_as_a_language_table_and_a_task_table() -> None:
     assert gpu.task_metrics == ["acc", "acc_norm", "acc_bytes", "perplexity"]
 
 
+def test_bits_per_byte_reads_from_the_periodic_event_and_from_eval_json() -> None:
+    periodic = eval_report(
+        {
+            "step": 200,
+            "valid_loss": 2.5,
+            "per_source": {"en": 2.3, "fr": 2.0},
+            "valid_bits_per_byte": 1.25,
+            "per_source_bits_per_byte": {"en": 1.125},  # fr: no bytes counted, no figure
+        }
+    )
+    assert periodic.bits_per_byte == 1.25
+    assert [(x.name, x.bits_per_byte) for x in periodic.languages] == [("en", 1.125), ("fr", None)]
+    final = eval_report(
+        {
+            "final": True,
+            "valid_loss": 2.5,
+            "valid_bits_per_byte": 1.25,
+            "per_source": {"en": {"loss": 2.3, "ppl": 9.97, "bits_per_byte": 1.125}, "fr": {"loss": 2.0}},
+        }
+    )
+    assert final.bits_per_byte == 1.25
+    assert [(x.name, x.bits_per_byte) for x in final.languages] == [("en", 1.125), ("fr", None)]
+    # an evaluation from before bits per byte, or with a tokenizer that gives no bytes
+    assert eval_report({"valid_loss": 2.5, "per_source": {"en": 2.3}}).languages[0].bits_per_byte is None
+
+
 def test_older_events_with_top_level_perplexity_still_read() -> None:
     report = eval_report({"perplexity": 12.5, "loss": 2.5, "tasks": {"lambada": {"acc": 0.6}}})
     assert (report.loss, report.ppl) == (2.5, 12.5)

@@ -78,6 +78,23 @@ def test_languages_that_do_not_fit_are_counted(tmp_path: Path) -> None:
     drive(run_dir.root, check)
 
 
+def test_bits_per_byte_gets_its_column_when_the_evaluation_has_it(tmp_path: Path) -> None:
+    events = [*synthetic_events(last_step=100, finished=False)]
+    bpb = {"valid_bits_per_byte": 1.25, "per_source_bits_per_byte": {"en": 1.125, "zh": 1.5}}
+    per_source = {"en": 2.0, "zh": 2.5}
+    events.append(make_event("eval", t=events[-1]["t"] + 1, step=100, valid_loss=2.2, per_source=per_source, **bpb))
+    run_dir = write_run(tmp_path / "bpb", events)
+
+    async def check(app: DashboardApp, pilot: Pilot[int]) -> None:
+        shown = on_screen(app.query_one("#eval-languages"))
+        assert "bpb" in shown, shown
+        # exp(2.2) = 9.03, exp(2.0) = 7.39, exp(2.5) = 12.2
+        for row in ("all  2.200 9.03 1.250", "en   2.000 7.39 1.125", "zh   2.500 12.2 1.500"):
+            assert row in shown, (row, shown)
+
+    drive(run_dir.root, check)
+
+
 def test_three_failures_and_recoveries_are_all_listed(troubled_run: RunDir) -> None:
     async def check(app: DashboardApp, pilot: Pilot[int]) -> None:
         timeline = text(app, "#timeline")

@@ -13,9 +13,18 @@ from appliance.hardware import load_hardware
 from appliance.planner import RunSpec, load_model_shape, make_plan, parse_layout
 from appliance.planner.shrink import layout_for_world, usable_node_counts
 from appliance.rundir import RunDir
-from appliance.train.elastic import check_node_range, note_nodes, spec_for_world
+from appliance.train.elastic import (
+    check_node_range,
+    min_agents,
+    note_nodes,
+    note_spares,
+    placement,
+    spec_for_world,
+    training_nodes,
+)
 from appliance.train.launch import agent_command
 from appliance.train.nodes import NodeGroup, node_group, parse_nnodes
+from appliance.train.nodes import main as nodes_main
 
 PLAN = parse_layout("tp=1,pp=1,dp=3,mbs=1,gbs=6")
 MODEL = {"heads": 4, "layers": 2, "seq_len": 64}
@@ -53,7 +62,8 @@ def test_the_node_record_names_lost_and_returned_nodes(tmp_path: Path) -> None:
     run_dir.metrics.write_text(json.dumps({"t": 100.0, "kind": "step", "step": 7}) + "\n{torn")
     three, two = ["h/node0", "h/node1", "h/node2"], ["h/node1", "h/node0"]
     assert note_nodes(run_dir, three, "tp(1) * pp(1) * dp(3)") is None  # the first start
-    assert note_nodes(run_dir, three, "tp(1) * pp(1) * dp(3)") is None  # a restart on the same nodes
+    same = note_nodes(run_dir, three, "tp(1) * pp(1) * dp(3)")  # a restart on the same nodes
+    assert same is not None and not same.resolve([]).changed
     lost = note_nodes(run_dir, two, "tp(1) * pp(1) * dp(2)")
     assert lost is not None and (lost.lost, lost.joined) == (["h/node2"], [])
     assert (lost.old_layout, lost.new_layout, lost.last_step, lost.last_step_time) == (
@@ -64,6 +74,41 @@ def test_the_node_record_names_lost_and_returned_nodes(tmp_path: Path) -> None:
     )
     back = note_nodes(run_dir, three, "tp(1) * pp(1) * dp(3)")
     assert back is not None and (back.lost, back.joined) == ([], ["h/node2"])
+
+
+def test_the_node_record_names_the_spare_that_took_over(tmp_path: Path) -> None:
+    run_dir = RunDir(tmp_path).make()
+    assert note_nodes(run_dir, ["h/node0", "h/node1"], "tp(1) * pp(1) * dp(2)") is None
+    note_spares(run_dir, ["h/node2"])  # the first step of that start
+    change = note_nodes(run_dir, ["h/node0", "h/node2"], "tp(1) * pp(1) * dp(2)")  # node 1 lost, node 2 trains
+    assert change is not None
+    took = change.resolve([])  # no spare left
+    assert (took.lost, took.joined, took.took_over, took.changed) == (["h/node1"], [], ["h/node2"], True)
+    # A lost spare, the training nodes unchanged, is a change too (one spare fewer).
+    note_spares(run_dir, ["h/node3"])
+    spare_lost = note_nodes(run_dir, ["h/node0", "h/node2"], "tp(1) * pp(1) * dp(2)")
+    assert spare_lost is not None and spare_lost.resolve([]).lost == ["h/node3"]
+
+
+def test_placement_trains_the_plans_nodes_and_the_rest_stand_by() -> None:
+    spec = _spec("tp=1,pp=1,dp=2,mbs=1,gbs=4")
+    elastic = {"BLOOM_ELASTIC_NODES": "1:3", "LOCAL_WORLD_SIZE": "1"}
+    # Three agents, two planned nodes: ranks 0 and 1 train, rank 2 is a spare.
+    places = [placement(spec, elastic | {"WORLD_SIZE": "3", "RANK": str(r)}) for r in range(3)]
+    assert [p.spare for p in places] == [False, False, True] and places[0].train_world == 2
+    assert places[0].spare_nodes == 1
+    # Two left: the plan's layout, no spare; one left: dp1 (gbs 4 = 1 x 4 x 1).
+    assert placement(spec, elastic | {"WORLD_SIZE": "2", "RANK": "1"}).train_world == 2
+    assert placement(spec, elastic | {"WORLD_SIZE": "1", "RANK": "0"}).train_world == 1
+    # Not elastic: every rank trains (a world that does not fit the plan is named by the layout's check).
+    assert placement(spec, {"WORLD_SIZE": "3", "RANK": "2", "LOCAL_WORLD_SIZE": "1"}).spare is False
+
+
+def test_with_no_spare_left_the_largest_usable_count_below_trains() -> None:
+    # BLOOM-176B: 47 nodes of 48 hold no layout; 24 of them train (dp4, 256 micro-batches per step) and 23 stand by.
+    bloom = parse_layout("tp=4,pp=12,dp=8,mbs=2,gbs=2048")
+    usable = usable_node_counts(bloom, 48)
+    assert [training_nodes(usable, 48, n) for n in (52, 48, 47, 24, 23, 6, 5)] == [48, 48, 24, 24, 12, 6, None]
 
 
 def test_nnodes_min_max_flags(tmp_path: Path) -> None:
@@ -111,8 +156,39 @@ def test_only_elastic_launches_re_plan_and_min_must_hold_a_layout() -> None:
     shrunk = spec_for_world(spec, 2, env=elastic_env)
     assert (shrunk.layout.dp, shrunk.train.global_batch_size, shrunk.layout.micro_batches) == (2, 6, 3)
     assert spec_for_world(spec, 2, env={}) is spec  # a fixed launch keeps the plan (its world check names the misfit)
-    assert check_node_range(spec, 2, 3, "plan.json") == []
+    assert check_node_range(spec, 2, 3, "plan.json") == {}
     four = _spec("tp=1,pp=1,dp=4,mbs=1,gbs=8")
-    assert check_node_range(four, 2, 4, "plan.json") == [3]  # dp3 does not divide 8: warned of
-    with pytest.raises(BadInput, match=r"--nnodes 3:4: 3 nodes x 1 ranks .* node counts that can: \[1, 2, 4\]"):
-        check_node_range(four, 3, 4, "plan.json")
+    # dp3 does not divide 8: on 3 nodes, 2 train and 1 stands by (warned of); MIN 3 is fine for the same reason.
+    assert check_node_range(four, 2, 4, "plan.json") == {3: 2}
+    assert check_node_range(four, 3, 4, "plan.json") == {3: 2}
+    tp2 = _spec("tp=2,pp=1,dp=2,mbs=1,gbs=4")  # 4 ranks over 4 nodes: a replica is 2 nodes
+    with pytest.raises(BadInput, match=r"--nnodes 1:4: 1 nodes x 1 ranks .* node counts that can: \[2, 4\]"):
+        check_node_range(tp2, 1, 4, "plan.json")
+
+
+def test_spares_flags(tmp_path: Path) -> None:
+    group = node_group(nnodes=2, node_rank=2, master="127.0.0.1:29611", hostfile=None, spares=1)
+    assert group is not None and group.elastic and (group.nnodes, group.total_nodes) == (2, 3)
+    assert group.agent_nnodes == "2:3"  # MIN defaults to the plan's smallest usable count at launch (min_agents)
+    with pytest.raises(BadInput, match=r"--node-rank 3: out of range for --nnodes 2 --spares 1 \(0\.\.2\)"):
+        node_group(nnodes=2, node_rank=3, master="127.0.0.1:29611", hostfile=None, spares=1)
+    with pytest.raises(BadInput, match=r"--spares 1: needs --nnodes and --master"):
+        node_group(nnodes=None, node_rank=None, master=None, hostfile=None, spares=1)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("127.0.0.1\n192.0.2.2\n192.0.2.3\n")  # the last line stands by
+    listed = node_group(nnodes=None, node_rank=0, master=None, hostfile=hostfile, spares=1)
+    assert listed is not None and (listed.nnodes, listed.spares) == (2, 1)
+    with pytest.raises(BadInput, match=r"--nnodes 3 \+ --spares 1: --hostfile .* lists 3 hosts"):
+        node_group(nnodes=3, node_rank=0, master=None, hostfile=hostfile, spares=1)
+    spec = _spec("tp=1,pp=1,dp=2,mbs=1,gbs=4")
+    assert min_agents(spec, listed) == 1  # dp1 still carries gbs 4: the run steps down to one node
+    # --store-elsewhere: node 0 joins the store as every other node does, instead of hosting it.
+    assert listed.hosts_store
+    elsewhere = node_group(
+        nnodes=2, node_rank=0, master="127.0.0.1:29611", hostfile=None, spares=1, store_elsewhere=True
+    )
+    assert elsewhere is not None and elsewhere.is_head and not elsewhere.hosts_store
+    with pytest.raises(BadInput, match=r"--store-elsewhere: needs --nnodes and --master"):
+        node_group(nnodes=None, node_rank=None, master=None, hostfile=None, store_elsewhere=True)
+    with pytest.raises(SystemExit, match="usage"):
+        nodes_main(["--host-store", "127.0.0.1:29611", "python"])  # a command comes after --

@@ -1,4 +1,5 @@
-"""Evaluation over 2 gloo ranks with uneven shares cannot hang, and gives the single-process numbers.
+"""Evaluation over 2 gloo ranks with uneven shares cannot hang, and gives the single-process numbers (the
+validation loss and bits per byte included).
 
 Every forward pass below makes a collective call, as a ZeRO-3 or tensor-parallel forward does: a rank that ran
 one forward fewer than the other would leave its peer waiting (run_distributed reports that as a timeout).
@@ -6,10 +7,13 @@ one forward fewer than the other would leave its peer waiting (run_distributed r
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from appliance.eval.scoring import ModelScorer, even_shard, generate_greedy, score_log_likelihoods
 from appliance.model.bloom import BloomForCausalLM
@@ -17,6 +21,7 @@ from appliance.model.config import BloomConfig
 from appliance.model.ops import cross_entropy
 from appliance.parallel.testing import run_distributed
 from appliance.parallel.topology import ParallelTopology
+from appliance.train.validation import Validation
 
 pytestmark = pytest.mark.distributed
 
@@ -126,7 +131,8 @@ class CollectiveEngine:
         self.forwards = 0
 
     def eval_sums(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
-        """(summed token loss, counted tokens): every rank is its replica's only rank here (data parallelism)."""
+        """(summed token loss, counted tokens), counted on a replica's TP rank 0 alone as ParallelEngine does (its
+        other ranks see the same samples: here each runs the whole model)."""
         total, tokens = 0.0, 0.0
         for inputs, labels in micro_batches:
             self.forwards += 1
@@ -135,7 +141,7 @@ class CollectiveEngine:
                 logits = self.module(inputs)
             total += cross_entropy(logits, labels, reduction="sum").item()
             tokens += float((labels != -100).sum())
-        return total, tokens
+        return (total, tokens) if self.topology.tp_rank(dist.get_rank()) == 0 else (0.0, 0.0)
 
 
 SEQ_LEN = 8
@@ -147,7 +153,12 @@ def validation_data() -> dict[str, list[np.ndarray]]:
     return {lang: [rng.integers(4, 64, SEQ_LEN + 1) for _ in range(n)] for lang, n in SAMPLES.items()}
 
 
-def evaluate_on_rank(topology: ParallelTopology, root: str) -> tuple[dict[str, float], int]:
+# Bytes per token id: 0 to 3 in turn, so the samples' byte counts differ from their token counts and ids of no
+# bytes (as special tokens) occur too.
+TOKEN_BYTES = np.arange(64, dtype=np.int64) % 4
+
+
+def evaluate_on_rank(topology: ParallelTopology, root: str) -> tuple[Validation, int]:
     from pathlib import Path
 
     from appliance.rundir import RunDir
@@ -165,25 +176,43 @@ def evaluate_on_rank(topology: ParallelTopology, root: str) -> tuple[dict[str, f
     trainer = Trainer(
         engine=engine, settings=settings, train_data=[], valid_data=validation_data(),
         micro_batches=lambda consumed: iter([]), run_dir=RunDir(Path(root) / f"rank{rank}").make(), rank=rank,
-        dp_rank=rank, dp_size=2, world_size=2, events=None, flops=StepFlops(model=1.0, hardware=1.0),
-        peak_flops_per_device=None, layout={}, versions={}, device=torch.device("cpu"),
+        dp_rank=topology.dp_rank(rank), dp_size=topology.dp, world_size=2, events=None,
+        flops=StepFlops(model=1.0, hardware=1.0), peak_flops_per_device=None, layout={}, versions={},
+        device=torch.device("cpu"), token_bytes=TOKEN_BYTES,
     )  # fmt: skip
     return trainer.evaluate(), engine.forwards
 
 
-def test_validation_loss_with_uneven_shards(tmp_path):
-    (losses0, forwards0), (losses1, forwards1) = run_distributed(evaluate_on_rank, 2, str(tmp_path), dp=2, timeout_s=90)
-    assert forwards0 == forwards1 == 3 + 2  # ceil(5 / 2) + ceil(3 / 2) micro-batches of one sample
-    assert losses0 == losses1
+def single_process_sums() -> tuple[dict[str, float], dict[str, int], dict[str, int]]:
+    """(loss in nats, tokens, bytes) per language, every sample in one forward."""
     net = model()
-    expected = {}
+    loss_nats, tokens, text_bytes = {}, {}, {}
     with torch.no_grad():
         for lang, samples in validation_data().items():
             batch = torch.tensor(np.stack(samples))
             logits = net(batch[:, :-1])
-            expected[lang] = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), batch[:, 1:].reshape(-1)).item()
+            labels = batch[:, 1:].reshape(-1)
+            loss_nats[lang] = F.cross_entropy(logits.reshape(-1, 64), labels, reduction="sum").item()
+            tokens[lang] = labels.numel()
+            text_bytes[lang] = int(TOKEN_BYTES[labels.numpy()].sum())
+    return loss_nats, tokens, text_bytes
+
+
+@pytest.mark.parametrize("layout", [{"dp": 2}, {"tp": 2}])
+def test_validation_loss_and_bits_per_byte_as_one_process(tmp_path, layout):
+    """dp=2: each rank sums its own samples' loss and bytes (3 and 2 of en's 5), and the one all-reduce makes them
+    one process's figures. tp=2: both ranks see every sample, and each count is made on one of them only."""
+    (valid0, forwards0), (valid1, forwards1) = run_distributed(
+        evaluate_on_rank, 2, str(tmp_path), **layout, timeout_s=90
+    )
+    # ceil(5 / 2) + ceil(3 / 2) micro-batches of one sample per DP rank, or all 5 + 3 on the one DP rank
+    assert forwards0 == forwards1 == (3 + 2 if layout.get("dp") == 2 else 5 + 3)
+    assert valid0 == valid1
+    loss_nats, tokens, text_bytes = single_process_sums()
     # One forward per sample against one per language batch: the same few-ulp noise as above, on a mean loss of ~4.
     for lang in SAMPLES:
-        assert losses0[lang] == pytest.approx(expected[lang], rel=1e-5)
-    total = sum(expected[lang] * n for lang, n in SAMPLES.items()) / sum(SAMPLES.values())
-    assert losses0["all"] == pytest.approx(total, rel=1e-5)
+        assert valid0.loss[lang] == pytest.approx(loss_nats[lang] / tokens[lang], rel=1e-5)
+        assert valid0.bits_per_byte[lang] == pytest.approx(loss_nats[lang] / math.log(2) / text_bytes[lang], rel=1e-5)
+    assert valid0.overall_loss == pytest.approx(sum(loss_nats.values()) / sum(tokens.values()), rel=1e-5)
+    overall_bpb = sum(loss_nats.values()) / math.log(2) / sum(text_bytes.values())
+    assert valid0.overall_bits_per_byte == pytest.approx(overall_bpb, rel=1e-5)

@@ -1,8 +1,10 @@
-"""eval.json: validation loss per source, the shipped tasks within the CPU budget, and a generated sample."""
+"""eval.json: validation loss and bits per byte per source, the shipped tasks within the CPU budget, and a generated
+sample."""
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
 from appliance.rundir import RunDir
 from appliance.train.trainer import Position
+from appliance.train.validation import SourceSums, Validation
 
 SEQ_LEN = 64
 
@@ -43,8 +46,9 @@ class FakeTrainer:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
-    def evaluate(self) -> dict[str, float]:
-        return {"en": 2.0, "fr": 3.0, "all": 2.5}
+    def evaluate(self) -> Validation:
+        # en: 20 nats over 10 tokens of 40 bytes; fr: 30 nats over 10 tokens that stand for no bytes (special ones)
+        return Validation.of({"en": SourceSums(20.0, 10.0, 40.0), "fr": SourceSums(30.0, 10.0, 0.0)})
 
     def _emit(self, kind: str, **fields: Any) -> None:
         self.events.append((kind, fields))
@@ -74,6 +78,10 @@ def test_eval_json_has_losses_tasks_and_sample(tmp_path):
     on_disk = json.loads(run_dir.eval.read_text())
     assert on_disk == json.loads(json.dumps(result))
     assert on_disk["valid_loss"] == 2.5 and on_disk["per_source"]["fr"]["loss"] == 3.0
+    # Bits per byte: nats / ln 2 / bytes; a source without bytes has none (null), the overall figure counts its loss.
+    assert on_disk["per_source"]["en"]["bits_per_byte"] == 20.0 / math.log(2) / 40.0
+    assert on_disk["per_source"]["fr"]["bits_per_byte"] is None
+    assert on_disk["valid_bits_per_byte"] == 50.0 / math.log(2) / 40.0
     assert set(on_disk["tasks"]) == {"lambada_sample", "cloze_sample", "xlang_choice"}
     sizes = {task.name: len(task.docs) for task in load_tasks()}
     for name, metrics in on_disk["tasks"].items():

@@ -98,6 +98,14 @@ def test_eval_lines_stay_one_readable_line() -> None:
     ]
 
 
+def test_eval_lines_give_the_bits_per_byte() -> None:
+    bpb = {"valid_bits_per_byte": 2.3456, "per_source_bits_per_byte": {"en": 2.2, "fr": 2.5}}
+    event = make_event("eval", t=T0, step=200, valid_loss=7.3429, per_source={"en": 7.2, "fr": 7.5}, **bpb)
+    assert text_lines([event]) == [
+        "eval step 200 valid_loss 7.343 valid_bits_per_byte 2.346 (+2 per_source, +2 per_source_bits_per_byte)"
+    ]
+
+
 def test_json_mode_prints_every_event_as_one_line() -> None:
     out = io.StringIO()
     printer = HeadlessPrinter(out, log_format="json")

@@ -5,6 +5,7 @@ packages; a real short training run writes them."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 import threading
 import types
@@ -61,7 +62,16 @@ def recorded_run(root: Path) -> list[dict[str, Any]]:
         writer.emit("gpu", node="node-a", devices=[])  # before any step: plotted at step 0
         for step in (1, 2, 3):
             writer.emit("step", **step_fields(step))
-        writer.emit("eval", step=3, consumed_samples=24, valid_loss=6.5, valid_ppl=665.1, per_source={"en": 6.0})
+        writer.emit(
+            "eval",
+            step=3,
+            consumed_samples=24,
+            valid_loss=6.5,
+            valid_ppl=665.1,
+            per_source={"en": 6.0},
+            valid_bits_per_byte=2.5,
+            per_source_bits_per_byte={"en": 2.25},
+        )
         device = {"index": 1, "memory_used_gb": 41.5, "util": 97.0, "power_w": 388.2, "temperature_c": 71.0}
         writer.emit("gpu", node="node-a", devices=[device])
         writer.emit("energy", node="node-a", kwh=0.125, co2_kg=0.007, gpu_kwh=0.1, cpu_kwh=0.025)
@@ -75,7 +85,8 @@ def recorded_run(root: Path) -> list[dict[str, Any]]:
             consumed_samples=24,
             valid_loss=6.25,
             valid_ppl=518.0,
-            per_source={"fr": {"loss": 6.75, "ppl": 854.1}},
+            valid_bits_per_byte=2.375,
+            per_source={"fr": {"loss": 6.75, "ppl": 854.1, "bits_per_byte": 2.625}},
             tasks={"copa": {"output_type": "multiple_choice", "n": 10, "acc": 0.6, "acc_stderr": 0.16}},
         )
         writer.emit("run", state="done")
@@ -107,6 +118,11 @@ def test_recorded_events_read_back_under_megatron_names_at_their_steps(tmp_path:
     assert got["lm-loss-validation/lm loss validation ppl"] == [(3, f32(np.exp(6.5))), (3, f32(np.exp(6.25)))]
     assert got["lm-loss-validation/en lm loss validation"] == [(3, 6.0)]
     assert got["lm-loss-validation/fr lm loss validation ppl"] == [(3, f32(np.exp(6.75)))]
+    # Bits per byte, named like the validation loss beside it (Megatron-DeepSpeed has no such scalar)
+    assert got["lm-loss-validation/bits per byte"] == [(3, 2.5), (3, 2.375)]
+    assert got["lm-loss-validation/bits per byte vs samples"] == [(24, 2.5), (24, 2.375)]
+    assert got["lm-loss-validation/en bits per byte"] == [(3, 2.25)]
+    assert got["lm-loss-validation/fr bits per byte"] == [(3, 2.625)]
     assert got["tasks/copa acc"] == [(3, f32(0.6))] and got["tasks/copa acc_stderr"] == [(3, f32(0.16))]
     assert "tasks/copa n" not in got  # a count, not a score
     # Node samples carry no step: plotted at the newest step the writer had seen.
@@ -264,6 +280,13 @@ def test_a_real_training_run_writes_event_files_equal_to_its_step_and_eval_event
         assert got[name + " vs samples"] == [(e["consumed_samples"], f32(e[key])) for e in steps], name
     evals = [e for e in events if e["kind"] == "eval"]
     assert got["lm-loss-validation/lm loss validation"] == [(e["step"], f32(e["valid_loss"])) for e in evals]
+    # Bits per byte from the run's own tokenizer, in every evaluation: the same samples each time, so the tokens
+    # per byte, valid_bits_per_byte * ln 2 / valid_loss, are the same in all of them (to float64 rounding).
+    assert got["lm-loss-validation/bits per byte"] == [(e["step"], f32(e["valid_bits_per_byte"])) for e in evals]
+    tokens_per_byte = [e["valid_bits_per_byte"] * math.log(2) / e["valid_loss"] for e in evals]
+    assert 0.1 < tokens_per_byte[0] < 1.0 and tokens_per_byte == pytest.approx([tokens_per_byte[0]] * len(evals))
+    eval_json = json.loads(run_dir.eval.read_text())
+    assert all(figures["bits_per_byte"] > 0 for figures in eval_json["per_source"].values())
     assert any(name.startswith("tasks/") for name in got)  # the final evaluation's task scores
     assert got["checkpoint/save-seconds"][-1][0] == 4
     assert not [e for e in events if e["kind"] == "warning" and "tensorboard" in e["message"].lower()]

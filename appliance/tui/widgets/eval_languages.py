@@ -1,6 +1,7 @@
-"""Validation loss and perplexity per language (one validation set per language of the blend, and code), under
-the overall figure ("all"), as a table that wraps into as many side-by-side column groups as the panel's height
-requires."""
+"""Validation loss, perplexity and bits per byte per language (one validation set per language of the blend, and
+code), under the overall figure ("all"), as a table that wraps into as many side-by-side column groups as the
+panel's height requires. The bits per byte column appears when the evaluation has it (a byte-level tokenizer): it
+is the figure that compares runs with different tokenizers."""
 
 from __future__ import annotations
 
@@ -41,15 +42,20 @@ def rows_of(report: EvalReport) -> list[LanguageScore]:
     """The overall figure first, as "all" (the trainer's own name for it), then each language."""
     if report.loss is None and report.ppl is None:
         return report.languages
-    return [LanguageScore(OVERALL, report.loss, report.ppl), *report.languages]
+    return [LanguageScore(OVERALL, report.loss, report.ppl, report.bits_per_byte), *report.languages]
 
 
 def language_table(languages: list[LanguageScore], rows: int, width: int) -> Table:
     """`rows` languages per column group, as many groups side by side as needed; when they would not fit in
     `width`, the last cell says how many are left out (eval.json has them all)."""
+    with_bpb = any(x.bits_per_byte is not None for x in languages)
+    titles = ["loss", "ppl"] + (["bpb"] if with_bpb else [])
+    # loss "11.091" and ppl "1,545.2" at most 6 and 7 wide, bpb "12.345" 6, each after a one-cell gap.
+    figures_width = 6 + 7 + 2 + (6 + 1 if with_bpb else 0)
+    blank: list[Text | str] = [""] * (1 + len(titles))
 
     def groups_that_fit(name_width: int) -> int:
-        group_width = name_width + 6 + 7 + 2  # "11.091" / "1,545.2" at most 6 and 7 wide, two gaps
+        group_width = name_width + figures_width
         return max(1, (width + GROUP_GAP) // (group_width + GROUP_GAP))
 
     name_width = max([len(x.name) for x in languages] + [4])
@@ -68,24 +74,25 @@ def language_table(languages: list[LanguageScore], rows: int, width: int) -> Tab
         if g:
             table.add_column(width=GROUP_GAP - 2)
         table.add_column(no_wrap=True, style="bold", width=name_width)  # every group as wide: they line up
-        table.add_column(no_wrap=True, justify="right")
-        table.add_column(no_wrap=True, justify="right")
+        for _ in titles:
+            table.add_column(no_wrap=True, justify="right")
     header: list[Text | str] = []
     for g in range(groups):
-        header += ([""] if g else []) + [Text("lang", style="dim"), Text("loss", style="dim"), Text("ppl", style="dim")]
+        header += ([""] if g else []) + [Text(t, style="dim") for t in ["lang", *titles]]
     table.add_row(*header)
-    cells: list[list[Text | str]] = [
+    cells: list[list[Text | str]] = []
+    for x in shown:
         # Text: names come from files, never markup; the overall row stands out as the headline figure
-        [Text(x.name, style="reverse" if x.name == OVERALL else ""), fmt_float(x.loss, ".3f"), fmt_ppl(x.ppl)]
-        for x in shown
-    ]
+        cell: list[Text | str] = [Text(x.name, style="reverse" if x.name == OVERALL else "")]
+        cell += [fmt_float(x.loss, ".3f"), fmt_ppl(x.ppl)] + ([fmt_float(x.bits_per_byte, ".3f")] if with_bpb else [])
+        cells.append(cell)
     if len(shown) < len(languages):
-        cells.append([Text(f"+{len(languages) - len(shown)} more", style="dim"), "", ""])
+        cells.append([Text(f"+{len(languages) - len(shown)} more", style="dim"), *blank[1:]])
     for r in range(min(rows, len(cells))):
         row: list[Text | str] = []
         for g in range(groups):
             i = g * rows + r
-            row += ([""] if g else []) + (cells[i] if i < len(cells) else ["", "", ""])
+            row += ([""] if g else []) + (cells[i] if i < len(cells) else blank)
         table.add_row(*row)
     return table
 

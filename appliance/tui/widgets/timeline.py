@@ -21,8 +21,9 @@ class TimelinePanel(Panel):
     TITLE = "failures & recoveries"
 
     def show(self, state: RunState) -> None:
+        spares = "" if state.spare_nodes is None else f" · spares {len(state.spare_nodes)}"
         self.border_title = (
-            f"failures {state.failures} · restarts {state.restarts} · lost {fmt_duration(state.lost_seconds)}"
+            f"failures {state.failures} · restarts {state.restarts} · lost {fmt_duration(state.lost_seconds)}{spares}"
         )
         parts: list[RenderableType] = []
         if not state.timeline:
@@ -44,7 +45,9 @@ class TimelinePanel(Panel):
                     # one line at the panel's width on a 160-column terminal, so the failures keep the room
                     lost = fmt_duration(entry.lost_seconds)
                     detail = f"restart {entry.restart} from step {entry.resumed_step}, lost {lost}"
-                    table.add_row(when, "[bold green]recovery[/]", detail)
+                    if entry.nodes:  # a node lost or back: which, the spare that took over, the layouts
+                        detail += f"; {entry.reason}"
+                    table.add_row(when, "[bold green]recovery[/]", Text(detail))
             parts.append(table)
         for _, message in list(state.warnings)[-3:][::-1]:
             parts.append(Text(f"warning: {message}", style="yellow", no_wrap=True, overflow="ellipsis"))
