@@ -550,11 +550,11 @@ class Trainer:
             final = self.pos.step == total_steps
             if save and final:
                 # The run's last save is written while its last evaluation runs; it commits before fit returns.
-                self.save(wait=False)
+                self.save(wait=not self.s.async_checkpoints)
             if eval_due:
                 self._record_eval(self._timed_evaluate())
             if save and not final:
-                self.save(wait=stop)  # a stop saves completely before the ranks leave
+                self.save(wait=stop or not self.s.async_checkpoints)  # a stop saves completely before leaving
                 last_save_time = time.time()
             self._last_finish = time.time()  # the next step's clock starts after the checkpoint or evaluation
             if stop and self.pos.step < total_steps:

@@ -241,3 +241,15 @@ def test_the_checkpoint_event_has_the_write_time_and_the_stall_and_the_budget_se
     assert middle["seconds"] >= WRITE_S and middle["stall_s"] < 0.1 * middle["seconds"], middle
     assert last["stall_s"] > 0.5 * WRITE_S, last  # fit returns once the last save committed
     assert budget.checkpoints == [middle["stall_s"], last["stall_s"]]
+
+
+def test_with_async_checkpoints_off_every_save_blocks_until_committed(tmp_path: Path) -> None:
+    run_dir = RunDir(tmp_path / "run").make()
+    trainer = make_trainer(
+        run_dir, SlowEngine([OK] * 6), steps=6, late=False, background=True, save_interval=3, async_checkpoints=False
+    )
+    assert trainer.fit() == "done"
+    found = [(e["kind"], e.get("step")) for e in events(run_dir) if e["kind"] in ("step", "checkpoint")]
+    assert found.index(("checkpoint", 3)) == found.index(("step", 3)) + 1  # committed before step 4 began
+    middle, _ = [e for e in events(run_dir) if e["kind"] == "checkpoint"]
+    assert middle["stall_s"] >= WRITE_S, middle  # the steps waited out the write
