@@ -21,6 +21,7 @@ from typing import Any, Protocol
 REQUIRED_KEYS: dict[str, tuple[str, ...]] = {
     "stage": ("name", "state", "progress"),
     "step": ("step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_gpu", "mfu", "consumed_samples"),
+    # seconds: the write (files, fsync, hashes, commit); stall_s beside it, what the steps waited (train/async_save.py)
     "checkpoint": ("step", "path", "seconds", "bytes"),
     "eval": (),
     "gpu": ("devices",),

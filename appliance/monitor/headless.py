@@ -153,9 +153,10 @@ class HeadlessPrinter:
             self._printed_step = step
             return step_line(self.state)
         if kind == "checkpoint":
+            waited = f", steps waited {fmt_duration(e['stall_s'])}" if finite(e.get("stall_s")) is not None else ""
             return (
                 f"checkpoint step {e.get('step')} saved in {fmt_duration(e.get('seconds'))} "
-                f"({fmt_bytes(e.get('bytes'))}) -> {e.get('path')}"
+                f"({fmt_bytes(e.get('bytes'))}{waited}) -> {e.get('path')}"
             )
         if kind == "failure":
             return f"FAILURE rank {e.get('rank')}: {e.get('reason')}"

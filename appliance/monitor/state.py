@@ -9,7 +9,8 @@ Optional keys this reader understands beyond the required ones of events.py (all
                scaler skipped for an overflow, over the run) and overflow (this step was one of them: its gradient
                norm is the overflow's inf, not a model figure, so the grad norm curve leaves it out)
   stage:       error (of a failed stage)
-  checkpoint:  every_steps (the configured interval)
+  checkpoint:  every_steps (the configured interval), stall_s (what the training loop waited for the save; its
+               files were written in the background: seconds is the write, emitted when the save committed)
   gpu/energy:  node (one sampler per node; the totals sum the latest event of each node)
   energy:      gpu_kwh, cpu_kwh, attempt_kwh, source, gpu_source, cpu_source, pue, grid_g_per_kwh (kwh and the
                split are the node's totals for the whole run, restarts included: monitor/energy.py)
@@ -138,9 +139,10 @@ class StageInfo:
 class CheckpointInfo:
     step: int
     t: float
-    seconds: float
+    seconds: float  # the write
     bytes: int
     path: str
+    stall_s: float | None = None  # what the steps waited for it (None: an event from before asynchronous saves)
 
 
 @dataclass
@@ -347,6 +349,7 @@ class RunState:
                 seconds=finite(e.get("seconds")) or 0.0,
                 bytes=int(finite(e.get("bytes")) or 0),
                 path=str(e.get("path", "")),
+                stall_s=finite(e.get("stall_s")),
             )
         )
         self.checkpoint_count += 1

@@ -121,6 +121,7 @@ def eval_scalars(event: dict[str, Any]) -> Iterator[Scalar]:
 def checkpoint_scalars(event: dict[str, Any]) -> Iterator[Scalar]:
     step = int(event["step"])
     yield from _with_samples_twin("checkpoint/save-seconds", event.get("seconds"), step, None)
+    yield from _with_samples_twin("checkpoint/stall-seconds", event.get("stall_s"), step, None)
     size = finite(event.get("bytes"))
     if size is not None:
         yield "checkpoint/size-gb", size / 1e9, step

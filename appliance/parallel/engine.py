@@ -128,6 +128,21 @@ class StepResult:
     expert_load: list[list[float]] | None = None
 
 
+@dataclass(frozen=True)
+class HostFile:
+    """One checkpoint file's contents in host memory, not written yet: its name in the step directory, the tensors
+    (copies, which training no longer touches) and the safetensors metadata. What an asynchronous save hands to its
+    writer thread (train/async_save.py)."""
+
+    name: str
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, str]
+
+    def write(self, step_dir: Path) -> Path:
+        save_file(self.tensors, str(step_dir / self.name), metadata=self.metadata)
+        return step_dir / self.name
+
+
 class PendingStep:
     """A step whose figures may still be on the device: ``result()`` reads them, once, in one device-to-host copy.
 
@@ -697,10 +712,12 @@ class ParallelEngine:
     # ---- checkpoints --------------------------------------------------------------------------------------
     def model_shard(self) -> dict[str, torch.Tensor]:
         """This rank's weights, Hugging Face names, fp32 on CPU (bf16 values convert exactly); on an ep rank >= 1
-        of an MoE model its experts only (ep rank 0's file has the rest)."""
+        of an MoE model its experts only (ep rank 0's file has the rest). Copies, never views of the live weights
+        (fp32 on CPU would otherwise be the parameter itself), so a checkpoint written from them in the background
+        holds this step's values while the next steps update the parameters."""
         experts_only = self.config.is_moe and self.dp_rank != 0
         shard = {
-            name: p.detach().float().contiguous().cpu()
+            name: p.detach().float().contiguous().to("cpu", copy=True)
             for name, p in self.named_parameters()
             if (not experts_only or ".mlp.experts." in name) and not (self.experts and self.experts.holds(p))
         }
@@ -718,9 +735,8 @@ class ParallelEngine:
             return expert_file_name(self.tp_rank, self.pp_rank, self.ep_rank) if first_edp else None
         return shard_file_name(self.tp_rank, self.pp_rank) if self.sharded else FULL_MODEL_FILE
 
-    def save_model(self, step_dir: Path, metadata: Mapping[str, str]) -> Path | None:
-        """Write this rank's model file (if it writes one); returns its path."""
-        self.last_checkpoint = Path(step_dir)
+    def model_snapshot(self, metadata: Mapping[str, str]) -> HostFile | None:
+        """This rank's model file (if it writes one) as host copies, ready to be written later or elsewhere."""
         name = self.model_file_name()
         if name is None:
             return None
@@ -729,8 +745,13 @@ class ParallelEngine:
             meta["tp2d"] = str(self.topology.tp2d)  # the pieces are 2D blocks (shards.join_pieces)
         if self.config.is_moe:
             meta["ep"] = str(self.topology.ep)
-        save_file(self.model_shard(), str(step_dir / name), metadata=meta)
-        return step_dir / name
+        return HostFile(name, self.model_shard(), meta)
+
+    def save_model(self, step_dir: Path, metadata: Mapping[str, str]) -> Path | None:
+        """Write this rank's model file (if it writes one); returns its path."""
+        self.last_checkpoint = Path(step_dir)
+        snapshot = self.model_snapshot(metadata)
+        return None if snapshot is None else snapshot.write(Path(step_dir))
 
     @torch.no_grad()
     def load_model(self, step_dir: Path) -> None:
@@ -813,13 +834,11 @@ class ParallelEngine:
         writers = dp_writers(named, self.topology.dp * self.topology.cp)
         return optimizer_state(named, self.engine.optimizer, keep=lambda name: writers[name] == self.data_rank) | stored
 
-    def save_optimizer(
-        self, step_dir: Path, shard: Mapping[str, torch.Tensor], metadata: Mapping[str, str]
-    ) -> Path | None:
-        """Write ``optimizer_shard()``'s result; returns the file, or None when this rank has nothing to write."""
+    def optimizer_snapshot(self, shard: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> HostFile | None:
+        """``optimizer_shard()``'s result (host copies) as this rank's optimizer file, or None when this rank has
+        nothing to write."""
         if not shard:
             return None
-        path = Path(step_dir) / optimizer_file_name(self.tp_rank, self.pp_rank, self.data_rank)
         topology = self.topology
         meta = {
             **metadata,
@@ -828,8 +847,14 @@ class ParallelEngine:
             "dp": str(topology.dp),
             "cp": str(topology.cp),
         } | ({"tp2d": str(topology.tp2d)} if topology.tp2d > 1 else {})
-        save_file(dict(shard), str(path), metadata=meta)
-        return path
+        return HostFile(optimizer_file_name(self.tp_rank, self.pp_rank, self.data_rank), dict(shard), meta)
+
+    def save_optimizer(
+        self, step_dir: Path, shard: Mapping[str, torch.Tensor], metadata: Mapping[str, str]
+    ) -> Path | None:
+        """Write ``optimizer_shard()``'s result; returns the file, or None when this rank has nothing to write."""
+        snapshot = self.optimizer_snapshot(shard, metadata)
+        return None if snapshot is None else snapshot.write(Path(step_dir))
 
     def load_optimizer(self, step_dir: Path) -> bool:
         """Load the optimizer state saved by ``save_optimizer`` at any layout (local, no collective). Returns

@@ -57,6 +57,9 @@ class TrainSettings:
     rampup: dict[str, int] | None = None
     save_interval_minutes: float = 180.0  # BLOOM-176B saved about every 3 hours of wall time
     keep_last: int = 3
+    # Checkpoints written in the background (appliance/train/async_save.py): a step waits only for host copies of
+    # its shards. False: every save blocks until committed, as a stop's does (no second host copy of the shards).
+    async_checkpoints: bool = True
     eval_task_limit: int | None = None  # documents per evaluation task (0: all; None: 32 on CPU, all on GPUs)
     drift_check_interval: int = DRIFT_CHECK_INTERVAL  # 0 turns the check off
     # ZeRO's all-gather of the updated weights, per layer in the background of the next step's forward rather than
@@ -180,6 +183,7 @@ CHANGEABLE_MID_RUN: dict[str, str] = {
     "save_interval": "when to save; read by the trainer at each launch",
     "save_interval_minutes": "when to save by wall time; read by the trainer at each launch",
     "keep_last": "how many checkpoints pruning keeps; the next save prunes to the new count",
+    "async_checkpoints": "when a save's files are written, not what they hold; read by the trainer at each launch",
     "drift_check_interval": "how often the TP replicas are compared; a check, not a change of state",
     "hang_timeout_s": "the watchdog's and the collectives' timeout, set when the ranks start",
     "heartbeat_interval_s": "how often ranks report alive, set when the ranks start",

@@ -14,7 +14,8 @@ Layout of checkpoints/:
 Commit protocol: every rank writes and fsyncs its files and reports (name, size, sha256) to rank 0; if any
 rank failed, nobody commits. Rank 0 then writes manifest.json atomically (temp, fsync, rename, dir fsync) and
 repoints `latest` the same way. A directory without a valid manifest is ignored by `find_latest`, so a crash
-at any point leaves the previous checkpoint as the one that loads.
+at any point leaves the previous checkpoint as the one that loads. The files are written in the background while
+training goes on, and the commit follows once every rank's writer is done (async_save.py).
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ A run that has never lost a rank has not tested its recovery. Set BLOOM_FAULTS b
     BLOOM_FAULTS="nan@step=4"                       the loss of step 4 is NaN on every rank that computes it
     BLOOM_FAULTS="save_crash@step=6:rank=1"         rank 1 SIGKILLs itself inside the save of step 6, after
                                                     writing its files and before the commit
+    BLOOM_FAULTS="write_crash@step=6:rank=1"        rank 1 SIGKILLs itself halfway through writing its files of
+                                                    step 6 in the background, once step 7 has run meanwhile
     BLOOM_FAULTS="enospc@step=6:rank=1"             rank 1's checkpoint write of step 6 fails with ENOSPC
 
 Several faults are separated by commas. Each fires on the first attempt only (the elastic agent's restart count
@@ -20,12 +22,16 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import time
 from dataclasses import dataclass
 
 from appliance.errors import BadInput
 
 ENV = "BLOOM_FAULTS"
-KINDS = ("kill", "hang", "nan", "save_crash", "enospc")
+KINDS = ("kill", "hang", "nan", "save_crash", "enospc", "write_crash")
+# write_crash waits at most this long for training to move on past the save's step (a save that blocks the loop, such
+# as the last one or a stop's, never lets it): the kill then comes mid-write all the same.
+WRITE_CRASH_PATIENCE_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -82,12 +88,14 @@ class FaultInjector:
         self.rank = rank
         self.faults = parse_faults(os.environ.get(ENV, "")) if faults is None else faults
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) if attempt is None else attempt
+        self.started_step = 0  # the newest step the training loop has started (read by the writer thread)
 
     def due(self, kind: str, step: int) -> bool:
         return any(f.applies(kind, step, self.rank, self.attempt) for f in self.faults)
 
     def at_step_start(self, step: int) -> None:
         """Kill or stop this process at the start of `step` when planned."""
+        self.started_step = step
         if self.due("kill", step):
             os.kill(os.getpid(), signal.SIGKILL)
         if self.due("hang", step):
@@ -97,6 +105,17 @@ class FaultInjector:
         """Between writing this rank's checkpoint files and the commit."""
         if self.due("save_crash", step):
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def during_write(self, step: int) -> None:
+        """Between two of this rank's checkpoint files, in the writer thread: SIGKILL once the training loop has
+        started the second step after the save's, so the step between them ran (on every rank: its collectives
+        need this one) while the save was half written."""
+        if not self.due("write_crash", step):
+            return
+        deadline = time.monotonic() + WRITE_CRASH_PATIENCE_S
+        while self.started_step < step + 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def before_write(self, step: int) -> None:
         """Before this rank writes its checkpoint files: a full disk, as the write would see it."""

@@ -33,6 +33,7 @@ from appliance.planner.cadence import save_due
 from appliance.planner.train_settings import DRIFT_CHECK_INTERVAL
 from appliance.rundir import RunDir
 from appliance.train import checkpoint as ckpt
+from appliance.train.async_save import AsyncCheckpointer, Committed, PendingFile, Snapshot, TorchFile
 from appliance.train.budget_watch import BudgetWatch, budget_message
 from appliance.train.control import ControlChannel, host_group
 from appliance.train.faults import FaultInjector
@@ -146,6 +147,7 @@ class Trainer:
         eod_id: int | None = None,
         late_reads: bool | None = None,
         token_bytes: np.ndarray | None = None,
+        background_saves: bool = True,
     ) -> None:
         self.engine = engine
         self.s = settings
@@ -192,6 +194,19 @@ class Trainer:
         self.eod_id = eod_id if settings.reset_attention_mask else None
         # UTF-8 bytes per token id (tokenizer/token_bytes.py): with them, evaluations give bits per byte too.
         self.token_bytes = None if token_bytes is None else torch.as_tensor(token_bytes, dtype=torch.int64)
+        # Checkpoints: the step waits for host copies; files, manifest and commit follow in the background
+        # (async_save.py). background_saves=False does all of it in this thread, at the same points of the protocol.
+        self.checkpointer = AsyncCheckpointer(
+            run_dir.checkpoints,
+            rank=rank,
+            world_size=world_size,
+            group=self.host_group,
+            faults=self.faults,
+            keep_last=settings.keep_last,
+            on_commit=self._on_commit,
+            background=background_saves,
+        )
+        self._checkpoint_bytes: int | None = None  # a checkpoint's size bound for the free-space check, once measured
 
     # ---- data --------------------------------------------------------------------------------------------
     def to_batch(self, source: SampleSource, indices: Sequence[int]) -> tuple[torch.Tensor, ...]:
@@ -232,10 +247,6 @@ class Trainer:
         if dist.is_initialized():
             dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.host_group)
         return t.tolist()
-
-    def _barrier(self) -> None:
-        if dist.is_initialized():
-            dist.barrier()
 
     def _emit(self, kind: str, **fields: Any) -> None:
         if self.events is not None:
@@ -308,6 +319,7 @@ class Trainer:
                 f"the loss stayed non-finite after {self.s.max_rollbacks} rollbacks (last at steps "
                 f"{window[0]}-{window[1]}): lower the learning rate or inspect the data"
             )
+        self.wait_for_checkpoint()  # a save in flight is of a step before the streak: it counts
         # One rank chooses (the search verifies hashes), so every rank loads the same directory.
         choice: list[Path | None] = [ckpt.find_latest(self.run_dir.checkpoints) if self.rank == 0 else None]
         if dist.is_initialized():
@@ -394,75 +406,58 @@ class Trainer:
         return validation
 
     # ---- checkpoints -------------------------------------------------------------------------------------
-    def save(self) -> Path:
-        started = time.time()
-        root = self.run_dir.checkpoints
-        ok = 1.0
-        error = ""
-        needed = int(self._model_bytes() * 4)  # fp32 weights + ~3x that in optimizer and rank files
+    def save(self, *, wait: bool = True) -> Path:
+        """Checkpoint this step (collective). With wait (the default), return once it has committed; else once every
+        rank holds host copies of its files: the files are written and committed in the background, and the training
+        loop's polls (`fit`) learn when (async_save.py)."""
+        if self._checkpoint_bytes is None:
+            self._checkpoint_bytes = int(self._model_bytes() * 4)  # fp32 weights + ~3x that in optimizer and rank files
+        return self.checkpointer.save(self.pos.step, self._checkpoint_bytes, self._snapshot, wait=wait)
+
+    def wait_for_checkpoint(self) -> None:
+        """Return once the save in flight, if any, has committed (collective)."""
+        self.checkpointer.wait()
+
+    def _snapshot(self, step_dir: Path) -> Snapshot:
+        """This rank's files of a checkpoint of this step, as host copies, and the manifest's fields as of now."""
+        tag = {"step": str(self.pos.step)}
+        # Collective (ZeRO and bf16 state is gathered over DP): every rank, before anything that may fail on one.
+        optimizer = self.engine.optimizer_snapshot(self.engine.optimizer_shard(), tag)
+        # DP and CP rank 0 of each (tp, pp) position writes its model shard (tp = pp = 1: the whole model); the
+        # position's DP x CP ranks share the writing of its optimizer state; every rank writes its RNG states. The RNG
+        # file goes first, so that a rank killed between two files (write_crash) leaves some written.
+        model = self.engine.model_snapshot(tag)
+        files: list[PendingFile] = [TorchFile(rank_file(self.rank), {"rng": rng_state()})]
+        files += [f for f in (model, optimizer) if f is not None]
+        # Split layouts assemble the whole model from the checkpoint last saved (ParallelEngine.module); it is
+        # complete before anything asks, since the last save of a run commits before fit returns.
+        self.engine.last_checkpoint = step_dir
+        manifest: dict[str, Any] = {
+            "consumed_samples": self.pos.consumed_samples,
+            "layout": self.layout,
+            "world_size": self.world_size,
+            "versions": self.versions,
+            "skip_windows": [list(w) for w in self.skip_windows],
+        }
         if self.rank == 0:
-            try:
-                ckpt.check_free_space(root.parent, needed)
-                ckpt.prepare_step_dir(root, self.pos.step)
-            except (OSError, ckpt.CheckpointError) as e:
-                ok, error = 0.0, str(e)
-        (ok,) = self._all_reduce([ok], dist.ReduceOp.MIN)
-        step_dir = root / ckpt.step_dir_name(self.pos.step)
-        records: list[ckpt.FileRecord] = []
-        if ok:
-            # Collective (ZeRO and bf16 state is gathered over DP): before anything that may fail on one rank only.
-            optimizer_shard = self.engine.optimizer_shard()
-            try:
-                # DP and CP rank 0 of each (tp, pp) position writes its model shard (tp = pp = 1: the whole model);
-                # the position's DP x CP ranks share the writing of its optimizer state; every rank writes its RNG
-                # states.
-                self.faults.before_write(self.pos.step)
-                model_file = self.engine.save_model(step_dir, {"step": str(self.pos.step)})
-                if model_file is not None:
-                    records.append(ckpt.FileRecord.of(model_file))
-                optimizer_file = self.engine.save_optimizer(step_dir, optimizer_shard, {"step": str(self.pos.step)})
-                if optimizer_file is not None:
-                    records.append(ckpt.FileRecord.of(optimizer_file))
-                torch.save({"rng": rng_state()}, step_dir / rank_file(self.rank))
-                records.append(ckpt.FileRecord.of(step_dir / rank_file(self.rank)))
-            except OSError as e:  # ENOSPC, EIO...: every rank learns it below and nobody commits
-                ok, error = 0.0, f"rank {self.rank}: {e}"
-            (ok,) = self._all_reduce([ok], dist.ReduceOp.MIN)
-        if not ok:
-            # Every rank raises the same message, naming each rank's own cause (a full disk is seen by the writer).
-            causes: list[str] = [error]
-            if dist.is_initialized():
-                causes = [""] * self.world_size
-                dist.all_gather_object(causes, error)
-            reason = "; ".join(c for c in causes if c)
-            raise ckpt.CheckpointError(f"checkpoint at step {self.pos.step} failed, previous one kept: {reason}")
-        self.faults.in_save(self.pos.step)
-        gathered: list[list[ckpt.FileRecord]] = [[] for _ in range(self.world_size)]
-        if dist.is_initialized():
-            dist.all_gather_object(gathered, records)
-        else:
-            gathered = [records]
-        if self.rank == 0:
-            meta = {
-                "consumed_samples": self.pos.consumed_samples,
-                "layout": self.layout,
-                "world_size": self.world_size,
-                "versions": self.versions,
-                "skip_windows": [list(w) for w in self.skip_windows],
-            }
             scaler = self.engine.loss_scaler_state()
             if scaler is not None:
-                meta["loss_scaler"] = scaler
-                meta["overflow_steps"] = self.overflow_steps
-            ckpt.commit(root, self.pos.step, [r for recs in gathered for r in recs], meta)
-            ckpt.prune(root, self.s.keep_last)
-        self._barrier()
-        size = sum(r.bytes for recs in gathered for r in recs)
-        seconds = time.time() - started
+                manifest["loss_scaler"] = scaler
+                manifest["overflow_steps"] = self.overflow_steps
+        return Snapshot(files, manifest)
+
+    def _on_commit(self, done: Committed) -> None:
+        """A save committed (rank 0 reports it; the others do nothing)."""
         if self.budget is not None:
-            self.budget.observe_checkpoint(seconds)
-        self._emit("checkpoint", step=self.pos.step, path=str(step_dir), seconds=seconds, bytes=size)
-        return step_dir
+            self.budget.observe_checkpoint(done.stall_s)  # what the steps lost to it, not the background write
+        self._emit(
+            "checkpoint",
+            step=done.step,
+            path=str(done.path),
+            seconds=done.seconds,
+            bytes=done.bytes,
+            stall_s=done.stall_s,
+        )
 
     def load(self, step_dir: Path) -> None:
         """Weights, optimizer state and data position from a checkpoint of any layout; the RNG states too when the
@@ -526,14 +521,20 @@ class Trainer:
             pending = issued
             drift_due = self.drift_check_interval > 0 and self.pos.step % self.drift_check_interval == 0
             eval_due = self.pos.step % self.s.eval_interval == 0 or self.pos.step == total_steps
-            # One host all-reduce agrees on the stop and save requests and on the time since the last save: every
-            # rank then takes the same branch, wall time included.
+            # One host all-reduce agrees on the stop and save requests, on the time since the last save and on
+            # whether a background save is still being written anywhere: every rank then takes the same branch.
             save_seen, stop_seen = self.control.local_flags()
-            save_asked, stop_asked, elapsed = self._all_reduce(
-                [max(save_seen, carried[0]), max(stop_seen, carried[1]), time.time() - last_save_time],
+            save_asked, stop_asked, elapsed, checkpoint_state = self._all_reduce(
+                [
+                    max(save_seen, carried[0]),
+                    max(stop_seen, carried[1]),
+                    time.time() - last_save_time,
+                    self.checkpointer.writing(),
+                ],
                 dist.ReduceOp.MAX,
             )
             carried = (0.0, 0.0)
+            self.checkpointer.poll(checkpoint_state)
             due = save_due(self.pos.step, total_steps, self.s.save_interval, elapsed, self.s.save_interval_minutes)
             stop = bool(stop_asked) or self.pos.step == self.stop_at_step
             save = bool(save_asked) or stop or due or self.pos.step == total_steps
@@ -547,10 +548,14 @@ class Trainer:
                 continue
             if drift_due:
                 self.check_drift()
+            final = self.pos.step == total_steps
+            if save and final:
+                # The run's last save is written while its last evaluation runs; it commits before fit returns.
+                self.save(wait=not self.s.async_checkpoints)
             if eval_due:
                 self._record_eval(self._timed_evaluate())
-            if save:
-                self.save()
+            if save and not final:
+                self.save(wait=stop or not self.s.async_checkpoints)  # a stop saves completely before leaving
                 last_save_time = time.time()
             self._last_finish = time.time()  # the next step's clock starts after the checkpoint or evaluation
             if stop and self.pos.step < total_steps:
@@ -563,6 +568,7 @@ class Trainer:
                 return "preempted"
         if pending is not None:  # the last step always saves, so this is only a safeguard
             self.finish_step(pending, total_steps)
+        self.wait_for_checkpoint()
         return "done"
 
     def finish_step(self, issued: IssuedStep, total_steps: int) -> bool:

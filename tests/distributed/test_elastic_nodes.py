@@ -1,6 +1,6 @@
 """Losing a node and carrying on, simulated on this machine: three `train --nnodes 2:3 --node-rank R` processes on
 one run directory, one rank each (tp1 pp1 dp3, global batch 6, micro-batch 1: 2 micro-batches per step on three
-nodes, 3 on two). Node 2's rank freezes at the start of step STOP_AT + 1 (the fault injector's `hang`, so the
+nodes, 3 on two). Node 2's rank freezes at the start of step FREEZE_AT (the fault injector's `hang`, so the
 loss lands at a known step whatever the machine's speed); the test then kills node 2 outright: its head, its agent's
 process group and its rank.
 
@@ -32,7 +32,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 6
-STOP_AT = 2  # the checkpoint the two survivors resume from; node 2 freezes as step 3 starts
+STOP_AT = 2  # the checkpoint the two survivors resume from
+# Checkpoints are written in the background and commit at a later step boundary, so a rank frozen right after a save
+# would take that save with it. Step 4's save first waits for step 2's to commit (one save in flight); its own
+# commit needs step 5's boundary, which node 2, frozen as step 5 starts, never reaches: the survivors resume from
+# step 2 and train steps 3 and 4 again, whatever the machine's speed.
+FREEZE_AT = STOP_AT + 3
 # Fast failure detection for one machine: a node is dead after 1 s x 3 missed keep-alives, and a round closes 5 s
 # after MIN nodes joined (production: 5 x 3 s and 30 s; appliance/train/launch.py ELASTIC_RDZV_CONF). Not shorter: on
 # a loaded machine a node still joining may miss a keep-alive by 2 s and drop out of the round (the first round then
@@ -91,7 +96,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     base = {k: v for k, v in cpu_only_env().items() if k != "BLOOM_FAULTS"} | {"BLOOM_RDZV_CONF": RDZV_CONF}
     heads = {}
     for rank in (2, 1, 0):  # the others first: they wait for node 0's rendezvous
-        env = base | ({"BLOOM_FAULTS": f"hang@step={STOP_AT + 1}"} if rank == 2 else {})
+        env = base | ({"BLOOM_FAULTS": f"hang@step={FREEZE_AT}"} if rank == 2 else {})
         cmd = [sys.executable, str(ROOT / "bloom_appliance.py"), "train", "--run-dir", str(run_dir.root)]
         cmd += ["--nnodes", "2:3", "--node-rank", str(rank), "--master", f"127.0.0.1:{port}"]
         heads[rank] = subprocess.Popen(
@@ -99,10 +104,10 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         )
 
     deadline = time.monotonic() + 240
-    while not [e for e in events(run_dir, "checkpoint") if e["step"] == STOP_AT] and time.monotonic() < deadline:
+    while not [e for e in events(run_dir, "step") if e["step"] == FREEZE_AT - 1] and time.monotonic() < deadline:
         assert all(h.poll() is None for h in heads.values()), "a node exited before the loss"
         time.sleep(0.2)
-    time.sleep(0.3)  # node 2's rank froze as step 3 started, right after the checkpoint: the loss lands there
+    time.sleep(0.3)  # node 2's rank froze as step 5 started, right after step 4's save: the loss lands there
     killed_at = time.time()
     _kill_node(heads[2])
     results = {rank: heads[rank].communicate(timeout=max(1.0, deadline - time.monotonic())) for rank in (0, 1)}
@@ -134,18 +139,18 @@ def test_the_recovery_event_names_the_lost_node_the_layouts_and_the_lost_seconds
     assert change["lost_nodes"] == [f"{socket.gethostname()}/node2"]
     assert (change["layout_from"], change["layout_to"]) == ("tp(1) * pp(1) * dp(3)", "tp(1) * pp(1) * dp(2)")
     assert change["resumed_step"] == STOP_AT
-    # From the last step before the loss (step 2; node 2 froze as step 3 started) to the first step after it: at
+    # From the last step before the loss (step 4; node 2 froze as step 5 started) to the first step after it: at
     # least the wait before the kill, and at most the whole run.
     last_before = max(e["t"] for e in events(run["dir"], "step") if e["t"] < run["killed_at"])
     assert run["killed_at"] - last_before <= change["lost_seconds"] < 240
-    assert change["redone_steps"] == 0
+    assert change["redone_steps"] == FREEZE_AT - 1 - STOP_AT  # steps 3 and 4, whose save never committed
 
 
 def test_steps_continue_from_the_checkpoint_and_the_loss_comes_down(run: dict[str, Any]) -> None:
     steps = events(run["dir"], "step")
     before = [e for e in steps if e["t"] < run["killed_at"]]
     after = [e for e in steps if e["t"] >= run["killed_at"]]
-    assert [e["step"] for e in before] == list(range(1, STOP_AT + 1))
+    assert [e["step"] for e in before] == list(range(1, FREEZE_AT))
     assert [e["step"] for e in after] == list(range(STOP_AT + 1, STEPS + 1))
     losses = [e["loss"] for e in steps]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses

@@ -68,6 +68,9 @@ def _prepared(root: Path, steps: int) -> RunDir:
         eval_samples=2,
         save_interval=2,
         eval_task_limit=1,
+        # A node freezes right after a save: blocking saves have committed it by then (a background one would still
+        # wait for the next step boundary, and go with the node; test_elastic_nodes shows that case).
+        async_checkpoints=False,
     )
     plan = json.loads(run_dir.plan.read_text())
     plan["run"]["max_restarts"] = 3  # the survivors' restarts after the losses

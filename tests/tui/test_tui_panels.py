@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from textual.pilot import Pilot
-from tui_support import synthetic_events, widget_text
+from tui_support import synthetic_events, widget_text, write_run
 
 from appliance.monitor.state import Series
 from appliance.rundir import RunDir
@@ -120,6 +121,24 @@ def test_live_run_eta_cadence_and_projection(live_run: RunDir) -> None:
         assert "waiting for evaluation results" in text(app, "#eval-languages")
 
     drive(live_run.root, check, follow=True)
+
+
+def test_a_background_save_shows_its_write_and_what_the_steps_waited(tmp_path: Path) -> None:
+    """Pass: a checkpoint event with stall_s shows the write (45 s) and the steps' wait (2 s, 4% of it) apart; the
+    old single "took" row is for events without stall_s (test_live_run_eta_cadence_and_projection's run)."""
+    events = synthetic_events(last_step=600, finished=False)
+    for event in events:
+        if event["kind"] == "checkpoint":
+            event["stall_s"] = 2.0
+    run_dir = write_run(tmp_path / "async", events)
+
+    async def check(app: DashboardApp, pilot: Pilot[int]) -> None:
+        checkpoints = text(app, "#checkpoints")
+        assert re.search(r"write +45s 2\.3 TB", checkpoints), checkpoints
+        assert re.search(r"steps waited +2s 4% of the write", checkpoints), checkpoints
+        assert "took" not in checkpoints
+
+    drive(run_dir.root, check, follow=True)
 
 
 def test_keys_write_the_control_files(live_run: RunDir) -> None:

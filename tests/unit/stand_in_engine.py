@@ -9,7 +9,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from safetensors.torch import save_file
+
+from appliance.parallel.engine import HostFile
 
 
 class StandInEngine:
@@ -19,6 +20,7 @@ class StandInEngine:
         self.scaler = scaler  # the loss scaler's state (None: a bf16 or fp32 engine)
         self.loss_fn = SimpleNamespace(inject_nan=False)
         self.loaded_scaler: dict[str, float] | None = None
+        self.last_checkpoint: Path | None = None
 
     def set_lr(self, lr: float) -> None:
         pass
@@ -32,11 +34,10 @@ class StandInEngine:
     def optimizer_shard(self) -> dict[str, torch.Tensor]:
         return {}
 
-    def save_model(self, step_dir: Path, metadata: Mapping[str, str]) -> Path:
-        save_file({"w": torch.zeros(4)}, str(step_dir / "model.safetensors"))
-        return step_dir / "model.safetensors"
+    def model_snapshot(self, metadata: Mapping[str, str]) -> HostFile:
+        return HostFile("model.safetensors", {"w": torch.zeros(4)}, dict(metadata))
 
-    def save_optimizer(self, step_dir: Path, shard: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
+    def optimizer_snapshot(self, shard: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
         return None
 
     def load_model(self, step_dir: Path) -> None:

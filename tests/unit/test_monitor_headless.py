@@ -43,6 +43,11 @@ def text_lines(events: list[dict[str, object]], every_steps: int = 10) -> list[s
     return [x.split("] ", 1)[1] for x in out.getvalue().splitlines()]
 
 
+def test_a_background_save_line_names_what_the_steps_waited() -> None:
+    event = make_event("checkpoint", t=T0, step=25, path="c/25", seconds=12.0, bytes=2.5e9, stall_s=0.4)
+    assert text_lines([event]) == ["checkpoint step 25 saved in 12s (2.5 GB, steps waited 0.4s) -> c/25"]
+
+
 def test_text_mode_lines() -> None:
     events = [
         make_event("stage", t=T0, name="training", state="started", progress=0.0),

@@ -94,6 +94,17 @@ def test_checkpoint_cadence_from_observed_saves() -> None:
     assert due == 300 and eta == pytest.approx(50.0)  # at step 250, 1 s a step
 
 
+def test_a_checkpoint_keeps_its_stall_beside_its_write() -> None:
+    events = [step(n, T0 + n, total_steps=1000) for n in range(10, 60, 10)]
+    events.insert(2, make_event("checkpoint", t=T0 + 25, step=20, path="c/20", seconds=5.0, bytes=2e9))
+    events.insert(4, make_event("checkpoint", t=T0 + 45, step=40, path="c/40", seconds=6.0, bytes=2e9, stall_s=0.3))
+    state = fold(events[:3])
+    assert state.last_checkpoint is not None and state.last_checkpoint.stall_s is None  # a blocking save's event
+    state = fold(events)
+    assert state.last_checkpoint is not None
+    assert (state.last_checkpoint.seconds, state.last_checkpoint.stall_s) == (6.0, 0.3)
+
+
 def test_gpu_events_aggregate_per_node() -> None:
     events = []
     for n in range(48):

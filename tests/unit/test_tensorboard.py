@@ -75,7 +75,9 @@ def recorded_run(root: Path) -> list[dict[str, Any]]:
         device = {"index": 1, "memory_used_gb": 41.5, "util": 97.0, "power_w": 388.2, "temperature_c": 71.0}
         writer.emit("gpu", node="node-a", devices=[device])
         writer.emit("energy", node="node-a", kwh=0.125, co2_kg=0.007, gpu_kwh=0.1, cpu_kwh=0.025)
-        writer.emit("checkpoint", step=3, path="checkpoints/step-00000003", seconds=2.5, bytes=3_000_000_000)
+        writer.emit(
+            "checkpoint", step=3, path="checkpoints/step-00000003", seconds=2.5, bytes=3_000_000_000, stall_s=0.25
+        )
         writer.emit(
             "eval",
             final=True,
@@ -128,6 +130,7 @@ def test_recorded_events_read_back_under_megatron_names_at_their_steps(tmp_path:
     assert got["power-watts/node-a/gpu1"] == [(3, f32(388.2))]
     assert got["energy/node-a kwh"] == [(3, 0.125)] and got["energy/node-a co2-kg"] == [(3, f32(0.007))]
     assert got["checkpoint/save-seconds"] == [(3, 2.5)] and got["checkpoint/size-gb"] == [(3, 3.0)]
+    assert got["checkpoint/stall-seconds"] == [(3, 0.25)]
     # metrics.jsonl stays whole: the sink adds no event of its own when all is well.
     assert [e["kind"] for e in events].count("warning") == 0
 

@@ -63,7 +63,9 @@ def keep_signal_handlers() -> Iterator[None]:
         signal.signal(sig, handler)
 
 
-def make_trainer(run_dir: RunDir, engine: LateEngine, steps: int, *, late: bool = True, **settings: Any) -> Trainer:
+def make_trainer(
+    run_dir: RunDir, engine: LateEngine, steps: int, *, late: bool = True, background: bool = False, **settings: Any
+) -> Trainer:
     values = dict(
         seq_len=SEQ, global_batch_size=BATCH, micro_batch_size=BATCH, train_samples=BATCH * steps, lr=1e-3,
         min_lr=1e-4, warmup_samples=0, decay_samples=BATCH * steps, weight_decay=0.0, grad_clip=1.0,
@@ -89,6 +91,8 @@ def make_trainer(run_dir: RunDir, engine: LateEngine, steps: int, *, late: bool 
         versions={},
         device=torch.device("cpu"),
         late_reads=late,
+        # Without background saves a checkpoint's event comes at the first step boundary after its save, always.
+        background_saves=background,
     )
 
 

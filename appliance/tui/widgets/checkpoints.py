@@ -1,5 +1,5 @@
-"""Checkpoint cadence: the last save (step, time, duration, size), the interval, when the next one is due, and
-whether a request from this dashboard is still waiting for the trainer."""
+"""Checkpoint cadence: the last save (step, time, its write and what the steps waited for it, size), the interval,
+when the next one is due, and whether a request from this dashboard is still waiting for the trainer."""
 
 from __future__ import annotations
 
@@ -23,10 +23,15 @@ class CheckpointPanel(Panel):
         due_step, due_s = state.next_checkpoint
         rows: list[tuple[str, str, str]] = []
         if last is not None:
-            rows += [
-                ("last save", f"step {last.step}", f"at {fmt_clock(last.t)}"),
-                ("took", fmt_duration(last.seconds), fmt_bytes(last.bytes)),
-            ]
+            rows.append(("last save", f"step {last.step}", f"at {fmt_clock(last.t)}"))
+            if last.stall_s is None:  # a run from before asynchronous saves: the steps waited for all of it
+                rows.append(("took", fmt_duration(last.seconds), fmt_bytes(last.bytes)))
+            else:
+                share = f"{last.stall_s / last.seconds:.0%} of the write" if last.seconds > 0 else ""
+                rows += [
+                    ("write", fmt_duration(last.seconds), fmt_bytes(last.bytes)),
+                    ("steps waited", fmt_duration(last.stall_s), share),
+                ]
         if interval_steps or interval_s:
             steps = f"{interval_steps} steps" if interval_steps else "-"
             rows.append(("interval", steps, f"~{fmt_duration(interval_s)}" if interval_s else ""))
