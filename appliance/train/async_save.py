@@ -295,7 +295,7 @@ class AsyncCheckpointer:
         return -self._all_max(-ok) > 0
 
     def _all_max(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64)
+        t = torch.tensor([value], dtype=torch.float64, device="cpu")  # a host value on the gloo host group
         if dist.is_initialized():
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return float(t.item())
