@@ -115,7 +115,7 @@ class RunDir:
 
     @property
     def compile_cache(self) -> Path:
-        """Triton's and torch.compile's caches, one directory per node (appliance/train/launch.py, compile_cache_env)."""
+        """Triton's and torch.compile's caches, a directory per node (appliance/train/launch.py compile_cache_env)."""
         return self.root / "compile-cache"
 
     def make(self) -> RunDir:
