@@ -35,7 +35,6 @@ import importlib
 import importlib.util
 import os
 import shutil
-import sys
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -62,7 +61,6 @@ __all__ = [
     "bias_gelu",
     "call_counts",
     "chosen",
-    "constant_result",
     "flash_alibi_attention",
     "flash_alibi_attention_backward",
     "get_backend",
@@ -258,19 +256,8 @@ def chosen() -> dict[str, str]:
 _calls: Counter[tuple[str, str]] = Counter()
 
 
-def constant_result(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """torch.compiler.assume_constant_result without importing torch._dynamo for it: that import costs a process
-    about as long as torch's own, and an eager run (a CPU rank) never needs dynamo. The decorator only sets this
-    flag, which dynamo reads when it traces a call (torch 2.11 to 2.13; tests/unit/test_startup.py compares the
-    flag with the one torch's decorator sets)."""
-    if "torch._dynamo" in sys.modules:
-        return torch.compiler.assume_constant_result(fn)
-    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
-    return fn
-
-
 # Called by dynamo once, when it traces a call, as a constant (see the module docstring); plain in eager.
-@constant_result
+@torch.compiler.assume_constant_result
 def _count(key: tuple[str, str]) -> None:
     _calls[key] += 1
 

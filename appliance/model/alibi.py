@@ -12,8 +12,6 @@ from functools import lru_cache
 
 import torch
 
-from kernels.registry import constant_result
-
 
 @lru_cache(maxsize=64)
 def _slopes(n_head: int) -> tuple[float, ...]:
@@ -36,7 +34,7 @@ def _slopes(n_head: int) -> tuple[float, ...]:
 
 
 # A constant to torch.compile: traced, _slopes's .tolist() would end the graph, and the tuple is fixed per head count.
-@constant_result
+@torch.compiler.assume_constant_result
 def _slope_values(n_head: int) -> tuple[float, ...]:
     return _slopes(n_head)
 

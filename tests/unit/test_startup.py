@@ -2,8 +2,6 @@
 reducer, the headless printer, TensorBoard and summary.json."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -13,7 +11,6 @@ from appliance.monitor.state import RunState
 from appliance.monitor.summary import train_stage_time
 from appliance.monitor.tensorboard import StepClock, scalars_of
 from appliance.train.startup import LAUNCH_TIME_ENV, PHASES, RESTART_ENV, StartupClock, launch_time
-from kernels import registry
 
 LAUNCH = 1_000.0
 
@@ -123,30 +120,3 @@ def test_summary_splits_the_train_stage_into_start_steps_checkpoints_and_the_res
         "launches": 1,
     }
     assert train_stage_time(events[1:]) is None  # no train stage in the file
-
-
-def test_a_rank_starts_without_importing_dynamo():
-    # torch._dynamo costs a process about as long to import as torch; an eager (CPU) rank never needs it.
-    code = "import sys, appliance.train.worker; print('torch._dynamo' in sys.modules)"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == "False"
-
-
-def test_constant_result_marks_a_function_as_torchs_decorator_does(monkeypatch):
-    import torch
-
-    def mine():
-        return 3.0
-
-    def torchs():
-        return 3.0
-
-    loaded = sys.modules.get("torch._dynamo")
-    monkeypatch.delitem(sys.modules, "torch._dynamo", raising=False)  # as in a rank: the flag, without the import
-    marked = registry.constant_result(mine)
-    if loaded is not None:
-        monkeypatch.setitem(sys.modules, "torch._dynamo", loaded)
-    assert vars(marked) == vars(torch.compiler.assume_constant_result(torchs)) != {}
-    compiled = torch.compile(lambda x: x * marked(), fullgraph=True, backend="eager")
-    assert compiled(torch.ones(2)).tolist() == [3.0, 3.0]
