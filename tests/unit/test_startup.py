@@ -2,6 +2,9 @@
 reducer, the headless printer, TensorBoard and summary.json."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -13,6 +16,7 @@ from appliance.monitor.tensorboard import StepClock, scalars_of
 from appliance.train.startup import LAUNCH_TIME_ENV, PHASES, RESTART_ENV, StartupClock, launch_time
 
 LAUNCH = 1_000.0
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
 
 
 def started_clock(tmp_path, *, launched=LAUNCH, restart=0):
@@ -120,3 +124,16 @@ def test_summary_splits_the_train_stage_into_start_steps_checkpoints_and_the_res
         "launches": 1,
     }
     assert train_stage_time(events[1:]) is None  # no train stage in the file
+
+
+def test_the_process_start_is_read_to_the_clock_tick():
+    # The first statement of a fresh interpreter runs after its start, and soon after it: a start read to the whole
+    # second (psutil's create_time rounds the boot time) would often fall after it or a second before.
+    code = (
+        "import time; t = time.time(); from appliance.train.startup import process_start_time; "
+        "print(t, process_start_time())"
+    )
+    done = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=120, env=ENV)
+    first_statement, started = map(float, done.stdout.split())
+    assert started <= first_statement + 0.02  # one clock tick (10 ms) and the reads' own rounding
+    assert first_statement - started < 0.5
