@@ -113,6 +113,11 @@ class RunDir:
         """Per-rank stdout/stderr, as the elastic agent redirects them."""
         return self.root / "logs"
 
+    @property
+    def compile_cache(self) -> Path:
+        """Triton's and torch.compile's caches, a directory per node (appliance/train/launch.py compile_cache_env)."""
+        return self.root / "compile-cache"
+
     def make(self) -> RunDir:
         for d in (self.root, self.control):
             d.mkdir(parents=True, exist_ok=True, mode=0o750)

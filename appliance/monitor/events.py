@@ -36,6 +36,8 @@ REQUIRED_KEYS: dict[str, tuple[str, ...]] = {
     "kernels": ("source", "choices", "times_ms"),
     # elastic launches, at each start's first step: the nodes that train and the spares standing by (train/elastic.py)
     "nodes": ("nodes", "spares"),
+    # a launch's time from the head's launch to the first step's end, {phase: seconds} (train/startup.py)
+    "startup": ("phases", "total_s"),
 }
 
 STAGE_STATES = ("started", "running", "done", "skipped", "failed", "stopped")  # stopped: preempted, resumable

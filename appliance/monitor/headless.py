@@ -181,6 +181,8 @@ class HeadlessPrinter:
             return f"settings changed after step {e.get('step')}: {changed}"
         if kind == "kernels":  # the fused ops' implementations this launch runs (parallel/kernel_choice.py)
             return f"kernels {kernels_text(e)}"
+        if kind == "startup":  # where the launch's start went (train/startup.py)
+            return startup_text(e)
         return None  # gpu and energy events are dashboard material; json mode carries them
 
     def _stage_text(self, e: dict[str, Any]) -> str | None:
@@ -214,6 +216,16 @@ def kernels_text(e: dict[str, Any]) -> str:
         ms = finite((times.get(op) or {}).get(backend))
         parts.append(f"{KERNEL_OP_NAMES.get(op, op)} {backend}" + (f" {ms:.3g} ms" if ms is not None else ""))
     return f"{e.get('source')}: " + ", ".join(parts)
+
+
+def startup_text(e: dict[str, Any]) -> str:
+    """`startup 17.3s to the end of step 1 (from the launch): agent 1.96s, imports 8.38s, ...`."""
+    phases = e.get("phases") or {}
+    parts = ", ".join(f"{name.replace('_', ' ')} {fmt_duration(finite(s))}" for name, s in phases.items())
+    origin = "the launch" if e.get("from") == "launch" else "the rank's process start"
+    return (
+        f"startup {fmt_duration(finite(e.get('total_s')))} to the end of step {e.get('step')} (from {origin}): {parts}"
+    )
 
 
 def plan_line(e: dict[str, Any]) -> str:

@@ -22,6 +22,7 @@ Optional keys this reader understands beyond the required ones of events.py (all
                run.energy_kwh / run.co2_kg (the pre-run estimate for the whole run)
   run:         state (started, done, failed, preempted), name, reason
   kernels:     source, choices, times_ms (and backend when nothing was chosen per op): the newest is kept
+  startup:     phases ({phase: seconds}), total_s, from, restart, step: the newest launch's start is kept
   step (MoE):  moe_aux_loss (the load-balancing loss), expert_load (per MoE layer, each expert's fraction of the
                tokens), expert_tier (the tiered expert store's counters: parallel/expert_store.py
                expert_tier_event); any of them makes `experts` non-None and shows the experts panel
@@ -241,6 +242,7 @@ class RunState:
     plan: dict[str, Any] = field(default_factory=dict)
     budget: dict[str, Any] | None = None  # the newest budget warning's object (appliance/train/budget_watch.py)
     kernels: dict[str, Any] | None = None  # the newest `kernels` event: what the fused ops run, and measured ms
+    startup: dict[str, Any] | None = None  # the newest `startup` event: where the launch's start went, by phase
     experts: ExpertsInfo | None = None  # None until a step event carries an MoE field
     # Control requests still waiting for the trainer (the file exists); set by the reader, not by events.
     checkpoint_requested: bool = False
@@ -423,6 +425,11 @@ class RunState:
 
     def _on_kernels(self, e: dict[str, Any], t: float) -> None:
         self.kernels = {k: v for k, v in e.items() if k not in ("t", "kind")}
+        self.changed.add("throughput")
+
+    def _on_startup(self, e: dict[str, Any], t: float) -> None:
+        phases = {str(k): float(v) for k, v in dict(e["phases"]).items()}
+        self.startup = {k: v for k, v in e.items() if k not in ("t", "kind")} | {"phases": phases}
         self.changed.add("throughput")
 
     def _on_eval(self, e: dict[str, Any], t: float) -> None:

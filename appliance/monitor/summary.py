@@ -26,11 +26,54 @@ def energy_summary(state: RunState) -> dict[str, Any]:
     }
 
 
+STAGE_ENDS = ("done", "failed", "stopped")
+
+
+def train_stage_time(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Where the newest train stage's wall time went, from its events: the launches' starts (the head's own part,
+    then each `startup` event's phases, which end with a launch's first step), the steps after each first step (the
+    trainer's step times), the checkpoints, and the rest (evaluations, the final evaluation, the ranks' and the
+    agent's exit). None when no train stage ran in the file."""
+    starts = [
+        i for i, e in enumerate(events) if e["kind"] == "stage" and e["name"] == "train" and e["state"] == "started"
+    ]
+    if not starts:
+        return None
+    begin = events[starts[-1]]
+    window = events[starts[-1] + 1 :]
+    end = next((e for e in window if e["kind"] == "stage" and e["name"] == "train" and e["state"] in STAGE_ENDS), None)
+    if end is not None:
+        window = window[: window.index(end)]
+    last = end if end is not None else (window[-1] if window else begin)  # a live stage: up to its newest event
+    stage_s = last["t"] - begin["t"]
+    startups = [e for e in window if e["kind"] == "startup"]
+    steps = [e for e in window if e["kind"] == "step"]
+    # A launch's first step is in its startup (first_step phase); the others are the steps proper.
+    step_s = sum(float(e.get("step_time_s") or 0.0) for e in steps) - sum(
+        float(e.get("first_step_time_s") or 0.0) for e in startups
+    )
+    first = startups[0] if startups else None
+    head_s = first["t"] - first["total_s"] - begin["t"] if first is not None and first.get("from") == "launch" else None
+    startup_s = sum(float(e["total_s"]) for e in startups) + (head_s or 0.0)
+    checkpoint_s = sum(float(e.get("seconds") or 0.0) for e in window if e["kind"] == "checkpoint")
+    return {
+        "stage_s": stage_s,
+        "head_s": head_s,  # the train stage's start to the first launch of the agent (the plan read and checked)
+        "startup_s": startup_s,  # head_s and every launch's start, to the end of its first step
+        "steps_s": step_s,  # every other step, by the trainer's own step times
+        "checkpoints_s": checkpoint_s,
+        "other_s": stage_s - startup_s - step_s - checkpoint_s,  # evaluations, final evaluation, exit
+        "steps_share": step_s / stage_s if stage_s > 0 else None,
+        "launches": len(startups),
+    }
+
+
 def summarize(run_dir: RunDir, *, state: str, wall_seconds: float, stage_seconds: dict[str, float]) -> dict[str, Any]:
     steps, evals, failures, recoveries, checkpoints = [], [], [], [], []
     stage_states: dict[str, str] = {}
     state_of_run = RunState()  # the dashboard's reducer: energy summed over every node's latest reading
-    for e in read_events(run_dir.metrics):
+    every_event = list(read_events(run_dir.metrics))
+    for e in every_event:
         state_of_run.apply(e)
         kind = e["kind"]
         if kind == "step":
@@ -81,6 +124,8 @@ def summarize(run_dir: RunDir, *, state: str, wall_seconds: float, stage_seconds
         },
         **energy_summary(state_of_run),
         "checkpoints": len(checkpoints),
+        "startup": state_of_run.startup,  # the newest launch's start, by phase (train/startup.py)
+        "train_time": train_stage_time([e for e in every_event if "t" in e]),
         "eval": eval_result,
         "failures": failures,
         "recoveries": recoveries,

@@ -127,6 +127,18 @@ def checkpoint_scalars(event: dict[str, Any]) -> Iterator[Scalar]:
         yield "checkpoint/size-gb", size / 1e9, step
 
 
+def startup_scalars(event: dict[str, Any]) -> Iterator[Scalar]:
+    """A launch's start, in seconds, at its first step: the total and each phase (train/startup.py)."""
+    step = int(event.get("step", 0))
+    total = finite(event.get("total_s"))
+    if total is not None:
+        yield "startup/total-seconds", total, step
+    for phase, seconds in (event.get("phases") or {}).items():
+        value = finite(seconds)
+        if value is not None:
+            yield f"startup/{phase}-seconds", value, step
+
+
 def gpu_scalars(event: dict[str, Any], step: int) -> Iterator[Scalar]:
     """Each device of the node: memory, utilization, power, temperature (NVML's figures; none on a CPU node)."""
     node = event.get("node", "node")
@@ -191,6 +203,8 @@ def scalars_of(event: dict[str, Any], clock: StepClock) -> list[Scalar]:
         return list(eval_scalars(event))
     if kind == "checkpoint":
         return list(checkpoint_scalars(event))
+    if kind == "startup":
+        return list(startup_scalars(event))
     if kind == "gpu":
         return list(gpu_scalars(event, clock.now()))
     if kind == "energy":

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -29,9 +30,15 @@ from appliance.planner.runspec import RunSpec, load_spec
 from appliance.rundir import RunDir
 from appliance.train.nodes import NodeGroup, check_master_here, store_host_command, wait_for_master
 from appliance.train.runlock import LOCK_ENV, RunLock, own_run_dir
+from appliance.train.startup import LAUNCH_TIME_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKER_MODULE = "appliance.train.worker"
+
+
+# A poll of the agent's few local processes costs microseconds: torch's default, 0.1 s. Ours was 1 s, which added half a
+# second on average to every launch's end and to every restart.
+AGENT_MONITOR_INTERVAL_S = 0.1
 
 
 def agent_command(
@@ -63,8 +70,9 @@ def agent_command(
         conf = rendezvous_conf(elastic=":" in str(nnodes), store_hosted_elsewhere=store_hosted_elsewhere)
         if conf:
             cmd.append(f"--rdzv-conf={conf}")
-    # Each rank's stdout/stderr goes to run_dir/logs/<run id>/attempt_<n>/<rank>/; the console shows events.
-    cmd += [f"--log-dir={Path(run_dir) / 'logs'}", "--redirects=3", "--monitor-interval=1"]
+    # Each rank's stdout/stderr goes to run_dir/logs/<run id>/attempt_<n>/<rank>/; the console shows events. The agent
+    # looks at its workers every AGENT_MONITOR_INTERVAL_S: its exit (the train stage's end) and a restart lag by that.
+    cmd += [f"--log-dir={Path(run_dir) / 'logs'}", "--redirects=3", f"--monitor-interval={AGENT_MONITOR_INTERVAL_S}"]
     cmd += ["-m", WORKER_MODULE, "--run-dir", str(run_dir), *worker_args]
     return cmd
 
@@ -103,11 +111,38 @@ def rendezvous_conf(*, elastic: bool, store_hosted_elsewhere: bool, env: dict[st
 FRESH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
-def worker_env(base: dict[str, str] | None = None, *, cpu_plan: bool = False) -> dict[str, str]:
+# The compile caches torch and Triton read from the environment: Triton's kernels (ours and Inductor's), and
+# Inductor's FX graph, AOTAutograd and autotuning results (torch puts all of those under TORCHINDUCTOR_CACHE_DIR).
+COMPILE_CACHE_ENV = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor"}
+
+
+def compile_cache_env(run_dir: RunDir, node_rank: int = 0) -> dict[str, str]:
+    """Where a node's ranks keep what they compile: `<run>/compile-cache/node<R>/{triton,inductor}`.
+
+    In the run directory, because it is what outlives everything the cache must outlive: an agent restart, a requeue
+    onto other machines, a rerun of the command (the defaults, ~/.triton and /tmp/torchinductor_<user>, are lost with
+    a node's local disk, and /tmp with a reboot). One directory per node (by node rank, which a requeued node keeps),
+    because the run directory may sit on a file system every node mounts: each directory is written by one node's
+    ranks only, so the compile of the first start takes no lock and renames no file across nodes. The caches' keys
+    hold the GPU, the software versions and the source, so a node that lands on other hardware misses, never loads
+    a wrong kernel. A variable the user set is kept (e.g. one cache for every run of a machine)."""
+    root = run_dir.compile_cache / f"node{node_rank}"
+    return {name: str(root / sub) for name, sub in COMPILE_CACHE_ENV.items()}
+
+
+def worker_env(
+    base: dict[str, str] | None = None,
+    *,
+    cpu_plan: bool = False,
+    compile_cache: dict[str, str] | None = None,
+) -> dict[str, str]:
     """The ranks' environment. `cpu_plan`: the plan has no GPUs (it was made for CPU ranks, e.g. with --hardware
     cpu-laptop-2core on a GPU node): the ranks see no GPU, or each would take cuda:<local rank> and DeepSpeed its
-    CUDA accelerator, and a second rank would find no second GPU."""
+    CUDA accelerator, and a second rank would find no second GPU. `compile_cache`: compile_cache_env's variables,
+    set where the environment has none."""
     env = dict(os.environ if base is None else base)
+    for name, path in (compile_cache or {}).items():
+        env.setdefault(name, path)
     if cpu_plan:
         env["CUDA_VISIBLE_DEVICES"] = ""
         env["DS_ACCELERATOR"] = "cpu"
@@ -234,7 +269,10 @@ def run_agent(
             # A new session: a Ctrl-C in the terminal reaches the head process only, which turns it into a
             # save-and-exit request instead of killing ranks mid-step. The agent inherits the run directory's
             # lock (pass_fds) and keeps it if this process dies; its ranks join it (appliance/train/runlock.py).
-            env = worker_env(cpu_plan=cpu_plan)
+            env = worker_env(
+                cpu_plan=cpu_plan,
+                compile_cache=compile_cache_env(run_dir, 0 if nodes is None else nodes.node_rank),
+            )
             env = env if lock is None else lock.child_env(env)
             if multi and nodes is not None:
                 env[NODE_NAME_ENV] = nodes.node_name()
@@ -242,6 +280,7 @@ def run_agent(
                     env[ELASTIC_ENV] = nodes.agent_nnodes
                 if lock is None:  # a node other than 0: node 0 claimed the directory; these ranks join its lock
                     env[LOCK_ENV] = str(run_dir.run_lock)
+            env[LAUNCH_TIME_ENV] = repr(time.time())  # where the ranks' startup account begins (train/startup.py)
             proc = subprocess.Popen(
                 cmd,
                 stdout=log,

@@ -29,6 +29,7 @@ from appliance.rundir import RunDir
 from appliance.train import checkpoint as ckpt
 from appliance.train import elastic, runlock
 from appliance.train.settings import TrainSettings
+from appliance.train.startup import StartupClock
 from appliance.train.state import seed_everything
 from appliance.train.trainer import UnrecoverableError
 
@@ -92,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples per document")
     parser.add_argument("--include-path", type=Path, action="append", default=[], help="more lm-eval task folders")
     args = parser.parse_args(argv)
+    # The start's phases, from the head's launch to the first step's end: rank 0 emits them as `startup`.
+    clock = StartupClock.for_rank()
     run_dir = RunDir(args.run_dir)
     runlock.join(run_dir)  # this rank keeps the run directory until it exits, even if its launcher is gone
     try:
@@ -112,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     from appliance.train.metrics import peak_flops_per_device, step_flops
     from appliance.train.trainer import Trainer
 
+    clock.mark("imports")
     # --spares / --nnodes MIN:MAX: the ranks beyond those that train stand by on the host, before any device or
     # process group is touched; the others form a world of their own (train/elastic.py).
     place = elastic.placement(spec)
@@ -122,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     init_deepspeed_comm("nccl" if device.type == "cuda" else "gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     events = writer_with_sinks(run_dir.metrics) if rank == 0 else None
+    if events is not None:
+        clock.report_to(events)
     vocab_size = tokenizer_vocab_size(run_dir.tokenizer_json)
     try:
         # --nnodes MIN:MAX: the agents may have re-formed without a node (or with it again); the planner's layout
@@ -178,11 +184,14 @@ def main(argv: list[str] | None = None) -> int:
 
     sampler = _start_sampler(run_dir, events, spec)
     seed_everything(settings.seed)
+    clock.mark("process_groups")
     kernels = kernels_for(spec, config, topology, run_dir=run_dir)
     if events is not None:
         events.emit("kernels", **kernels)
         spec = reprice_plan(run_dir, spec, kernels)  # the budget watch compares the steps with this estimate
+    clock.mark("kernel_choice")
     engine = engine_for(spec, config, topology, run_dir=run_dir, kernels=kernels)
+    clock.mark("engine")
 
     train_data, valid_data = build_datasets(
         run_dir.data,
@@ -230,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         eod_id=eod_id,
         token_bytes=token_byte_lengths(run_dir.tokenizer_json),  # for bits per byte in evaluations
     )
+    clock.mark("data")
 
     def warn(message: str) -> None:
         if events is not None:
@@ -238,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     resume_from = ckpt.find_latest(run_dir.checkpoints, warn=warn)
     if resume_from is not None:
         trainer.load(resume_from)
+    clock.mark("checkpoint_load")  # the first evaluation and the first step: the clock reads their events
     if events is not None and elastic.launched_elastic():
         # Which nodes train and stand by, and a change of nodes, are reported as the first step starts
         # (train/elastic.py); an ordinary restart's recovery event too, after the same check.

@@ -7,6 +7,9 @@ import pytest
 import torch
 from appliance_cli import run_appliance
 
+from appliance.monitor.events import read_events
+from appliance.train.startup import PHASES
+
 STEPS = 60
 
 pytestmark = pytest.mark.slow
@@ -168,3 +171,23 @@ def test_rerun_skips_completed_stages(default_run):
     states = {e["name"]: e["state"] for e in events if e.get("kind") == "stage"}
     assert set(states.values()) == {"skipped"}, states
     assert time.time() - started < 60
+
+
+def test_the_start_is_accounted_from_the_launch_to_the_first_step(default_run):
+    result, run_dir, _, _ = default_run
+    events = list(read_events(run_dir / "metrics.jsonl"))
+    (startup,) = [e for e in events if e["kind"] == "startup"]
+    # Every phase of a first launch at step 0, in order, adding up to the launch -> the end of step 1.
+    assert list(startup["phases"]) == list(PHASES) and startup["from"] == "launch" and startup["step"] == 1
+    assert sum(startup["phases"].values()) == pytest.approx(startup["total_s"])
+    first_step = next(e for e in events if e["kind"] == "step")
+    train_started = next(e for e in events if e["kind"] == "stage" and e["name"] == "train" and e["state"] == "started")
+    launched = startup["t"] - startup["total_s"]
+    assert train_started["t"] <= launched and first_step["t"] <= startup["t"] <= first_step["t"] + 1.0
+    assert "startup " in result.stdout and "to the end of step 1 (from the launch)" in result.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["startup"]["phases"] == startup["phases"]
+    split = summary["train_time"]
+    assert split["launches"] == 1 and 0 < split["steps_share"] < 1
+    parts = split["startup_s"] + split["steps_s"] + split["checkpoints_s"] + split["other_s"]
+    assert parts == pytest.approx(split["stage_s"]) and split["stage_s"] <= summary["stages"]["train"]["seconds"] + 0.1

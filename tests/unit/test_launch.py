@@ -32,3 +32,41 @@ def test_agent_command_single_node_uses_a_loopback_standalone_rendezvous(tmp_pat
     cmd = launch.agent_command(tmp_path, nproc_per_node=2, max_restarts=3)
     assert "--standalone" in cmd and "--nproc-per-node=2" in cmd and "--max-restarts=3" in cmd
     assert cmd[-4:] == ["-m", "appliance.train.worker", "--run-dir", str(tmp_path)]
+
+
+def test_ranks_keep_their_compile_caches_in_the_run_directory_per_node(tmp_path):
+    run_dir = RunDir(tmp_path / "run")
+    caches = launch.compile_cache_env(run_dir, node_rank=3)
+    env = launch.worker_env({"PATH": "/bin"}, compile_cache=caches)
+    assert env["TRITON_CACHE_DIR"] == str(tmp_path / "run" / "compile-cache" / "node3" / "triton")
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "run" / "compile-cache" / "node3" / "inductor")
+    # A cache the user chose (one for every run of the machine, say) is kept.
+    mine = launch.worker_env({"TRITON_CACHE_DIR": "/scratch/triton"}, compile_cache=caches)
+    assert (
+        mine["TRITON_CACHE_DIR"] == "/scratch/triton"
+        and mine["TORCHINDUCTOR_CACHE_DIR"] == env["TORCHINDUCTOR_CACHE_DIR"]
+    )
+
+
+def test_run_agent_gives_the_ranks_the_launch_time_and_the_caches(tmp_path, monkeypatch):
+    import time
+
+    run_dir = RunDir(tmp_path / "run").make()
+    seen = {}
+
+    class FakeAgent:
+        pid = 4242
+
+        def __init__(self, cmd, *, env, **kwargs):
+            seen.update(env)
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(launch.subprocess, "Popen", FakeAgent)
+    before = time.time()
+    assert launch.run_agent(run_dir, nproc_per_node=2, max_restarts=0) == 0
+    assert before <= float(seen["BLOOM_LAUNCH_TIME"]) <= time.time()
+    assert seen["TRITON_CACHE_DIR"] == str(run_dir.compile_cache / "node0" / "triton")

@@ -42,6 +42,16 @@ def _kernel_rows(kernels: dict[str, Any] | None) -> list[tuple[str, str, str]]:
     return [("kernels", source, detail)]
 
 
+def _startup_rows(startup: dict[str, Any] | None, largest: int = 3) -> list[tuple[str, str, str]]:
+    """The newest launch's start (train/startup.py): its total and its largest phases, e.g.
+    ("start", "17s", "imports 8.38s, first eval 4.41s, agent 1.96s")."""
+    if not startup:
+        return []
+    phases = sorted((startup.get("phases") or {}).items(), key=lambda item: -item[1])[:largest]
+    detail = ", ".join(f"{name.replace('_', ' ')} {fmt_duration(seconds)}" for name, seconds in phases)
+    return [("start", fmt_duration(startup.get("total_s")), detail)]
+
+
 class ThroughputPanel(Panel):
     SECTIONS: ClassVar[frozenset[str]] = frozenset({"throughput", "plan"})
     TITLE = "throughput"
@@ -66,6 +76,7 @@ class ThroughputPanel(Panel):
                 ("step", str(state.step), total),
                 ("samples", fmt_si(state.consumed_samples), "consumed"),
                 *_kernel_rows(state.kernels),
+                *_startup_rows(state.startup),
             ]
         )
         self._tokens = state.tokens_series.copy()
