@@ -43,7 +43,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed import distributed_c10d  # noqa: E402
 
 from appliance.model.config import BloomConfig  # noqa: E402
-from appliance.parallel import mappings  # noqa: E402
+from appliance.parallel.tensor import mappings  # noqa: E402
 from appliance.parallel.testing import build_test_engine, run_distributed  # noqa: E402
 from appliance.parallel.topology import ParallelTopology  # noqa: E402
 from appliance.planner import load_model_shape  # noqa: E402

@@ -43,9 +43,9 @@ import torch.distributed as dist  # noqa: E402
 from appliance.model.bloom import BloomBlock  # noqa: E402
 from appliance.model.config import BloomConfig  # noqa: E402
 from appliance.parallel.bloom2d import block_2d  # noqa: E402
-from appliance.parallel.layers import tp_linear_factory  # noqa: E402
 from appliance.parallel.layers2d import Mesh2D  # noqa: E402
-from appliance.parallel.mappings import collective_device  # noqa: E402
+from appliance.parallel.tensor.layers import tp_linear_factory  # noqa: E402
+from appliance.parallel.tensor.mappings import collective_device  # noqa: E402
 from appliance.parallel.testing import run_distributed  # noqa: E402
 from appliance.parallel.topology import ParallelTopology  # noqa: E402
 from appliance.planner import tp2d  # noqa: E402

@@ -29,7 +29,7 @@ from torch import nn
 
 from appliance.model import ops
 from appliance.model.bloom import BloomForCausalLM
-from appliance.parallel.mappings import collective_device
+from appliance.parallel.tensor.mappings import collective_device
 
 TargetLogprobs = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 NextTokens = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -18,7 +18,6 @@ from torch import nn
 
 from appliance.model.bloom import BloomBlock
 from appliance.model.config import BloomConfig
-from appliance.parallel.cross_entropy import HeadInput
 from appliance.parallel.layers2d import (
     Embedding2D,
     Mesh2D,
@@ -28,6 +27,7 @@ from appliance.parallel.layers2d import (
     sum_over_rows,
     tp2d_linear_factory,
 )
+from appliance.parallel.tensor.cross_entropy import HeadInput
 from appliance.parallel.topology import ParallelTopology
 
 
@@ -84,7 +84,8 @@ class Bloom2D(nn.Module):
 
     @torch.no_grad()
     def load_full(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Take this rank's blocks of a single-process (Hugging Face-named) state dict (sharding.py's 2D cut)."""
+        """Take this rank's blocks of a single-process (Hugging Face-named) state dict (tensor/param_splits.py's 2D
+        cut)."""
         missing = [name for name, _ in self.named_parameters() if name not in state]
         if missing:
             raise ValueError(f"the state dict lacks {missing}")

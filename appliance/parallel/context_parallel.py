@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from appliance.parallel.cp_attention import context_parallel_attention, split_sequence
-from appliance.parallel.mappings import Group, collective_device, group_size
+from appliance.parallel.tensor.mappings import Group, collective_device, group_size
 
 # (input ids, labels), each [micro_batch, seq], and under reset_attention_mask the inputs' document ids third.
 Batch = tuple[torch.Tensor, ...]

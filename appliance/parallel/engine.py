@@ -57,7 +57,6 @@ from appliance.parallel.bf16_step import keep_verdicts_on_device
 from appliance.parallel.context_parallel import local_batch
 from appliance.parallel.deepspeed_comm import init_deepspeed_comm
 from appliance.parallel.deepspeed_config import deepspeed_config
-from appliance.parallel.drift import check_replicated_parameters, replicated_across_tp
 from appliance.parallel.expert_parallel import (
     check_moe_layout,
     moe_param_groups,
@@ -74,7 +73,6 @@ from appliance.parallel.expert_store_engine import (
     install_store_step,
 )
 from appliance.parallel.grads import TopologyMPU, install_global_norm_clipping, register_sequence_parallel_grad_hooks
-from appliance.parallel.mappings import collective_device
 from appliance.parallel.moe_exchange import AllToAllSelection, select_all_to_all
 from appliance.parallel.optimizer_state import (
     dp_writers,
@@ -105,6 +103,8 @@ from appliance.parallel.shards import (
     shard_file_name,
 )
 from appliance.parallel.single_replica import SingleReplicaEngine
+from appliance.parallel.tensor.drift import check_replicated_parameters, replicated_across_tp
+from appliance.parallel.tensor.mappings import collective_device
 from appliance.parallel.topology import ParallelTopology
 from appliance.planner.train_settings import TrainSettings
 

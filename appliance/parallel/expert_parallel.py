@@ -43,7 +43,7 @@ from torch import nn
 from appliance.errors import BadInput
 from appliance.model.config import BloomConfig
 from appliance.model.moe import BloomMoE
-from appliance.parallel.mappings import (
+from appliance.parallel.tensor.mappings import (
     collective_device,
     gather_from_sequence_parallel_region,
     group_size,
@@ -96,7 +96,7 @@ def register_expert_groups(topology: ParallelTopology) -> None:
 def install_tp_token_split(tp_group: dist.ProcessGroup | None) -> None:
     """MOELayer's drop of the tokens duplicated over tp (before the all-to-all) and their gather (after it), over
     ``tp_group``: DeepSpeed's own (deepspeed/moe/mappings.py) gather into a flat buffer, which gloo refuses; ours
-    (mappings.py) run on gloo and NCCL alike. Drop: this tp rank's 1/tp of the capacity slots forward, the slots
+    (tensor/mappings.py) run on gloo and NCCL alike. Drop: this tp rank's 1/tp of the capacity slots forward, the slots
     gathered back in the backward pass; gather: the reverse (every tp rank's gradient is whole there, so the
     backward keeps this rank's slots, no sum)."""
     from deepspeed.moe import sharded_moe

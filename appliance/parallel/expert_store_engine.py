@@ -47,7 +47,7 @@ from appliance.parallel.expert_parallel import is_expert_parameter
 from appliance.parallel.expert_store import AdamWSettings, ExpertKey, ExpertStore
 from appliance.parallel.expert_store_hooks import attach_expert_store
 from appliance.parallel.grads import clip_by_global_norm, clip_coefficient
-from appliance.parallel.mappings import collective_device, group_size
+from appliance.parallel.tensor.mappings import collective_device, group_size
 from appliance.parallel.topology import ParallelTopology
 
 STATE_KINDS = ("exp_avg", "exp_avg_sq")

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from appliance.parallel.layers import is_tensor_parallel
-from appliance.parallel.mappings import Group, collective_device, group_size
+from appliance.parallel.tensor.layers import is_tensor_parallel
+from appliance.parallel.tensor.mappings import Group, collective_device, group_size
 from appliance.parallel.topology import ParallelTopology
 
 # DeepSpeed's clipping formula (runtime/utils.py clip_grad_norm_, bf16 and ZeRO optimizers alike).

@@ -11,15 +11,15 @@ Placement on the mesh (topology.py: rank (r, c) = mesh row r, mesh column c; sum
 
 Every linear of BLOOM is the same SUMMA product with this placement (there is no column/row distinction left: the
 output of one is split over the mesh columns exactly as the input of the next expects). Attention is local: the
-QKV output's slice c holds whole heads (sharding.py), so mesh column c runs heads [c * n/q, (c+1) * n/q) with their
-ALiBi slopes, on its row's batch slice. LayerNorm reduces its statistics along the mesh row (the ranks holding the
+QKV output's slice c holds whole heads (tensor/param_splits.py), so mesh column c runs heads [c * n/q, (c+1) * n/q) with
+their ALiBi slopes, on its row's batch slice. LayerNorm reduces its statistics along the mesh row (the ranks holding the
 other hidden slices of the same tokens).
 
 Embedding and tied head. Rank (i, c) all-gathers its mesh column's blocks into E[vocab slice c, :] (V/q x h, the
 size of a 1D tp=q shard): the lookup of batch slice i's ids in that vocabulary slice is partial, and a
 reduce-scatter along the mesh row sums the vocabulary slices and leaves hidden slice j on rank (i, j). The head is
 the same product the other way round: the row's hidden slices all-gathered to [b/q, s, h] against E[vocab slice c,
-:] is the vocabulary-parallel loss's input over the mesh row (cross_entropy.py, the project's one loss), whose
+:] is the vocabulary-parallel loss's input over the mesh row (tensor/cross_entropy.py, the project's one loss), whose
 gradient for the gathered table reduce-scatters back along the column (SUMMA with its q broadcasts fused into one
 all-gather). Each model input arrives whole (every mesh rank gets the micro-batch) and each mesh row keeps its
 batch slice, so the micro-batch must divide by q.
@@ -37,9 +37,6 @@ from torch import nn
 from appliance.model import ops
 from appliance.model.bloom import LINEAR_ROLES, LinearFactory, default_linear_factory
 from appliance.parallel.context_parallel import token_weighted_loss
-from appliance.parallel.cross_entropy import HeadInput, vocab_parallel_loss
-from appliance.parallel.mappings import Group, group_rank, group_size
-from appliance.parallel.sharding import shard_from_full_2d
 from appliance.parallel.summa import (
     gather_partial_grad,
     gather_whole_grad,
@@ -48,6 +45,9 @@ from appliance.parallel.summa import (
     sum_over,
     summa_linear,
 )
+from appliance.parallel.tensor.cross_entropy import HeadInput, vocab_parallel_loss
+from appliance.parallel.tensor.mappings import Group, group_rank, group_size
+from appliance.parallel.tensor.param_splits import shard_from_full_2d
 from appliance.parallel.topology import ParallelTopology
 
 BATCH_DIM, HIDDEN_DIM = 0, -1
@@ -98,7 +98,8 @@ def _check_divisible(what: str, sizes: dict[str, int], q: int) -> None:
 
 
 def _mark_2d(param: nn.Parameter, mesh: Mesh2D) -> None:
-    """Each mesh rank holds its own block (sharding.py cuts and rejoins), so the drift check over tp leaves it alone.
+    """Each mesh rank holds its own block (tensor/param_splits.py cuts and rejoins), so the drift check over tp leaves
+    it alone.
 
     A vector's slice (biases, LayerNorms) is the same on every mesh row, and every gradient norm must count it once.
     Ours (grads.counted_in_norm) reads ``tp2d_row_replica``. DeepSpeed's bf16 and ZeRO optimizers count a parameter on

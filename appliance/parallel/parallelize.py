@@ -36,8 +36,8 @@ from torch import nn
 from appliance.errors import BadInput
 from appliance.model.bloom import BloomBlock, BloomMLP, LinearFactory
 from appliance.parallel.context_parallel import ContextParallelCore
-from appliance.parallel.layers import tp_linear_factory
 from appliance.parallel.layers2d import Mesh2D, layer_norm_2d, tp2d_linear_factory
+from appliance.parallel.tensor.layers import tp_linear_factory
 from appliance.parallel.topology import ParallelTopology
 
 SEQUENCE_DIM = 1  # activations are [batch, seq, hidden] (the transformers layout)

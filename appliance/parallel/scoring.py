@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 
 from appliance.parallel.context_parallel import whole_sequences
-from appliance.parallel.cross_entropy import HeadInput, vocab_parallel_scores
 from appliance.parallel.layers2d import Mesh2D
 from appliance.parallel.summa import gather_whole_grad
+from appliance.parallel.tensor.cross_entropy import HeadInput, vocab_parallel_scores
 from appliance.parallel.topology import ParallelTopology
 
 

@@ -9,7 +9,7 @@ TP rank's slice of any saved tensor, for loading weights and optimizer state at 
 a rank's slices of the initial weights directly.
 
 A layout with tp2d = q writes the same files, one per mesh rank (tp rank = mesh row * q + mesh column), each holding
-its 2D blocks (sharding.py), and records ``tp2d`` in the metadata; every reader here rejoins such pieces with
+its 2D blocks (tensor/param_splits.py), and records ``tp2d`` in the metadata; every reader here rejoins such pieces with
 ``gather_to_full_2d`` (``join_pieces``), so 2D, 1D and single-process layouts load one another's checkpoints.
 BLOOM-MoE at ep > 1 (docs/MOE.md): the model file of a position holds the dense tensors and the experts of ep rank
 0; ep rank e >= 1 writes its own experts to ``experts-tp{t}-pp{p}-ep{e}.safetensors`` (layout-free names,
@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 
 from appliance.model.config import BloomConfig
 from appliance.model.initial_weights import Seed, init_parameter_
-from appliance.parallel.sharding import (
+from appliance.parallel.tensor.param_splits import (
     gather_to_full,
     gather_to_full_2d,
     role_of_parameter,
@@ -99,8 +99,9 @@ def init_shards_(
 def init_mesh_blocks_(
     named_params: Iterable[tuple[str, torch.Tensor]], config: BloomConfig, seed: Seed, row: int, col: int, q: int
 ) -> None:
-    """``init_shards_`` for a tp2d rank at (``row``, ``col``) of the q x q mesh: the block sharding.shard_from_full_2d
-    would cut, drawn directly (a matrix's block [dim0 slice col, dim1 slice row], a vector's slice col)."""
+    """``init_shards_`` for a tp2d rank at (``row``, ``col``) of the q x q mesh: the block
+    tensor.param_splits.shard_from_full_2d would cut, drawn directly (a matrix's block [dim0 slice col, dim1 slice row],
+    a vector's slice col)."""
     for name, param in named_params:
         full_shape = [size * q for size in param.shape]
         offset = [col * param.shape[0]] + ([row * param.shape[1]] if param.ndim == 2 else [])
@@ -277,8 +278,8 @@ class ShardReader:
         return pieces[0] if not pieces[0].ndim else join_pieces(pieces, param_name, self.tp2d)
 
     def read_block(self, key: str, param_name: str, row: int, col: int, q: int) -> torch.Tensor:
-        """Mesh rank (``row``, ``col``)'s block of tensor ``key`` at tp2d = q (sharding.shard_from_full_2d), from
-        files of any layout; 0-d tensors whole."""
+        """Mesh rank (``row``, ``col``)'s block of tensor ``key`` at tp2d = q (tensor.param_splits.shard_from_full_2d),
+        from files of any layout; 0-d tensors whole."""
         whole = self._whole_2d(key, param_name) if self.tp2d > 1 else self.read(key, param_name, 0, 1)
         return whole if not whole.ndim else shard_from_full_2d(whole, row, col, q)
 

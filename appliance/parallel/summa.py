@@ -18,7 +18,7 @@ pass is the two transposed products, again in q steps:
     dW(k, j) = sum_i dy(i, j)^T x(i, k)    step k: broadcast x(i, k) along row i, reduce the partial along column j
                                            to rank (k, j)
 
-Every collective of the 2D layers is one of mappings.py's: the SUMMA steps use its plain ``broadcast_from`` and
+Every collective of the 2D layers is one of tensor/mappings.py's: the SUMMA steps use its plain ``broadcast_from`` and
 ``reduce_to``, and the other 2D regions below are its Megatron regions under the names of what they do on the mesh.
 ``mappings.count_traffic()`` counts them all (payload bytes and calls by kind): one patch point for benchmarks of
 bytes moved. Buffers are created on the operand's device (the layers' tensors live on the engine's device, the one
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from appliance.parallel.mappings import (
+from appliance.parallel.tensor.mappings import (
     Group,
     broadcast_from,
     copy_to_tensor_parallel_region,
@@ -94,7 +94,7 @@ def summa_linear(x: torch.Tensor, weight: torch.Tensor, row: Group, col: Group) 
     return _Summa.apply(x, weight, row, col)
 
 
-# ---- the other 2D regions: mappings.py's, named for their use on the mesh ---------------------------------------
+# ---- the other 2D regions: tensor/mappings.py's, named for their use on the mesh -------------------------------------
 def sum_over(x: torch.Tensor, group: Group) -> torch.Tensor:
     """The sum of ``x`` over the group on every member, differentiably (LayerNorm statistics along a mesh row).
     Every member uses the sum for its own hidden slice, so the input's gradient is the sum of theirs: all-reduce

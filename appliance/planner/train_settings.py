@@ -13,7 +13,7 @@ from dataclasses import dataclass
 DTYPES = ("bf16", "fp16", "fp32")
 LR_DECAY_STYLES = ("cosine",)  # the one decay appliance/train/schedule.py implements
 RAMPUP_KEYS = ("start", "increment", "samples")  # Megatron --rampup-batch-size START INCREMENT SAMPLES
-DRIFT_CHECK_INTERVAL = 50  # steps between TP-replica drift checks (appliance/parallel/drift.py)
+DRIFT_CHECK_INTERVAL = 50  # steps between TP-replica drift checks (appliance/parallel/tensor/drift.py)
 # Regional torch.compile of the transformer blocks (appliance/parallel/parallelize.py, compile_blocks): auto is on
 # for CUDA ranks and off on CPU ones.
 COMPILE_MODES = ("auto", "on", "off")

@@ -26,9 +26,9 @@ from appliance.data.blend import SampleSource
 from appliance.data.documents import document_ids, document_lengths
 from appliance.data.sampler import BalancedPretrainingSampler
 from appliance.monitor.events import EventWriter
-from appliance.parallel.drift import ReplicaDriftError
 from appliance.parallel.engine import ParallelEngine, PendingStep
 from appliance.parallel.expert_store import expert_step_fields
+from appliance.parallel.tensor.drift import ReplicaDriftError
 from appliance.planner.cadence import save_due
 from appliance.planner.train_settings import DRIFT_CHECK_INTERVAL
 from appliance.rundir import RunDir

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from appliance.errors import BadInput
 from appliance.monitor.events import EventWriter
 from appliance.monitor.sinks import writer_with_sinks
-from appliance.parallel.drift import ReplicaDriftError
+from appliance.parallel.tensor.drift import ReplicaDriftError
 from appliance.planner.runspec import RunSpec, load_spec
 from appliance.rundir import RunDir
 from appliance.train import checkpoint as ckpt

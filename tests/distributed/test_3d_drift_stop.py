@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from appliance.monitor.events import EventWriter
-from appliance.parallel.drift import Drift, ReplicaDriftError
+from appliance.parallel.tensor.drift import Drift, ReplicaDriftError
 from appliance.rundir import RunDir
 from appliance.train.metrics import StepFlops
 from appliance.train.settings import TrainSettings

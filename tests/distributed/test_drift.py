@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from appliance.parallel.drift import ReplicaDriftError, check_replicated_parameters, replicated_across_tp
-from appliance.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from appliance.parallel.tensor.drift import ReplicaDriftError, check_replicated_parameters, replicated_across_tp
+from appliance.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from appliance.parallel.testing import run_distributed
 from appliance.parallel.topology import ParallelTopology
 

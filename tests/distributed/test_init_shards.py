@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from appliance.model.bloom import BloomForCausalLM
-from appliance.parallel.sharding import role_of_parameter, shard_from_full
 from appliance.parallel.shards import assemble_full
+from appliance.parallel.tensor.param_splits import role_of_parameter, shard_from_full
 from bench.init_memory import SEED, TINY, digest, launch, measured_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # three launches, 7 ranks: ~65 s on 2 shared cores

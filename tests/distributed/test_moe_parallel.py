@@ -796,8 +796,8 @@ def _eptp_layer(topology: ParallelTopology, ep: int) -> dict[str, Any]:
     from deepspeed.utils import groups
 
     from appliance.parallel.grads import TopologyMPU
-    from appliance.parallel.layers import tp_linear_factory
-    from appliance.parallel.sharding import shard_state_dict
+    from appliance.parallel.tensor.layers import tp_linear_factory
+    from appliance.parallel.tensor.param_splits import shard_state_dict
 
     topology = ParallelTopology(pp=1, world_size=topology.world_size, **(EPTP | {"ep": ep}))
     topology.init_process_groups()
@@ -862,9 +862,9 @@ def _eptp(topology: ParallelTopology, save_to: str) -> dict[str, Any]:
 
 
 def _joined_over_tp(results: list[dict[str, Any]], key: str) -> list[dict[str, torch.Tensor]]:
-    """Per dp rank, ``results[*][key]`` of its tp ranks joined into whole tensors (sharding.gather_to_full: tp
-    slices concatenated, replicated tensors checked equal)."""
-    from appliance.parallel.sharding import gather_to_full, role_of_parameter
+    """Per dp rank, ``results[*][key]`` of its tp ranks joined into whole tensors (tensor.param_splits.gather_to_full:
+    tp slices concatenated, replicated tensors checked equal)."""
+    from appliance.parallel.tensor.param_splits import gather_to_full, role_of_parameter
 
     out = []
     for dp_rank in range(EPTP["dp"]):

@@ -20,16 +20,21 @@ import torch.nn.functional as F
 from noise_floor import NoiseFloor, check_floor, pinned_threads, relative_norm
 from torch import nn
 
-from appliance.parallel.cross_entropy import HeadInput, lm_head_input, vocab_parallel_loss, vocab_parallel_scores
-from appliance.parallel.layers import (
+from appliance.parallel.tensor.cross_entropy import HeadInput, lm_head_input, vocab_parallel_loss, vocab_parallel_scores
+from appliance.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     allreduce_sequence_parallel_grads,
     tp_linear_factory,
 )
-from appliance.parallel.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
-from appliance.parallel.sharding import gather_state_dicts, role_of_parameter, shard_from_full, shard_state_dict
+from appliance.parallel.tensor.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
+from appliance.parallel.tensor.param_splits import (
+    gather_state_dicts,
+    role_of_parameter,
+    shard_from_full,
+    shard_state_dict,
+)
 from appliance.parallel.testing import WrongDeviceError, collective_guard, run_distributed
 from appliance.parallel.topology import ParallelTopology
 

@@ -17,8 +17,8 @@ trains both a few steps on the same micro-batches:
   plausible).
 
 The same ranks check the checkpoint reshard 2D -> one process -> 1D (tp = 2) -> one process on the trained
-weights, that each 2D block is the sharding.py cut of the gathered weights, and that the bound has teeth (a block
-product that forgets SUMMA's reduction lands far outside).
+weights, that each 2D block is the parallel/tensor/param_splits.py cut of the gathered weights, and that the bound has
+teeth (a block product that forgets SUMMA's reduction lands far outside).
 
 Then all 8 ranks train through the engine (build_engine: DeepSpeed's pipeline engine, 1F1B, each stage's layers on
 its mesh, the blocks drawn from the seed by shards.init_mesh_blocks_), fp32, 3 steps of 2 micro-batches with
@@ -57,9 +57,11 @@ from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
 from appliance.parallel.bloom2d import Bloom2D, build_tp2d_model
 from appliance.parallel.layers2d import Linear2D, Mesh2D, apply_norm
-from appliance.parallel.mappings import collective_device, count_traffic
 from appliance.parallel.pipeline_parallel import IGNORE_INDEX
-from appliance.parallel.sharding import (
+from appliance.parallel.shards import LazyFullStateDict, ShardReader, gather_full_state_dict, model_sources
+from appliance.parallel.summa import gather_partial_grad
+from appliance.parallel.tensor.mappings import collective_device, count_traffic
+from appliance.parallel.tensor.param_splits import (
     gather_state_dicts,
     gather_state_dicts_2d,
     role_of_parameter,
@@ -67,8 +69,6 @@ from appliance.parallel.sharding import (
     shard_from_full_2d,
     shard_state_dict,
 )
-from appliance.parallel.shards import LazyFullStateDict, ShardReader, gather_full_state_dict, model_sources
-from appliance.parallel.summa import gather_partial_grad
 from appliance.parallel.testing import build_test_engine, collective_guard, run_distributed
 from appliance.parallel.topology import ParallelTopology
 from appliance.planner.tp2d import PRODUCTS, summa_collectives_per_axis

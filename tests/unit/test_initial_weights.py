@@ -18,9 +18,9 @@ from torch import nn
 from appliance.model import initial_weights as iw
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
-from appliance.parallel.layers import COLUMN_ROLES, ColumnParallelLinear, RowParallelLinear
-from appliance.parallel.sharding import role_of_parameter, shard_from_full, split_dim
 from appliance.parallel.shards import init_shards_
+from appliance.parallel.tensor.layers import COLUMN_ROLES, ColumnParallelLinear, RowParallelLinear
+from appliance.parallel.tensor.param_splits import role_of_parameter, shard_from_full, split_dim
 
 CONFIG = BloomConfig(vocab_size=256, hidden_size=64, n_layer=2, n_head=4)
 SIDE = 1024  # a [1024, 1024] draw: n = 2^20 samples

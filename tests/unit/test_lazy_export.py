@@ -9,8 +9,8 @@ from safetensors.torch import save_file
 import appliance.parallel.shards as shards
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
-from appliance.parallel.sharding import shard_state_dict
 from appliance.parallel.shards import FULL_MODEL_FILE, LazyFullStateDict, shard_file_name
+from appliance.parallel.tensor.param_splits import shard_state_dict
 
 
 def _full_state() -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from appliance.hardware import load_hardware
-from appliance.parallel import mappings
+from appliance.parallel.tensor import mappings
 from appliance.parallel.testing import run_distributed
 from appliance.parallel.topology import ParallelTopology
 from appliance.planner import format_plan, load_model_shape, make_plan, parse_layout

@@ -1,8 +1,9 @@
 """2D tensor parallelism's layout key, mesh and 2D sharding, without processes.
 
 The layout key ``tp2d=Q`` puts Q x Q ranks in tp's place and refuses what it cannot run with, naming every factor;
-the topology lays the mesh out row-major inside the tp axis; sharding.py's 2D cut and rejoin are inverse, give each
-mesh column whole attention heads, and reshard a state dict 2D -> one process -> 1D -> one process exactly.
+the topology lays the mesh out row-major inside the tp axis; parallel/tensor/param_splits.py's 2D cut and rejoin are
+inverse, give each mesh column whole attention heads, and reshard a state dict 2D -> one process -> 1D -> one process
+exactly.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
 from appliance.parallel.bloom2d import Bloom2D
 from appliance.parallel.layers2d import Mesh2D
-from appliance.parallel.sharding import (
+from appliance.parallel.tensor.param_splits import (
     gather_state_dicts,
     gather_state_dicts_2d,
     gather_to_full_2d,

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from appliance.model import ops
-from appliance.parallel.mappings import Group, gather_from_sequence_parallel_region, group_size
+from appliance.parallel.tensor.mappings import Group, gather_from_sequence_parallel_region, group_size
 
 
 class HeadInput(NamedTuple):

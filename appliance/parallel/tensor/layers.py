@@ -6,13 +6,13 @@ A transformer layer needs two all-reduces forward and two backward (Megatron-LM,
       -> RowParallelLinear (attention out, MLP out: each rank owns in/tp input columns) -> all-reduce
       -> bias+dropout+residual
 
-The loss and evaluation scores never form logits: they live in cross_entropy.py. How a parameter's shard is cut
-from the whole tensor is sharding.py's.
+The loss and evaluation scores never form logits: they live in tensor/cross_entropy.py. How a parameter's shard is cut
+from the whole tensor is tensor/param_splits.py's.
 
 Sharded parameters carry ``tensor_model_parallel = True`` and ``partition_dim``: the attribute names Megatron
 uses and DeepSpeed reads (``deepspeed.runtime.utils.is_model_parallel_parameter``), so DeepSpeed's global
 gradient norm counts each replicated parameter once. Everything not marked is replicated across TP ranks and
-must stay bit-identical there (drift.py checks it).
+must stay bit-identical there (tensor/drift.py checks it).
 
 A layer built on its own initialises like the dense layer: it draws the *full* weight with the same calls, in the
 same order, on the same generator as ``nn.Linear``/``nn.Embedding`` would, then keeps its slice, so with the same
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from appliance.model.bloom import default_linear_factory
-from appliance.parallel.mappings import (
+from appliance.parallel.tensor.mappings import (
     Group,
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
@@ -43,7 +43,7 @@ from appliance.parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region,
 )
-from appliance.parallel.sharding import shard_from_full, split_dim
+from appliance.parallel.tensor.param_splits import shard_from_full, split_dim
 from appliance.parallel.topology import ParallelTopology
 
 TensorInit = Callable[[torch.Tensor], object]  # fills a full-size tensor in place (like nn.init.*_)

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from appliance.parallel.layers import is_tensor_parallel
-from appliance.parallel.mappings import Group, group_size
+from appliance.parallel.tensor.layers import is_tensor_parallel
+from appliance.parallel.tensor.mappings import Group, group_size
 
 # Position weights for the second checksum, so that values swapped between elements also change it.
 # A prime period keeps the weights from lining up with power-of-two shapes.
