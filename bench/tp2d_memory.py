@@ -42,10 +42,10 @@ import torch.distributed as dist  # noqa: E402
 
 from appliance.model.bloom import BloomBlock  # noqa: E402
 from appliance.model.config import BloomConfig  # noqa: E402
-from appliance.parallel.bloom2d import block_2d  # noqa: E402
-from appliance.parallel.layers2d import Mesh2D  # noqa: E402
 from appliance.parallel.tensor.layers import tp_linear_factory  # noqa: E402
 from appliance.parallel.tensor.mappings import collective_device  # noqa: E402
+from appliance.parallel.tensor2d.bloom2d import block_2d  # noqa: E402
+from appliance.parallel.tensor2d.layers2d import Mesh2D  # noqa: E402
 from appliance.parallel.testing import run_distributed  # noqa: E402
 from appliance.parallel.topology import ParallelTopology  # noqa: E402
 from appliance.planner import tp2d  # noqa: E402
@@ -170,7 +170,7 @@ def _block_1d(topology: ParallelTopology, sp: bool) -> tuple[torch.nn.Module, to
 
 
 def _block_2d(topology: ParallelTopology) -> tuple[torch.nn.Module, torch.Tensor]:
-    """A block on the q x q mesh (parallel/bloom2d.py): this rank's [b/q, s, h/q] block of the input."""
+    """A block on the q x q mesh (parallel/tensor2d/bloom2d.py): this rank's [b/q, s, h/q] block of the input."""
     mesh = Mesh2D.of(topology)
     block = block_2d(_config(), 0, mesh)
     with torch.no_grad():

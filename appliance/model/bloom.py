@@ -62,7 +62,9 @@ def _project(linear: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 def _norm(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
-    if type(norm) is not nn.LayerNorm:  # a parallel LayerNorm (parallel/layers2d.py) reduces its own statistics
+    if (
+        type(norm) is not nn.LayerNorm
+    ):  # a parallel LayerNorm (parallel/tensor2d/layers2d.py) reduces its own statistics
         return norm(x)
     return ops.layer_norm(x, norm.weight, norm.bias, norm.eps)
 

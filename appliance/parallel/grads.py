@@ -91,7 +91,7 @@ def counted_in_norm(param: torch.Tensor, tp_rank: int, mesh_row: int = 0) -> boo
     if getattr(param, "ds_pipe_replicated", False):
         return False  # the last stage's copy of the tied embedding: the first stage counts it
     if getattr(param, "tp2d_row_replica", False):
-        return mesh_row == 0  # tp2d: a vector's slice, the same on every mesh row (layers2d.py)
+        return mesh_row == 0  # tp2d: a vector's slice, the same on every mesh row (tensor2d/layers2d.py)
     return is_tensor_parallel(param) or tp_rank == 0
 
 

@@ -8,8 +8,8 @@ engine and the pp = 1 BloomStack make the same decisions. The order, and why:
    is structural: the linears are *built* column/row-parallel (the model takes a factory), which fixes the heads
    (and ALiBi slopes) this rank owns; sequence parallelism lives inside those same layers (the column-parallel
    QKV gathers the sequence chunks, the row-parallel output reduce-scatters them). With tp2d > 1 (a q x q mesh,
-   layers2d.py) every linear is a SUMMA product, the heads split over the mesh columns (``head_split``), and the
-   LayerNorms reduce their statistics along the mesh row (``layer_norm``, and in ``parallelize_block``).
+   tensor2d/layers2d.py) every linear is a SUMMA product, the heads split over the mesh columns (``head_split``), and
+   the LayerNorms reduce their statistics along the mesh row (``layer_norm``, and in ``parallelize_block``).
 2. Context parallel: ``apply_context_parallel`` replaces a block's attention core, after TP, because it works on
    this TP rank's heads and on the CP-local sequence the QKV projection returns (with sequence parallelism, after
    its gather over TP). Which tokens a CP rank holds, and the loss over them, are context_parallel.py's.
@@ -36,8 +36,8 @@ from torch import nn
 from appliance.errors import BadInput
 from appliance.model.bloom import BloomBlock, BloomMLP, LinearFactory
 from appliance.parallel.context_parallel import ContextParallelCore
-from appliance.parallel.layers2d import Mesh2D, layer_norm_2d, tp2d_linear_factory
 from appliance.parallel.tensor.layers import tp_linear_factory
+from appliance.parallel.tensor2d.layers2d import Mesh2D, layer_norm_2d, tp2d_linear_factory
 from appliance.parallel.topology import ParallelTopology
 
 SEQUENCE_DIM = 1  # activations are [batch, seq, hidden] (the transformers layout)

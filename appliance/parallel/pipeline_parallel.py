@@ -54,11 +54,11 @@ from appliance.model.config import BloomConfig
 from appliance.model.initial_weights import empty_module
 from appliance.model.moe import canonical_moe_name
 from appliance.parallel.context_parallel import token_weighted_loss
-from appliance.parallel.layers2d import Embedding2D, Mesh2D, apply_norm, loss_2d
 from appliance.parallel.parallelize import SEQUENCE_DIM, Parallelism
 from appliance.parallel.tensor.cross_entropy import HeadInput, lm_head_input, vocab_parallel_loss
 from appliance.parallel.tensor.layers import VocabParallelEmbedding
 from appliance.parallel.tensor.mappings import Group, group_size
+from appliance.parallel.tensor2d.layers2d import Embedding2D, Mesh2D, apply_norm, loss_2d
 
 EMBED_KEY = "embed"
 IGNORE_INDEX = -100  # labels that count no loss (vocab_parallel_loss's default)

@@ -10,9 +10,9 @@ argmax over the whole vocabulary come from three small all-reduces over TP (the 
 the target's logit, the argmax), never from the full logits; the last stage then broadcasts the answer to the other
 stages.
 
-At tp2d (a Q x Q mesh per stage, layers2d.py) the batch is padded with rows to a multiple of Q, each mesh row scores
-its batch slice with the vocabulary-parallel scores over the row (the vocabulary is split over the columns), and an
-all-gather along the mesh column puts the slices back together on every rank.
+At tp2d (a Q x Q mesh per stage, tensor2d/layers2d.py) the batch is padded with rows to a multiple of Q, each mesh row
+scores its batch slice with the vocabulary-parallel scores over the row (the vocabulary is split over the columns), and
+an all-gather along the mesh column puts the slices back together on every rank.
 
 Batches may have any length: with sequence parallelism the sequence is padded on the right to a multiple of tp,
 which a causal model never sees from earlier positions. Left-padded rows (generation) are run per prompt length,
@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 
 from appliance.parallel.context_parallel import whole_sequences
-from appliance.parallel.layers2d import Mesh2D
-from appliance.parallel.summa import gather_whole_grad
 from appliance.parallel.tensor.cross_entropy import HeadInput, vocab_parallel_scores
+from appliance.parallel.tensor2d.layers2d import Mesh2D
+from appliance.parallel.tensor2d.summa import gather_whole_grad
 from appliance.parallel.topology import ParallelTopology
 
 

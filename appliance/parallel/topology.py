@@ -42,7 +42,8 @@ cp = 1, ``edp_cp`` is the ``edp`` group itself (the same handle).
 ``tp_rank = mesh_row * q + mesh_col``, so the mesh's ranks stay consecutive and every group built on tp (``tp``,
 ``mp``, DeepSpeed's 'model' axis) means the whole mesh. ``tp_row`` groups (same mesh row, the ranks that hold the
 other hidden slices of the same tokens) and ``tp_col`` groups (same mesh column, the other batch slices) are the
-SUMMA broadcast groups (parallel/summa.py). A 1D layout is a 1 x tp mesh: ``tp_row`` is ``tp``, ``tp_col`` single.
+SUMMA broadcast groups (parallel/tensor2d/summa.py). A 1D layout is a 1 x tp mesh: ``tp_row`` is ``tp``, ``tp_col``
+single.
 
 Axes of size 1 cost nothing: a group whose ranks equal an already created group's reuses its handle, and a group of
 one rank is this process's own single-member group, created locally without a collective over the world.

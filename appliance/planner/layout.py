@@ -57,7 +57,7 @@ class Layout:
     cp: int = 1  # context-parallel ranks per sequence; they hold the same weights, so batch sizes count over dp
     cp_mode: str = "ulysses"
     # 2D tensor parallelism (Optimus): Q x Q ranks in place of tp, each weight and activation split over the mesh
-    # (parallel/layers2d.py); the topology's tp axis is then those Q * Q ranks (tp_ranks).
+    # (parallel/tensor2d/layers2d.py); the topology's tp axis is then those Q * Q ranks (tp_ranks).
     tp2d: int = 1
     # Expert parallelism (BLOOM-MoE, docs/MOE.md): ep ranks share each MoE block's experts. It folds inside dp
     # (dp = edp x ep, parallel/topology.py), so it adds no rank: the world is still tp * pp * dp * cp.

@@ -26,9 +26,9 @@ along rows and reduces the partial dB along columns. A chain reduce sends what a
 
 the issue's figure for 2D. Rows carry 3 (q-1)/q^2 7 bsh (activations and their gradients), columns 3 (q-1)/q^2
 12 h^2 (weights and weight gradients); the grid is laid so the heavier of the two runs on consecutive ranks (inside
-a node). Our layers (parallel/layers2d.py) add O(bs + h) against O(bsh + h^2), counted in sent_2d: the LayerNorm
-statistics all-reduced along rows (2 per token each way) and the bias and LayerNorm gradients all-reduced along
-columns, 2 (q-1)/q (8 bs/q + (9h + f)/q) per block; bench/tp2d_memory.py measures the total on 4 gloo ranks to the
+a node). Our layers (parallel/tensor2d/layers2d.py) add O(bs + h) against O(bsh + h^2), counted in sent_2d: the
+LayerNorm statistics all-reduced along rows (2 per token each way) and the bias and LayerNorm gradients all-reduced
+along columns, 2 (q-1)/q (8 bs/q + (9h + f)/q) per block; bench/tp2d_memory.py measures the total on 4 gloo ranks to the
 byte. Full recompute runs the forward twice: (n + 2)/3 of the above with n = 2 forwards, 1D likewise 6 all-reduces
 instead of 4.
 

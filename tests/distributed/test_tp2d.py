@@ -2,8 +2,8 @@
 
 One launch of 8 gloo ranks, tp2d = 2 and pp = 2 (spawns are the slow part). First the mesh of pipeline stage 0
 (ranks 0-3, a q = 2 layout of its own) proves the layers: each of its ranks builds the single-process
-BloomForCausalLM from the same seed, its own Bloom2D with its blocks of those weights (parallel/bloom2d.py), and
-trains both a few steps on the same micro-batches:
+BloomForCausalLM from the same seed, its own Bloom2D with its blocks of those weights (parallel/tensor2d/bloom2d.py),
+and trains both a few steps on the same micro-batches:
 
 * float64, a probe objective sum(logits * probe) through the tied head (every layer, the embedding lookup and the
   head's product included; the vocabulary-parallel cross-entropy computes in float32 by design, so it is left out
@@ -55,11 +55,8 @@ from appliance.eval.scoring import ModelScorer
 from appliance.model import ops
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
-from appliance.parallel.bloom2d import Bloom2D, build_tp2d_model
-from appliance.parallel.layers2d import Linear2D, Mesh2D, apply_norm
 from appliance.parallel.pipeline_parallel import IGNORE_INDEX
 from appliance.parallel.shards import LazyFullStateDict, ShardReader, gather_full_state_dict, model_sources
-from appliance.parallel.summa import gather_partial_grad
 from appliance.parallel.tensor.mappings import collective_device, count_traffic
 from appliance.parallel.tensor.param_splits import (
     gather_state_dicts,
@@ -69,6 +66,9 @@ from appliance.parallel.tensor.param_splits import (
     shard_from_full_2d,
     shard_state_dict,
 )
+from appliance.parallel.tensor2d.bloom2d import Bloom2D, build_tp2d_model
+from appliance.parallel.tensor2d.layers2d import Linear2D, Mesh2D, apply_norm
+from appliance.parallel.tensor2d.summa import gather_partial_grad
 from appliance.parallel.testing import build_test_engine, collective_guard, run_distributed
 from appliance.parallel.topology import ParallelTopology
 from appliance.planner.tp2d import PRODUCTS, summa_collectives_per_axis
@@ -201,7 +201,7 @@ def _largest(got: dict[str, Any], want: dict[str, Any]) -> dict[str, tuple[float
 def _without_summa_reduction(topology: ParallelTopology, initial: dict[str, torch.Tensor]) -> float:
     """The bound's teeth: the probe's first gradients when the weight gradient skips the column reduction (each
     rank keeps its own row's partial), against the single process; must land beyond TEETH x the bound."""
-    from appliance.parallel import summa
+    from appliance.parallel.tensor2d import summa
 
     original = summa.reduce_to
 
@@ -566,9 +566,9 @@ BF16_FACTOR = 4.0
 # 1D bf16 layouts (tp 2, tp 4, tp 2 x pp 2) stay within 1 x; its first-step norm is as close to fp32 as theirs.
 # SUMMA's rounding is ruled out as the cause: with every SUMMA product (forward, both backward products) computed
 # and reduced in fp32 and rounded to bf16 once, the step-2 loss gap measured 5.95e-4 against 5.74e-4 as shipped
-# (2026-11-24; summa.py patched in a scratch checkout, this file's bf16 test run with the factor at 1). Per linear,
-# SUMMA's q bf16 partials err 1.2 x a single bf16 matmul (3.41e-3 vs 2.88e-3 relative, 256^3, q = 2). The gap
-# is largest at the last of the 3 steps; its cause is still unproven (left to look at: the 2D layers' bf16
+# (2026-11-24; parallel/tensor2d/summa.py patched in a scratch checkout, this file's bf16 test run with the factor at
+# 1). Per linear, SUMMA's q bf16 partials err 1.2 x a single bf16 matmul (3.41e-3 vs 2.88e-3 relative, 256^3, q = 2).
+# The gap is largest at the last of the 3 steps; its cause is still unproven (left to look at: the 2D layers' bf16
 # vectors, the bf16 optimizer's handling of the mesh-replicated ones). 40 x leaves room for other CPUs; the bugs
 # this guards (the rows' losses not summed, a row's tokens lost, a wrong clip) move the losses by percents.
 BF16_LOSS_FACTOR = 40.0

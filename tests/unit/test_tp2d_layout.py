@@ -14,8 +14,6 @@ import torch
 from appliance.errors import BadInput
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
-from appliance.parallel.bloom2d import Bloom2D
-from appliance.parallel.layers2d import Mesh2D
 from appliance.parallel.tensor.param_splits import (
     gather_state_dicts,
     gather_state_dicts_2d,
@@ -24,6 +22,8 @@ from appliance.parallel.tensor.param_splits import (
     shard_state_dict,
     shard_state_dict_2d,
 )
+from appliance.parallel.tensor2d.bloom2d import Bloom2D
+from appliance.parallel.tensor2d.layers2d import Mesh2D
 from appliance.parallel.topology import ParallelTopology
 from appliance.planner.layout import parse_layout
 

@@ -19,7 +19,7 @@ regions in between on 1/tp of the activations.
 
 With a group of one rank (or no process group at all) every function is the identity, so tp=1 pays nothing.
 
-Algorithms that write their own autograd Function (SUMMA in summa.py) use the plain collectives under them:
+Algorithms that write their own autograd Function (SUMMA in tensor2d/summa.py) use the plain collectives under them:
 ``broadcast_from`` and ``reduce_to``, in place, for one source or one root of a group.
 
 Every collective here is counted: inside a ``count_traffic()`` block ``_count`` adds the payload bytes this rank

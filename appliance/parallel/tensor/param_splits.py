@@ -102,7 +102,7 @@ def gather_state_dicts(shards: Sequence[Mapping[str, torch.Tensor]]) -> dict[str
     return out
 
 
-# ---- 2D tensor parallel (tp2d = q, parallel/summa.py) ----------------------------------------------------------
+# ---- 2D tensor parallel (tp2d = q, parallel/tensor2d/summa.py) -------------------------------------------------------
 #
 # On a q x q mesh rank (row r, column c) holds, whatever the role:
 #   a matrix [dim0, dim1] (a linear's [out, in], the embedding's [vocab, hidden]): block [dim0 slice c, dim1 slice r]

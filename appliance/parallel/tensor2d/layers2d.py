@@ -1,6 +1,6 @@
 """Optimus 2D tensor-parallel layers (tp2d = q): weights and activations both split q x q over the tp mesh.
 
-Placement on the mesh (topology.py: rank (r, c) = mesh row r, mesh column c; summa.py for the products):
+Placement on the mesh (topology.py: rank (r, c) = mesh row r, mesh column c; tensor2d/summa.py for the products):
 
     activations [b, s, h]         rank (i, j): batch slice i, hidden slice j  -> [b/q, s, h/q]
     linear weight [out, in]       rank (r, c): W[out slice c, in slice r]     (SUMMA's B(k, j) = W(k, j)^T)
@@ -37,7 +37,10 @@ from torch import nn
 from appliance.model import ops
 from appliance.model.bloom import LINEAR_ROLES, LinearFactory, default_linear_factory
 from appliance.parallel.context_parallel import token_weighted_loss
-from appliance.parallel.summa import (
+from appliance.parallel.tensor.cross_entropy import HeadInput, vocab_parallel_loss
+from appliance.parallel.tensor.mappings import Group, group_rank, group_size
+from appliance.parallel.tensor.param_splits import shard_from_full_2d
+from appliance.parallel.tensor2d.summa import (
     gather_partial_grad,
     gather_whole_grad,
     reduce_scatter,
@@ -45,9 +48,6 @@ from appliance.parallel.summa import (
     sum_over,
     summa_linear,
 )
-from appliance.parallel.tensor.cross_entropy import HeadInput, vocab_parallel_loss
-from appliance.parallel.tensor.mappings import Group, group_rank, group_size
-from appliance.parallel.tensor.param_splits import shard_from_full_2d
 from appliance.parallel.topology import ParallelTopology
 
 BATCH_DIM, HIDDEN_DIM = 0, -1

@@ -1,5 +1,5 @@
 """BLOOM on a q x q tensor-parallel mesh (tp2d = q) in one pipeline stage: the plain model's pieces with the 2D
-layers of layers2d.py put in, under the Hugging Face parameter names.
+layers of tensor2d/layers2d.py put in, under the Hugging Face parameter names.
 
     ids [b, s] (whole micro-batch) -> Embedding2D -> LayerNorm2D -> BloomBlock x L -> LayerNorm2D -> head + loss
 
@@ -18,7 +18,8 @@ from torch import nn
 
 from appliance.model.bloom import BloomBlock
 from appliance.model.config import BloomConfig
-from appliance.parallel.layers2d import (
+from appliance.parallel.tensor.cross_entropy import HeadInput
+from appliance.parallel.tensor2d.layers2d import (
     Embedding2D,
     Mesh2D,
     apply_norm,
@@ -27,7 +28,6 @@ from appliance.parallel.layers2d import (
     sum_over_rows,
     tp2d_linear_factory,
 )
-from appliance.parallel.tensor.cross_entropy import HeadInput
 from appliance.parallel.topology import ParallelTopology
 
 
