@@ -13,7 +13,7 @@ slope * (j - i - shift): the same softmax as BLOOM's slope * j, but small in mag
 every logit is pre-multiplied by log2(e), and the stored logsumexp (one fp32 per query row) is in that base as
 well; the backward recomputes probabilities from it.
 
-For context-parallel attention (appliance/parallel/cp_ring.py) a call can be one chunk of a longer sequence:
+For context-parallel attention (appliance/parallel/context/ring.py) a call can be one chunk of a longer sequence:
 q_offset/k_offset place the queries and keys at their global positions (the causal mask and the bias follow),
 document ids hide the keys of other documents (packed sequences), the natural-log logsumexp comes back with the
 output so partial results merge, and `flash_alibi_attention_backward` runs a chunk's backward from the merged

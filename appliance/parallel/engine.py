@@ -9,7 +9,7 @@ How the layout maps onto DeepSpeed, in the order it is applied:
 1. Tensor parallel lives inside the layers (parallelize.py applies it: column/row-parallel linears, vocab-parallel
    embedding, logits and cross-entropy, ALiBi slopes per rank), identical in both engines below; so does context
    parallel (cp > 1: each block's attention core exchanges keys and values over the cp group, and ``local_batches``
-   keeps this rank's slice of every micro-batch; context_parallel.py).
+   keeps this rank's slice of every micro-batch; context/training.py).
 2. pp > 1: a PipelineModule under DeepSpeed's PipelineEngine, 1F1B (TrainSchedule), ZeRO 0/1.
    pp = 1: the same layers in a BloomStack under DeepSpeed's plain engine, ZeRO 0/1/2.
 3. Data parallel and the optimizer: DeepSpeed's, over dp x cp (bf16: BF16_Optimizer with fp32 accumulation and
@@ -54,7 +54,7 @@ from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
 from appliance.model.moe import install_all_to_all
 from appliance.parallel.bf16_step import keep_verdicts_on_device
-from appliance.parallel.context_parallel import local_batch
+from appliance.parallel.context.training import local_batch
 from appliance.parallel.deepspeed_comm import init_deepspeed_comm
 from appliance.parallel.deepspeed_config import deepspeed_config
 from appliance.parallel.expert_parallel import (
@@ -529,7 +529,7 @@ class ParallelEngine:
     # ---- one step -----------------------------------------------------------------------------------------
     def local_batches(self, micro_batches: Sequence[Batch]) -> list[Batch]:
         """This rank's tokens of its DP rank's whole-sequence micro-batches: the one place where a context-parallel
-        rank cuts out its slice (context_parallel.local_batch; every micro-batch unchanged at cp = 1)."""
+        rank cuts out its slice (context.training.local_batch; every micro-batch unchanged at cp = 1)."""
         return [local_batch(batch, self.topology.cp, self.cp_rank, self.cp_mode) for batch in micro_batches]
 
     def train_batch(self, micro_batches: Sequence[Batch]) -> StepResult:
@@ -655,7 +655,7 @@ class ParallelEngine:
             if last:
                 # Before the step: the step ends by starting the weights' broadcasts (overlap_param_gather), which
                 # the next step's forward, not this step's loss, should wait for.
-                # The mean over dp x cp: each CP rank's loss is its token-weighted share (context_parallel.py), so
+                # The mean over dp x cp: each CP rank's loss is its token-weighted share (context/training.py), so
                 # averaging over cp gives the micro-batch mean, as the pipeline engine's average over its data axis.
                 mean = torch.stack(losses).mean()
                 data_ranks = self.topology.dp * self.topology.cp
@@ -879,7 +879,7 @@ class ParallelEngine:
     def task_model(self) -> ParallelScorer:
         """The evaluation harness's TaskModel: scoring and greedy decoding through this layout (collective over
         the TP x PP ranks of this replica, which must all pass the same batches; every CP rank scores whole
-        sequences alone, see context_parallel.py)."""
+        sequences alone, see context/training.py)."""
         self.wait_for_parameters()
         return ParallelScorer(self.engine.module, self.topology, self.engine.device, self.loss_fn.mesh)
 

@@ -12,7 +12,7 @@ engine and the pp = 1 BloomStack make the same decisions. The order, and why:
    the LayerNorms reduce their statistics along the mesh row (``layer_norm``, and in ``parallelize_block``).
 2. Context parallel: ``apply_context_parallel`` replaces a block's attention core, after TP, because it works on
    this TP rank's heads and on the CP-local sequence the QKV projection returns (with sequence parallelism, after
-   its gather over TP). Which tokens a CP rank holds, and the loss over them, are context_parallel.py's.
+   its gather over TP). Which tokens a CP rank holds, and the loss over them, are context/training.py's.
 3. Recompute: it wraps whatever the first two produced (selective: the attention core, CP's collectives
    included, runs again in the backward pass; full: the whole block, in the pipeline's checkpoint interval or
    BloomStack's forward), so it must see the finished block.
@@ -35,7 +35,7 @@ from torch import nn
 
 from appliance.errors import BadInput
 from appliance.model.bloom import BloomBlock, BloomMLP, LinearFactory
-from appliance.parallel.context_parallel import ContextParallelCore
+from appliance.parallel.context.training import ContextParallelCore
 from appliance.parallel.tensor.layers import tp_linear_factory
 from appliance.parallel.tensor2d.layers2d import Mesh2D, layer_norm_2d, tp2d_linear_factory
 from appliance.parallel.topology import ParallelTopology

@@ -53,7 +53,7 @@ from appliance.model.bloom import BloomBlock
 from appliance.model.config import BloomConfig
 from appliance.model.initial_weights import empty_module
 from appliance.model.moe import canonical_moe_name
-from appliance.parallel.context_parallel import token_weighted_loss
+from appliance.parallel.context.training import token_weighted_loss
 from appliance.parallel.parallelize import SEQUENCE_DIM, Parallelism
 from appliance.parallel.tensor.cross_entropy import HeadInput, lm_head_input, vocab_parallel_loss
 from appliance.parallel.tensor.layers import VocabParallelEmbedding
@@ -221,7 +221,7 @@ class VocabParallelLoss:
     (cross_entropy.vocab_parallel_loss): the logits are computed chunk by chunk against the tied embedding
     shard, whose gradient comes out of the same pass. With context parallelism (a ``cp_group`` of more than one
     rank) the training loss is this rank's token-weighted share of the micro-batch mean
-    (context_parallel.token_weighted_loss); the evaluation sum is its slice's sum."""
+    (context.training.token_weighted_loss); the evaluation sum is its slice's sum."""
 
     def __init__(
         self,

@@ -3,7 +3,7 @@
 
 Every rank of one model replica (its TP x PP ranks) is called with the same batch; the DP replicas score different
 requests (the harness splits them over the DP group). With context parallelism each CP rank scores whole sequences
-on its own, the cp attention core switched off (context_parallel.py says why). A forward runs stage by stage: the
+on its own, the cp attention core switched off (context/training.py says why). A forward runs stage by stage: the
 first stage embeds the ids, each stage runs its layers and sends the hidden states to the next (a shape message,
 then the tensor), and the last stage holds this TP rank's vocabulary slice of the logits. The log-softmax and the
 argmax over the whole vocabulary come from three small all-reduces over TP (the max, the sum of exponentials with
@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from appliance.parallel.context_parallel import whole_sequences
+from appliance.parallel.context.training import whole_sequences
 from appliance.parallel.tensor.cross_entropy import HeadInput, vocab_parallel_scores
 from appliance.parallel.tensor2d.layers2d import Mesh2D
 from appliance.parallel.tensor2d.summa import gather_whole_grad
@@ -63,7 +63,7 @@ class ParallelScorer:
         was_training = self.module.training
         self.module.eval()
         try:
-            with whole_sequences(self.module):  # every CP rank scores alone (context_parallel.py says why)
+            with whole_sequences(self.module):  # every CP rank scores alone (context/training.py says why)
                 out = self.module(x)
         finally:
             self.module.train(was_training)

@@ -55,7 +55,7 @@ Adding an axis (the seam). Touch three places, not the modules that only use tp,
 3. the code that uses the new axis, which asks ``group(name)``, ``coordinate(name, rank)`` and ``size(name)``.
 Code written against ``tp``/``pp``/``dp`` keeps working, because an axis of size 1 changes no rank and no group.
 With cp > 1 the batch arithmetic still counts sequences over dp (the sampler deals by the dp coordinate, so every
-CP rank of a DP rank gets the same sequences, and the engine keeps each one's slice: parallel/context_parallel.py);
+CP rank of a DP rank gets the same sequences, and the engine keeps each one's slice: parallel/context/training.py);
 DeepSpeed, whose data axis is dp x cp, is told a batch of global batch x cp slices, and the reported loss is the mean
 over ``dp_cp``.
 

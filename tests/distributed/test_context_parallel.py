@@ -39,7 +39,7 @@ from test_3d_equivalence import (
     token_stream,
 )
 
-from appliance.parallel.context_parallel import whole_sequences
+from appliance.parallel.context.training import whole_sequences
 from appliance.parallel.engine import build_engine
 from appliance.parallel.shards import gather_full_state_dict
 from appliance.parallel.testing import run_distributed

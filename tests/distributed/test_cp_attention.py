@@ -18,7 +18,7 @@ from noise_floor import relative_norm
 
 from appliance.model import ops
 from appliance.model.alibi import alibi_bias, alibi_slopes
-from appliance.parallel.cp_attention import context_parallel_attention, sequence_positions, split_sequence
+from appliance.parallel.context.attention import context_parallel_attention, sequence_positions, split_sequence
 from appliance.parallel.testing import collective_guard, run_distributed
 from appliance.parallel.topology import ParallelTopology
 from kernels import registry

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from appliance.model import ops
-from appliance.parallel.cp_attention import alibi_bias_and_mask
+from appliance.parallel.context.attention import alibi_bias_and_mask
 from bench.long_context import CP, MODES, measure
 
 SEQ = 2048  # cp=1 holds ~300 MiB at its peak (materialized [4, S, S] fp32 scores: 64 MiB each), a step takes ~1 s

@@ -676,7 +676,7 @@ def epcp_reference(dtype: torch.dtype) -> tuple[float, float, dict[str, torch.Te
     """The single-process model on the dp micro-batches with the load-balancing loss per CP half: (language-model
     loss, unweighted load-balancing loss, both means over the dp x cp slices as the engine reports them; gradient of
     the mean optimized loss by layout-free name)."""
-    from appliance.parallel.cp_attention import split_sequence
+    from appliance.parallel.context.attention import split_sequence
 
     model = copy.deepcopy(drawn()).to(dtype)
     inputs: list[tuple[BloomMoE, torch.Tensor]] = []

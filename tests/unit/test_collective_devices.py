@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 import torch
 
-import appliance.parallel.context_parallel as context_parallel_module
+import appliance.parallel.context.training as context_parallel_module
 import appliance.parallel.grads as grads_module
 import appliance.train.control as control_module
 from appliance.rundir import RunDir

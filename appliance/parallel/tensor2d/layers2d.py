@@ -36,7 +36,7 @@ from torch import nn
 
 from appliance.model import ops
 from appliance.model.bloom import LINEAR_ROLES, LinearFactory, default_linear_factory
-from appliance.parallel.context_parallel import token_weighted_loss
+from appliance.parallel.context.training import token_weighted_loss
 from appliance.parallel.tensor.cross_entropy import HeadInput, vocab_parallel_loss
 from appliance.parallel.tensor.mappings import Group, group_rank, group_size
 from appliance.parallel.tensor.param_splits import shard_from_full_2d

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from appliance.model import ops
-from appliance.parallel.cp_ring import ring_attention
+from appliance.parallel.context.ring import ring_attention
 from appliance.planner.layout import CP_MODES
 
 __all__ = ["CP_MODES", "context_parallel_attention", "sequence_positions", "split_sequence"]

@@ -1,6 +1,6 @@
 """Ring context-parallel attention with ALiBi, zigzag order: forward and backward each run one trip around the ring.
 
-The math, the zigzag order and the communication volume are in ``appliance.parallel.cp_attention``'s docstring;
+The math, the zigzag order and the communication volume are in ``appliance.parallel.context.attention``'s docstring;
 this module is the schedule. Rank r holds query/key pieces (r, 2cp-1-r), each P = S_local / 2 tokens, in that
 order. At step s it holds the keys and values of rank (r - s) mod cp while the next ones are already on their way
 (batched isend/irecv to the next rank, from the previous one). Each (query piece a, key piece b) pair with b <= a

@@ -2,10 +2,10 @@
 
 The cp ranks of one data-parallel rank take the same sequences (the sampler deals samples by the dp coordinate
 only) and each keeps its own ``sequence_chunks`` of every one (``local_batch``: ulysses a contiguous slice, ring
-the zigzag pieces r and 2cp-1-r; cp_attention.split_sequence says which). The labels are cut the same way: they
+the zigzag pieces r and 2cp-1-r; context.attention.split_sequence says which). The labels are cut the same way: they
 were shifted by one token before the split (trainer.to_batch), so every kept position still predicts its own next
 token, even the last one of a slice. ALiBi is relative, so no position ids travel: the attention core
-(cp_attention.context_parallel_attention) knows the global positions from (seq_len, cp, cp_rank, mode).
+(context.attention.context_parallel_attention) knows the global positions from (seq_len, cp, cp_rank, mode).
 
 The loss (arithmetic). The mean over the micro-batch's tokens is sum_r L_r / sum_r n_r over the cp ranks r (L_r:
 the summed token losses of rank r's slice, n_r its counted tokens). DeepSpeed averages gradients over dp x cp, i.e.
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from appliance.parallel.cp_attention import context_parallel_attention, split_sequence
+from appliance.parallel.context.attention import context_parallel_attention, split_sequence
 from appliance.parallel.tensor.mappings import Group, collective_device, group_size
 
 # (input ids, labels), each [micro_batch, seq], and under reset_attention_mask the inputs' document ids third.
