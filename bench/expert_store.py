@@ -4,7 +4,7 @@
     .venv/bin/python bench/expert_store.py                    # hidden 256, 4 MoE layers x 8 experts, 5 steps
     .venv/bin/python bench/expert_store.py --hidden 512 --steps 3
 
-The model is the stand-in MoE stack (appliance/parallel/expert_store_stand_in.py: DeepSpeed's Experts of BLOOM
+The model is the stand-in MoE stack (appliance/parallel/experts/store_stand_in.py: DeepSpeed's Experts of BLOOM
 MLPs, fixed routing), one micro-batch of --tokens tokens a step, forward + backward + AdamW. An expert of hidden h
 has 8 h^2 + 5 h parameters; with its gradient and AdamW's two moments, 4 x 4 bytes each (fp32). The budgets:
 device = 2 layers' experts (the forward and backward each hold one layer and prefetch the next), host = all the
@@ -33,9 +33,9 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
-from appliance.parallel.expert_store import ExpertStore, expert_tier_event  # noqa: E402
-from appliance.parallel.expert_store_hooks import attach_expert_store  # noqa: E402
-from appliance.parallel.expert_store_stand_in import MoeStack, dense_parameters  # noqa: E402
+from appliance.parallel.experts.store import ExpertStore, expert_tier_event  # noqa: E402
+from appliance.parallel.experts.store_hooks import attach_expert_store  # noqa: E402
+from appliance.parallel.experts.store_stand_in import MoeStack, dense_parameters  # noqa: E402
 
 
 class Setup:

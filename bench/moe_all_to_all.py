@@ -6,7 +6,7 @@ rank sends per exchange and the time of one exchange, next to the planner's cost
 
 Every rank exchanges an fp32 [E, C, h] tensor (E = 8 experts, 2 per rank) with each kind, a few warm-up rounds,
 then ``--repeats`` timed rounds between barriers (the slowest rank's median). Bytes and messages come from the
-exchange's own counter (parallel/moe_all_to_all.py). The model's time uses the loopback link of a CPU host
+exchange's own counter (parallel/experts/all_to_all.py). The model's time uses the loopback link of a CPU host
 (planner/device.py's rates: all four ranks share one host, so both "nodes" talk over loopback); on real nodes the
 second step would cross the fabric. The exit code is 1 if a measured byte or message count differs from the model's.
 """
@@ -32,7 +32,7 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from appliance.parallel.moe_all_to_all import (  # noqa: E402
+from appliance.parallel.experts.all_to_all import (  # noqa: E402
     AllToAllCounter,
     HierarchicalGroups,
     flat_all_to_all,

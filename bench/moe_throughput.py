@@ -8,7 +8,8 @@ runs ``--warmup`` steps, then ``--steps`` timed steps between barriers, one micr
 random sequences per rank and step. Tokens/s = 4 ranks x micro-batch x seq_len / the median step (every rank waits
 for the slowest at the gradient all-reduce, so rank 0's clock is the step's). ep > 1 splits every MoE block's
 experts over ep ranks (each holds E/ep) and adds two all-to-alls per MoE block and pass; the exchange is the one
-the engine picks (parallel/moe_exchange.py ``select_all_to_all``), printed beside each row. Ratios are against ep = 1.
+the engine picks (parallel/experts/exchange.py ``select_all_to_all``), printed beside each row. Ratios are against ep =
+1.
 """
 
 from __future__ import annotations

@@ -9,11 +9,11 @@ probability, times experts^2) and the tokens each expert got; the block keeps bo
 
 Tensor parallelism: at tp > 1 the block passes its tensor-parallel linear factory, and every expert is sharded
 over tp like the dense MLP (``ExpertMLP``; the token drop and gather around the all-to-all are DeepSpeed's, over our
-tp group: parallel/expert_parallel.py).
+tp group: parallel/experts/parallel.py).
 
 Expert parallelism: with ep > 1 each rank of an ``ep`` group holds experts [ep_rank * E/ep, (ep_rank + 1) * E/ep)
 and DeepSpeed exchanges tokens over the group with two all-to-alls per layer and pass. Which all-to-all is used is
-chosen in one place, parallel/moe_exchange.py ``select_all_to_all`` (the hierarchical one where the ep group spans
+chosen in one place, parallel/experts/exchange.py ``select_all_to_all`` (the hierarchical one where the ep group spans
 nodes and the planner's cost model prefers it, else DeepSpeed's), and put in DeepSpeed's place by
 ``install_all_to_all`` here, the model's one seam for it.
 
@@ -71,7 +71,7 @@ def deepspeed_moe_name(name: str, expert_offset: int = 0) -> str:
 
 def install_all_to_all(exchange: Any) -> None:
     """Make DeepSpeed's MoE layers use ``exchange`` (an object with ``apply(group, x)``, DeepSpeed's own
-    ``_AllToAll`` or ``moe_all_to_all.MoeAllToAll``): MOELayer.forward looks up the module-level ``_AllToAll``."""
+    ``_AllToAll`` or ``experts.all_to_all.MoeAllToAll``): MOELayer.forward looks up the module-level ``_AllToAll``."""
     sharded_moe._AllToAll = exchange
 
 

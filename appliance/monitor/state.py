@@ -24,7 +24,7 @@ Optional keys this reader understands beyond the required ones of events.py (all
   kernels:     source, choices, times_ms (and backend when nothing was chosen per op): the newest is kept
   startup:     phases ({phase: seconds}), total_s, from, restart, step: the newest launch's start is kept
   step (MoE):  moe_aux_loss (the load-balancing loss), expert_load (per MoE layer, each expert's fraction of the
-               tokens), expert_tier (the tiered expert store's counters: parallel/expert_store.py
+               tokens), expert_tier (the tiered expert store's counters: parallel/experts/store.py
                expert_tier_event); any of them makes `experts` non-None and shows the experts panel
 """
 

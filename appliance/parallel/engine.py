@@ -20,11 +20,11 @@ How the layout maps onto DeepSpeed, in the order it is applied:
    runs per layer in the background, each layer's next forward waiting for its own (param_gather.py). Everything
    here that reads or writes parameters outside the training forward waits for all of it first
    (``wait_for_parameters``).
-5. BLOOM-MoE (expert_parallel.py, docs/MOE.md): DeepSpeed's expert groups are our topology's ep and edp groups,
+5. BLOOM-MoE (experts/parallel.py, docs/MOE.md): DeepSpeed's expert groups are our topology's ep and edp groups,
    the expert parameters get optimizer groups of their own, and each step reports the load-balancing loss
    (``moe_aux_loss``, travelling through the pipeline) and the experts' token shares (``expert_load``). The
    all-to-all the experts exchange tokens with is chosen for the run's hardware profile (``hardware``: the plan's
-   nodes and links; moe_exchange.py) and kept as ``engine.all_to_all``, which the run directory records.
+   nodes and links; experts/exchange.py) and kept as ``engine.all_to_all``, which the run directory records.
 Every layout starts from the weights a single process draws from the same seed, each weight matrix and the word
 embedding from N(0, config.initializer_range), the plan's model.init_std: the layers are built without values on
 the engine's device, and each rank draws only its own shards there (shards.init_shards_: every element is a
@@ -57,14 +57,15 @@ from appliance.parallel.bf16_step import keep_verdicts_on_device
 from appliance.parallel.context.training import local_batch
 from appliance.parallel.deepspeed_comm import init_deepspeed_comm
 from appliance.parallel.deepspeed_config import deepspeed_config
-from appliance.parallel.expert_parallel import (
+from appliance.parallel.experts.exchange import AllToAllSelection, select_all_to_all
+from appliance.parallel.experts.parallel import (
     check_moe_layout,
     moe_param_groups,
     moe_step_figures,
     register_expert_groups,
     set_expert_offsets,
 )
-from appliance.parallel.expert_store_engine import (
+from appliance.parallel.experts.store_engine import (
     EngineExpertStore,
     build_engine_store,
     check_store_layout,
@@ -73,7 +74,6 @@ from appliance.parallel.expert_store_engine import (
     install_store_step,
 )
 from appliance.parallel.grads import TopologyMPU, install_global_norm_clipping, register_sequence_parallel_grad_hooks
-from appliance.parallel.moe_exchange import AllToAllSelection, select_all_to_all
 from appliance.parallel.optimizer_state import (
     dp_writers,
     load_optimizer_state,
@@ -235,7 +235,7 @@ def build_engine(
 
     topology.validate_heads(config.n_head)
     check_moe_layout(config, topology, sequence_parallel=sequence_parallel)
-    tiered = expert_device_budget_bytes > 0  # the experts in the tiered store (expert_store_engine.py)
+    tiered = expert_device_budget_bytes > 0  # the experts in the tiered store (experts/store_engine.py)
     if tiered or expert_host_budget_bytes > 0:
         check_store_layout(
             is_moe=config.is_moe,
@@ -250,7 +250,7 @@ def build_engine(
     topology.init_process_groups()
     all_to_all = None
     if config.is_moe:
-        register_expert_groups(topology)  # before DeepSpeed would make its own (expert_parallel.py)
+        register_expert_groups(topology)  # before DeepSpeed would make its own (experts/parallel.py)
         # Flat or hierarchical by how the ep groups fall on the plan's nodes: the planner's cost model decides.
         all_to_all = select_all_to_all(
             config, topology, micro_batch_size=micro_batch_size, seq_len=seq_len, hardware=hardware
@@ -326,7 +326,7 @@ def build_engine(
     # The pipeline engine takes its model-parallel unit from the PipelineModule (the same layout, built from
     # topology.to_deepspeed()); the plain engine gets ours.
     mpu = None if topology.pp > 1 else TopologyMPU(topology)
-    # The store in bf16 or under ZeRO: DeepSpeed's optimizer must not look for expert groups (expert_store_engine.py)
+    # The store in bf16 or under ZeRO: DeepSpeed's optimizer must not look for expert groups (experts/store_engine.py)
     hide = tiered and (dtype == "bf16" or zero_stage > 0)
     with experts_hidden_from_deepspeed() if hide else contextlib.nullcontext():
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config, mpu=mpu)
@@ -464,9 +464,10 @@ class ParallelEngine:
         # DeepSpeed's step leaves its loss and gradient norm on the device (bf16_step.py): read late, like the
         # single-replica engine's (train_batch_async).
         self.device_figures = device_figures
-        # BLOOM-MoE: the expert exchange installed for this engine and why (moe_exchange.py); None for a dense model.
+        # BLOOM-MoE: the expert exchange installed for this engine and why (experts/exchange.py); None for a dense
+        # model.
         self.all_to_all = all_to_all
-        # BLOOM-MoE with expert_device_budget_mb > 0: the experts live in the tiered store (expert_store_engine.py);
+        # BLOOM-MoE with expert_device_budget_mb > 0: the experts live in the tiered store (experts/store_engine.py);
         # the trainer reports `expert_store`'s moves in each step event.
         self.experts = experts
         self.expert_store = experts.store if experts is not None else None

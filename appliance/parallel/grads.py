@@ -101,7 +101,7 @@ def global_grad_norm(
     """The 2-norm of the whole model's gradient, the same on every rank (collective over ``topology.mp_group``).
 
     Call it once the gradients are reduced over DP (every replica then holds the same vector). ``store_squares``:
-    the sum of squares of the experts the tiered store holds on this rank (expert_store.py; those parameters are
+    the sum of squares of the experts the tiered store holds on this rank (experts/store.py; those parameters are
     left out of ``params``), counted like the other experts: summed over the ep group.
     """
     params = list(params)

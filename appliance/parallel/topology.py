@@ -35,7 +35,7 @@ Expert parallelism (ep) folds inside dp, Megatron/DeepSpeed style, and adds no r
 gradients. ep = 1 makes ``ep`` groups single ranks and ``edp`` the ``dp`` group. Experts are replicated over cp
 too (each CP rank routes its own slice of the sequences through the same experts), so their gradients are partial
 sums over cp exactly like the dense ones: ``edp_cp`` groups (same pp, tp, ep; edp and cp vary, size dp / ep * cp)
-reduce them, and are DeepSpeed's expert-data-parallel groups (expert_parallel.register_expert_groups). With
+reduce them, and are DeepSpeed's expert-data-parallel groups (experts.parallel.register_expert_groups). With
 cp = 1, ``edp_cp`` is the ``edp`` group itself (the same handle).
 
 2D tensor parallelism (Optimus, ``tp2d = q``) keeps the tp axis, of q * q ranks, and splits it into a mesh:

@@ -73,7 +73,7 @@ def check_precision(hw: Hardware, precision: str) -> None:
 def ranks_per_node(hw: Hardware, world_size: int) -> int:
     """How many of the plan's `world_size` ranks share a node: one per GPU, or on CPU nodes the ranks spread evenly
     over the profile's nodes (rounded up). The engine cuts its expert groups into nodes by the same count
-    (parallel/moe_exchange.py), so the all-to-all it picks is the one the plan priced."""
+    (parallel/experts/exchange.py), so the all-to-all it picks is the one the plan priced."""
     if hw.has_gpus:
         return hw.gpus_per_node
     return max(1, math.ceil(world_size / hw.nodes))

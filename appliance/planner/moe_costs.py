@@ -12,7 +12,7 @@ with biases; tokens are the ones one rank's gate routes per micro-batch (micro-b
 - Exchanges per step: 2 (dispatch, combine) x 2 (forward, its adjoint backward) x MoE layers x micro-batches.
 - Flat (p = ep ranks): p - 1 messages of S/p. The ep group spans N = p / G nodes with G ep ranks each (ep ranks
   sit rank_stride = tp x cp apart, since ep folds inside dp): G - 1 messages stay in the node, p - G cross it.
-- Hierarchical (parallel/moe_all_to_all.py): G - 1 messages of S/G inside the node, then N - 1 of S/N across
+- Hierarchical (parallel/experts/all_to_all.py): G - 1 messages of S/G inside the node, then N - 1 of S/N across
   nodes: O(G + p/G) messages instead of O(p); the inter-node bytes are the same, (N - 1)/N S, and
   (G - 1)/G S more cross the node's fast links.
 - Time (alpha-beta): every message pays the link's start-up latency, one after another, plus its bytes at the
@@ -20,7 +20,7 @@ with biases; tokens are the ones one rank's gate routes per micro-batch (micro-b
 - Compute: an expert's forward is 2 GEMMs, 4 h f FLOPs per slot, and the backward twice that: 12 h f per slot, for
   the E C slots a rank's local experts fill (ep sources x E/ep experts x C). Padding slots cost the same as tokens:
   the capacity factor multiplies the compute, useful / total = tokens x top_k / (E C).
-- Tensor parallelism (tp > 1, parallel/expert_parallel.py): every expert is sharded over the tp group like the
+- Tensor parallelism (tp > 1, parallel/experts/parallel.py): every expert is sharded over the tp group like the
   dense MLP, so its parameters (2hf + f)/tp + h, its FLOPs per slot 12 h f / tp, and each exchange's tensor
   [E, C/tp, h] (the tp ranks hold the same tokens: each sends 1/tp of the slots, C rounded up to a multiple of tp).
 - Offload (experts kept in host memory or on disk, streamed to the GPU): per step the weights go up for every

@@ -202,7 +202,7 @@ def search_layouts(
                             continue
                         for recompute in recomputes:
                             # Experts need the MoE block's input replicated over tp (DeepSpeed drops duplicates):
-                            # no sequence parallelism with them (expert_parallel.check_moe_layout).
+                            # no sequence parallelism with them (experts.parallel.check_moe_layout).
                             for sp in (False, True) if tp > 1 and not model.moe_num_experts else (False,):
                                 # DeepSpeed's pipeline engine stops at ZeRO-1: stage 2 only without a pipeline.
                                 for zero in (z for z in zeros if pp == 1 or z < 2) if dp * cp > 1 else (0,):

@@ -78,7 +78,7 @@ class TrainSettings:
     nan_rollback_after: int = 3
     max_rollbacks: int = 5
     # MoE runs: the bytes of experts (weights, gradients, AdamW moments) each rank keeps on its device, the rest in
-    # host memory, moved by LRU with prefetch (appliance/parallel/expert_store.py); 0 keeps every expert resident.
+    # host memory, moved by LRU with prefetch (appliance/parallel/experts/store.py); 0 keeps every expert resident.
     expert_device_budget_mb: int = 0
     # ... and the bytes of them each rank keeps in host memory; the rest go to local disk, one safetensors file per
     # expert under run_dir/expert_store/rank<N>/. 0: host memory holds every expert the device does not. Only with

@@ -100,7 +100,7 @@ def engine_for(
         seed=train.seed,
         overlap_param_gather=train.overlap_param_gather,
         compile=train.compile,
-        # BLOOM-MoE: 0 keeps every expert resident; else the tiered expert store (expert_store_engine.py)
+        # BLOOM-MoE: 0 keeps every expert resident; else the tiered expert store (parallel/experts/store_engine.py)
         expert_device_budget_bytes=train.expert_device_budget_mb * 2**20,
         expert_host_budget_bytes=train.expert_host_budget_mb * 2**20,  # 0: host memory unlimited, no disk
         expert_disk_dir=(

@@ -27,7 +27,7 @@ from appliance.data.documents import document_ids, document_lengths
 from appliance.data.sampler import BalancedPretrainingSampler
 from appliance.monitor.events import EventWriter
 from appliance.parallel.engine import ParallelEngine, PendingStep
-from appliance.parallel.expert_store import expert_step_fields
+from appliance.parallel.experts.store import expert_step_fields
 from appliance.parallel.tensor.drift import ReplicaDriftError
 from appliance.planner.cadence import save_due
 from appliance.planner.train_settings import DRIFT_CHECK_INTERVAL

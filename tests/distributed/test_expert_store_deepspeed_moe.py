@@ -27,7 +27,7 @@ LR = 1e-2
 def build() -> torch.nn.ModuleList:
     from deepspeed.moe.layer import MoE
 
-    from appliance.parallel.expert_store_stand_in import BloomMlp
+    from appliance.parallel.experts.store_stand_in import BloomMlp
 
     torch.manual_seed(0)
     layers = torch.nn.ModuleList(
@@ -57,8 +57,8 @@ def train(layers: torch.nn.ModuleList, step_experts: Any, optimizer: torch.optim
 
 def tiered_against_resident(topology: Any) -> dict[str, Any]:
     from appliance.parallel.deepspeed_comm import init_deepspeed_comm
-    from appliance.parallel.expert_store import ExpertStore
-    from appliance.parallel.expert_store_hooks import attach_expert_store
+    from appliance.parallel.experts.store import ExpertStore
+    from appliance.parallel.experts.store_hooks import attach_expert_store
 
     init_deepspeed_comm("gloo")  # DeepSpeed's comm over the rank's existing group
     reference = build()
@@ -129,9 +129,9 @@ def reduced_grads(topology: Any) -> dict[str, Any]:
     layer's experts on the device, the other's in host memory)."""
     import torch.distributed as dist
 
-    from appliance.parallel.expert_store import ExpertStore
-    from appliance.parallel.expert_store_hooks import attach_expert_store
-    from appliance.parallel.expert_store_stand_in import MoeStack
+    from appliance.parallel.experts.store import ExpertStore
+    from appliance.parallel.experts.store_hooks import attach_expert_store
+    from appliance.parallel.experts.store_stand_in import MoeStack
 
     x = torch.randn(2, 8, HIDDEN, generator=torch.Generator().manual_seed(10 + dist.get_rank()))
     plain = MoeStack(HIDDEN, EXPERTS, 2)

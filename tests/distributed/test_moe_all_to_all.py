@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from appliance.parallel.deepspeed_comm import init_deepspeed_comm
-from appliance.parallel.moe_all_to_all import (
+from appliance.parallel.experts.all_to_all import (
     AllToAllCounter,
     flat_all_to_all,
     hierarchical_all_to_all,

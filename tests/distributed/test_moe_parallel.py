@@ -41,7 +41,7 @@ from appliance.model.moe import BloomMoE, canonical_moe_name
 from appliance.model.ops import cross_entropy
 from appliance.parallel.deepspeed_comm import init_deepspeed_comm
 from appliance.parallel.engine import build_engine
-from appliance.parallel.expert_parallel import register_expert_groups
+from appliance.parallel.experts.parallel import register_expert_groups
 from appliance.parallel.shards import gather_full_state_dict
 from appliance.parallel.testing import run_distributed
 from appliance.parallel.topology import ParallelTopology
@@ -171,7 +171,7 @@ def _engine(topology: ParallelTopology, ep: int, pp: int, hardware: Any = None) 
         eps=1e-8,
         seed=SEED,
         seq_len=SEQ,  # the all-to-all choice weighs exchanges of MBS x SEQ tokens
-        hardware=hardware,  # None: the nodes are LOCAL_WORLD_SIZE ranks (moe_exchange.py node_size)
+        hardware=hardware,  # None: the nodes are LOCAL_WORLD_SIZE ranks (parallel/experts/exchange.py node_size)
     )
 
 
@@ -280,7 +280,7 @@ def _hierarchical_step(topology: ParallelTopology) -> dict[str, Any]:
     both nodes, so the engine installs the hierarchical exchange."""
     from deepspeed.moe import sharded_moe
 
-    from appliance.parallel.moe_all_to_all import MoeAllToAll
+    from appliance.parallel.experts.all_to_all import MoeAllToAll
 
     before = os.environ.get("LOCAL_WORLD_SIZE")
     os.environ["LOCAL_WORLD_SIZE"] = "4"
@@ -315,7 +315,7 @@ def _hierarchical_step(topology: ParallelTopology) -> dict[str, Any]:
     }
 
 
-# ---- the tiered expert store in the engine (expert_store_engine.py) ---------------------------------------------
+# ---- the tiered expert store in the engine (parallel/experts/store_engine.py) ----------------------------------------
 # pp = 1, dp = 4, ep = 2 (edp = 2): each rank holds 2 experts of each of the 2 MoE blocks. An expert is BLOOM's MLP,
 # 2 x 32 x 128 weights + 128 + 32 biases = 8,352 fp32 parameters, x 4 copies (weights, gradients, Adam's two
 # moments) = 133,632 B; the device budget holds one block's 2 experts, so every forward and backward evicts the
@@ -373,7 +373,7 @@ def _tiered_mode(topology: ParallelTopology, name: str, disk: Path) -> dict[str,
 def _tiered_steps(engine: Any, first: int, last: int) -> dict[str, Any]:
     """Steps first..last-1 (2 micro-batches each: gradients accumulate while experts move), with clipping at 1.0
     and weight decay on (the store's AdamW must split decay as the dense optimizer does)."""
-    from appliance.parallel.expert_store import expert_step_fields
+    from appliance.parallel.experts.store import expert_step_fields
 
     dp_rank = engine.topology.coordinate("dp", dist.get_rank())
     losses, norms, events = [], [], []

@@ -19,15 +19,15 @@ from appliance.errors import BadInput
 from appliance.monitor.events import make_event
 from appliance.monitor.state import RunState, reduce
 from appliance.overrides import parse_overrides
-from appliance.parallel.expert_store import (
+from appliance.parallel.experts.store import (
     AdamWSettings,
     ExpertStore,
     expert_step_fields,
     expert_store_for_run,
     expert_tier_event,
 )
-from appliance.parallel.expert_store_hooks import attach_expert_store
-from appliance.parallel.expert_store_stand_in import MoeStack, dense_parameters
+from appliance.parallel.experts.store_hooks import attach_expert_store
+from appliance.parallel.experts.store_stand_in import MoeStack, dense_parameters
 from appliance.planner.train_settings import TrainSettings
 from appliance.rundir import RunDir
 
@@ -299,7 +299,7 @@ def test_the_engine_refuses_the_store_where_it_is_not_wired() -> None:
     """fp16, ZeRO 2 and cp > 1 are refused in one message naming each key; fp32 and bf16 at ZeRO 0 and 1 pass at any
     pp."""
     from appliance.errors import BadInput
-    from appliance.parallel.expert_store_engine import check_store_layout
+    from appliance.parallel.experts.store_engine import check_store_layout
 
     check_store_layout(is_moe=True, dtype="fp32", zero_stage=0, pp=1)
     check_store_layout(is_moe=True, dtype="fp32", zero_stage=0, pp=2)
@@ -318,8 +318,8 @@ def test_the_engine_refuses_the_store_where_it_is_not_wired() -> None:
 
 
 def test_a_clipped_step_with_the_engine_settings_matches_the_dense_optimizer() -> None:
-    """What the engine asks of the store (expert_store_engine.py): the clip coefficient scales the gradients, biases
-    get no weight decay and the kernel is torch's fused one, like the dense AdamW: the same bits as that AdamW on
+    """What the engine asks of the store (parallel/experts/store_engine.py): the clip coefficient scales the gradients,
+    biases get no weight decay and the kernel is torch's fused one, like the dense AdamW: the same bits as that AdamW on
     gradients scaled by the same coefficient, an evicted expert included."""
     torch.manual_seed(3)
     experts = [torch.nn.Linear(HIDDEN, HIDDEN) for _ in range(2)]

@@ -16,8 +16,8 @@ import pytest
 
 from appliance.hardware.profile import load_hardware
 from appliance.model.config import config_for_shape
-from appliance.parallel import moe_exchange
-from appliance.parallel.moe_exchange import AllToAllSelection, NodeSize, node_size, select_all_to_all
+from appliance.parallel.experts import exchange as moe_exchange
+from appliance.parallel.experts.exchange import AllToAllSelection, NodeSize, node_size, select_all_to_all
 from appliance.parallel.topology import ParallelTopology
 from appliance.planner import make_plan, parse_layout
 from appliance.planner.model_shape import load_model_shape

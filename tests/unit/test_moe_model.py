@@ -140,7 +140,7 @@ def test_the_planner_sizes_the_176b_active_preset_with_experts_over_tp() -> None
 
 
 def test_moe_layout_allows_tp_and_refuses_sequence_parallel_and_tp2d() -> None:
-    from appliance.parallel.expert_parallel import check_moe_layout
+    from appliance.parallel.experts.parallel import check_moe_layout
     from appliance.parallel.topology import ParallelTopology
 
     moe = BloomConfig(**TINY, moe_num_experts=4)

@@ -10,7 +10,7 @@ import pytest
 
 from appliance.errors import BadInput
 from appliance.hardware.profile import load_hardware
-from appliance.parallel.moe_all_to_all import _split_by_node, make_all_to_all, ranks_per_node_from_launcher
+from appliance.parallel.experts.all_to_all import _split_by_node, make_all_to_all, ranks_per_node_from_launcher
 from appliance.planner.moe_costs import (
     MoeLinks,
     MoeShape,

@@ -83,7 +83,7 @@ def test_tp_divides_a_ranks_expert_parameters_but_not_the_replicated_bias() -> N
 
 
 def test_the_engine_splits_only_node_aligned_ep_groups() -> None:
-    from appliance.parallel.moe_exchange import _node_aligned
+    from appliance.parallel.experts.exchange import _node_aligned
 
     assert _node_aligned([[0, 1, 2, 3], [4, 5, 6, 7]], 2)  # 2 nodes x 2 ranks each
     assert not _node_aligned([[2, 3, 4, 5, 6, 7]], 4)  # 2 ranks on node 0, 4 on node 1: flat instead

@@ -1,4 +1,4 @@
-"""The tiered expert store (expert_store.py) in the training engine: a BLOOM-MoE run whose experts do not fit in the
+"""The tiered expert store (experts/store.py) in the training engine: a BLOOM-MoE run whose experts do not fit in the
 device budget (``expert_device_budget_mb``) trains with them moving between device, host memory and, past the host
 budget (``expert_host_budget_mb``), local disk.
 
@@ -43,9 +43,9 @@ from torch import nn
 
 from appliance.errors import BadInput
 from appliance.model.moe import BloomMoE
-from appliance.parallel.expert_parallel import is_expert_parameter
-from appliance.parallel.expert_store import AdamWSettings, ExpertKey, ExpertStore
-from appliance.parallel.expert_store_hooks import attach_expert_store
+from appliance.parallel.experts.parallel import is_expert_parameter
+from appliance.parallel.experts.store import AdamWSettings, ExpertKey, ExpertStore
+from appliance.parallel.experts.store_hooks import attach_expert_store
 from appliance.parallel.grads import clip_by_global_norm, clip_coefficient
 from appliance.parallel.tensor.mappings import collective_device, group_size
 from appliance.parallel.topology import ParallelTopology
@@ -106,7 +106,7 @@ def experts_hidden_from_deepspeed() -> Iterator[None]:
     sorts expert gradients by group, which install_store_step filters.) The store's experts are in no group
     and reduced, counted and stepped by the store, so while the engine is built that name points at a class no
     layer is: DeepSpeed builds the dense engine it steps, the MoE layers running inside it as ordinary modules
-    (the gate's weight is dense; the all-to-all runs over the ep group registered before, expert_parallel.py)."""
+    (the gate's weight is dense; the all-to-all runs over the ep group registered before, experts/parallel.py)."""
     from deepspeed.runtime import engine as deepspeed_engine
 
     class NoLayerIsThis:
@@ -311,7 +311,7 @@ def _install_bf16_store_step(engine: Any, experts: EngineExpertStore, topology: 
     """DeepSpeed's BF16_Optimizer (bf16 at ZeRO 0 and 1, deepspeed_config.py) steps the dense parameters: fp32
     gradient buffers filled after each micro-batch, reduced over dp in fp32, the global norm of them, clipping, AdamW
     on fp32 master partitions, bf16 weights copied from the masters. The store does the same for its experts (its
-    bf16 experts have fp32 masters and fp32 gradients, expert_store.py), around that step:
+    bf16 experts have fp32 masters and fp32 gradients, experts/store.py), around that step:
     - before it, the experts' fp32 gradients are reduced (sum over edp, times 1 / dp, as DeepSpeed's expert
       reduction); DeepSpeed reduces only its optimizer's buffers, which hold no expert;
     - its norm adds the store's squares through ``get_grads_for_norm`` (the list it sums, one tensor more);

@@ -3,7 +3,7 @@
 DeepSpeed's MoE layer dispatches and combines tokens over the ``ep`` group with its module-level ``_AllToAll``
 (model/moe.py ``install_all_to_all`` replaces it). ``select_all_to_all`` decides which exchange goes there: where an
 ep group spans nodes and ``planner/moe_costs.py``'s ``choose_all_to_all`` (latency O(G + p/G) against O(p)
-messages, the bytes on each link) prefers it, the hierarchical exchange of ``parallel/moe_all_to_all.py``; else
+messages, the bytes on each link) prefers it, the hierarchical exchange of ``parallel/experts/all_to_all.py``; else
 DeepSpeed's flat one. The engine keeps the answer (``ParallelEngine.all_to_all``), and ``train/from_spec.py`` records
 it from there in the run directory (ds_config.json).
 
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from appliance.hardware.profile import Hardware
 from appliance.model.config import BloomConfig
 from appliance.model.moe import DEEPSPEED_ALL_TO_ALL
-from appliance.parallel.moe_all_to_all import make_all_to_all
+from appliance.parallel.experts.all_to_all import make_all_to_all
 from appliance.planner.device import ranks_per_node as planned_ranks_per_node
 from appliance.planner.moe_costs import choose_all_to_all, links_from_hardware, moe_shape_for_model
 

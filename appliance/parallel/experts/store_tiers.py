@@ -1,7 +1,7 @@
 """Where an expert's tensors live when they are not on the compute device: host memory and local disk.
 
 An expert travels as one flat dict of named tensors (its parameters, their gradients and AdamW's exp_avg and
-exp_avg_sq; `expert_store.py` builds it). The host tier holds a separate copy, pinned when CUDA is there so the
+exp_avg_sq; `experts/store.py` builds it). The host tier holds a separate copy, pinned when CUDA is there so the
 copy back to the GPU can run asynchronously; on a CPU-only machine "device" and "host" are both RAM and the copy
 is a plain memcpy, which is what the CPU figures of docs/PERFORMANCE.md measure. The disk tier holds one
 safetensors file per expert, written to a temporary name and renamed, so a reader (or a crash) sees the whole file

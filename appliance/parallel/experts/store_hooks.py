@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from appliance.parallel.expert_store import ExpertSlot, ExpertStore
+from appliance.parallel.experts.store import ExpertSlot, ExpertStore
 
 
 class _SavedWeight:

@@ -17,7 +17,7 @@ The policy (deterministic: the same run moves the same experts in the same order
 - `fetch` brings an expert to the device, evicting the least recently used unpinned device experts to host
   (and, when the host budget is full, the least recently used host experts to disk).
 - A layer's experts are pinned while its forward runs, and an expert is pinned from the moment its backward
-  needs its weights until all its gradients have accumulated (`expert_store_hooks.py` does both). The device
+  needs its weights until all its gradients have accumulated (`experts/store_hooks.py` does both). The device
   budget must therefore hold one layer's experts; a smaller one is refused with the arithmetic.
 - Prefetch: before a layer's forward, the next `prefetch_layers` layers are fetched too when they fit without
   evicting a pinned expert (all of a layer or none of it); in backward the previous layer likewise.
@@ -27,7 +27,7 @@ this tier to the device), evictions (experts moved out of this tier to the next 
 move is whole experts, so bytes = moves x expert bytes. `expert_tier_event` sums them into a step event's field.
 
 In an engine (fp32 or bf16 expert weights; after deepspeed.initialize, whose broadcast of the weights needs them
-whole; expert_store_engine.py does this for the training engine):
+whole; experts/store_engine.py does this for the training engine):
     store = expert_store_for_run([list(c.deepspeed_experts) for c in containers], device=device,
                                  settings=train_settings, disk_dir=run_dir / "experts")   # None: budget 0
     attach_expert_store(store, containers)          # containers: each MoE layer's deepspeed_moe.experts
@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from appliance.errors import BadInput
-from appliance.parallel.expert_store_tiers import DiskTier, Tensors, tensors_bytes, to_device, to_host
+from appliance.parallel.experts.store_tiers import DiskTier, Tensors, tensors_bytes, to_device, to_host
 from appliance.planner.train_settings import TrainSettings
 
 TIERS = ("device", "host", "disk")
