@@ -17,7 +17,7 @@ How the layout maps onto DeepSpeed, in the order it is applied:
    ZeRO stage as planned), with our topology as its model-parallel unit so the clipping norm is global. Inside it,
    torch's AdamW with the kernel ``adamw_kernel`` picks (fused where the device has one).
 4. With ZeRO over dp > 1 and ``overlap_param_gather``, the all-gather of the updated weights that ends each step
-   runs per layer in the background, each layer's next forward waiting for its own (param_gather.py). Everything
+   runs per layer in the background, each layer's next forward waiting for its own (zero/param_gather.py). Everything
    here that reads or writes parameters outside the training forward waits for all of it first
    (``wait_for_parameters``).
 5. BLOOM-MoE (experts/parallel.py, docs/MOE.md): DeepSpeed's expert groups are our topology's ep and edp groups,
@@ -82,7 +82,6 @@ from appliance.parallel.optimizer_state import (
     optimizer_state,
 )
 from appliance.parallel.parallelize import Parallelism, compile_blocks
-from appliance.parallel.param_gather import DeepSpeedStructureError, OverlappedParamGather, build_overlap
 from appliance.parallel.pipeline_parallel import (
     BloomStack,
     VocabParallelLoss,
@@ -106,6 +105,7 @@ from appliance.parallel.single_replica import SingleReplicaEngine
 from appliance.parallel.tensor.drift import check_replicated_parameters, replicated_across_tp
 from appliance.parallel.tensor.mappings import collective_device
 from appliance.parallel.topology import ParallelTopology
+from appliance.parallel.zero.param_gather import DeepSpeedStructureError, OverlappedParamGather, build_overlap
 from appliance.planner.train_settings import TrainSettings
 
 # (input ids, labels), each [micro_batch, seq], and under reset_attention_mask the inputs' document ids third.

@@ -144,7 +144,7 @@ def compile_blocks(module: nn.Module, parallelism: Parallelism, mode: str, devic
     rank's pipeline stage), in place; returns the blocks compiled.
 
     In place means the block's ``forward``, not the module: parameter names and state_dict keys do not change, and
-    forward hooks (the overlapped parameter gather waits in one, param_gather.py) keep running eagerly around the
+    forward hooks (the overlapped parameter gather waits in one, zero/param_gather.py) keep running eagerly around the
     compiled graph instead of being traced into it. fullgraph=True makes any graph break an error at the first
     step rather than a silent slowdown. Shapes: training's never change, so training never recompiles;
     evaluation and scoring (no_grad, module.eval()) get graphs of their own, the first for their first shape and, if

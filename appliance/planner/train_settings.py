@@ -27,7 +27,7 @@ def overlap_comm(zero_stage: int, dtype: str) -> bool:
     overlap_comm at all; where ZeRO's own optimizer runs (fp16, bf16 ZeRO-2) it would reduce gradient buckets on a
     side CUDA stream during backward, at extra bucket memory. Nothing here can measure that: gloo ranks have no CUDA
     streams, so a CPU run would show equal numbers and no overlap. What hides communication instead is the
-    engine's cross-step parameter all-gather (parallel/param_gather.py).
+    engine's cross-step parameter all-gather (parallel/zero/param_gather.py).
     """
     del zero_stage, dtype  # the arguments a measured GPU policy would decide on
     return False
@@ -63,7 +63,7 @@ class TrainSettings:
     eval_task_limit: int | None = None  # documents per evaluation task (0: all; None: 32 on CPU, all on GPUs)
     drift_check_interval: int = DRIFT_CHECK_INTERVAL  # 0 turns the check off
     # ZeRO's all-gather of the updated weights, per layer in the background of the next step's forward rather than
-    # at the end of the step (appliance/parallel/param_gather.py). Acts only with dp > 1 and ZeRO >= 1.
+    # at the end of the step (appliance/parallel/zero/param_gather.py). Acts only with dp > 1 and ZeRO >= 1.
     overlap_param_gather: bool = True
     # Megatron's --reset-attention-mask: each token attends only to the earlier tokens of its own document within a
     # packed sample (documents end at the EOD token; appliance/data/documents.py), and the data-parallel ranks get

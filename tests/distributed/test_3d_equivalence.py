@@ -490,7 +490,7 @@ def test_collective_guard_sees_the_training_and_refuses_a_wrong_device(launch: d
     expected = {"all_reduce"} if tp * pp * dp > 1 else set()
     if dp > 1 and options["zero"] > 0:
         # ZeRO: the updated partitions travel as one async broadcast per (layer, owner) piece, overlapped with the
-        # next forward (parallel/param_gather.py, on by default) instead of DeepSpeed's all-gather
+        # next forward (parallel/zero/param_gather.py, on by default) instead of DeepSpeed's all-gather
         expected.add("broadcast")
     if pp > 1:
         expected |= {"send", "recv"}

@@ -1,5 +1,5 @@
 """The engine's optimizer: torch's fused AdamW inside DeepSpeed's wrappers, and ZeRO's post-step weight all-gather
-overlapped with the next forward (appliance/parallel/param_gather.py), at dp=2 and at pp=2 x dp=2 on gloo ranks.
+overlapped with the next forward (appliance/parallel/zero/param_gather.py), at dp=2 and at pp=2 x dp=2 on gloo ranks.
 
 One launch per layout; each rank trains every case of the layout and returns what the tests compare:
   overlap on and off: the losses and the weights after STEPS steps, straight and resumed from a checkpoint saved
@@ -29,9 +29,9 @@ import appliance.parallel.engine as engine_module
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
 from appliance.parallel.engine import build_engine, param_groups
-from appliance.parallel.param_gather import OverlappedParamGather
 from appliance.parallel.testing import run_distributed
 from appliance.parallel.topology import ParallelTopology
+from appliance.parallel.zero.param_gather import OverlappedParamGather
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

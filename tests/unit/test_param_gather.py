@@ -1,6 +1,6 @@
 """The optimizer's pieces that need no ranks: the AdamW kernel choice, the resumed step count where a fused kernel
-reads it, the check that DeepSpeed still ends its step the way param_gather.py was written against, and the
-plan key that switches the overlap (the gather itself runs in tests/distributed/test_overlap_param_gather.py)."""
+reads it, the check that DeepSpeed still ends its step the way parallel/zero/param_gather.py was written against, and
+the plan key that switches the overlap (the gather itself runs in tests/distributed/test_overlap_param_gather.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import torch
 from appliance.data.sample_corpus import SAMPLE_CORPUS_DIR
 from appliance.errors import BadInput
 from appliance.head_run import RunRequest, make_run_plan
-from appliance.parallel import param_gather
 from appliance.parallel.engine import adamw_kernel
 from appliance.parallel.optimizer_state import load_optimizer_state
+from appliance.parallel.zero import param_gather
 from appliance.planner.runspec import load_spec
 
 

@@ -73,7 +73,7 @@ def check_deepspeed_structure(optimizer: Any = None) -> None:
             raise DeepSpeedStructureError(
                 f"{name}.all_gather_dp_groups is {bound!r}, not deepspeed.runtime.utils.all_gather_dp_groups: "
                 "DeepSpeed changed how its optimizer step gathers the updated parameters (read from 0.19.8); "
-                "set train.overlap_param_gather to false, or update appliance/parallel/param_gather.py"
+                "set train.overlap_param_gather to false, or update appliance/parallel/zero/param_gather.py"
             )
     if optimizer is not None:
         kind = type(optimizer).__name__
@@ -85,7 +85,7 @@ def check_deepspeed_structure(optimizer: Any = None) -> None:
         if names is None or missing:
             raise DeepSpeedStructureError(
                 f"{kind} has no {', '.join(missing) or 'known flat buffers'} (read from DeepSpeed 0.19.8's "
-                f"{', '.join(BUFFERS)}): set train.overlap_param_gather to false, or update param_gather.py"
+                f"{', '.join(BUFFERS)}): set train.overlap_param_gather to false, or update zero/param_gather.py"
             )
 
 
