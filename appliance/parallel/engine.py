@@ -82,7 +82,7 @@ from appliance.parallel.optimizer_state import (
     optimizer_state,
 )
 from appliance.parallel.parallelize import Parallelism, compile_blocks
-from appliance.parallel.pipeline_parallel import (
+from appliance.parallel.pipeline.specs import (
     BloomStack,
     VocabParallelLoss,
     bloom_layer_specs,
@@ -630,7 +630,7 @@ class ParallelEngine:
 
     def _pipeline_iter(self, micro_batches: Sequence[Batch], *, training: bool) -> Iterator[Any]:
         # An MoE model's training carries its load-balancing loss between stages, evaluation does not
-        # (pipeline_parallel.py).
+        # (pipeline/specs.py).
         carries = (any(len(batch) > 2 for batch in micro_batches), training and self.config.is_moe)
         if carries != self._pipeline_carries:
             # DeepSpeed's stages exchange the activations' shapes and types once, then reuse their buffers: hidden

@@ -1,7 +1,7 @@
 """Applying the layout's parallelism to the plain BLOOM pieces (model/bloom.py), one function per technique.
 
 The model is written for one process; this module is the only place that decides what each rank's pieces become.
-pipeline_parallel.py builds its layers through it (``Parallelism``, handed to every layer spec), so the pipeline
+pipeline/specs.py builds its layers through it (``Parallelism``, handed to every layer spec), so the pipeline
 engine and the pp = 1 BloomStack make the same decisions. The order, and why:
 
 1. Tensor parallel (+ sequence parallel): ``linear_factory`` and ``embedding_kwargs``. It comes first because it

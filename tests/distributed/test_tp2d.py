@@ -55,7 +55,7 @@ from appliance.eval.scoring import ModelScorer
 from appliance.model import ops
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
-from appliance.parallel.pipeline_parallel import IGNORE_INDEX
+from appliance.parallel.pipeline.specs import IGNORE_INDEX
 from appliance.parallel.shards import LazyFullStateDict, ShardReader, gather_full_state_dict, model_sources
 from appliance.parallel.tensor.mappings import collective_device, count_traffic
 from appliance.parallel.tensor.param_splits import (

@@ -154,7 +154,7 @@ def moe_step_figures(
     each CP rank's is its own slice's, and DeepSpeed averages the optimized loss over dp x cp the same way).
     expert_load: per MoE block in block order, the fraction of routed tokens each expert got over the step, every
     dp and cp rank's tokens together (each rank's gate counts its own tokens for all experts)."""
-    from appliance.parallel.pipeline_parallel import TransformerLayerPipe
+    from appliance.parallel.pipeline.specs import TransformerLayerPipe
 
     blocks = config.moe_blocks
     device = collective_device(topology.dp_cp_group)
