@@ -13,7 +13,7 @@ from appliance.train import checkpoint as ckpt
 def export_run(run_dir: RunDir, out_dir: Path) -> Path:
     from appliance.eval.hf_export import export_hf
     from appliance.model.config import config_for_shape
-    from appliance.parallel.shards import LazyFullStateDict
+    from appliance.parallel.checkpoint.weight_shards import LazyFullStateDict
 
     if not run_dir.plan.exists():
         raise BadInput(f"--run-dir {run_dir.root}: no plan.json, not a run directory")

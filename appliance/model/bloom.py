@@ -296,7 +296,7 @@ class BloomForCausalLM(nn.Module):
             if getattr(param, "tensor_model_parallel", False):
                 raise ValueError(
                     f"{name} is a tensor-parallel shard: a split model draws its shards through "
-                    "appliance.parallel.shards.init_shards_"
+                    "appliance.parallel.checkpoint.weight_shards.init_shards_"
                 )
             init_parameter_(param, name, seed=seed, std=self.config.initializer_range)
 

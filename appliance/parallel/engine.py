@@ -27,8 +27,8 @@ How the layout maps onto DeepSpeed, in the order it is applied:
    nodes and links; experts/exchange.py) and kept as ``engine.all_to_all``, which the run directory records.
 Every layout starts from the weights a single process draws from the same seed, each weight matrix and the word
 embedding from N(0, config.initializer_range), the plan's model.init_std: the layers are built without values on
-the engine's device, and each rank draws only its own shards there (shards.init_shards_: every element is a
-function of the seed, the parameter's name and its index in the whole tensor).
+the engine's device, and each rank draws only its own shards there (checkpoint.weight_shards.init_shards_: every element
+is a function of the seed, the parameter's name and its index in the whole tensor).
 
 The batch size may change from step to step (ramp-up): the number of micro-batches handed to ``train_batch``
 is the step's batch, and the engine tells DeepSpeed before the step (``set_train_batch_size``), which rescales
@@ -54,6 +54,23 @@ from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
 from appliance.model.moe import install_all_to_all
 from appliance.parallel.bf16_step import keep_verdicts_on_device
+from appliance.parallel.checkpoint.optimizer_state import (
+    dp_writers,
+    load_optimizer_state,
+    optimizer_file_name,
+    optimizer_files,
+    optimizer_state,
+)
+from appliance.parallel.checkpoint.weight_shards import (
+    FULL_MODEL_FILE,
+    ShardReader,
+    expert_file_name,
+    gather_full_state_dict,
+    init_mesh_blocks_,
+    init_shards_,
+    model_sources,
+    shard_file_name,
+)
 from appliance.parallel.context.training import local_batch
 from appliance.parallel.deepspeed_comm import init_deepspeed_comm
 from appliance.parallel.deepspeed_config import deepspeed_config
@@ -74,13 +91,6 @@ from appliance.parallel.experts.store_engine import (
     install_store_step,
 )
 from appliance.parallel.grads import TopologyMPU, install_global_norm_clipping, register_sequence_parallel_grad_hooks
-from appliance.parallel.optimizer_state import (
-    dp_writers,
-    load_optimizer_state,
-    optimizer_file_name,
-    optimizer_files,
-    optimizer_state,
-)
 from appliance.parallel.parallelize import Parallelism, compile_blocks
 from appliance.parallel.pipeline.specs import (
     BloomStack,
@@ -91,16 +101,6 @@ from appliance.parallel.pipeline.specs import (
 )
 from appliance.parallel.precision import keep_training_at_the_minimum_scale, load_loss_scaler_state, loss_scaler_state
 from appliance.parallel.scoring import ParallelScorer
-from appliance.parallel.shards import (
-    FULL_MODEL_FILE,
-    ShardReader,
-    expert_file_name,
-    gather_full_state_dict,
-    init_mesh_blocks_,
-    init_shards_,
-    model_sources,
-    shard_file_name,
-)
 from appliance.parallel.single_replica import SingleReplicaEngine
 from appliance.parallel.tensor.drift import check_replicated_parameters, replicated_across_tp
 from appliance.parallel.tensor.mappings import collective_device
@@ -728,7 +728,7 @@ class ParallelEngine:
         """The model file this rank writes into a checkpoint, or None: DP rank 0 and CP rank 0 of each (tp, pp)
         position writes its shard (the other CP ranks hold the same weights); with tp = pp = 1 rank 0 writes the
         whole model as model.safetensors. An MoE model's ep ranks >= 1 of expert-data-parallel rank 0 write their
-        experts beside it (shards.py)."""
+        experts beside it (checkpoint/weight_shards.py)."""
         if self.cp_rank != 0:
             return None
         if self.dp_rank != 0:
@@ -743,7 +743,7 @@ class ParallelEngine:
             return None
         meta = {**metadata, "tp": str(self.topology.tp), "pp": str(self.topology.pp), "cp": str(self.topology.cp)}
         if self.topology.tp2d > 1:
-            meta["tp2d"] = str(self.topology.tp2d)  # the pieces are 2D blocks (shards.join_pieces)
+            meta["tp2d"] = str(self.topology.tp2d)  # the pieces are 2D blocks (checkpoint.weight_shards.join_pieces)
         if self.config.is_moe:
             meta["ep"] = str(self.topology.ep)
         return HostFile(name, self.model_shard(), meta)
@@ -791,7 +791,7 @@ class ParallelEngine:
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
         """This rank's optimizer state: its TP slice of every parameter's Adam state, whole over DP, keyed
-        ``<Hugging Face name>.<state>`` (optimizer_state.py). Collective over the DP group."""
+        ``<Hugging Face name>.<state>`` (checkpoint/optimizer_state.py). Collective over the DP group."""
         return optimizer_state(self._dense_named(), self.engine.optimizer) | self._expert_optimizer_state()
 
     def _dense_named(self) -> list[tuple[str, torch.nn.Parameter]]:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from appliance.model.bloom import BloomForCausalLM
-from appliance.parallel.shards import assemble_full
+from appliance.parallel.checkpoint.weight_shards import assemble_full
 from appliance.parallel.tensor.param_splits import role_of_parameter, shard_from_full
 from bench.init_memory import SEED, TINY, digest, launch, measured_config
 

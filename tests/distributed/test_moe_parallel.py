@@ -39,10 +39,10 @@ from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
 from appliance.model.moe import BloomMoE, canonical_moe_name
 from appliance.model.ops import cross_entropy
+from appliance.parallel.checkpoint.weight_shards import gather_full_state_dict
 from appliance.parallel.deepspeed_comm import init_deepspeed_comm
 from appliance.parallel.engine import build_engine
 from appliance.parallel.experts.parallel import register_expert_groups
-from appliance.parallel.shards import gather_full_state_dict
 from appliance.parallel.testing import run_distributed
 from appliance.parallel.topology import ParallelTopology
 
@@ -525,7 +525,7 @@ def test_checkpoint_at_pp2_ep2_reloads_and_reshards_to_one_process(
     # Adam's state too: every parameter's moments and step, experts' from the ep rank that wrote them.
     from safetensors.torch import load_file
 
-    from appliance.parallel.optimizer_state import optimizer_files
+    from appliance.parallel.checkpoint.optimizer_state import optimizer_files
 
     adam: dict[str, torch.Tensor] = {}
     for _, _, path in optimizer_files(step_dir):
@@ -767,7 +767,7 @@ def test_checkpoint_at_cp2_ep2_reloads_at_one_process(launched: tuple[list[dict[
     is written once per parameter though two CP ranks hold each expert."""
     from safetensors import safe_open
 
-    from appliance.parallel.optimizer_state import optimizer_files
+    from appliance.parallel.checkpoint.optimizer_state import optimizer_files
 
     step_dir = launched[1].parent / "epcp"
     saved, whole = loaded_in_one_process(step_dir)
@@ -962,7 +962,7 @@ def test_checkpoint_at_tp2_ep2_reloads_in_one_process(launched: tuple[list[dict[
         assert torch.equal(saved[name], value), name
     from safetensors import safe_open
 
-    from appliance.parallel.optimizer_state import optimizer_files
+    from appliance.parallel.checkpoint.optimizer_state import optimizer_files
 
     for tp_rank in range(EPTP["tp"]):  # every tp rank's Adam state covers every parameter's slice
         keys: set[str] = set()

@@ -26,9 +26,9 @@ from safetensors.torch import save_file
 from appliance.data.sampler import PretrainingSampler
 from appliance.model.config import BloomConfig
 from appliance.monitor.events import EventWriter
+from appliance.parallel.checkpoint.optimizer_state import optimizer_files
+from appliance.parallel.checkpoint.weight_shards import ShardReader, model_sources
 from appliance.parallel.engine import build_engine
-from appliance.parallel.optimizer_state import optimizer_files
-from appliance.parallel.shards import ShardReader, model_sources
 from appliance.parallel.tensor.param_splits import role_of_parameter, shard_from_full
 from appliance.parallel.testing import run_distributed
 from appliance.parallel.topology import ParallelTopology

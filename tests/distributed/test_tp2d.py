@@ -21,9 +21,10 @@ weights, that each 2D block is the parallel/tensor/param_splits.py cut of the ga
 teeth (a block product that forgets SUMMA's reduction lands far outside).
 
 Then all 8 ranks train through the engine (build_engine: DeepSpeed's pipeline engine, 1F1B, each stage's layers on
-its mesh, the blocks drawn from the seed by shards.init_mesh_blocks_), fp32, 3 steps of 2 micro-batches with
-global-norm clipping, against reference_training's single process: losses, gradient norms and the weights gathered
-from both stages' meshes, within FP32_FACTOR x the noise floor that noise_floor.measure_floor measures here.
+its mesh, the blocks drawn from the seed by checkpoint.weight_shards.init_mesh_blocks_), fp32, 3 steps of 2
+micro-batches with global-norm clipping, against reference_training's single process: losses, gradient norms and the
+weights gathered from both stages' meshes, within FP32_FACTOR x the noise floor that noise_floor.measure_floor measures
+here.
 """
 
 from __future__ import annotations
@@ -55,8 +56,13 @@ from appliance.eval.scoring import ModelScorer
 from appliance.model import ops
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
+from appliance.parallel.checkpoint.weight_shards import (
+    LazyFullStateDict,
+    ShardReader,
+    gather_full_state_dict,
+    model_sources,
+)
 from appliance.parallel.pipeline.specs import IGNORE_INDEX
-from appliance.parallel.shards import LazyFullStateDict, ShardReader, gather_full_state_dict, model_sources
 from appliance.parallel.tensor.mappings import collective_device, count_traffic
 from appliance.parallel.tensor.param_splits import (
     gather_state_dicts,

@@ -18,7 +18,7 @@ from torch import nn
 from appliance.model import initial_weights as iw
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
-from appliance.parallel.shards import init_shards_
+from appliance.parallel.checkpoint.weight_shards import init_shards_
 from appliance.parallel.tensor.layers import COLUMN_ROLES, ColumnParallelLinear, RowParallelLinear
 from appliance.parallel.tensor.param_splits import role_of_parameter, shard_from_full, split_dim
 

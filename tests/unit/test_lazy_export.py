@@ -6,10 +6,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import appliance.parallel.shards as shards
+import appliance.parallel.checkpoint.weight_shards as shards
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
-from appliance.parallel.shards import FULL_MODEL_FILE, LazyFullStateDict, shard_file_name
+from appliance.parallel.checkpoint.weight_shards import FULL_MODEL_FILE, LazyFullStateDict, shard_file_name
 from appliance.parallel.tensor.param_splits import shard_state_dict
 
 

@@ -14,8 +14,8 @@ import torch
 from appliance.data.sample_corpus import SAMPLE_CORPUS_DIR
 from appliance.errors import BadInput
 from appliance.head_run import RunRequest, make_run_plan
+from appliance.parallel.checkpoint.optimizer_state import load_optimizer_state
 from appliance.parallel.engine import adamw_kernel
-from appliance.parallel.optimizer_state import load_optimizer_state
 from appliance.parallel.zero import param_gather
 from appliance.planner.runspec import load_spec
 
@@ -39,9 +39,9 @@ def test_a_fused_adamw_built_by_the_engine_steps_with_the_fused_kernel() -> None
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_a_resumed_step_count_is_where_the_kernel_reads_it(fused: bool) -> None:
-    """What optimizer_state.py loads is what torch itself would hold: for a fused AdamW fp32 on the parameter's
-    device (a CPU scalar fails a CUDA fused kernel), else a CPU scalar. The parameter stands on the meta device
-    (swapped in after construction, as DeepSpeed swaps in its master partitions), so that "on the parameter's
+    """What parallel/checkpoint/optimizer_state.py loads is what torch itself would hold: for a fused AdamW fp32 on the
+    parameter's device (a CPU scalar fails a CUDA fused kernel), else a CPU scalar. The parameter stands on the meta
+    device (swapped in after construction, as DeepSpeed swaps in its master partitions), so that "on the parameter's
     device" and "on the CPU" differ on a machine without a GPU."""
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=0.1, fused=fused or None)
     param = torch.nn.Parameter(torch.ones(3, device="meta"))

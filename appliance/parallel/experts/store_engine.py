@@ -25,8 +25,8 @@ fp16 and ZeRO 2 with the keys to change. What changes in DeepSpeed's step, and w
 - on a pipeline stage without MoE blocks there is no store, and that stage's step is DeepSpeed's own;
 - checkpoints read and write the experts through the store (``read_expert`` / ``load_expert``): an evicted
   expert's parameter is an empty placeholder. Weights and Adam state (bf16: and the fp32 master) keep the
-  layout-free names and the format of every other parameter (shards.py, optimizer_state.py), so a checkpoint loads
-  with the store on or off.
+  layout-free names and the format of every other parameter (checkpoint/weight_shards.py,
+  checkpoint/optimizer_state.py), so a checkpoint loads with the store on or off.
 """
 
 from __future__ import annotations
@@ -159,7 +159,8 @@ class EngineExpertStore:
             self.store.load_expert(key, tensors)
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
-        """Adam's moments and step per expert parameter, in optimizer_state.py's keys (``<name>.exp_avg`` ...)."""
+        """Adam's moments and step per expert parameter, in checkpoint/optimizer_state.py's keys (``<name>.exp_avg``
+        ...)."""
         out: dict[str, torch.Tensor] = {}
         for key, names in self.names.items():
             tensors = self.store.read_expert(key)
@@ -169,7 +170,7 @@ class EngineExpertStore:
             for local, full in names:
                 out.update({f"{full}.{kind}": tensors[f"{local}.{kind}"].float() for kind in STATE_KINDS})
                 out[f"{full}.step"] = torch.tensor(int(tensors[f"{local}.step"]), dtype=torch.int64)
-                if f"{local}.master" in tensors:  # bf16 experts: optimizer_state.py's <name>.master
+                if f"{local}.master" in tensors:  # bf16 experts: checkpoint/optimizer_state.py's <name>.master
                     out[f"{full}.master"] = tensors[f"{local}.master"].float()
         return out
 

@@ -35,7 +35,7 @@ stages and returns its gradient like the hidden states'. In evaluation (module.e
 
 Every spec builds its layer on the meta device and then allocates its parameters on the rank's device, without
 values (no layer draws a default init, the tensor-parallel ones a whole matrix): the engine then draws this rank's
-shards in place (shards.init_shards_).
+shards in place (checkpoint.weight_shards.init_shards_).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ A layer built on its own initialises like the dense layer: it draws the *full* w
 same order, on the same generator as ``nn.Linear``/``nn.Embedding`` would, then keeps its slice, so with the same
 seed on every TP rank a tp=2 layer starts from the same numbers as the tp=1 one. The model's layers are built on
 the meta device instead, where that draw costs nothing, and each rank then draws only its own slice of BLOOM's
-initial weights (shards.init_shards_).
+initial weights (checkpoint.weight_shards.init_shards_).
 """
 
 from __future__ import annotations

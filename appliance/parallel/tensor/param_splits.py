@@ -2,8 +2,8 @@
 
 Each parameter has a role (``role_of_parameter``: qkv, attn_out, mlp_in, mlp_out, embedding, replicated) and each
 role one split dimension for its weight and one for its bias (``split_dim``); ``shard_from_full`` and
-``gather_to_full`` cut and rejoin along it. Checkpoints (shards.py), the layers' init-from-full (tensor/layers.py) and
-the tests all go through these, so a split is defined in one place.
+``gather_to_full`` cut and rejoin along it. Checkpoints (checkpoint/weight_shards.py), the layers' init-from-full
+(tensor/layers.py) and the tests all go through these, so a split is defined in one place.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Data-parallel means DeepSpeed's group, dp x cp: ZeRO partitions the state over i
 hold the same parameters, so the file index d is the rank in that group (dp_rank * cp + cp_rank). The state does
 not depend on cp, so a checkpoint written at one cp loads at any other.
 Loading reassembles each tensor from the TP pieces of whatever layout wrote it and keeps this rank's slice
-(``shards.ShardReader``), so the same code loads at the same layout and at any other.
+(``checkpoint.weight_shards.ShardReader``), so the same code loads at the same layout and at any other.
 
 Where the state lives. ZeRO 1/2 and DeepSpeed's bf16 optimizer keep, on each DP rank, a fragment of flat fp32
 groups; DeepSpeed's ``safe_get_full_optimizer_state`` / ``safe_get_full_fp32_param`` return one parameter's
