@@ -22,7 +22,7 @@ class RunDir:
 
     @property
     def kernels(self) -> Path:
-        """The measured kernel selection of this run's GPU and shapes (rank 0; parallel/kernel_choice.py)."""
+        """The measured kernel selection of this run's GPU and shapes (rank 0; parallel/step/kernel_choice.py)."""
         return self.root / "kernels.json"
 
     @property

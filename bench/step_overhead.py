@@ -6,8 +6,8 @@
 Both engines train the same model (the preset's shape, bf16 on a GPU, fp32 on CPU) on a tiny step (one micro-batch of
 `--tokens` tokens), so the step time is what does not scale with tokens: the optimizer's work per parameter, Python
 around the kernels, and the host waiting for the device. Per engine it prints the median step time, the ops the
-dispatcher ran per step, and the host reads per step (parallel/host_reads.py: scalar reads, nonzero, equal, copies to
-the host, tolist), with the ratio between the two engines, measured in one run. The step is issued and its figures
+dispatcher ran per step, and the host reads per step (parallel/step/host_reads.py: scalar reads, nonzero, equal, copies
+to the host, tolist), with the ratio between the two engines, measured in one run. The step is issued and its figures
 read before the next, as `bench` does; the trainer reads them one step late, which only helps the single-replica one.
 """
 
@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from appliance.model.config import config_for_shape  # noqa: E402
-from appliance.parallel.host_reads import counting_host_reads  # noqa: E402
+from appliance.parallel.step.host_reads import counting_host_reads  # noqa: E402
 from appliance.parallel.testing import build_test_engine  # noqa: E402
 from appliance.parallel.topology import ParallelTopology  # noqa: E402
 from appliance.planner import load_model_shape  # noqa: E402

@@ -16,7 +16,7 @@ torch.compile's compilation and Triton's first builds), then back-to-back calls 
 The result, a `Selection`, carries its key (device name, compute capability, torch, triton and project versions,
 the shapes): a cached selection applies only where every field of the key is equal. `Selection.apply()` installs it
 (the tiles, then `registry.use(choices)`). Nothing here imports `appliance`; the engine's side is
-appliance/parallel/kernel_choice.py.
+appliance/parallel/step/kernel_choice.py.
 """
 
 from __future__ import annotations

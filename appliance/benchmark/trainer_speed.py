@@ -22,7 +22,7 @@ from appliance.benchmark.kernel_table import count_registry_calls
 from appliance.benchmark.workload import Batch, Workload
 
 if TYPE_CHECKING:
-    from appliance.parallel.engine import ParallelEngine
+    from appliance.parallel.step.engine import ParallelEngine
 
 ONE_RANK_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
@@ -36,7 +36,7 @@ def _free_loopback_port() -> int:
 @contextmanager
 def one_rank_group(backend: str) -> Iterator[None]:
     """A process group of this process alone, on loopback; the environment is restored afterwards."""
-    from appliance.parallel.deepspeed_comm import init_deepspeed_comm
+    from appliance.parallel.step.deepspeed_comm import init_deepspeed_comm
 
     if dist.is_initialized():
         raise RuntimeError("bench: a process group is already running in this process")

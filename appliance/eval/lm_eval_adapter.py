@@ -4,7 +4,7 @@ What BLOOM's Megatron-DeepSpeed did with `tasks/eval_harness/evaluate.py` (an `E
 that ran the harness's requests through the pipeline engine), for lm-eval 0.4: `ApplianceLM` is a registered
 `TemplateLM` whose three request types go through a TaskModel (appliance/eval/harness.py), the two functions any
 layout serves: `target_logprobs` (the vocabulary-parallel scores of parallel/tensor/cross_entropy.py under tensor
-parallelism, the pipeline's last stage broadcasting them; parallel/scoring.py) and `next_tokens`.
+parallelism, the pipeline's last stage broadcasting them; parallel/step/scoring.py) and `next_tokens`.
 
 Every rank runs the same harness code on the same requests (lm-eval sees one process: rank 0 of 1). The adapter
 then deals the requests over the data-parallel group and gathers the answers back (appliance/eval/scoring.py), so

@@ -7,7 +7,7 @@ model on one rank:
     next_tokens(input_ids [B, S], attention_mask [B, S]) -> argmax next token [B]      (left-padded rows)
 
 `ModelScorer` provides both over a whole model held by this rank (one process, or data parallelism). A tensor-
-or pipeline-parallel engine provides its own (parallel/scoring.py: the same chunked vocabulary-parallel pass, the
+or pipeline-parallel engine provides its own (parallel/step/scoring.py: the same chunked vocabulary-parallel pass, the
 last stage broadcasting its result), and every rank of one data-parallel replica passes the same requests.
 
 Requests are split across the ranks of `group` (the data-parallel group; None = the default group): rank r takes

@@ -32,7 +32,7 @@ REQUIRED_KEYS: dict[str, tuple[str, ...]] = {
     "plan": (),
     "run": ("state",),
     "settings": ("step", "changes"),  # --set on a started run: changes is [{key, old, new}] (train/live_settings.py)
-    # op -> implementation each launch runs, with the measured ms per op and backend (parallel/kernel_choice.py)
+    # op -> implementation each launch runs, with the measured ms per op and backend (parallel/step/kernel_choice.py)
     "kernels": ("source", "choices", "times_ms"),
     # elastic launches, at each start's first step: the nodes that train and the spares standing by (train/elastic.py)
     "nodes": ("nodes", "spares"),

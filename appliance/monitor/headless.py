@@ -179,7 +179,7 @@ class HeadlessPrinter:
         if kind == "settings":  # --set on a started run (train/live_settings.py)
             changed = ", ".join(f"{c.get('key')} {c.get('old')} -> {c.get('new')}" for c in e.get("changes") or [])
             return f"settings changed after step {e.get('step')}: {changed}"
-        if kind == "kernels":  # the fused ops' implementations this launch runs (parallel/kernel_choice.py)
+        if kind == "kernels":  # the fused ops' implementations this launch runs (parallel/step/kernel_choice.py)
             return f"kernels {kernels_text(e)}"
         if kind == "startup":  # where the launch's start went (train/startup.py)
             return startup_text(e)

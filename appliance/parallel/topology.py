@@ -25,7 +25,7 @@ Data-parallel gradient reduction runs over dp x cp. CP ranks hold the same weigh
 sequence, so their gradients are partial sums exactly like DP ranks': the group that averages gradients is
 ``dp_cp`` (same pp and tp; dp and cp vary). Because cp sits right inside dp, that group's ranks in row-major order
 are DeepSpeed's 'data' axis of size dp * cp: ``to_deepspeed()`` hands DeepSpeed ``num_dp = dp * cp`` and
-``TopologyMPU`` (``grads.py``) answers DeepSpeed's data-parallel questions from ``dp_cp``. With cp = 1, ``dp_cp``
+``TopologyMPU`` (``step/grads.py``) answers DeepSpeed's data-parallel questions from ``dp_cp``. With cp = 1, ``dp_cp``
 is the ``dp`` group itself (the same handle). The model-parallel group ``mp`` stays TP x PP: CP ranks hold
 identical gradients after that reduction, so the global norm needs only one replica's shards.
 

@@ -72,7 +72,7 @@ RING_STEP_LATENCY_S = {"nvlink": 8e-6, "pcie": 15e-6, "fabric": 20e-6, "loopback
 
 # Where the DeepSpeed config turns overlap_comm on (pp == 1, ZeRO >= 1), the gradient reduce overlaps the last
 # micro-batch's backward; this fraction of that backward can hide communication. The pipeline engine reduces after
-# the last backward, so nothing overlaps when pp > 1. parallel/deepspeed_config.py leaves overlap_comm off today,
+# the last backward, so nothing overlaps when pp > 1. parallel/step/deepspeed_config.py leaves overlap_comm off today,
 # so the credit is not taken (timing.py asks that config).
 DP_OVERLAP_FRACTION = 0.8
 

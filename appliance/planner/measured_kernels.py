@@ -1,6 +1,6 @@
 """Fused-op times measured on a run's GPU, as the time model's input, and plan.json's estimate priced with them.
 
-At each launch on CUDA the ranks choose their kernels by measurement (parallel/kernel_choice.py): each selectable
+At each launch on CUDA the ranks choose their kernels by measurement (parallel/step/kernel_choice.py): each selectable
 op's chosen implementation has a time in ms for one forward + backward at one rank's micro-batch. `MeasuredKernels`
 holds those; `timing.block_seconds` uses them in place of its estimates where they were measured at the plan's
 micro-batch and sequence:
@@ -47,7 +47,7 @@ class MeasuredKernels:
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> MeasuredKernels | None:
-        """From a `kernels` record (parallel/kernel_choice.py kernel_record); None when nothing was measured."""
+        """From a `kernels` record (parallel/step/kernel_choice.py kernel_record); None when nothing was measured."""
         choices, times, shapes = record.get("choices") or {}, record.get("times_ms") or {}, record.get("shapes")
         seconds = {op: times[op][b] / 1e3 for op, b in choices.items() if b in times.get(op, {})}
         if not seconds or not isinstance(shapes, dict):

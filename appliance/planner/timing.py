@@ -299,7 +299,7 @@ def _stage_microbatch(
 
 def overlap_comm_configured(layout: Layout, dtype: str) -> bool:
     """Whether the DeepSpeed config the run gets turns overlap_comm on (train_settings.overlap_comm decides it for
-    parallel/deepspeed_config.py too)."""
+    parallel/step/deepspeed_config.py too)."""
     return train_settings.overlap_comm(layout.zero_stage, dtype)
 
 

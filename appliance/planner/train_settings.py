@@ -20,8 +20,9 @@ COMPILE_MODES = ("auto", "on", "off")
 
 
 def overlap_comm(zero_stage: int, dtype: str) -> bool:
-    """Whether the run's DeepSpeed config turns ZeRO's overlap_comm on: never, for now. parallel/deepspeed_config.py
-    writes this into the config and planner/timing.py credits overlap only where it is on, so both say the same.
+    """Whether the run's DeepSpeed config turns ZeRO's overlap_comm on: never, for now.
+    parallel/step/deepspeed_config.py writes this into the config and planner/timing.py credits overlap only where it is
+    on, so both say the same.
 
     Off is DeepSpeed 0.19.8's default below stage 3. bf16 at stage 1 runs the BF16_Optimizer, which has no
     overlap_comm at all; where ZeRO's own optimizer runs (fp16, bf16 ZeRO-2) it would reduce gradient buckets on a

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from appliance.model.config import BloomConfig, config_for_shape
-from appliance.parallel.engine import ParallelEngine, build_engine
-from appliance.parallel.kernel_choice import choose_kernels, kernel_record
+from appliance.parallel.step.engine import ParallelEngine, build_engine
+from appliance.parallel.step.kernel_choice import choose_kernels, kernel_record
 from appliance.parallel.topology import ParallelTopology
 from appliance.planner.measured_kernels import MeasuredKernels, reprice
 from appliance.planner.runspec import RunSpec, load_spec
@@ -146,6 +146,6 @@ def expert_disk_dir(run_dir: RunDir, rank: int) -> Path:
 
 def write_ds_config(run_dir: RunDir, config: dict) -> None:
     """ds_config.json, as Megatron-DeepSpeed launches keep theirs. It holds batch sizes, precision, ZeRO stage and
-    clipping only (deepspeed_config.py builds it from the plan): nothing secret. No clipping is written as
+    clipping only (parallel/step/deepspeed_config.py builds it from the plan): nothing secret. No clipping is written as
     Infinity, which json.load (DeepSpeed's own reader) accepts."""
     write_atomic(run_dir.ds_config, (json.dumps(config, indent=1, sort_keys=True) + "\n").encode())

@@ -319,7 +319,7 @@ def _node_lock(run_dir: RunDir, nodes: NodeGroup | None) -> Iterator[RunLock | N
 def check_plan_runs_here(spec: RunSpec, source: str, *, ranks_here: int, in_rank: bool = False) -> None:
     """BadInput, naming the fix, when this node's torch and DeepSpeed cannot train the plan with `ranks_here` ranks:
     a CPU-only torch, or fewer visible GPUs than ranks, for a GPU plan (hardware/torch_build.py); fp16 where the
-    accelerator has none (parallel/precision.py).
+    accelerator has none (parallel/step/precision.py).
 
     The head asks before the plan is fixed (so no stage runs for a plan that cannot train here, and a rerun with the
     `--set` the refusal names applies) and again before launching; every rank asks for its own node (`in_rank`),
@@ -327,7 +327,7 @@ def check_plan_runs_here(spec: RunSpec, source: str, *, ranks_here: int, in_rank
     GPU plan it would hold a CUDA context on GPU 0 in the head for the whole run, and every GPU of the specs table
     has fp16 (V100 on); the ranks ask their own accelerator."""
     from appliance.hardware.torch_build import check_torch_for_plan
-    from appliance.parallel.precision import check_fp16_supported
+    from appliance.parallel.step.precision import check_fp16_supported
 
     check_torch_for_plan(spec.hardware.gpus_per_node, spec.hardware.gpu, ranks_here, source)
     if in_rank or spec.hardware.gpus_per_node == 0:

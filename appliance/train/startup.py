@@ -11,7 +11,7 @@ start. Its phases, in order, add up to `total_s`:
   imports          the process start to the rank's modules imported (torch, DeepSpeed, the appliance)
   process_groups   the device, the plan's checks, DeepSpeed's communication backend, the topology's groups,
                    the hang watchdog and the GPU and energy sampler started
-  kernel_choice    which implementation runs each fused op (measured on GPUs, parallel/kernel_choice.py), the plan
+  kernel_choice    which implementation runs each fused op (measured on GPUs, parallel/step/kernel_choice.py), the plan
                    priced again with those times
   engine           the model, its layout, the engine (DeepSpeed or the single-replica one) and its optimizer,
                    regional torch.compile wrapped (it compiles in the first step)

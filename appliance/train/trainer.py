@@ -4,7 +4,7 @@ Everything that differs between ranks (which samples, which files) is decided he
 context-parallel ranks of one DP rank take the same samples, and the engine keeps each one's slice of the tokens;
 everything that must agree (loss, grad norm, when to save or stop) goes through a collective, so all ranks take
 the same branch at the same step. The model, optimizer and layout sit behind one ParallelEngine
-(appliance/parallel/engine.py), the same object for every (tp, pp, dp).
+(appliance/parallel/step/engine.py), the same object for every (tp, pp, dp).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from appliance.data.blend import SampleSource
 from appliance.data.documents import document_ids, document_lengths
 from appliance.data.sampler import BalancedPretrainingSampler
 from appliance.monitor.events import EventWriter
-from appliance.parallel.engine import ParallelEngine, PendingStep
 from appliance.parallel.experts.store import expert_step_fields
+from appliance.parallel.step.engine import ParallelEngine, PendingStep
 from appliance.parallel.tensor.drift import ReplicaDriftError
 from appliance.planner.cadence import save_due
 from appliance.planner.train_settings import DRIFT_CHECK_INTERVAL

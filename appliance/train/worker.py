@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     from appliance.data.blend import build_datasets
     from appliance.data.documents import dataset_eod_id
     from appliance.data.sampler import PretrainingSampler
-    from appliance.parallel.deepspeed_comm import init_deepspeed_comm
+    from appliance.parallel.step.deepspeed_comm import init_deepspeed_comm
     from appliance.parallel.topology import ParallelTopology
     from appliance.tokenizer.token_bytes import token_byte_lengths
     from appliance.train.budget_watch import BudgetWatch

@@ -1,7 +1,8 @@
-"""DeepSpeed's bf16 optimizer with its verdicts on the device (parallel/bf16_step.py): at dp = 2 (BF16_Optimizer over
-two data-parallel ranks) and pp = 2 (the pipeline engine), a step reads nothing on the host until its figures are asked
-for, trains as DeepSpeed's own step does, and skips a non-finite step without changing weights, masters or moments.
-Each layout is launched once; its ranks train the same steps with the step as patched and as DeepSpeed ships it."""
+"""DeepSpeed's bf16 optimizer with its verdicts on the device (parallel/step/bf16_step.py): at dp = 2 (BF16_Optimizer
+over two data-parallel ranks) and pp = 2 (the pipeline engine), a step reads nothing on the host until its figures are
+asked for, trains as DeepSpeed's own step does, and skips a non-finite step without changing weights, masters or
+moments. Each layout is launched once; its ranks train the same steps with the step as patched and as DeepSpeed ships
+it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from appliance.model.config import BloomConfig
-from appliance.parallel.host_reads import counting_host_reads
+from appliance.parallel.step.host_reads import counting_host_reads
 from appliance.parallel.testing import build_test_engine, run_distributed
 from appliance.parallel.topology import ParallelTopology
 

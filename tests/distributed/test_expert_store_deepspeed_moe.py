@@ -56,9 +56,9 @@ def train(layers: torch.nn.ModuleList, step_experts: Any, optimizer: torch.optim
 
 
 def tiered_against_resident(topology: Any) -> dict[str, Any]:
-    from appliance.parallel.deepspeed_comm import init_deepspeed_comm
     from appliance.parallel.experts.store import ExpertStore
     from appliance.parallel.experts.store_hooks import attach_expert_store
+    from appliance.parallel.step.deepspeed_comm import init_deepspeed_comm
 
     init_deepspeed_comm("gloo")  # DeepSpeed's comm over the rank's existing group
     reference = build()

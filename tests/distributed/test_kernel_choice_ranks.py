@@ -1,4 +1,4 @@
-"""Every rank runs the kernels rank 0 measured (appliance/parallel/kernel_choice.py agree), on two gloo ranks whose
+"""Every rank runs the kernels rank 0 measured (appliance/parallel/step/kernel_choice.py agree), on two gloo ranks whose
 timers disagree; a rank whose key differs stops every rank, naming both."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _twins(op: str, device: torch.device) -> dict[str, Callable[..., Any]]:
 
 
 def choose_on_rank(topology: ParallelTopology, cache: str, key_device: str | None) -> dict[str, Any]:
-    from appliance.parallel import kernel_choice
+    from appliance.parallel.step import kernel_choice
     from kernels import registry
 
     _registry_for_test()

@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from appliance.parallel.deepspeed_comm import init_deepspeed_comm
 from appliance.parallel.experts.all_to_all import (
     AllToAllCounter,
     flat_all_to_all,
@@ -19,6 +18,7 @@ from appliance.parallel.experts.all_to_all import (
     restore_deepspeed_all_to_all,
     use_all_to_all,
 )
+from appliance.parallel.step.deepspeed_comm import init_deepspeed_comm
 from appliance.parallel.testing import collective_guard, run_distributed
 from appliance.parallel.topology import ParallelTopology
 from appliance.planner.moe_costs import MoeShape, all_to_all_messages, flat_cost, hierarchical_cost

@@ -40,9 +40,9 @@ from appliance.model.config import BloomConfig
 from appliance.model.moe import BloomMoE, canonical_moe_name
 from appliance.model.ops import cross_entropy
 from appliance.parallel.checkpoint.weight_shards import gather_full_state_dict
-from appliance.parallel.deepspeed_comm import init_deepspeed_comm
-from appliance.parallel.engine import build_engine
 from appliance.parallel.experts.parallel import register_expert_groups
+from appliance.parallel.step.deepspeed_comm import init_deepspeed_comm
+from appliance.parallel.step.engine import build_engine
 from appliance.parallel.testing import run_distributed
 from appliance.parallel.topology import ParallelTopology
 
@@ -795,7 +795,7 @@ def _eptp_layer(topology: ParallelTopology, ep: int) -> dict[str, Any]:
     ranks): output, input gradient, and this rank's gradients (gate whole, experts' tp slices), fp64."""
     from deepspeed.utils import groups
 
-    from appliance.parallel.grads import TopologyMPU
+    from appliance.parallel.step.grads import TopologyMPU
     from appliance.parallel.tensor.layers import tp_linear_factory
     from appliance.parallel.tensor.param_splits import shard_state_dict
 

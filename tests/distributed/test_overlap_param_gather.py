@@ -25,10 +25,10 @@ from typing import Any
 import pytest
 import torch
 
-import appliance.parallel.engine as engine_module
+import appliance.parallel.step.engine as engine_module
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
-from appliance.parallel.engine import build_engine, param_groups
+from appliance.parallel.step.engine import build_engine, param_groups
 from appliance.parallel.testing import run_distributed
 from appliance.parallel.topology import ParallelTopology
 from appliance.parallel.zero.param_gather import OverlappedParamGather

@@ -141,7 +141,9 @@ def test_initial_weights_are_drawn_with_the_plans_seed_and_std(built: dict[str, 
 def test_ds_config_json_records_what_the_engine_was_given(built: dict[str, Any]) -> None:
     path = built["run_dir"].ds_config
     written = json.loads(path.read_text())
-    kernels = written.pop("kernels")  # beside the DeepSpeed config: what the fused ops run (parallel/kernel_choice.py)
+    kernels = written.pop(
+        "kernels"
+    )  # beside the DeepSpeed config: what the fused ops run (parallel/step/kernel_choice.py)
     assert written == built["ranks"][0]["ds_config"]
     assert kernels["source"] == "default" and kernels["backend"] == "reference"  # gloo ranks on CPU: nothing measured
     assert oct(path.stat().st_mode & 0o777) == "0o640"  # atomic.py's mode: group-readable, not world-readable

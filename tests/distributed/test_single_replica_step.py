@@ -1,7 +1,7 @@
-"""One replica on one pipeline stage (dp x cp = 1, pp = 1) steps without DeepSpeed's engine (parallel/single_replica.py,
-flat_optimizer.py): the same updates as DeepSpeed's bf16 optimizer and fp32 path, no host read inside a step and one
-after it, an optimizer step whose work does not grow with the layers, and checkpoints that move between the two
-engines.
+"""One replica on one pipeline stage (dp x cp = 1, pp = 1) steps without DeepSpeed's engine
+(parallel/step/single_replica.py, parallel/step/flat_optimizer.py): the same updates as DeepSpeed's bf16 optimizer and
+fp32 path, no host read inside a step and one after it, an optimizer step whose work does not grow with the layers, and
+checkpoints that move between the two engines.
 
 Layouts: one rank, and tp = 2 with sequence parallelism (the gradient norm then sums over the model-parallel group and
 counts the replicated LayerNorms once). Each is launched once; its ranks train the same steps through both engines.
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from appliance.model.config import BloomConfig
-from appliance.parallel.flat_optimizer import FlatAdamW
-from appliance.parallel.host_reads import counting_host_reads
+from appliance.parallel.step.flat_optimizer import FlatAdamW
+from appliance.parallel.step.host_reads import counting_host_reads
 from appliance.parallel.testing import build_test_engine, run_distributed
 from appliance.parallel.topology import ParallelTopology
 

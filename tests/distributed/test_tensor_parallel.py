@@ -238,7 +238,7 @@ def _deepspeed_oracle(topology: ParallelTopology) -> dict[str, float]:
     the head, summed over TP as the logits' input needs) and the embedding shard's gradient, mean and sum."""
     from deepspeed.sequence.cross_entropy import vocab_parallel_cross_entropy
 
-    from appliance.parallel.deepspeed_comm import init_deepspeed_comm
+    from appliance.parallel.step.deepspeed_comm import init_deepspeed_comm
 
     init_deepspeed_comm("gloo")
     group, rank = topology.tp_group, topology.tp_rank(torch.distributed.get_rank())

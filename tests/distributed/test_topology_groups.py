@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from appliance.errors import BadInput
-from appliance.parallel.grads import TopologyMPU
+from appliance.parallel.step.grads import TopologyMPU
 from appliance.parallel.testing import run_distributed
 from appliance.parallel.topology import GROUPS, ParallelTopology
 

@@ -82,13 +82,13 @@ def test_training_ran_data_parallel_through_the_elastic_agent(default_run):
 
 def test_the_launch_wrote_the_deepspeed_config_it_ran_with(default_run):
     from appliance.monitor.events import read_events
-    from appliance.parallel.deepspeed_config import deepspeed_config
+    from appliance.parallel.step.deepspeed_config import deepspeed_config
     from appliance.planner.runspec import load_spec
 
     _, run_dir, _, _ = default_run
     spec = load_spec(run_dir / "plan.json")
     lay, train = spec.layout, spec.train
-    # What build_engine hands deepspeed.initialize for this plan (engine.py), as rank 0 wrote it.
+    # What build_engine hands deepspeed.initialize for this plan (parallel/step/engine.py), as rank 0 wrote it.
     expected = deepspeed_config(
         global_batch_size=train.global_batch_size,
         micro_batch_size=train.micro_batch_size,

@@ -281,7 +281,7 @@ def test_a_compiled_region_counts_once_per_trace_and_keeps_its_graph(monkeypatch
 def test_bloom_kernels_may_name_a_backend_per_op(monkeypatch: pytest.MonkeyPatch) -> None:
     """BLOOM_KERNELS=op=backend,... chooses per op without measuring (auto for the ops it leaves out); a pair that
     names no op or no backend of it is refused naming the valid ones."""
-    from appliance.parallel import kernel_choice
+    from appliance.parallel.step import kernel_choice
 
     monkeypatch.setenv("BLOOM_KERNELS", "layer_norm=reference, flash_alibi_attention=sdpa")
     assert registry.given() == {"layer_norm": "reference", "flash_alibi_attention": "sdpa"}

@@ -28,7 +28,7 @@ from appliance.data.documents import document_ids, document_lengths
 from appliance.data.sampler import BalancedPretrainingSampler, PretrainingSampler
 from appliance.model.config import BloomConfig
 from appliance.monitor.events import EventWriter
-from appliance.parallel.engine import PendingStep, StepResult
+from appliance.parallel.step.engine import PendingStep, StepResult
 from appliance.rundir import RunDir
 from appliance.train.metrics import StepFlops
 from appliance.train.settings import TrainSettings

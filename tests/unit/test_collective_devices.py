@@ -32,7 +32,7 @@ import pytest
 import torch
 
 import appliance.parallel.context.training as context_parallel_module
-import appliance.parallel.grads as grads_module
+import appliance.parallel.step.grads as grads_module
 import appliance.train.control as control_module
 from appliance.rundir import RunDir
 

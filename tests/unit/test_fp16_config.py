@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-import appliance.parallel.precision as precision
+import appliance.parallel.step.precision as precision
 import appliance.train.launch as launch
 from appliance.errors import BadInput
 from appliance.hardware import load_hardware
 from appliance.head_run import RunRequest, run
-from appliance.parallel.deepspeed_config import deepspeed_config
+from appliance.parallel.step.deepspeed_config import deepspeed_config
 from appliance.planner import load_model_shape, make_plan, parse_layout
 from appliance.rundir import RunDir
 
@@ -150,7 +150,7 @@ def test_each_rank_refuses_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     fp16_cpu_plan(run_dir)
     monkeypatch.setattr(worker.runlock, "join", lambda rd: None)
     monkeypatch.setattr(worker, "tokenizer_vocab_size", lambda path: 512)
-    monkeypatch.setattr("appliance.parallel.deepspeed_comm.init_deepspeed_comm", lambda backend: None)
+    monkeypatch.setattr("appliance.parallel.step.deepspeed_comm.init_deepspeed_comm", lambda backend: None)
     monkeypatch.setattr(worker.dist, "get_rank", lambda: 0)
     monkeypatch.setattr(worker.dist, "get_world_size", lambda: 2)
     with pytest.raises(SystemExit, match="the plan trains in fp16"):

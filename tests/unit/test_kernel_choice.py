@@ -1,5 +1,5 @@
 """The engine side of the measured kernel selection: when it measures, the cache's key, ds_config.json's record and
-the `kernels` event (appliance/parallel/kernel_choice.py, train/from_spec.py, monitor/)."""
+the `kernels` event (appliance/parallel/step/kernel_choice.py, train/from_spec.py, monitor/)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from appliance.model.config import BloomConfig
 from appliance.monitor.events import make_event
 from appliance.monitor.headless import HeadlessPrinter
 from appliance.monitor.state import RunState
-from appliance.parallel import kernel_choice
+from appliance.parallel.step import kernel_choice
 from appliance.parallel.topology import ParallelTopology
 from appliance.rundir import RunDir
 from kernels.selection import RankShapes, Selection, SelectionKey

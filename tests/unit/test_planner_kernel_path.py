@@ -12,7 +12,7 @@ import pytest
 
 from appliance.errors import BadInput
 from appliance.hardware import load_hardware
-from appliance.parallel.deepspeed_config import deepspeed_config
+from appliance.parallel.step.deepspeed_config import deepspeed_config
 from appliance.planner import (
     Layout,
     activation_bytes_per_layer,

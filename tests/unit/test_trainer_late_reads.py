@@ -20,7 +20,7 @@ from stand_in_engine import StandInEngine
 
 from appliance.data.sampler import PretrainingSampler
 from appliance.monitor.events import EventWriter
-from appliance.parallel.engine import StepResult
+from appliance.parallel.step.engine import StepResult
 from appliance.rundir import RunDir
 from appliance.train import checkpoint as ckpt
 from appliance.train.metrics import StepFlops

@@ -139,7 +139,7 @@ def _partitioned_state(named_params: NamedParams, optimizer: Any, keep: Callable
 
 def _is_flat(optimizer: Any) -> bool:
     """True for the single-replica engine's FlatAdamW (state in flat buffers, one view per parameter)."""
-    from appliance.parallel.flat_optimizer import FlatAdamW
+    from appliance.parallel.step.flat_optimizer import FlatAdamW
 
     return isinstance(optimizer, FlatAdamW)
 

@@ -131,7 +131,7 @@ def _ensure_deepspeed_comm() -> None:
     import deepspeed.comm
 
     if not deepspeed.comm.is_initialized():
-        from appliance.parallel.deepspeed_comm import init_deepspeed_comm
+        from appliance.parallel.step.deepspeed_comm import init_deepspeed_comm
 
         init_deepspeed_comm(str(dist.get_backend()))
 

@@ -16,7 +16,7 @@ divides the sum over the cp ranks by cp, so each rank's loss is
 and (1/cp) * sum_r loss_r = sum_r L_r / N, the single-process mean; DP on top averages micro-batch means as it
 does at cp = 1. Slices with different token counts (ignored labels) are weighted by their tokens, not equally.
 
-Scoring and generation (parallel/scoring.py) run whole sequences on every CP rank with the context-parallel core
+Scoring and generation (parallel/step/scoring.py) run whole sequences on every CP rank with the context-parallel core
 switched off (``whole_sequences``): the weights are identical across cp, scoring batches are short and uneven
 (generation grows one token at a time, which no fixed cut divides), and each CP rank then holds every answer
 without gathering logits or hidden states over cp; the price is that cp ranks repeat each other's scoring work.

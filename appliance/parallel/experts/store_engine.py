@@ -46,7 +46,7 @@ from appliance.model.moe import BloomMoE
 from appliance.parallel.experts.parallel import is_expert_parameter
 from appliance.parallel.experts.store import AdamWSettings, ExpertKey, ExpertStore
 from appliance.parallel.experts.store_hooks import attach_expert_store
-from appliance.parallel.grads import clip_by_global_norm, clip_coefficient
+from appliance.parallel.step.grads import clip_by_global_norm, clip_coefficient
 from appliance.parallel.tensor.mappings import collective_device, group_size
 from appliance.parallel.topology import ParallelTopology
 
@@ -309,7 +309,7 @@ def _store_norm_share(store: ExpertStore, topology: ParallelTopology, device: to
 
 
 def _install_bf16_store_step(engine: Any, experts: EngineExpertStore, topology: ParallelTopology) -> None:
-    """DeepSpeed's BF16_Optimizer (bf16 at ZeRO 0 and 1, deepspeed_config.py) steps the dense parameters: fp32
+    """DeepSpeed's BF16_Optimizer (bf16 at ZeRO 0 and 1, step/deepspeed_config.py) steps the dense parameters: fp32
     gradient buffers filled after each micro-batch, reduced over dp in fp32, the global norm of them, clipping, AdamW
     on fp32 master partitions, bf16 weights copied from the masters. The store does the same for its experts (its
     bf16 experts have fp32 masters and fp32 gradients, experts/store.py), around that step:

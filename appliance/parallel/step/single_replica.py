@@ -5,7 +5,7 @@ At one replica DeepSpeed has nothing to distribute: no gradient to reduce, no op
 pipeline to schedule. Its engine would still wrap every micro-batch in hooks, loop over the parameters to fold,
 norm, clip and zero their gradients, and read its verdicts on the host. This engine runs the same arithmetic
 (gradients scaled by 1 / micro-batches, fp32 accumulation in bf16, DeepSpeed's clipping, torch's fused AdamW) with
-flat buffers (flat_optimizer.py) and leaves every figure on the device, so a step queues its work without waiting.
+flat buffers (step/flat_optimizer.py) and leaves every figure on the device, so a step queues its work without waiting.
 Tensor parallelism is unaffected: it lives inside the layers, and the gradient norm is summed over the replica's
 model-parallel group.
 
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from appliance.parallel.flat_optimizer import FlatAdamW
+from appliance.parallel.step.flat_optimizer import FlatAdamW
 
 
 class SingleReplicaEngine:

@@ -6,7 +6,7 @@ rank and agent restart. ``check_fp16_supported`` asks the same accelerator the s
 starts, and names the device and the fix.
 
 The loss scaler (DeepSpeed's DynamicLossScaler, held by ZeRO's optimizer, which fp16 always uses here:
-deepspeed_config.py) keeps its scale, the hysteresis left and its iteration counters. None of that is in the
+step/deepspeed_config.py) keeps its scale, the hysteresis left and its iteration counters. None of that is in the
 optimizer state our checkpoints take (checkpoint/optimizer_state.py: Adam's moments and the masters), so the trainer
 saves it with each checkpoint: a resumed run continues at the scale it had reached instead of starting over at 2^12 (and
 overflowing its way back down, or climbing back up one doubling per 500 clean steps).

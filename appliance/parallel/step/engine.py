@@ -13,8 +13,8 @@ How the layout maps onto DeepSpeed, in the order it is applied:
 2. pp > 1: a PipelineModule under DeepSpeed's PipelineEngine, 1F1B (TrainSchedule), ZeRO 0/1.
    pp = 1: the same layers in a BloomStack under DeepSpeed's plain engine, ZeRO 0/1/2.
 3. Data parallel and the optimizer: DeepSpeed's, over dp x cp (bf16: BF16_Optimizer with fp32 accumulation and
-   master weights; fp16: ZeRO's optimizer with fp32 master weights and dynamic loss scaling, see precision.py; fp32:
-   ZeRO stage as planned), with our topology as its model-parallel unit so the clipping norm is global. Inside it,
+   master weights; fp16: ZeRO's optimizer with fp32 master weights and dynamic loss scaling, see step/precision.py;
+   fp32: ZeRO stage as planned), with our topology as its model-parallel unit so the clipping norm is global. Inside it,
    torch's AdamW with the kernel ``adamw_kernel`` picks (fused where the device has one).
 4. With ZeRO over dp > 1 and ``overlap_param_gather``, the all-gather of the updated weights that ends each step
    runs per layer in the background, each layer's next forward waiting for its own (zero/param_gather.py). Everything
@@ -53,7 +53,6 @@ from appliance.hardware.profile import Hardware
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
 from appliance.model.moe import install_all_to_all
-from appliance.parallel.bf16_step import keep_verdicts_on_device
 from appliance.parallel.checkpoint.optimizer_state import (
     dp_writers,
     load_optimizer_state,
@@ -72,8 +71,6 @@ from appliance.parallel.checkpoint.weight_shards import (
     shard_file_name,
 )
 from appliance.parallel.context.training import local_batch
-from appliance.parallel.deepspeed_comm import init_deepspeed_comm
-from appliance.parallel.deepspeed_config import deepspeed_config
 from appliance.parallel.experts.exchange import AllToAllSelection, select_all_to_all
 from appliance.parallel.experts.parallel import (
     check_moe_layout,
@@ -90,7 +87,6 @@ from appliance.parallel.experts.store_engine import (
     experts_hidden_from_deepspeed,
     install_store_step,
 )
-from appliance.parallel.grads import TopologyMPU, install_global_norm_clipping, register_sequence_parallel_grad_hooks
 from appliance.parallel.parallelize import Parallelism, compile_blocks
 from appliance.parallel.pipeline.specs import (
     BloomStack,
@@ -99,9 +95,21 @@ from appliance.parallel.pipeline.specs import (
     build_pipeline_module,
     hf_parameter_name,
 )
-from appliance.parallel.precision import keep_training_at_the_minimum_scale, load_loss_scaler_state, loss_scaler_state
-from appliance.parallel.scoring import ParallelScorer
-from appliance.parallel.single_replica import SingleReplicaEngine
+from appliance.parallel.step.bf16_step import keep_verdicts_on_device
+from appliance.parallel.step.deepspeed_comm import init_deepspeed_comm
+from appliance.parallel.step.deepspeed_config import deepspeed_config
+from appliance.parallel.step.grads import (
+    TopologyMPU,
+    install_global_norm_clipping,
+    register_sequence_parallel_grad_hooks,
+)
+from appliance.parallel.step.precision import (
+    keep_training_at_the_minimum_scale,
+    load_loss_scaler_state,
+    loss_scaler_state,
+)
+from appliance.parallel.step.scoring import ParallelScorer
+from appliance.parallel.step.single_replica import SingleReplicaEngine
 from appliance.parallel.tensor.drift import check_replicated_parameters, replicated_across_tp
 from appliance.parallel.tensor.mappings import collective_device
 from appliance.parallel.topology import ParallelTopology
@@ -222,8 +230,8 @@ def build_engine(
     expert_disk_dir: Path | None = None,
     seq_len: int | None = None,  # MoE: sizes the exchanges the all-to-all choice weighs (model/moe.py)
     hardware: Hardware | None = None,  # MoE: the run's profile, its nodes and links (None: LOCAL_WORLD_SIZE)
-    # "auto": single_replica_step decides, and DeepSpeed's bf16 step keeps its verdicts on the device (bf16_step.py);
-    # "deepspeed": DeepSpeed's engine and step as DeepSpeed ships them
+    # "auto": single_replica_step decides, and DeepSpeed's bf16 step keeps its verdicts on the device
+    # (step/bf16_step.py); "deepspeed": DeepSpeed's engine and step as DeepSpeed ships them
     step_engine: str = "auto",
     compile: str = TrainSettings.compile,  # auto | on | off: torch.compile of each block (parallelize.compile_blocks)
 ) -> ParallelEngine:
@@ -349,7 +357,7 @@ def build_engine(
         if experts is not None:  # None: a pipeline stage without MoE blocks, whose clipping stays the dense one
             install_store_step(engine, experts, topology)
     min_loss_scale = keep_training_at_the_minimum_scale(engine.optimizer) if engine.fp16_enabled() else None
-    # bf16 under DeepSpeed's BF16_Optimizer: its norm and skip verdicts stay on the device (bf16_step.py), so the
+    # bf16 under DeepSpeed's BF16_Optimizer: its norm and skip verdicts stay on the device (step/bf16_step.py), so the
     # step's figures can be read late, as the single-replica engine's are. Before the overlapped gather wraps the step.
     device_figures = (
         dtype == "bf16" and not tiered and not config.is_moe and topology.tp2d <= 1 and step_engine == "auto"
@@ -380,8 +388,8 @@ STEP_ENGINES = ("auto", "deepspeed")
 def single_replica_step(
     config: BloomConfig, topology: ParallelTopology, *, dtype: str, zero_stage: int = 0, tiered: bool = False
 ) -> bool:
-    """Whether this layout trains through SingleReplicaEngine (single_replica.py) rather than DeepSpeed's engine: one
-    replica (dp x cp = 1) on one pipeline stage, a dense model, bf16 or fp32, ZeRO 0 or 1 (over one data-parallel
+    """Whether this layout trains through SingleReplicaEngine (step/single_replica.py) rather than DeepSpeed's engine:
+    one replica (dp x cp = 1) on one pipeline stage, a dense model, bf16 or fp32, ZeRO 0 or 1 (over one data-parallel
     rank both shard nothing; bf16 runs DeepSpeed's stage-1 optimizer either way). fp16 keeps DeepSpeed's loss scaler,
     BLOOM-MoE its expert groups and store, the 2D mesh its own norm accounting, and an explicit ZeRO-2 DeepSpeed's
     optimizer."""
@@ -412,7 +420,7 @@ def _single_replica_engine(
     betas: tuple[float, float],
     eps: float,
 ) -> ParallelEngine:
-    from appliance.parallel.flat_optimizer import FlatAdamW
+    from appliance.parallel.step.flat_optimizer import FlatAdamW
 
     if dtype == "bf16":
         # The weights in bf16, buffers (the ALiBi slopes) as they are: what DeepSpeed's engine casts for bf16.
@@ -430,7 +438,7 @@ def _single_replica_engine(
     )  # fmt: skip
     # The record says what ran: the same batch, precision and clipping, stepped without DeepSpeed's engine.
     record["zero_optimization"] = {"stage": 0, "overlap_comm": False}
-    record["step_engine"] = "single_replica: dp x cp = 1 and pp = 1, flat fp32 AdamW (parallel/single_replica.py)"
+    record["step_engine"] = "single_replica: dp x cp = 1 and pp = 1, flat fp32 AdamW (parallel/step/single_replica.py)"
     engine = SingleReplicaEngine(module, optimizer, config=record, micro_batch_size=micro_batch_size)
     return ParallelEngine(engine, topology, config, micro_batch_size=micro_batch_size, loss_fn=loss_fn)
 
@@ -461,7 +469,7 @@ class ParallelEngine:
         device_figures: bool = False,
     ) -> None:
         self.engine = engine
-        # DeepSpeed's step leaves its loss and gradient norm on the device (bf16_step.py): read late, like the
+        # DeepSpeed's step leaves its loss and gradient norm on the device (step/bf16_step.py): read late, like the
         # single-replica engine's (train_batch_async).
         self.device_figures = device_figures
         # BLOOM-MoE: the expert exchange installed for this engine and why (experts/exchange.py); None for a dense
@@ -483,8 +491,8 @@ class ParallelEngine:
         # This rank's index in DeepSpeed's data-parallel group (dp x cp, adjacent in the rank order).
         self.data_rank = self.dp_rank * topology.cp + self.cp_rank
         self.pipelined = topology.pp > 1
-        # dp x cp = 1, pp = 1: the step runs without DeepSpeed's engine (single_replica.py), its figures left on the
-        # device (train_batch_async).
+        # dp x cp = 1, pp = 1: the step runs without DeepSpeed's engine (step/single_replica.py), its figures left on
+        # the device (train_batch_async).
         self.single_replica = isinstance(engine, SingleReplicaEngine)
         self.is_last_stage = self.pp_rank == topology.pp - 1
         # An MoE model at ep > 1 is split too: each ep rank holds other experts.
@@ -559,7 +567,7 @@ class ParallelEngine:
         return PendingStep(self._train_batch_deepspeed(micro_batches))
 
     def _train_batch_deepspeed_on_device(self, micro_batches: Sequence[Batch]) -> torch.Tensor:
-        """DeepSpeed's step whose verdicts stay on the device (bf16_step.py): [loss, grad norm], unread. A dense
+        """DeepSpeed's step whose verdicts stay on the device (step/bf16_step.py): [loss, grad norm], unread. A dense
         bf16 model: no loss scale, no MoE figures, no 2D mesh (the cases _train_batch_deepspeed reads on the host)."""
         issued = self.param_gather.issued if self.param_gather is not None else 0
         if self.pipelined:

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from appliance.parallel.grads import CLIP_EPS, counted_in_norm
+from appliance.parallel.step.grads import CLIP_EPS, counted_in_norm
 
 NamedParams = Sequence[tuple[str, nn.Parameter]]
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from appliance.parallel.grads import CLIP_EPS
+from appliance.parallel.step.grads import CLIP_EPS
 
 
 def keep_verdicts_on_device(optimizer: Any) -> bool:
