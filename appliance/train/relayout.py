@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from appliance.atomic import write_atomic
 from appliance.errors import BadInput
 from appliance.hardware.profile import OPTIONAL_KEYS, PROFILE_KEYS, Hardware, hardware_from_table
 from appliance.planner import make_plan, parse_layout
 from appliance.planner.runspec import load_spec
 from appliance.rundir import RunDir
-from appliance.train.atomic import write_atomic
 
 
 def _hardware_for(planned: Hardware, world: int, source: str) -> Hardware:
