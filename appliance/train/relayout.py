@@ -50,8 +50,7 @@ def change_layout(run_dir: RunDir, text: str) -> dict[str, Any]:
     new = make_plan(_hardware_for(spec.hardware, layout.world_size, source), spec.model, layout=layout).spec()
     if not new.report.feasible:
         raise BadInput(f"--layout {text}: cannot run: {'; '.join(new.report.reasons or ['infeasible'])}")
-    from appliance.tokenizer.vocab import padded_vocab_size
-    from appliance.train.worker import tokenizer_vocab_size
+    from appliance.tokenizer.vocab import padded_vocab_size, tokenizer_vocab_size
 
     entries = tokenizer_vocab_size(run_dir.tokenizer_json)
     rows = {"from": padded_vocab_size(entries, spec.layout.tp), "to": padded_vocab_size(entries, new.layout.tp)}

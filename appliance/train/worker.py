@@ -26,6 +26,7 @@ from appliance.monitor.sinks import writer_with_sinks
 from appliance.parallel.tensor.drift import ReplicaDriftError
 from appliance.planner.runspec import RunSpec, load_spec
 from appliance.rundir import RunDir
+from appliance.tokenizer.vocab import tokenizer_vocab_size
 from appliance.train import checkpoint as ckpt
 from appliance.train import elastic, runlock
 from appliance.train.settings import TrainSettings
@@ -74,12 +75,6 @@ def _start_sampler(run_dir: RunDir, events: EventWriter | None, spec: RunSpec) -
     # node's last total, so the totals cover the whole run.
     meter = EnergyMeter(profile=spec.run.carbon, before=previous_totals(run_dir.metrics, node))
     return GpuSampler(writer, node=node, energy=meter).start()
-
-
-def tokenizer_vocab_size(tokenizer_json: Path) -> int:
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(tokenizer_json)).get_vocab_size(with_added_tokens=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -99,9 +99,9 @@ def reference_losses(run_dir: RunDir, order: Order, *, steps: int, from_step: in
     ``from_step``, the step a moved or resumed run continues from."""
     from appliance.data.blend import build_datasets
     from appliance.planner.runspec import load_spec
+    from appliance.tokenizer.vocab import tokenizer_vocab_size
     from appliance.train.from_spec import model_config
     from appliance.train.settings import lr_schedule
-    from appliance.train.worker import tokenizer_vocab_size
 
     spec = load_spec(run_dir.plan)
     settings = spec.train
