@@ -33,7 +33,7 @@ from appliance.train.runlock import LOCK_ENV, RunLock, own_run_dir
 from appliance.train.startup import LAUNCH_TIME_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-WORKER_MODULE = "appliance.train.worker"
+WORKER_MODULE = "appliance.rank.worker"
 
 
 # A poll of the agent's few local processes costs microseconds: torch's default, 0.1 s. Ours was 1 s, which added half a
@@ -225,7 +225,7 @@ class AgentLogWatcher:
 _SIGNALS = {s.value for s in signal.Signals}
 
 
-# The name a node's gpu and energy samples carry (appliance/train/worker.py): the host alone names a node when it
+# The name a node's gpu and energy samples carry (appliance/rank/worker.py): the host alone names a node when it
 # runs the only agent of the machine, not when simulated nodes share one.
 NODE_NAME_ENV = "BLOOM_NODE_NAME"
 # Set ("MIN:MAX") for the ranks of agents started with --nnodes MIN:MAX: they may re-plan for a smaller world

@@ -73,7 +73,7 @@ def copy_run(source: RunDir, root: Path, *, max_restarts: int = 0, **train: Any)
 def cpu_only_env() -> dict[str, str]:
     """This process's environment with no CUDA device visible (and DeepSpeed on its CPU accelerator), as the
     in-process distributed tests' ranks get it: these plans are CPU plans, and on a GPU machine every rank of
-    `train` would otherwise take cuda:<local rank> (train/worker.py), more GPUs than a one-GPU machine has."""
+    `train` would otherwise take cuda:<local rank> (rank/worker.py), more GPUs than a one-GPU machine has."""
     return {**os.environ, **RANK_ENVIRONMENT}
 
 

@@ -1,6 +1,6 @@
 """Entry point of one training rank, started by PyTorch's elastic agent (torch.distributed.run):
 
-    python -m torch.distributed.run --nproc-per-node N ... -m appliance.train.worker --run-dir D
+    python -m torch.distributed.run --nproc-per-node N ... -m appliance.rank.worker --run-dir D
 
 It reads plan.json, builds the model, the DeepSpeed engine and the data, resumes from the newest valid
 checkpoint when there is one (so an agent restart after a failure continues the run), trains, and evaluates.
@@ -78,7 +78,7 @@ def _start_sampler(run_dir: RunDir, events: EventWriter | None, spec: RunSpec) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="appliance.train.worker")
+    parser = argparse.ArgumentParser(prog="appliance.rank.worker")
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--eval-only", action="store_true", help="evaluate the newest checkpoint, do not train")
     parser.add_argument("--stop-at-step", type=int, default=None, help="save at this step and stop as if preempted")
