@@ -20,7 +20,8 @@ from appliance.model.config import BloomConfig, config_for_shape
 from appliance.parallel.step.engine import ParallelEngine, build_engine
 from appliance.parallel.step.kernel_choice import choose_kernels, kernel_record
 from appliance.parallel.topology import ParallelTopology
-from appliance.planner.measured_kernels import MeasuredKernels, reprice
+from appliance.planner.measured_kernels import MeasuredKernels
+from appliance.planner.reprice import reprice
 from appliance.planner.runspec import RunSpec, load_spec
 from appliance.rundir import RunDir
 
