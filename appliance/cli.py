@@ -674,10 +674,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_sbatch(args: argparse.Namespace) -> int:
+    from appliance.atomic import write_atomic
     from appliance.data.sample_corpus import SAMPLE_CORPUS_DIR
     from appliance.head_run import RunRequest, check_inputs, make_run_plan
     from appliance.planner.runspec import load_spec
-    from appliance.train.atomic import write_atomic
     from appliance.train.slurm import job_for, sbatch_script
 
     corpus = args.corpus or [SAMPLE_CORPUS_DIR]

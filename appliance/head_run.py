@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from appliance.atomic import write_atomic
 from appliance.errors import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, BadInput, Preempted
 from appliance.hardware.carbon import carbon_kg, resolve_profile
 from appliance.monitor.events import EventWriter
@@ -23,7 +24,6 @@ from appliance.planner.sizing import retime
 from appliance.planner.train_settings import TrainSettings
 from appliance.rundir import RunDir, point_latest
 from appliance.stages import Stages, fingerprint, settings_key
-from appliance.train.atomic import write_atomic
 from appliance.train.nodes import NodeGroup
 from appliance.train.runlock import own_run_dir
 

@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
+from appliance.atomic import write_atomic
 from appliance.errors import Preempted
 from appliance.monitor.events import EventWriter
-from appliance.train.atomic import write_atomic
 
 # Above this size a file is fingerprinted by size and modification time instead of content: hashing a
 # terabyte of .bin files on every rerun would cost more than the stage it protects.

@@ -16,11 +16,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from appliance.atomic import write_atomic
 from appliance.eval.harness import TaskModel, TextCodec, evaluate_task
 from appliance.eval.scoring import ModelScorer, generate_greedy
 from appliance.eval.tasks import SHIPPED_TASKS_DIR, Task, load_tasks
 from appliance.rundir import RunDir
-from appliance.train.atomic import write_atomic
 from appliance.train.validation import Validation
 
 # A prompt in the corpus's most common register (manual pages): a person can judge the continuation.

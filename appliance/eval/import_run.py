@@ -15,11 +15,11 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from appliance.atomic import make_dir, write_atomic
 from appliance.errors import BadInput
 from appliance.planner.runspec import ImportedWeights, RunSpec
 from appliance.rundir import RunDir
 from appliance.train import checkpoint as ckpt
-from appliance.train.atomic import make_dir, write_atomic
 
 MODEL_FILE = "model.safetensors"
 

@@ -5,10 +5,11 @@ word embeddings -> embedding LayerNorm -> n_layer pre-LN blocks (ALiBi attention
 BloomForCausalLM, so a state_dict moves between the two unchanged.
 
 The model is built from three kinds of pieces, BloomEmbedding, BloomBlock and BloomFinal, that also stand alone:
-the parallel layer turns them into pipeline stages. Linear layers come from a factory, so tensor-parallel linears
-can be put in place of nn.Linear without changing this file. A factory module may set `skip_bias_add = True` (the
-Megatron convention): its forward then returns x @ W^T only, and the model adds `module.bias` inside the next
-fused op (bias+GeLU, bias+dropout+residual).
+the parallel layer turns them into pipeline stages. Linear layers come from a factory (model/linear.py), so
+tensor-parallel linears can be put in place of nn.Linear without changing this file; the MLP, which an MoE expert
+reuses, is model/mlp.py. A factory module may set `skip_bias_add = True` (the Megatron convention): its forward
+then returns x @ W^T only, and the model adds `module.bias` inside the next fused op (bias+GeLU,
+bias+dropout+residual).
 
 In a BLOOM-MoE model (config.moe_num_experts > 0) every moe_every-th block's MLP is a mixture of experts
 (model/moe.py); ``loss`` adds their load-balancing loss.
@@ -28,37 +29,8 @@ from appliance.model import ops
 from appliance.model.alibi import RankAlibi
 from appliance.model.config import BloomConfig
 from appliance.model.initial_weights import Seed, empty_module, init_parameter_
-
-# (in_features, out_features, bias, role) -> module with .weight [out, in] and .bias [out] (or None).
-LinearFactory = Callable[[int, int, bool, str], nn.Module]
-LINEAR_ROLES = ("qkv", "attn_out", "mlp_in", "mlp_out")
-
-
-class SkipBiasLinear(nn.Linear):
-    """nn.Linear that leaves its bias to the caller, which folds it into the following fused op."""
-
-    skip_bias_add = True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
-
-
-def default_linear_factory(in_features: int, out_features: int, bias: bool, role: str) -> nn.Module:
-    """Single-device linears. The three whose bias Megatron fuses into the next op defer their bias."""
-    if role not in LINEAR_ROLES:
-        raise ValueError(f"unknown linear role {role!r}; expected one of {LINEAR_ROLES}")
-    if role == "qkv":
-        return nn.Linear(in_features, out_features, bias=bias)
-    return SkipBiasLinear(in_features, out_features, bias=bias)
-
-
-def _project(linear: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run a factory linear; return its output and the bias still to be added (None when already added)."""
-    out = linear(x)
-    bias = getattr(linear, "bias", None)
-    if getattr(linear, "skip_bias_add", False) and isinstance(bias, torch.Tensor):
-        return out, bias
-    return out, None
+from appliance.model.linear import LinearFactory, default_linear_factory, project
+from appliance.model.mlp import BloomMLP
 
 
 def _norm(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
@@ -101,7 +73,7 @@ class BloomAttention(nn.Module):
         """Without padding (attention_mask None) the causal mask, and the document mask where doc_ids (int [B, S]
         over the whole sequence) are given, is all there is, so the fused flash-attention kernel takes the slopes
         alone, without [S, S] scores; only the materialized path asks `alibi` for the bias and mask."""
-        fused, qkv_bias = _project(self.query_key_value, x)
+        fused, qkv_bias = project(self.query_key_value, x)
         if qkv_bias is not None:
             fused = fused + qkv_bias
         # Sizes from the projection, not from x: with sequence parallelism x is this rank's chunk of the
@@ -135,18 +107,7 @@ class BloomAttention(nn.Module):
             else:
                 context = ops.attention_core(*core_args)
         context = context.transpose(1, 2).reshape(batch, seq, self.local_heads * self.head_dim)
-        return _project(self.dense, context)
-
-
-class BloomMLP(nn.Module):
-    def __init__(self, config: BloomConfig, linear_factory: LinearFactory) -> None:
-        super().__init__()
-        self.dense_h_to_4h = linear_factory(config.hidden_size, config.ffn_hidden_size, True, "mlp_in")
-        self.dense_4h_to_h = linear_factory(config.ffn_hidden_size, config.hidden_size, True, "mlp_out")
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        hidden, bias = _project(self.dense_h_to_4h, x)
-        return _project(self.dense_4h_to_h, ops.bias_gelu(hidden, bias))
+        return project(self.dense, context)
 
 
 class BloomEmbedding(nn.Module):

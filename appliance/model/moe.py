@@ -35,8 +35,9 @@ from deepspeed.moe import sharded_moe
 from deepspeed.moe.layer import MoE
 from torch import nn
 
-from appliance.model.bloom import BloomMLP, LinearFactory
 from appliance.model.config import BloomConfig
+from appliance.model.linear import LinearFactory
+from appliance.model.mlp import BloomMLP
 
 _GATE = re.compile(r"(^|\.)deepspeed_moe\.gate\.wg\.")
 _EXPERT = re.compile(r"(^|\.)deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.")

@@ -34,7 +34,9 @@ import torch.distributed as dist
 from torch import nn
 
 from appliance.errors import BadInput
-from appliance.model.bloom import BloomBlock, BloomMLP, LinearFactory
+from appliance.model.bloom import BloomBlock
+from appliance.model.linear import LinearFactory
+from appliance.model.mlp import BloomMLP
 from appliance.parallel.context.training import ContextParallelCore
 from appliance.parallel.tensor.layers import tp_linear_factory
 from appliance.parallel.tensor2d.layers2d import Mesh2D, layer_norm_2d, tp2d_linear_factory

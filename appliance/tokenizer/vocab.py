@@ -12,6 +12,7 @@ vocab_size equals the tokenizer's length, and no consumer needs to know that pad
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer
 
@@ -84,3 +85,8 @@ def pad_with_placeholders(tokenizer: Tokenizer, tp: int = 1, at_least: int = 0) 
         # A placeholder string already present as a learned token would be merged, not appended.
         raise RuntimeError(f"padding the vocabulary to {target} gave {final} entries")
     return final
+
+
+def tokenizer_vocab_size(tokenizer_json: Path) -> int:
+    """Entries in a trained tokenizer file, placeholders included: the count the embedding is padded from."""
+    return Tokenizer.from_file(str(tokenizer_json)).get_vocab_size(with_added_tokens=True)

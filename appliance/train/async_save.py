@@ -37,8 +37,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from appliance.atomic import write_atomic
 from appliance.train import checkpoint as ckpt
-from appliance.train.atomic import write_atomic
 from appliance.train.faults import FaultInjector
 
 # What `writing()` says, all-reduced with MAX over the ranks at each step boundary: a failed write anywhere outranks

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from appliance.train.atomic import FILE_MODE, fsync_file, make_dir, sha256_file, write_atomic
+from appliance.atomic import FILE_MODE, fsync_file, make_dir, sha256_file, write_atomic
 
 MANIFEST = "manifest.json"
 LATEST = "latest"

@@ -44,13 +44,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from appliance.atomic import write_atomic
 from appliance.errors import BadInput
 from appliance.monitor.events import EventWriter
 from appliance.planner.runspec import RunSpec
 from appliance.planner.shrink import layout_for_world, usable_node_counts
 from appliance.rundir import RunDir
-from appliance.train.atomic import write_atomic
-from appliance.train.launch import ELASTIC_ENV, NODE_NAME_ENV
+from appliance.train.nodes import ELASTIC_ENV, NODE_NAME_ENV
 
 if TYPE_CHECKING:
     from appliance.train.nodes import NodeGroup

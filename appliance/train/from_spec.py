@@ -15,14 +15,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from appliance.atomic import write_atomic
 from appliance.model.config import BloomConfig, config_for_shape
 from appliance.parallel.step.engine import ParallelEngine, build_engine
 from appliance.parallel.step.kernel_choice import choose_kernels, kernel_record
 from appliance.parallel.topology import ParallelTopology
-from appliance.planner.measured_kernels import MeasuredKernels, reprice
+from appliance.planner.measured_kernels import MeasuredKernels
+from appliance.planner.reprice import reprice
 from appliance.planner.runspec import RunSpec, load_spec
 from appliance.rundir import RunDir
-from appliance.train.atomic import write_atomic
 
 
 def model_config(spec: RunSpec, tokenizer_size: int) -> BloomConfig:

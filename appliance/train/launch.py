@@ -28,12 +28,19 @@ from appliance.monitor.events import EventWriter
 from appliance.planner.failures import RDZV_KEEP_ALIVE_ATTEMPTS, RDZV_KEEP_ALIVE_S, RDZV_LAST_CALL_S
 from appliance.planner.runspec import RunSpec, load_spec
 from appliance.rundir import RunDir
-from appliance.train.nodes import NodeGroup, check_master_here, store_host_command, wait_for_master
+from appliance.train.nodes import (
+    ELASTIC_ENV,
+    NODE_NAME_ENV,
+    NodeGroup,
+    check_master_here,
+    store_host_command,
+    wait_for_master,
+)
 from appliance.train.runlock import LOCK_ENV, RunLock, own_run_dir
 from appliance.train.startup import LAUNCH_TIME_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-WORKER_MODULE = "appliance.train.worker"
+WORKER_MODULE = "appliance.rank.worker"
 
 
 # A poll of the agent's few local processes costs microseconds: torch's default, 0.1 s. Ours was 1 s, which added half a
@@ -223,14 +230,6 @@ class AgentLogWatcher:
 
 
 _SIGNALS = {s.value for s in signal.Signals}
-
-
-# The name a node's gpu and energy samples carry (appliance/train/worker.py): the host alone names a node when it
-# runs the only agent of the machine, not when simulated nodes share one.
-NODE_NAME_ENV = "BLOOM_NODE_NAME"
-# Set ("MIN:MAX") for the ranks of agents started with --nnodes MIN:MAX: they may re-plan for a smaller world
-# (appliance/train/elastic.py); the ranks of any other launch keep the plan's layout.
-ELASTIC_ENV = "BLOOM_ELASTIC_NODES"
 
 
 def run_agent(

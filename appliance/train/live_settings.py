@@ -17,13 +17,13 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any
 
+from appliance.atomic import write_atomic
 from appliance.errors import BadInput
 from appliance.monitor.events import EventWriter
 from appliance.planner.runspec import RunSpec, load_spec
 from appliance.planner.train_settings import CHANGEABLE_MID_RUN, FIXED_MID_RUN, NOT_SETTINGS
 from appliance.rundir import RunDir
 from appliance.train import checkpoint as ckpt
-from appliance.train.atomic import write_atomic
 from appliance.train.schedule import global_batch_at
 from appliance.train.settings import batch_rampup, lr_schedule
 

@@ -48,6 +48,13 @@ DEFAULT_PORT = 29500
 MASTER_WAIT_S = 120.0
 MASTER_WAIT_ENV = "BLOOM_MASTER_WAIT_S"
 
+# The name a node's gpu and energy samples carry (appliance/rank/worker.py): the host alone names a node when it
+# runs the only agent of the machine, not when simulated nodes share one.
+NODE_NAME_ENV = "BLOOM_NODE_NAME"
+# Set ("MIN:MAX") for the ranks of agents started with --nnodes MIN:MAX: they may re-plan for a smaller world
+# (appliance/train/elastic.py); the ranks of any other launch keep the plan's layout. train/launch.py sets both.
+ELASTIC_ENV = "BLOOM_ELASTIC_NODES"
+
 
 @dataclass(frozen=True)
 class NodeGroup:

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from appliance.atomic import write_atomic
 from appliance.errors import BadInput
 from appliance.hardware.profile import OPTIONAL_KEYS, PROFILE_KEYS, Hardware, hardware_from_table
 from appliance.planner import make_plan, parse_layout
 from appliance.planner.runspec import load_spec
 from appliance.rundir import RunDir
-from appliance.train.atomic import write_atomic
 
 
 def _hardware_for(planned: Hardware, world: int, source: str) -> Hardware:
@@ -50,8 +50,7 @@ def change_layout(run_dir: RunDir, text: str) -> dict[str, Any]:
     new = make_plan(_hardware_for(spec.hardware, layout.world_size, source), spec.model, layout=layout).spec()
     if not new.report.feasible:
         raise BadInput(f"--layout {text}: cannot run: {'; '.join(new.report.reasons or ['infeasible'])}")
-    from appliance.tokenizer.vocab import padded_vocab_size
-    from appliance.train.worker import tokenizer_vocab_size
+    from appliance.tokenizer.vocab import padded_vocab_size, tokenizer_vocab_size
 
     entries = tokenizer_vocab_size(run_dir.tokenizer_json)
     rows = {"from": padded_vocab_size(entries, spec.layout.tp), "to": padded_vocab_size(entries, new.layout.tp)}

@@ -57,10 +57,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from appliance.atomic import FILE_MODE, write_atomic
 from appliance.errors import BadInput
 from appliance.monitor.events import EventWriter
 from appliance.rundir import RunDir
-from appliance.train.atomic import FILE_MODE, write_atomic
 
 # In a rank's environment: the lock file it joins with a read lock of its own.
 LOCK_ENV = "BLOOM_RUN_LOCK"

@@ -2,7 +2,7 @@
 elastic agent to the end of the first step, by phase.
 
 The head stamps the launch in the ranks' environment (LAUNCH_TIME_ENV, train/launch.py). Rank 0 marks the end of
-each phase of its start (train/worker.py), and the clock watches rank 0's own events for the rest: the evaluation
+each phase of its start (rank/worker.py), and the clock watches rank 0's own events for the rest: the evaluation
 at the start step (planned: the first validation loss of the curve) and the first step, whose step event ends the
 start. Its phases, in order, add up to `total_s`:
 

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from appliance.train.atomic import write_atomic
+from appliance.atomic import write_atomic
 
 ATTEMPT_FILE = "attempt.json"
 KEEP_ATTEMPTS = 8  # heartbeat directories kept for post-mortems; older ones are removed at the next start

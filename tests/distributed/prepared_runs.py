@@ -73,7 +73,7 @@ def copy_run(source: RunDir, root: Path, *, max_restarts: int = 0, **train: Any)
 def cpu_only_env() -> dict[str, str]:
     """This process's environment with no CUDA device visible (and DeepSpeed on its CPU accelerator), as the
     in-process distributed tests' ranks get it: these plans are CPU plans, and on a GPU machine every rank of
-    `train` would otherwise take cuda:<local rank> (train/worker.py), more GPUs than a one-GPU machine has."""
+    `train` would otherwise take cuda:<local rank> (rank/worker.py), more GPUs than a one-GPU machine has."""
     return {**os.environ, **RANK_ENVIRONMENT}
 
 
@@ -99,9 +99,9 @@ def reference_losses(run_dir: RunDir, order: Order, *, steps: int, from_step: in
     ``from_step``, the step a moved or resumed run continues from."""
     from appliance.data.blend import build_datasets
     from appliance.planner.runspec import load_spec
+    from appliance.tokenizer.vocab import tokenizer_vocab_size
     from appliance.train.from_spec import model_config
     from appliance.train.settings import lr_schedule
-    from appliance.train.worker import tokenizer_vocab_size
 
     spec = load_spec(run_dir.plan)
     settings = spec.train

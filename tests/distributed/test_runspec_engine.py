@@ -146,5 +146,5 @@ def test_ds_config_json_records_what_the_engine_was_given(built: dict[str, Any])
     )  # beside the DeepSpeed config: what the fused ops run (parallel/step/kernel_choice.py)
     assert written == built["ranks"][0]["ds_config"]
     assert kernels["source"] == "default" and kernels["backend"] == "reference"  # gloo ranks on CPU: nothing measured
-    assert oct(path.stat().st_mode & 0o777) == "0o640"  # atomic.py's mode: group-readable, not world-readable
+    assert oct(path.stat().st_mode & 0o777) == "0o640"  # appliance/atomic.py's mode: group-readable, not world-readable
     assert not list(path.parent.glob(".ds_config.json.tmp*"))

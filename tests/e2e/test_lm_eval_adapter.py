@@ -60,8 +60,8 @@ def _write_checkpoint(run_dir: RunDir) -> None:
     `import` writes, which loads at any layout)."""
     from appliance.model.bloom import BloomForCausalLM
     from appliance.planner.runspec import load_spec
+    from appliance.tokenizer.vocab import tokenizer_vocab_size
     from appliance.train.from_spec import model_config
-    from appliance.train.worker import tokenizer_vocab_size
 
     spec = load_spec(run_dir.plan)
     config = model_config(spec, tokenizer_vocab_size(run_dir.tokenizer_json))

@@ -143,7 +143,7 @@ def stop_at_prep(*args: object, **kwargs: object) -> None:
 
 def test_each_rank_refuses_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Under SLURM no head process checks first: every rank does, before DeepSpeed would fail inside initialize."""
-    from appliance.train import worker
+    from appliance.rank import worker
 
     refuse_fp16(monkeypatch)
     run_dir = RunDir(tmp_path / "run").make()

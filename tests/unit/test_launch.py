@@ -31,7 +31,7 @@ def test_run_plan_starts_tp_pp_dp_ranks_and_clears_a_stale_preempted_marker(tmp_
 def test_agent_command_single_node_uses_a_loopback_standalone_rendezvous(tmp_path):
     cmd = launch.agent_command(tmp_path, nproc_per_node=2, max_restarts=3)
     assert "--standalone" in cmd and "--nproc-per-node=2" in cmd and "--max-restarts=3" in cmd
-    assert cmd[-4:] == ["-m", "appliance.train.worker", "--run-dir", str(tmp_path)]
+    assert cmd[-4:] == ["-m", "appliance.rank.worker", "--run-dir", str(tmp_path)]
 
 
 def test_ranks_keep_their_compile_caches_in_the_run_directory_per_node(tmp_path):

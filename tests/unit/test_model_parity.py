@@ -7,8 +7,9 @@ import torch
 import transformers
 from torch import nn
 
-from appliance.model.bloom import BloomBlock, BloomForCausalLM, causal_lm_loss, default_linear_factory
+from appliance.model.bloom import BloomBlock, BloomForCausalLM, causal_lm_loss
 from appliance.model.config import BloomConfig
+from appliance.model.linear import default_linear_factory
 
 # 12 heads is not a power of two, so the interleaved extra ALiBi slopes are exercised.
 CONFIG = BloomConfig(vocab_size=101, hidden_size=96, n_layer=3, n_head=12)

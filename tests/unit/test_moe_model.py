@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from appliance.errors import BadInput
-from appliance.model.bloom import BloomForCausalLM, BloomMLP
+from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig, config_for_shape
+from appliance.model.mlp import BloomMLP
 from appliance.model.moe import BloomMoE, canonical_moe_name, deepspeed_moe_name
 from appliance.planner.layout import Layout, parse_layout
 from appliance.planner.model_shape import load_model_shape, model_from_table

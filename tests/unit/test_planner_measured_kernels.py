@@ -15,7 +15,8 @@ from appliance.planner import calibration as cal
 from appliance.planner import load_model_shape, make_plan, parse_layout
 from appliance.planner.device import make_device
 from appliance.planner.kernel_path import kernels_for
-from appliance.planner.measured_kernels import LAYER_NORM_ELEMENTS, MeasuredKernels, reprice
+from appliance.planner.measured_kernels import LAYER_NORM_ELEMENTS, MeasuredKernels
+from appliance.planner.reprice import reprice
 from appliance.planner.runspec import load_spec
 from appliance.planner.timing import block_seconds, step_time_for_device
 from appliance.rundir import RunDir

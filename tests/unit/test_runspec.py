@@ -187,7 +187,7 @@ def test_the_launcher_and_the_worker_refuse_a_bad_plan_before_any_rank_starts(
     tmp_path: Path, default_plan: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import appliance.train.launch as launch
-    from appliance.train import worker
+    from appliance.rank import worker
 
     plan = json.loads(json.dumps(default_plan))
     del plan["layout"]["zero_stage"]

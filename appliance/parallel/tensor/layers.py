@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from appliance.model.bloom import default_linear_factory
+from appliance.model.linear import default_linear_factory
 from appliance.parallel.tensor.mappings import (
     Group,
     copy_to_tensor_parallel_region,
@@ -361,7 +361,7 @@ def tp_linear_factory(
 
     qkv and mlp_in become column-parallel (outputs stay split: each rank runs its own heads / GeLU slice),
     attn_out and mlp_out row-parallel (inputs arrive split). With tp=1 it returns the single-device layers
-    (``model.bloom.default_linear_factory``). At every tp, mlp_in, attn_out and mlp_out skip their bias add
+    (``model.linear.default_linear_factory``). At every tp, mlp_in, attn_out and mlp_out skip their bias add
     (``skip_bias_add``): the model folds it into bias+GeLU and bias+dropout+residual.
     With ``sequence_parallel`` the activations between the layers are sequence chunks; ``sequence_dim`` says
     where the sequence axis is: 0 for Megatron's [s, b, h], 1 for the [b, s, h] layout of transformers.

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from appliance.model import ops
-from appliance.model.bloom import LINEAR_ROLES, LinearFactory, default_linear_factory
+from appliance.model.linear import LINEAR_ROLES, LinearFactory, default_linear_factory
 from appliance.parallel.context.training import token_weighted_loss
 from appliance.parallel.tensor.cross_entropy import HeadInput, vocab_parallel_loss
 from appliance.parallel.tensor.mappings import Group, group_rank, group_size
@@ -255,7 +255,7 @@ def sum_over_rows(loss: torch.Tensor, mesh: Mesh2D) -> torch.Tensor:
 
 def tp2d_linear_factory(mesh: Mesh2D, **tensor_kwargs: Any) -> LinearFactory:
     """The model's linear-layer injection point: every role is the same SUMMA linear; on a 1 x 1 mesh the
-    single-device layers themselves (model.bloom.default_linear_factory), so q = 1 is the plain model exactly."""
+    single-device layers themselves (model.linear.default_linear_factory), so q = 1 is the plain model exactly."""
 
     def make(in_features: int, out_features: int, bias: bool, role: str) -> nn.Module:
         if role not in LINEAR_ROLES:

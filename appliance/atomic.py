@@ -1,4 +1,5 @@
-"""Crash-safe file writes: a reader sees the old file or the new one, never a torn one."""
+"""Crash-safe file writes: a reader sees the old file or the new one, never a torn one. Beside `rundir`, below
+every layer, so the head process, the ranks, `eval` and the stages share it."""
 
 from __future__ import annotations
 

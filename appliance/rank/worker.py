@@ -1,6 +1,6 @@
 """Entry point of one training rank, started by PyTorch's elastic agent (torch.distributed.run):
 
-    python -m torch.distributed.run --nproc-per-node N ... -m appliance.train.worker --run-dir D
+    python -m torch.distributed.run --nproc-per-node N ... -m appliance.rank.worker --run-dir D
 
 It reads plan.json, builds the model, the DeepSpeed engine and the data, resumes from the newest valid
 checkpoint when there is one (so an agent restart after a failure continues the run), trains, and evaluates.
@@ -26,6 +26,7 @@ from appliance.monitor.sinks import writer_with_sinks
 from appliance.parallel.tensor.drift import ReplicaDriftError
 from appliance.planner.runspec import RunSpec, load_spec
 from appliance.rundir import RunDir
+from appliance.tokenizer.vocab import tokenizer_vocab_size
 from appliance.train import checkpoint as ckpt
 from appliance.train import elastic, runlock
 from appliance.train.settings import TrainSettings
@@ -76,14 +77,8 @@ def _start_sampler(run_dir: RunDir, events: EventWriter | None, spec: RunSpec) -
     return GpuSampler(writer, node=node, energy=meter).start()
 
 
-def tokenizer_vocab_size(tokenizer_json: Path) -> int:
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(tokenizer_json)).get_vocab_size(with_added_tokens=True)
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="appliance.train.worker")
+    parser = argparse.ArgumentParser(prog="appliance.rank.worker")
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--eval-only", action="store_true", help="evaluate the newest checkpoint, do not train")
     parser.add_argument("--stop-at-step", type=int, default=None, help="save at this step and stop as if preempted")
