@@ -41,10 +41,10 @@ from appliance.parallel.context.training import ContextParallelCore
 from appliance.parallel.tensor.layers import tp_linear_factory
 from appliance.parallel.tensor2d.layers2d import Mesh2D, layer_norm_2d, tp2d_linear_factory
 from appliance.parallel.topology import ParallelTopology
+from appliance.planner.layout import CP_MODES
+from appliance.planner.model_shape import RECOMPUTE_MODES
 
 SEQUENCE_DIM = 1  # activations are [batch, seq, hidden] (the transformers layout)
-RECOMPUTE_MODES = ("none", "selective", "full")
-CP_MODES = ("ulysses", "ring")
 
 
 @dataclass(frozen=True)
