@@ -17,28 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-# The keys each kind must carry. Extra keys are allowed (extend, never rename).
-REQUIRED_KEYS: dict[str, tuple[str, ...]] = {
-    "stage": ("name", "state", "progress"),
-    "step": ("step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_gpu", "mfu", "consumed_samples"),
-    # seconds: the write (files, fsync, hashes, commit); stall_s beside it, what the steps waited (train/async_save.py)
-    "checkpoint": ("step", "path", "seconds", "bytes"),
-    "eval": (),
-    "gpu": ("devices",),
-    "energy": ("kwh", "co2_kg"),
-    "failure": ("rank", "reason"),
-    "recovery": ("restart", "resumed_step", "lost_seconds"),
-    "warning": ("message",),
-    "plan": (),
-    "run": ("state",),
-    "settings": ("step", "changes"),  # --set on a started run: changes is [{key, old, new}] (train/live_settings.py)
-    # op -> implementation each launch runs, with the measured ms per op and backend (parallel/step/kernel_choice.py)
-    "kernels": ("source", "choices", "times_ms"),
-    # elastic launches, at each start's first step: the nodes that train and the spares standing by (train/elastic.py)
-    "nodes": ("nodes", "spares"),
-    # a launch's time from the head's launch to the first step's end, {phase: seconds} (train/startup.py)
-    "startup": ("phases", "total_s"),
-}
+from appliance.monitor.event_kinds import EVENT_KINDS
+
+# The keys each kind must carry, from the one declaration of each kind (event_kinds.py).
+REQUIRED_KEYS: dict[str, tuple[str, ...]] = {name: kind.required for name, kind in EVENT_KINDS.items()}
 
 STAGE_STATES = ("started", "running", "done", "skipped", "failed", "stopped")  # stopped: preempted, resumable
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from appliance.errors import BadInput
+from appliance.monitor.event_kinds import EVENT_KINDS
 from appliance.monitor.events import EventTail, finite
 from appliance.monitor.snapshot import SAVE_EVERY_S, SAVE_MIN_NEW_BYTES, SnapshotSaver, attach
 from appliance.monitor.state import RunState, reduce
@@ -144,48 +145,66 @@ class HeadlessPrinter:
 
     def _text(self, e: dict[str, Any]) -> str | None:
         kind = e.get("kind")
-        if kind == "stage":
-            return self._stage_text(e)
-        if kind == "step":
-            step = self.state.step
-            if step is None or (self._printed_step is not None and 0 <= step - self._printed_step < self.every_steps):
-                return None
-            self._printed_step = step
-            return step_line(self.state)
-        if kind == "checkpoint":
-            waited = f", steps waited {fmt_duration(e['stall_s'])}" if finite(e.get("stall_s")) is not None else ""
-            return (
-                f"checkpoint step {e.get('step')} saved in {fmt_duration(e.get('seconds'))} "
-                f"({fmt_bytes(e.get('bytes'))}{waited}) -> {e.get('path')}"
-            )
-        if kind == "failure":
-            return f"FAILURE rank {e.get('rank')}: {e.get('reason')}"
-        if kind == "recovery":
-            nodes = f"; {e.get('reason')}" if e.get("lost_nodes") or e.get("joined_nodes") else ""
-            return (
-                f"recovery: restart {e.get('restart')}, resumed at step {e.get('resumed_step')}, "
-                f"lost {fmt_duration(e.get('lost_seconds'))}{nodes}"
-            )
-        if kind == "nodes":
-            return f"nodes: {len(e.get('nodes', []))} training, {len(e.get('spares', []))} standing by as spares"
-        if kind == "eval":
-            return eval_line(e)
-        if kind == "warning":
-            return f"warning: {e.get('message')}"
-        if kind == "run":
-            return f"run {e.get('state')}"
-        if kind == "plan":
-            return plan_line(e)
-        if kind == "settings":  # --set on a started run (train/live_settings.py)
-            changed = ", ".join(f"{c.get('key')} {c.get('old')} -> {c.get('new')}" for c in e.get("changes") or [])
-            return f"settings changed after step {e.get('step')}: {changed}"
-        if kind == "kernels":  # the fused ops' implementations this launch runs (parallel/step/kernel_choice.py)
-            return f"kernels {kernels_text(e)}"
-        if kind == "startup":  # where the launch's start went (train/startup.py)
-            return startup_text(e)
-        return None  # gpu and energy events are dashboard material; json mode carries them
+        declared = EVENT_KINDS.get(kind) if isinstance(kind, str) else None
+        if declared is None or declared.line is None:
+            return None  # gpu and energy events are dashboard material; json mode carries them
+        text: str | None = getattr(self, declared.line)(e)
+        return text
 
-    def _stage_text(self, e: dict[str, Any]) -> str | None:
+    # ---- each kind's line, named by its declaration (event_kinds.py) --------------------------------------------
+    def text_step(self, e: dict[str, Any]) -> str | None:
+        step = self.state.step
+        if step is None or (self._printed_step is not None and 0 <= step - self._printed_step < self.every_steps):
+            return None
+        self._printed_step = step
+        return step_line(self.state)
+
+    def text_checkpoint(self, e: dict[str, Any]) -> str:
+        waited = f", steps waited {fmt_duration(e['stall_s'])}" if finite(e.get("stall_s")) is not None else ""
+        return (
+            f"checkpoint step {e.get('step')} saved in {fmt_duration(e.get('seconds'))} "
+            f"({fmt_bytes(e.get('bytes'))}{waited}) -> {e.get('path')}"
+        )
+
+    def text_failure(self, e: dict[str, Any]) -> str:
+        return f"FAILURE rank {e.get('rank')}: {e.get('reason')}"
+
+    def text_recovery(self, e: dict[str, Any]) -> str:
+        nodes = f"; {e.get('reason')}" if e.get("lost_nodes") or e.get("joined_nodes") else ""
+        return (
+            f"recovery: restart {e.get('restart')}, resumed at step {e.get('resumed_step')}, "
+            f"lost {fmt_duration(e.get('lost_seconds'))}{nodes}"
+        )
+
+    def text_nodes(self, e: dict[str, Any]) -> str:
+        return f"nodes: {len(e.get('nodes', []))} training, {len(e.get('spares', []))} standing by as spares"
+
+    def text_eval(self, e: dict[str, Any]) -> str:
+        return eval_line(e)
+
+    def text_warning(self, e: dict[str, Any]) -> str:
+        return f"warning: {e.get('message')}"
+
+    def text_run(self, e: dict[str, Any]) -> str:
+        return f"run {e.get('state')}"
+
+    def text_plan(self, e: dict[str, Any]) -> str:
+        return plan_line(e)
+
+    def text_settings(self, e: dict[str, Any]) -> str:
+        """--set on a started run (train/live_settings.py)."""
+        changed = ", ".join(f"{c.get('key')} {c.get('old')} -> {c.get('new')}" for c in e.get("changes") or [])
+        return f"settings changed after step {e.get('step')}: {changed}"
+
+    def text_kernels(self, e: dict[str, Any]) -> str:
+        """The fused ops' implementations this launch runs (parallel/step/kernel_choice.py)."""
+        return f"kernels {kernels_text(e)}"
+
+    def text_startup(self, e: dict[str, Any]) -> str:
+        """Where the launch's start went (train/startup.py)."""
+        return startup_text(e)
+
+    def text_stage(self, e: dict[str, Any]) -> str | None:
         name, state = str(e.get("name")), str(e.get("state"))
         if self._stage_states.get(name) == state:
             return None  # progress within a state is not a change

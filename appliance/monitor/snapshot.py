@@ -32,9 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from appliance.monitor import eval_report, gpu, state
+from appliance.monitor import eval_report, gpu, state, state_fields
 from appliance.monitor.events import EventTail
-from appliance.monitor.state import SECTIONS, RunState
+from appliance.monitor.state import RunState
+from appliance.monitor.state_fields import SECTIONS
 
 FORMAT = "bloom-appliance reducer snapshot"
 VERSION = 1
@@ -43,7 +44,7 @@ FINGERPRINT_BYTES = 4096  # hashed at the file's start and before the offset: a 
 SAVE_EVERY_S = 300.0  # a follower saves every 5 min: an attach then folds at most ~5,800 events of 48 nodes
 SAVE_MIN_NEW_BYTES = 1 << 20  # and only after 1 MB of new events (~70 s at 48 nodes): small runs read fast anyway
 
-_REDUCER_MODULES = (state, gpu, eval_report)
+_REDUCER_MODULES = (state, state_fields, gpu, eval_report)
 _SAFE_BUILTINS = {("builtins", name) for name in ("set", "frozenset", "dict", "list", "tuple", "complex")}
 _SAFE_GLOBALS = _SAFE_BUILTINS | {("collections", "deque")}
 

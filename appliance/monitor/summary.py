@@ -7,6 +7,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from appliance.monitor.event_kinds import EVENT_KINDS
 from appliance.monitor.events import read_events
 from appliance.monitor.state import RunState
 from appliance.rundir import RunDir
@@ -69,25 +70,18 @@ def train_stage_time(events: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def summarize(run_dir: RunDir, *, state: str, wall_seconds: float, stage_seconds: dict[str, float]) -> dict[str, Any]:
-    steps, evals, failures, recoveries, checkpoints = [], [], [], [], []
-    stage_states: dict[str, str] = {}
+    # Each kind's events, in the list its declaration names (event_kinds.py).
+    collected: dict[str, list[dict[str, Any]]] = {k.summary: [] for k in EVENT_KINDS.values() if k.summary is not None}
     state_of_run = RunState()  # the dashboard's reducer: energy summed over every node's latest reading
     every_event = list(read_events(run_dir.metrics))
     for e in every_event:
         state_of_run.apply(e)
-        kind = e["kind"]
-        if kind == "step":
-            steps.append(e)
-        elif kind == "eval":
-            evals.append(e)
-        elif kind == "failure":
-            failures.append(e)
-        elif kind == "recovery":
-            recoveries.append(e)
-        elif kind == "checkpoint":
-            checkpoints.append(e)
-        elif kind == "stage":
-            stage_states[e["name"]] = e["state"]
+        declared = EVENT_KINDS.get(e["kind"])
+        if declared is not None and declared.summary is not None:
+            collected[declared.summary].append(e)
+    steps, evals, failures = collected["steps"], collected["evals"], collected["failures"]
+    recoveries, checkpoints = collected["recoveries"], collected["checkpoints"]
+    stage_states = {e["name"]: e["state"] for e in collected["stages"]}
     plan = json.loads(run_dir.plan.read_text()) if run_dir.plan.exists() else {}
     seq_len = plan.get("train", {}).get("seq_len", 0)
     # Skip the first steps in throughput figures: they include warm-up (allocations, first collectives).

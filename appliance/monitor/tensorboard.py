@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from appliance.monitor.event_kinds import EVENT_KINDS
 from appliance.monitor.events import finite, read_events_backwards
 
 TENSORBOARD_DIR = "tensorboard"
@@ -193,23 +194,21 @@ class StepClock:
         return self._read_step
 
 
+# Each kind's scalars, found from its declaration (event_kinds.py); a kind without a step of its own (a node's
+# gpu and energy samples) is plotted at the newest training step.
+SCALARS_OF_KIND: dict[str, Callable[..., Iterator[Scalar]]] = {
+    name: globals()[kind.scalars] for name, kind in EVENT_KINDS.items() if kind.scalars is not None
+}
+
+
 def scalars_of(event: dict[str, Any], clock: StepClock) -> list[Scalar]:
     """The TensorBoard scalars of one event (none for kinds without figures: stage, warning, plan...)."""
     kind = event.get("kind")
     clock.saw(event)
-    if kind == "step":
-        return list(step_scalars(event))
-    if kind == "eval":
-        return list(eval_scalars(event))
-    if kind == "checkpoint":
-        return list(checkpoint_scalars(event))
-    if kind == "startup":
-        return list(startup_scalars(event))
-    if kind == "gpu":
-        return list(gpu_scalars(event, clock.now()))
-    if kind == "energy":
-        return list(energy_scalars(event, clock.now()))
-    return []
+    if not isinstance(kind, str) or kind not in SCALARS_OF_KIND:
+        return []
+    producer = SCALARS_OF_KIND[kind]
+    return list(producer(event, clock.now()) if EVENT_KINDS[kind].scalars_at_step else producer(event))
 
 
 class TensorBoardSink:

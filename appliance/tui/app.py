@@ -30,7 +30,8 @@ from textual.widgets import Footer, Static
 from appliance.monitor.events import EventTail
 from appliance.monitor.headless import fmt_loss_scale
 from appliance.monitor.snapshot import SnapshotSaver, attach
-from appliance.monitor.state import SECTIONS, RunState, reduce
+from appliance.monitor.state import RunState, reduce
+from appliance.monitor.state_fields import SECTIONS
 from appliance.rundir import RunDir
 from appliance.tui.screens.confirm import ConfirmScreen
 from appliance.tui.screens.help import HelpScreen

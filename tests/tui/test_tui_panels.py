@@ -12,7 +12,7 @@ from pathlib import Path
 from textual.pilot import Pilot
 from tui_support import synthetic_events, widget_text, write_run
 
-from appliance.monitor.state import Series
+from appliance.monitor.state_fields import Series
 from appliance.rundir import RunDir
 from appliance.tui.app import DashboardApp, make_app
 from appliance.tui.screens.confirm import ConfirmScreen

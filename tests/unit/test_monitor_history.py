@@ -18,7 +18,8 @@ from appliance.monitor import snapshot
 from appliance.monitor.events import EventTail
 from appliance.monitor.headless import HeadlessPrinter, follow_run
 from appliance.monitor.snapshot import attach, load_snapshot, save_snapshot, snapshot_path
-from appliance.monitor.state import RunState, Series, reduce
+from appliance.monitor.state import RunState, reduce
+from appliance.monitor.state_fields import Series
 
 FIXTURES = Path(__file__).resolve().parents[1] / "tui" / "fixtures"
 RECORDED = ("cpu-2core", "gpu-8xa100")

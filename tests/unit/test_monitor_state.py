@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from appliance.monitor.events import make_event
-from appliance.monitor.state import RunState, Series, reduce
+from appliance.monitor.state import RunState, reduce
+from appliance.monitor.state_fields import Series
 
 T0 = 1_000_000.0
 

@@ -11,7 +11,8 @@ from rich.text import Text
 
 from appliance.monitor.events import finite
 from appliance.monitor.headless import fmt_bytes, fmt_float, fmt_pct, fmt_si
-from appliance.monitor.state import ExpertsInfo, RunState
+from appliance.monitor.state import RunState
+from appliance.monitor.state_fields import ExpertsInfo
 from appliance.tui.widgets.panel import Panel, kv_grid
 
 BARS = " ▁▂▃▄▅▆▇█"

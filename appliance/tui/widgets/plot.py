@@ -1,6 +1,6 @@
 """A terminal line plot drawn with braille dots (2 x 4 dots per cell), min/max-decimated to its width.
 
-The series arrives already bucketed (monitor.state.Series: at most ~1k min/max buckets for any number of steps);
+The series arrives already bucketed (monitor.state_fields.Series: at most ~1k min/max buckets for any number of steps);
 here each of the 2 x width dot columns takes the min and max of the buckets that fall in it and draws the span
 between them, so a loss spike stays visible however many steps share a column. Cost per draw:
 O(buckets + width x height), whatever the run length.
@@ -12,7 +12,7 @@ from rich.text import Text
 from textual.widget import Widget
 
 from appliance.monitor.headless import fmt_float, fmt_si
-from appliance.monitor.state import Series
+from appliance.monitor.state_fields import Series
 
 # Bit of each dot in a braille cell (U+2800 + bits), indexed [dot column][dot row]:
 #   col 0: rows 0-3 -> 0x01 0x02 0x04 0x40;  col 1: rows 0-3 -> 0x08 0x10 0x20 0x80

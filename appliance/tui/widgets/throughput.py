@@ -10,7 +10,8 @@ from rich.text import Text
 from textual.app import RenderResult
 
 from appliance.monitor.headless import fmt_duration, fmt_float, fmt_pct, fmt_si, kernels_text
-from appliance.monitor.state import RunState, Series
+from appliance.monitor.state import RunState
+from appliance.monitor.state_fields import Series
 from appliance.tui.widgets.panel import Panel, kv_grid, waiting
 from appliance.tui.widgets.plot import sparkline
 
