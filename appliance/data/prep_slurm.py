@@ -19,6 +19,7 @@ from pathlib import Path
 
 from appliance.data.prep_work import default_work_dir
 from appliance.errors import BadInput
+from appliance.hardware.slurm import check_time_limit, sbatch_header
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_ARRAY_MAX = 64  # default array size: one task per work unit (64 MB of .jsonl or one file), up to 64
@@ -47,9 +48,7 @@ class PrepJob:
             raise BadInput(f"--array-size {self.array_size}: need at least 1 task")
         if self.cpus_per_task < 1:
             raise BadInput(f"--cpus-per-task {self.cpus_per_task}: need at least 1")
-        parts = self.time_limit.replace("-", ":").split(":")
-        if not all(p.isdigit() for p in parts) or not 1 <= len(parts) <= 4:
-            raise BadInput(f"--time {self.time_limit!r}: expected [D-]HH:MM:SS")
+        check_time_limit(self.time_limit, "--time")
 
 
 def default_script_dir(out_dir: Path) -> Path:
@@ -74,11 +73,7 @@ def batch_script(job: PrepJob, *, python: str | None = None) -> str:
         f"--time={job.time_limit}",
         "--requeue",  # a task lost with its node runs again and skips the units it had committed
     ]
-    if job.partition:
-        directives.append(f"--partition={job.partition}")
-    if job.account:
-        directives.append(f"--account={job.account}")
-    lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in directives), ""]
+    lines = sbatch_header(directives, partition=job.partition, account=job.account)
     lines += [
         f"# One step of `prep`, submitted by {SUBMIT_NAME}: read and filter as arrays of {job.array_size} tasks,",
         "# templates and finish as single jobs.",

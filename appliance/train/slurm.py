@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from appliance.errors import BadInput
+from appliance.hardware.slurm import check_time_limit, sbatch_header
 from appliance.planner.runspec import RunSpec
 from appliance.train.launch import FRESH_STORE_ENV, REPO_ROOT, agent_command
 from appliance.train.runlock import LOCK_ENV
@@ -37,9 +38,7 @@ class SlurmJob:
             raise BadInput(
                 f"sbatch: need --nodes >= 1 and --gpus-per-node >= 1 (got {self.nodes}, {self.gpus_per_node})"
             )
-        parts = self.time_limit.replace("-", ":").split(":")
-        if not all(p.isdigit() for p in parts) or not 1 <= len(parts) <= 4:
-            raise BadInput(f"sbatch --time {self.time_limit!r}: expected [D-]HH:MM:SS")
+        check_time_limit(self.time_limit, "sbatch --time")
 
 
 def job_for(
@@ -102,11 +101,7 @@ def sbatch_script(job: SlurmJob, *, corpus: list[Path], python: str = ".venv/bin
         f"--output={run_dir}/logs/slurm-%j.out",
         "--open-mode=append",  # a requeued job appends to the same log
     ]
-    if job.partition:
-        directives.append(f"--partition={job.partition}")
-    if job.account:
-        directives.append(f"--account={job.account}")
-    lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in directives), ""]
+    lines = sbatch_header(directives, partition=job.partition, account=job.account)
     lines += [
         "set -euo pipefail",
         f"cd {shlex.quote(str(REPO_ROOT))}",

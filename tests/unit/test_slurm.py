@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from appliance.hardware.slurm import sbatch_header
 from appliance.rundir import RunDir
 from appliance.train.runlock import RunInUse, claim
 from appliance.train.slurm import SlurmJob, sbatch_script
@@ -178,3 +179,12 @@ def test_the_job_owns_its_run_directory_while_it_runs(tmp_path):
             batch.kill()
             batch.wait()
     claim(run_dir).release()  # the job is over: the directory is free
+
+
+def test_one_module_writes_the_sbatch_header():
+    """Both script writers (sbatch, prep --sbatch) take their #SBATCH lines from hardware/slurm.py."""
+    code = ROOT / "appliance"
+    writers = sorted(str(p.relative_to(code)) for p in code.rglob("*.py") if "#SBATCH" in p.read_text())
+    assert writers == ["hardware/slurm.py"]
+    header = sbatch_header(["--nodes=2"], partition="gpu_p5", account=None)
+    assert header == ["#!/bin/bash", "#SBATCH --nodes=2", "#SBATCH --partition=gpu_p5", ""]
