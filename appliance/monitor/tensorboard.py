@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import atexit
 import math
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from appliance.monitor.event_kinds import EVENT_KINDS
-from appliance.monitor.events import finite, read_events_backwards
+from appliance.monitor.events import finite
+from appliance.monitor.scalar_sink import ScalarSink, StepClock
 
 TENSORBOARD_DIR = "tensorboard"
 TENSORBOARD_PIN = "tensorboard==2.21.0"  # install.sh's pin, named in the warning when the package is missing
@@ -165,35 +165,6 @@ def energy_scalars(event: dict[str, Any], step: int) -> Iterator[Scalar]:
             yield f"energy/{node} {name}", value, step
 
 
-class StepClock:
-    """The training step that node samples (`gpu`, `energy`: they carry none) are plotted at. The process that
-    writes `step` events knows it; a sampler on another node reads the newest `step` event of metrics.jsonl, from
-    the end of the file, at most once per `refresh_s` (a few blocks read, not the whole file)."""
-
-    def __init__(self, metrics: Path, refresh_s: float = 30.0, max_events: int = 2000) -> None:
-        self.metrics, self.refresh_s, self.max_events = metrics, refresh_s, max_events
-        self.step: int | None = None  # from this process's own step events
-        self._read_step = 0
-        self._read_at = -math.inf
-
-    def saw(self, event: dict[str, Any]) -> None:
-        if event.get("kind") == "step":
-            self.step = int(event["step"])
-
-    def now(self) -> int:
-        if self.step is not None:
-            return self.step
-        if time.monotonic() - self._read_at >= self.refresh_s:
-            self._read_at = time.monotonic()
-            for seen, event in enumerate(read_events_backwards(self.metrics)):
-                if event.get("kind") == "step":
-                    self._read_step = int(event["step"])
-                    break
-                if seen >= self.max_events:  # no step among the newest events: keep the last one found
-                    break
-        return self._read_step
-
-
 # Each kind's scalars, found from its declaration (event_kinds.py); a kind without a step of its own (a node's
 # gpu and energy samples) is plotted at the newest training step.
 SCALARS_OF_KIND: dict[str, Callable[..., Iterator[Scalar]]] = {
@@ -211,7 +182,7 @@ def scalars_of(event: dict[str, Any], clock: StepClock) -> list[Scalar]:
     return list(producer(event, clock.now()) if EVENT_KINDS[kind].scalars_at_step else producer(event))
 
 
-class TensorBoardSink:
+class TensorBoardSink(ScalarSink):
     """Writes the scalars of the events it is given to `<run>/tensorboard/`; opens its file on the first scalar.
 
     Without the tensorboard package it writes nothing and says so once, through `warn`, when the first `step`
@@ -224,39 +195,28 @@ class TensorBoardSink:
     FLUSH_S = 60
 
     def __init__(self, run_root: Path, warn: Callable[[str], None]) -> None:
+        super().__init__(run_root, warn)
         self.directory = Path(run_root) / TENSORBOARD_DIR
-        self.warn = warn
-        self.clock = StepClock(Path(run_root) / "metrics.jsonl")
         self._writer: Any = None
         self._proto: Any = None
-        self._off = False
-        self._lock = threading.RLock()  # re-entered: a warning goes through the writer back here
 
-    def write(self, event: dict[str, Any]) -> None:
-        # Rank 0's writer is shared by the training loop and its node's sampler thread.
-        with self._lock:
-            self._write(event)
+    def stopped(self) -> str:
+        return f"TensorBoard event files stopped ({self.directory})"
 
-    def _write(self, event: dict[str, Any]) -> None:
-        if self._off:
-            return
-        try:
-            scalars = scalars_of(event, self.clock)
-            if scalars and self._open(event):
-                wall_time = float(event.get("t", time.time()))
-                # One record per x value (the step, the samples) holding all its scalars, not one per scalar: the
-                # record writer checksums in Python, on its own thread, and that thread's share of the GIL is
-                # what a write costs the training loop.
-                by_x: dict[int, list[tuple[str, float]]] = {}
-                for name, value, x in scalars:
-                    by_x.setdefault(x, []).append((name, value))
-                for x, values in by_x.items():
-                    self._writer.add_event(self._scalars_event(values, x, wall_time))
-            if self._writer is not None and event.get("kind") in ("checkpoint", "run"):
-                self._writer.flush()
-        except Exception as exc:  # a monitoring copy must never stop training
-            self._off = True
-            self.warn(f"TensorBoard event files stopped ({self.directory}): {type(exc).__name__}: {exc}")
+    def copy(self, event: dict[str, Any]) -> None:
+        scalars = scalars_of(event, self.clock)
+        if scalars and self._open(event):
+            wall_time = float(event.get("t", time.time()))
+            # One record per x value (the step, the samples) holding all its scalars, not one per scalar: the
+            # record writer checksums in Python, on its own thread, and that thread's share of the GIL is
+            # what a write costs the training loop.
+            by_x: dict[int, list[tuple[str, float]]] = {}
+            for name, value, x in scalars:
+                by_x.setdefault(x, []).append((name, value))
+            for x, values in by_x.items():
+                self._writer.add_event(self._scalars_event(values, x, wall_time))
+        if self._writer is not None and event.get("kind") in ("checkpoint", "run"):
+            self._writer.flush()
 
     def _open(self, event: dict[str, Any]) -> bool:
         if self._writer is not None:
@@ -266,7 +226,7 @@ class TensorBoardSink:
             from tensorboard.summary.writer.event_file_writer import EventFileWriter
         except ImportError:
             if event.get("kind") == "step":
-                self._off = True
+                self.off = True
                 self.warn(
                     f"the tensorboard package is not installed: {self.directory} is not written "
                     f"(metrics.jsonl holds every figure); ./install.sh installs {TENSORBOARD_PIN}"

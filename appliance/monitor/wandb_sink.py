@@ -14,12 +14,12 @@ import atexit
 import hashlib
 import importlib
 import os
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from appliance.monitor.tensorboard import StepClock, on_step_axis, scalars_of
+from appliance.monitor.scalar_sink import ScalarSink
+from appliance.monitor.tensorboard import on_step_axis, scalars_of
 
 WANDB_DIR = "wandb"
 PROJECT = "bloom-appliance"
@@ -30,41 +30,30 @@ def wandb_wanted() -> bool:
     return os.environ.get("BLOOM_APPLIANCE_WANDB", "1") != "0"
 
 
-class WandbSink:
+class WandbSink(ScalarSink):
     def __init__(self, run_root: Path, warn: Callable[[str], None]) -> None:
         self.run_root = Path(run_root).resolve()
-        self.warn = warn
-        self.clock = StepClock(self.run_root / "metrics.jsonl")
+        super().__init__(self.run_root, warn)
         self._run: Any = None
-        self._off = False
-        self._lock = threading.RLock()  # re-entered: a warning goes through the writer back here
 
-    def write(self, event: dict[str, Any]) -> None:
-        # Rank 0's writer is shared by the training loop and its node's sampler thread.
-        with self._lock:
-            self._write(event)
+    def stopped(self) -> str:
+        return f"the offline W&B run stopped ({self.run_root / WANDB_DIR})"
 
-    def _write(self, event: dict[str, Any]) -> None:
-        if self._off:
+    def copy(self, event: dict[str, Any]) -> None:
+        scalars = scalars_of(event, self.clock)
+        if self._run is None and (event.get("kind") not in OPENS_ON or not self._open()):
             return
-        try:
-            scalars = scalars_of(event, self.clock)
-            if self._run is None and (event.get("kind") not in OPENS_ON or not self._open()):
-                return
-            # The step-axis scalars only: W&B plots any of them against steps-vs-samples/y=samples,x=steps itself.
-            on_steps = [(name, value, x) for name, value, x in scalars if on_step_axis(name)]
-            if on_steps:
-                self._run.log({**{name: value for name, value, _ in on_steps}, "iteration": on_steps[0][2]})
-        except Exception as exc:  # a monitoring copy must never stop training
-            self._off = True
-            self.warn(f"the offline W&B run stopped ({self.run_root / WANDB_DIR}): {type(exc).__name__}: {exc}")
+        # The step-axis scalars only: W&B plots any of them against steps-vs-samples/y=samples,x=steps itself.
+        on_steps = [(name, value, x) for name, value, x in scalars if on_step_axis(name)]
+        if on_steps:
+            self._run.log({**{name: value for name, value, _ in on_steps}, "iteration": on_steps[0][2]})
 
     def _open(self) -> bool:
         os.environ["WANDB_MODE"] = "offline"  # set before import and init: no login, no network, ever
         try:
             wandb = importlib.import_module("wandb")  # optional, never installed by install.sh
         except ImportError:
-            self._off = True
+            self.off = True
             return False
         (self.run_root / WANDB_DIR).mkdir(parents=True, exist_ok=True)
         # One id per run directory: every attempt of this run resumes the same W&B run.

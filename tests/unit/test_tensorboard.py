@@ -17,6 +17,7 @@ import pytest
 
 from appliance.monitor import tensorboard as tb
 from appliance.monitor.events import read_events
+from appliance.monitor.scalar_sink import ScalarSink
 from appliance.monitor.sinks import writer_with_sinks
 from appliance.monitor.wandb_sink import WandbSink
 
@@ -290,3 +291,22 @@ def test_a_real_training_run_writes_event_files_equal_to_its_step_and_eval_event
     assert any(name.startswith("tasks/") for name in got)  # the final evaluation's task scores
     assert got["checkpoint/save-seconds"][-1][0] == 4
     assert not [e for e in events if e["kind"] == "warning" and "tensorboard" in e["message"].lower()]
+
+
+@pytest.mark.parametrize("sink_class", [tb.TensorBoardSink, WandbSink])
+def test_both_sinks_share_one_skeleton(sink_class: type[ScalarSink]) -> None:
+    """The lock and the turning off on failure are the base's alone: a sink says only how it copies."""
+    assert issubclass(sink_class, ScalarSink)
+    assert not {"write", "__enter__"} & set(vars(sink_class))
+
+
+def test_a_failing_wandb_run_turns_its_sink_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def init(**kwargs: Any) -> FakeWandbRun:
+        raise RuntimeError("no space left")
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    warnings: list[str] = []
+    sink = WandbSink(tmp_path, warnings.append)
+    for step in (1, 2):
+        sink.write({"kind": "step", "t": 1.0, **step_fields(step)})
+    assert len(warnings) == 1 and "offline W&B run stopped" in warnings[0] and "no space left" in warnings[0]
