@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from kernels import reference
+from kernels.ops import OPS
 from kernels.reference import alibi_slopes
 
 __all__ = [
@@ -82,16 +83,8 @@ BACKENDS = ("auto", "triton", "reference")
 SELECTABLE: tuple[str, ...] = ("layer_norm", "bias_gelu", "flash_alibi_attention", "vocab_cross_entropy")
 IMPLEMENTATIONS: tuple[str, ...] = ("reference", "compiled", "triton", "sdpa", "flex")
 PEERS = ("sdpa", "flex")  # flash_alibi_attention's peers, kernels/attention_peers.py
-# Every op the registry dispatches, and the kernel module that implements it.
-KERNEL_MODULES = {
-    "layer_norm": "layer_norm",
-    "bias_gelu": "bias_gelu",
-    "alibi_softmax": "softmax",
-    "flash_alibi_attention": "flash_attention",
-    "flash_alibi_attention_backward": "flash_attention",
-    "vocab_cross_entropy": "cross_entropy",
-    "vocab_scores": "cross_entropy",
-}
+# Every op the registry dispatches, and the kernel module that implements it (declared in kernels/ops.py).
+KERNEL_MODULES = {name: op.module for name, op in OPS.items()}
 
 
 class KernelBackendError(RuntimeError):
