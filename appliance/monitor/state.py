@@ -35,7 +35,6 @@ class RunState(RunFields):
     """Everything the dashboard shows, as of the newest event read."""
 
     # ---- folding events -------------------------------------------------------------------------------------
-    # ---- folding events -------------------------------------------------------------------------------------
     def apply(self, event: dict[str, Any]) -> None:
         if not isinstance(event, dict):  # a line of valid JSON that is not an object
             self.bad_events += 1
