@@ -41,6 +41,11 @@ LAYERS = (
     "stages",
     "tui",
     "head_run",
+    "cli_parser",
+    "cli_plan",
+    "cli_data",
+    "cli_train",
+    "cli_run",
     "cli",
     "bloom_appliance",
 )

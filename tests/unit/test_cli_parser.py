@@ -7,12 +7,13 @@ import argparse
 
 import pytest
 
-from appliance import cli
+from appliance import __version__, cli
+from appliance.cli_parser import build_parser
 
 
 def parsers() -> dict[str, argparse.ArgumentParser]:
     """The top-level parser and every command's parser, by command name."""
-    top = cli.build_parser()
+    top = build_parser()
     (sub,) = (a for a in top._actions if isinstance(a, argparse._SubParsersAction))
     return {"(top)": top, **sub.choices}
 
@@ -28,7 +29,7 @@ def test_every_option_of_every_command_has_help():
 
 
 def test_every_command_has_help_in_the_command_list():
-    top = cli.build_parser()
+    top = build_parser()
     (sub,) = (a for a in top._actions if isinstance(a, argparse._SubParsersAction))
     described = {choice.dest: choice.help for choice in sub._choices_actions}
     assert set(described) == set(cli.COMMANDS) and all(described.values()), described
@@ -85,7 +86,7 @@ def test_run_is_the_command_when_none_is_given(argv, expected):
     ],
 )
 def test_debug_is_accepted_before_and_after_the_command(argv, debug):
-    assert cli.build_parser().parse_args(argv).debug is debug
+    assert build_parser().parse_args(argv).debug is debug
 
 
 def test_version_prints_the_project_torch_and_deepspeed_versions(capsys):
@@ -93,7 +94,7 @@ def test_version_prints_the_project_torch_and_deepspeed_versions(capsys):
         cli.main(["--version"])
     assert stop.value.code == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"bloom-appliance {cli.__version__} (torch ") and "deepspeed " in out
+    assert out.startswith(f"bloom-appliance {__version__} (torch ") and "deepspeed " in out
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,81 @@
+"""`prep`, `tokenizer` and `tokenize`: the data stages outside `run`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from appliance.errors import BadInput
+
+
+def cmd_prep(args: argparse.Namespace) -> int:
+    from appliance.data.prep import prepare_corpus, run_step
+    from appliance.data.prep_work import parse_slice
+    from appliance.head_run import check_inputs
+
+    check_inputs(args.input)
+    if args.sbatch:
+        return _write_prep_scripts(args)
+    if args.slice and not args.step:
+        raise BadInput("--slice needs --step read or --step filter")
+    if args.step:
+        part = parse_slice(args.slice) if args.slice else None
+        done = run_step(
+            args.step, args.input, args.out, work_dir=args.work_dir, part=part, workers=args.workers, strict=args.strict
+        )
+        print(json.dumps(done, indent=1, ensure_ascii=False))
+        return 0
+    report = prepare_corpus(args.input, args.out, workers=args.workers, strict=args.strict, work_dir=args.work_dir)
+    print(json.dumps(report.get("totals", report), indent=1, ensure_ascii=False))
+    return 0
+
+
+def _write_prep_scripts(args: argparse.Namespace) -> int:
+    from appliance.data.prep import count_units
+    from appliance.data.prep_slurm import PrepJob, default_array_size, default_script_dir, write_scripts
+
+    if args.step or args.slice:
+        raise BadInput("--sbatch writes the scripts for every step; leave out --step and --slice")
+    job = PrepJob(
+        inputs=args.input,
+        out_dir=args.out,
+        script_dir=args.script_dir or default_script_dir(args.out),
+        array_size=args.array_size or default_array_size(count_units(args.input, strict=args.strict)),
+        cwd=Path.cwd(),
+        work_dir=args.work_dir,
+        strict=args.strict,
+        cpus_per_task=args.cpus_per_task,
+        time_limit=args.time,
+        partition=args.partition,
+        account=args.account,
+    )
+    submit = write_scripts(job)
+    print(f"wrote {submit} and {submit.parent / 'prep.sbatch'}: read and filter as arrays of {job.array_size} tasks")
+    print(f"submit with: bash {submit}   (run it again to resume after a failure)")
+    return 0
+
+
+def cmd_tokenizer(args: argparse.Namespace) -> int:
+    from appliance.tokenizer.bpe import train_tokenizer
+
+    if not args.corpus.is_dir():
+        raise BadInput(f"--corpus {args.corpus}: not a prepared corpus directory")
+    print(train_tokenizer(args.corpus, args.out, vocab_size=args.vocab_size, tp_size=args.tp))
+    return 0
+
+
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    from appliance.data.tokenize_command import tokenize_corpus_dir
+
+    result = tokenize_corpus_dir(
+        args.corpus,
+        args.tokenizer,
+        args.out,
+        workers=args.workers,
+        force=args.force,
+        say=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    print(json.dumps(result, indent=1, ensure_ascii=False))
+    return 0

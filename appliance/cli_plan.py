@@ -1,0 +1,63 @@
+"""`detect`, `plan` and `bench`: the hardware, the layout the cost model picks for it, the speed reached."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from appliance.errors import BadInput
+
+
+def cmd_detect(args: argparse.Namespace) -> int:
+    from appliance.hardware import detect, format_hardware
+
+    hw = detect()
+    print(json.dumps(hw.to_dict(), indent=1) if args.json else format_hardware(hw))
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from appliance.hardware import detect, load_hardware
+    from appliance.planner import Budget, format_plan, load_model_shape, make_plan, parse_duration, parse_layout
+
+    if args.corpus_tokens is not None and args.corpus_tokens < 1:
+        raise BadInput(f"--corpus-tokens {args.corpus_tokens}: must be a positive token count")
+    hw = load_hardware(args.hardware) if args.hardware else detect()
+    shape = load_model_shape(args.model) if args.model else None
+    layout = parse_layout(args.layout) if args.layout else None
+    budget = Budget(seconds=parse_duration(args.budget) if args.budget else None, corpus_tokens=args.corpus_tokens)
+    plan = make_plan(
+        hw,
+        shape,
+        global_batch_size=args.global_batch_size,
+        seq_len=args.seq_len,
+        layout=layout,
+        budget=budget,
+        precision=args.precision,
+    )
+    if args.spares < 0:
+        raise BadInput(f"--spares {args.spares}: must be 0 or more")
+    if args.json:
+        from appliance.planner.failures import plan_failure_cost
+
+        failures = plan_failure_cost(plan, args.spares)
+        print(json.dumps({**plan.to_json(), "failures": failures and failures.to_json()}, indent=1))
+    else:
+        print(format_plan(plan, spares=args.spares))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from appliance.benchmark.command import CONTENDER_KEYS, run_bench
+    from appliance.benchmark.workload import BenchSize
+
+    size = BenchSize(micro_batch=args.micro_batch, steps=args.steps, micro_batches=args.micro_batches)
+    chosen = CONTENDER_KEYS
+    if args.contenders is not None:
+        chosen = tuple(name.strip() for name in args.contenders.split(",") if name.strip())
+        unknown = [name for name in chosen if name not in CONTENDER_KEYS]
+        if unknown or not chosen:
+            raise BadInput(f"--contenders {args.contenders!r}: name one or more of {', '.join(CONTENDER_KEYS)}")
+    run_bench(args.model, args.out, quick=args.quick, size=size, profile=args.profile, contenders=chosen,
+              kernel_table=not args.no_kernel_table)  # fmt: skip
+    return 0
