@@ -13,7 +13,7 @@ from appliance.errors import BadInput
 def cmd_prep(args: argparse.Namespace) -> int:
     from appliance.data.prep import prepare_corpus, run_step
     from appliance.data.prep_work import parse_slice
-    from appliance.head_run import check_inputs
+    from appliance.run_request import check_inputs
 
     check_inputs(args.input)
     if args.sbatch:

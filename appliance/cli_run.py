@@ -16,14 +16,15 @@ from appliance.rundir import RunDir
 from appliance.train.runlock import refuse_if_live
 
 if TYPE_CHECKING:
-    from appliance.head_run import RunRequest
+    from appliance.run_request import RunRequest
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from appliance.data.sample_corpus import SAMPLE_CORPUS_DIR
-    from appliance.head_run import RunRequest, default_run_dir, make_run_plan, run
+    from appliance.head_run import run
     from appliance.overrides import parse_overrides
     from appliance.planner.sizing import parse_duration
+    from appliance.run_request import RunRequest, default_run_dir, make_run_plan
 
     req = RunRequest(
         corpus=args.corpus or [SAMPLE_CORPUS_DIR],
@@ -41,7 +42,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not headless:
         # Validate in the foreground (exit 2 here on bad input), then run headless in the background and attach
         # the dashboard: quitting the dashboard leaves the run going, as on a head node.
-        from appliance.head_run import check_inputs, check_resumed_settings, existing_plan
+        from appliance.head_run import check_resumed_settings
+        from appliance.run_request import check_inputs, existing_plan
 
         check_inputs(req.corpus)
         check_resumed_settings(req)

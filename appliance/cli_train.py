@@ -142,8 +142,8 @@ def cmd_import(args: argparse.Namespace) -> int:
 def cmd_sbatch(args: argparse.Namespace) -> int:
     from appliance.atomic import write_atomic
     from appliance.data.sample_corpus import SAMPLE_CORPUS_DIR
-    from appliance.head_run import RunRequest, check_inputs, make_run_plan
     from appliance.planner.runspec import load_spec
+    from appliance.run_request import RunRequest, check_inputs, make_run_plan
     from appliance.train.slurm import job_for, sbatch_script
 
     corpus = args.corpus or [SAMPLE_CORPUS_DIR]

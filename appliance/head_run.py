@@ -9,180 +9,20 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
 from appliance.atomic import write_atomic
 from appliance.errors import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, BadInput, Preempted
-from appliance.hardware.carbon import carbon_kg, resolve_profile
 from appliance.monitor.events import EventWriter
-from appliance.overrides import CARBON_KEYS, RUN_KEYS
-from appliance.planner.cadence import cadence_for
-from appliance.planner.runspec import RunSection, RunSpec, load_spec
-from appliance.planner.sizing import retime
-from appliance.planner.train_settings import TrainSettings
+from appliance.planner.runspec import RunSpec, load_spec
+from appliance.run_request import RunRequest, apply_request, check_inputs, default_run_dir, existing_plan, make_run_plan
 from appliance.rundir import RunDir, point_latest
 from appliance.stages import Stages, fingerprint, settings_key
 from appliance.train.nodes import NodeGroup
 from appliance.train.runlock import own_run_dir
 
 PLAN_EVENT_KEYS = ("hardware", "model", "layout", "estimate", "run", "sizing", "vocabulary")
-
-
-@dataclass
-class RunRequest:
-    corpus: list[Path]
-    run_dir: Path | None = None
-    model: str | None = None
-    hardware: str | None = None  # a profile name/file instead of detection (planning what-ifs, tests)
-    max_steps: int | None = None
-    overrides: dict[str, Any] = field(default_factory=dict)
-    prepare_only: bool = False  # stop after the data stages (a SLURM job then trains; see train/slurm.py)
-    budget_s: float | None = None  # --budget: wall time for the whole run; None: default_budget_s
-    nodes: NodeGroup | None = None  # --nnodes/--node-rank/--master: this node's share (appliance/train/nodes.py)
-    layout: str | None = None  # --layout: this layout instead of the planner's search (e.g. ep for an MoE model)
-
-
-def default_run_dir(model_name: str) -> Path:
-    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{model_name}"
-
-
-def check_inputs(paths: list[Path]) -> None:
-    if not paths:
-        raise BadInput("--corpus: no input given")
-    for p in paths:
-        if not p.exists():
-            raise BadInput(f"--corpus {p}: no such file or directory")
-
-
-def default_budget_s(has_gpus: bool, corpus: list[Path]) -> float | None:
-    """The sample corpus on GPUs, without --budget: a smoke run of at most 10 minutes. Otherwise none: the data and
-    compute-optimal sizing decide (CPU ranks run their smoke recipe)."""
-    from appliance.data.sample_corpus import SAMPLE_CORPUS_DIR
-    from appliance.planner.sizing import SMOKE_BUDGET_S
-
-    sample = [Path(p).resolve() for p in corpus] == [Path(SAMPLE_CORPUS_DIR).resolve()]
-    return SMOKE_BUDGET_S if has_gpus and sample else None
-
-
-def make_run_plan(req: RunRequest) -> RunSpec:
-    """The plan for this run, with --max-steps and --set applied. Validates the model and hardware names. Sized to
-    the budget; the corpus is not counted yet (size_to_corpus re-fixes the plan after the data stage)."""
-    from appliance.hardware import detect, load_hardware
-    from appliance.planner import Budget, load_model_shape, make_plan, parse_layout
-
-    if req.budget_s is not None and req.budget_s <= 0:
-        raise BadInput(f"--budget {req.budget_s}: must be positive")
-    hardware = load_hardware(req.hardware) if req.hardware else detect()
-    shape = load_model_shape(req.model) if req.model else None
-    seconds = req.budget_s if req.budget_s is not None else default_budget_s(hardware.has_gpus, req.corpus)
-    plan = make_plan(
-        hardware,
-        shape,
-        budget=Budget(seconds=seconds, train_tokens=req.overrides.get("train_tokens")),
-        precision=req.overrides.get("dtype"),  # --set precision= (or dtype=)
-        layout=parse_layout(req.layout) if req.layout else None,
-        vocab_size=req.overrides.get("vocab_size"),
-    )
-    if not plan.feasible:
-        reasons = "; ".join(plan.reasons) or "see `plan`"
-        raise BadInput(f"--model {req.model}: does not fit this hardware: {reasons}")
-    return apply_request(plan.spec(), req)
-
-
-def existing_plan(req: RunRequest) -> RunSpec | None:
-    """The plan.json of the request's run directory, when it has one (a rerun, or a directory `import` or `sbatch`
-    prepared): that plan runs, whatever --model or --hardware say; --set applies to it until a run has used it."""
-    if req.run_dir is None or not RunDir(req.run_dir).plan.exists():
-        return None
-    return load_spec(RunDir(req.run_dir).plan)
-
-
-def apply_request(spec: RunSpec, req: RunRequest) -> RunSpec:
-    """--set and --max-steps on a plan (a new one, or one `import` or `sbatch` wrote and no run has used yet).
-    Keys the plan states twice (global and micro batch in train and layout, seq_len in train and model) change in
-    both places; the spec checks the result as it checks a plan read from disk."""
-    sets = req.overrides
-    if req.max_steps is not None and req.max_steps <= 0:
-        raise BadInput(f"--max-steps {req.max_steps}: must be positive")
-    try:
-        model = replace(spec.model, **{k: sets[k] for k in ("vocab_size",) if k in sets})
-        layout = replace(spec.layout, **{k: sets[k] for k in ("global_batch_size", "micro_batch_size") if k in sets})
-        run = replace(spec.run, **{k: sets[k] for k in ("max_restarts", "workers") if k in sets})
-        train = replace(spec.train, **{k: v for k, v in sets.items() if k not in RUN_KEYS})
-        if "train_tokens" in sets:
-            train = replace(train, train_samples=max(1, sets["train_tokens"] // train.seq_len))
-        if req.max_steps is not None:
-            train = replace(train, train_samples=req.max_steps * train.global_batch_size)
-        # A shortened run keeps its schedule's shape: warmup and decay fit inside the samples it will see.
-        decay = min(train.decay_samples, train.train_samples)
-        train = replace(
-            train,
-            decay_samples=decay,
-            warmup_samples=min(train.warmup_samples, decay // 2),
-            eval_interval=max(1, min(train.eval_interval, train.train_samples // train.global_batch_size)),
-        )
-        if train.train_samples != spec.train.train_samples or train.global_batch_size != spec.train.global_batch_size:
-            train = _cadence_for_length(spec, train, sets)
-            run = retime(run, train, spec.report.estimate["step_time_s"])  # the user's length: time it, limit "user"
-        return replace(
-            spec,
-            model=model.with_seq_len(sets.get("seq_len")),
-            layout=layout,
-            train=train,
-            run=_carbon_overrides(run, sets),
-        )
-    except ValueError as e:
-        raise BadInput(f"--set: {e}") from None
-
-
-CADENCE_KEYS = ("eval_interval", "save_interval", "save_interval_minutes")
-
-
-def _cadence_for_length(spec: RunSpec, train: TrainSettings, sets: dict[str, Any]) -> TrainSettings:
-    """A length the user set (--max-steps, --set train_tokens, ...) gets the cadences the planner gives a run of that
-    length (planner/cadence.py), from the plan's step time and its estimates of one evaluation and one save; the
-    cadences the user set stay as set."""
-    if any(key in sets for key in CADENCE_KEYS):
-        return train
-    step_s = float(spec.report.estimate["step_time_s"])
-    planned_samples = max(1, spec.train.eval_samples)
-    cadence = cadence_for(
-        train.steps_at_full_batch,
-        step_s,
-        spec.run.eval_s * train.eval_samples / planned_samples,
-        spec.run.checkpoint_s,
-        devices=spec.layout.world_size,
-        eval_samples=train.eval_samples,
-        recipe_eval=spec.model.recipe.eval_interval,
-        recipe_save=spec.model.recipe.save_interval,
-    )
-    return replace(
-        train,
-        eval_interval=cadence.eval_interval,
-        save_interval=cadence.save_interval,
-        save_interval_minutes=cadence.save_interval_minutes,
-    )
-
-
-def _carbon_overrides(run: RunSection, overrides: dict[str, Any]) -> RunSection:
-    """--set carbon_profile/grid_g_per_kwh/pue: the plan's carbon estimate and the meters use the same profile."""
-    if not any(k in overrides for k in CARBON_KEYS):
-        return run
-    carbon = resolve_profile(
-        overrides.get("carbon_profile"),
-        grid_g_per_kwh=overrides.get("grid_g_per_kwh"),
-        pue=overrides.get("pue"),
-        site=run.carbon,
-    )
-    return replace(
-        run,
-        carbon=carbon,
-        pue=carbon.pue,
-        kg_co2_per_kwh=carbon.grid_g_per_kwh / 1000.0,
-        co2_kg=carbon_kg(run.energy_kwh, carbon.grid_g_per_kwh, carbon.pue),
-    )
 
 
 def run(req: RunRequest, *, on_event_writer: Any = None) -> int:

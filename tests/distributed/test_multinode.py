@@ -213,7 +213,8 @@ def test_every_agent_joins_the_store_node_0_hosts(tmp_path: Path) -> None:
 
 def test_run_on_another_node_waits_for_node_0s_stages_then_names_the_run_dir(tmp_path: Path) -> None:
     from appliance.errors import BadInput
-    from appliance.head_run import RunRequest, run_on_other_node
+    from appliance.head_run import run_on_other_node
+    from appliance.run_request import RunRequest
     from appliance.train.nodes import NodeGroup
 
     nodes = NodeGroup(nnodes=2, node_rank=1, master_host="127.0.0.1", master_port=29611)

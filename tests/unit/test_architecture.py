@@ -40,6 +40,7 @@ LAYERS = (
     "overrides",
     "stages",
     "tui",
+    "run_request",
     "head_run",
     "cli_parser",
     "cli_plan",

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from appliance.errors import BadInput
-from appliance.head_run import RunRequest, make_run_plan
 from appliance.overrides import parse_overrides
 from appliance.parallel.parallelize import compiles_blocks
 from appliance.planner.runspec import load_spec
 from appliance.planner.train_settings import CHANGEABLE_MID_RUN, COMPILE_MODES
+from appliance.run_request import RunRequest, make_run_plan
 
 
 def test_set_compile_reaches_the_plan() -> None:

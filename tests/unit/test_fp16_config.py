@@ -13,9 +13,10 @@ import appliance.parallel.step.precision as precision
 import appliance.train.launch as launch
 from appliance.errors import BadInput
 from appliance.hardware import load_hardware
-from appliance.head_run import RunRequest, run
+from appliance.head_run import run
 from appliance.parallel.step.deepspeed_config import deepspeed_config
 from appliance.planner import load_model_shape, make_plan, parse_layout
+from appliance.run_request import RunRequest
 from appliance.rundir import RunDir
 
 SAMPLE_CORPUS = Path(__file__).resolve().parents[2] / "appliance" / "data" / "sample_corpus"

@@ -13,12 +13,13 @@ import pytest
 from appliance.cli import main
 from appliance.errors import BadInput
 from appliance.hardware import load_hardware
-from appliance.head_run import RunRequest, check_resumed_settings
+from appliance.head_run import check_resumed_settings
 from appliance.monitor.events import EventWriter, read_events
 from appliance.overrides import known_keys, parse_overrides
 from appliance.planner import load_model_shape, make_plan, parse_layout
 from appliance.planner.runspec import load_spec
 from appliance.planner.train_settings import CHANGEABLE_MID_RUN, FIXED_MID_RUN
+from appliance.run_request import RunRequest
 from appliance.rundir import RunDir
 from appliance.train import checkpoint as ckpt
 from appliance.train.live_settings import change_settings, plan_change

@@ -30,7 +30,7 @@ def test_bad_override_names_the_key(item, message):
 
 def test_carbon_overrides_change_the_plans_estimate_and_profile():
     from appliance.hardware.carbon import BLOOM_JEAN_ZAY, DEFAULT_PROFILE
-    from appliance.head_run import RunRequest, make_run_plan
+    from appliance.run_request import RunRequest, make_run_plan
 
     default = make_run_plan(RunRequest(corpus=[], hardware="cpu-laptop-2core")).run
     assert default.carbon.name == DEFAULT_PROFILE.name  # the stated default when the site says nothing
@@ -47,14 +47,14 @@ def test_carbon_overrides_change_the_plans_estimate_and_profile():
 
 
 def test_site_figures_of_a_hardware_profile_are_used():
-    from appliance.head_run import RunRequest, make_run_plan
+    from appliance.run_request import RunRequest, make_run_plan
 
     run = make_run_plan(RunRequest(corpus=[], hardware="jean-zay-a100-48n", model="bloom-176b")).run
     assert (run.carbon.grid_g_per_kwh, run.pue) == (57.0, 1.2)
 
 
 def test_unknown_carbon_profile_is_bad_input():
-    from appliance.head_run import RunRequest, make_run_plan
+    from appliance.run_request import RunRequest, make_run_plan
 
     with pytest.raises(BadInput, match="carbon profile 'mars'"):
         make_run_plan(RunRequest(corpus=[], overrides=parse_overrides(["carbon_profile=mars"])))
@@ -71,7 +71,7 @@ def test_precision_is_the_plans_dtype():
 
 def test_precision_override_reaches_the_plans_cost_model():
     """--set precision=fp16 on an A100 plans fp16 (no fp32 accumulation buffer), not bf16 relabelled afterwards."""
-    from appliance.head_run import RunRequest, make_run_plan
+    from appliance.run_request import RunRequest, make_run_plan
 
     request = RunRequest(corpus=[], hardware="a100-80gb-x1", model="bloom-560m")
     default = make_run_plan(request)

@@ -29,12 +29,12 @@ import torch
 from appliance.data.documents import dataset_eod_id, document_ids, document_lengths
 from appliance.data.sample_corpus import SAMPLE_CORPUS_DIR
 from appliance.errors import BadInput
-from appliance.head_run import RunRequest, apply_request, make_run_plan
 from appliance.model import ops
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
 from appliance.overrides import parse_overrides
 from appliance.planner.runspec import load_spec
+from appliance.run_request import RunRequest, apply_request, make_run_plan
 
 EOD = 2  # </s> in our tokenizers (appliance/tokenizer/vocab.py)
 CONFIG = BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4)

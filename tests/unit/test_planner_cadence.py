@@ -9,7 +9,6 @@ import pytest
 
 from appliance.data.sample_corpus import SAMPLE_CORPUS_DIR
 from appliance.hardware import load_hardware
-from appliance.head_run import RunRequest, make_run_plan
 from appliance.planner import Budget, load_model_shape, make_plan
 from appliance.planner.cadence import (
     DEVICE_HOURS_BETWEEN_FAILURES,
@@ -20,6 +19,7 @@ from appliance.planner.cadence import (
     saves,
 )
 from appliance.planner.sizing import Overheads, run_seconds
+from appliance.run_request import RunRequest, make_run_plan
 
 
 def test_young_interval_from_llama3_failure_rate() -> None:

@@ -7,7 +7,6 @@ import pytest
 from appliance.data.sample_corpus import SAMPLE_CORPUS_DIR
 from appliance.errors import BadInput
 from appliance.hardware import load_hardware
-from appliance.head_run import RunRequest, make_run_plan
 from appliance.planner import Budget, format_plan, load_model_shape, make_plan
 from appliance.planner.sizing import (
     MAX_EPOCHS,
@@ -19,6 +18,7 @@ from appliance.planner.sizing import (
     run_seconds,
     steps_within,
 )
+from appliance.run_request import RunRequest, make_run_plan
 
 H100 = "h100-sxm5-x1"
 # The sample corpus as the data stage counts it with BLOOM's 250,680-entry tokenizer trained on it (measured:

@@ -10,10 +10,11 @@ import pytest
 
 from appliance.data.sample_corpus import SAMPLE_CORPUS_DIR
 from appliance.hardware import load_hardware
-from appliance.head_run import RunRequest, make_run_plan, size_to_corpus, size_vocabulary_to_corpus
+from appliance.head_run import size_to_corpus, size_vocabulary_to_corpus
 from appliance.monitor.events import EventWriter
 from appliance.planner import Budget, load_model_shape, make_plan
 from appliance.planner.vocabulary import MIN_VOCAB, vocab_for_corpus, zipf_entries
+from appliance.run_request import RunRequest, make_run_plan
 from appliance.rundir import RunDir
 from appliance.stages import Stages
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from appliance.data.prep_report import skipped_input_warning
 from appliance.data.sample_corpus import SAMPLE_CORPUS_DIR
-from appliance.head_run import RunRequest, run
+from appliance.head_run import run
+from appliance.run_request import RunRequest
 
 
 def test_the_message_names_every_file_up_to_a_limit() -> None:

@@ -16,12 +16,12 @@ import torch
 from appliance.data.sample_corpus import SAMPLE_CORPUS_DIR
 from appliance.errors import BadInput
 from appliance.hardware import load_hardware
-from appliance.head_run import RunRequest, apply_request, make_run_plan
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import config_for_shape
 from appliance.overrides import parse_overrides
 from appliance.planner import load_model_shape, make_plan, parse_layout
 from appliance.planner.runspec import RunSpec, load_spec
+from appliance.run_request import RunRequest, apply_request, make_run_plan
 from appliance.rundir import RunDir
 
 

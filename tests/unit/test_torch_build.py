@@ -59,7 +59,8 @@ def test_run_refuses_a_gpu_plan_before_any_stage(tmp_path: Path) -> None:
     """The head asks before the plan is fixed: a GPU node with a CPU-only torch must not spend its corpus preparation,
     tokenizer and data stages on a plan whose training it then refuses. Nothing is planned or prepared."""
     from appliance.data.sample_corpus import SAMPLE_CORPUS_DIR
-    from appliance.head_run import RunRequest, run
+    from appliance.head_run import run
+    from appliance.run_request import RunRequest
 
     if installed_torch().has_gpu_support:
         pytest.skip("this machine's torch has CUDA: the refusal needs a CPU-only torch")
