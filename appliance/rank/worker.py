@@ -32,7 +32,7 @@ from appliance.train import elastic, runlock
 from appliance.train.settings import TrainSettings
 from appliance.train.startup import StartupClock
 from appliance.train.state import seed_everything
-from appliance.train.trainer import UnrecoverableError
+from appliance.train.trainer_checkpoints import UnrecoverableError
 
 # Failures a restart would repeat: the run stops instead (see RunDir.failed_marker).
 UNRECOVERABLE = (UnrecoverableError, ckpt.CheckpointError, ReplicaDriftError)

@@ -4,17 +4,16 @@ Everything that differs between ranks (which samples, which files) is decided he
 context-parallel ranks of one DP rank take the same samples, and the engine keeps each one's slice of the tokens;
 everything that must agree (loss, grad norm, when to save or stop) goes through a collective, so all ranks take
 the same branch at the same step. The model, optimizer and layout sit behind one ParallelEngine
-(appliance/parallel/step/engine.py), the same object for every (tp, pp, dp).
+(appliance/parallel/step/engine.py), the same object for every (tp, pp, dp). The evaluation and the checkpoints
+(save, load, rollback) are parts of Trainer in modules of their own: trainer_eval.py, trainer_checkpoints.py.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,7 +22,7 @@ import torch.distributed as dist
 
 from appliance.data.balance import attention_cost
 from appliance.data.blend import SampleSource
-from appliance.data.documents import document_ids, document_lengths
+from appliance.data.documents import document_lengths
 from appliance.data.sampler import BalancedPretrainingSampler
 from appliance.monitor.events import EventWriter
 from appliance.parallel.experts.store import expert_step_fields
@@ -32,32 +31,22 @@ from appliance.parallel.tensor.drift import ReplicaDriftError
 from appliance.planner.cadence import save_due
 from appliance.planner.train_settings import DRIFT_CHECK_INTERVAL
 from appliance.rundir import RunDir
-from appliance.train import checkpoint as ckpt
-from appliance.train.async_save import AsyncCheckpointer, Committed, PendingFile, Snapshot, TorchFile
+from appliance.train.async_save import AsyncCheckpointer
+from appliance.train.batches import to_batch, to_batch_with_documents
 from appliance.train.budget_watch import BudgetWatch, budget_message
 from appliance.train.control import ControlChannel, host_group
 from appliance.train.faults import FaultInjector
 from appliance.train.metrics import StepFlops
 from appliance.train.schedule import global_batch_at
 from appliance.train.settings import TrainSettings, batch_rampup, lr_schedule
-from appliance.train.state import rng_state, seed_everything, set_rng_state
-from appliance.train.validation import IGNORE_INDEX, SourceSums, Validation, label_bytes
+from appliance.train.trainer_checkpoints import Position, TrainerCheckpoints
+from appliance.train.trainer_eval import TrainerEvaluation
+from appliance.train.validation import Validation
 
 # What became of a step's update, the same on every rank (Trainer.step_outcome).
 TRAINED = "trained"
 OVERFLOW = "overflow"  # fp16: skipped by the dynamic loss scaler, which lowers the scale; a normal event
 NONFINITE = "nonfinite"  # skipped for a NaN/Inf loss or gradient: counts toward a rollback
-
-
-class UnrecoverableError(RuntimeError):
-    """A failure that a restart would only repeat (diverging loss, a full disk, replicas that disagree): the run
-    stops with its newest checkpoint intact instead of letting the elastic agent retry."""
-
-
-@dataclass
-class Position:
-    step: int = 0
-    consumed_samples: int = 0
 
 
 @dataclass
@@ -92,33 +81,7 @@ def in_windows(step: int, windows: Sequence[Sequence[int]]) -> bool:
     return any(first <= step <= last for first, last in windows)
 
 
-def rank_file(rank: int) -> str:
-    return f"rank{rank:05d}.pt"
-
-
-def layout_name(layout: Mapping[str, Any]) -> str:
-    """The parallel degrees of a layout, e.g. "tp=2,pp=2,dp=2", with ",cp=2" where cp > 1 (a layout recorded before
-    context parallelism has cp = 1): equal names mean the same ranks."""
-    cp = layout.get("cp", 1)
-    return ",".join(f"{k}={layout.get(k)}" for k in ("tp", "pp", "dp")) + (f",cp={cp}" if cp != 1 else "")
-
-
-def to_batch(source: SampleSource, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Samples of seq_len + 1 tokens -> (inputs, next-token labels), each [micro_batch, seq_len]."""
-    tokens = torch.from_numpy(np.stack([np.asarray(source[int(i)], dtype=np.int64) for i in indices]))
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-
-def to_batch_with_documents(
-    source: SampleSource, indices: Sequence[int], eod_id: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """to_batch plus the inputs' document ids [micro_batch, seq_len] (appliance/data/documents.py), for
-    reset_attention_mask: the engine hands them to every attention layer."""
-    inputs, labels = to_batch(source, indices)
-    return inputs, labels, document_ids(inputs, eod_id)
-
-
-class Trainer:
+class Trainer(TrainerCheckpoints, TrainerEvaluation):
     def __init__(
         self,
         *,
@@ -306,51 +269,6 @@ class Trainer:
         bad, overflow = self._all_reduce([float(nonfinite), float(out["overflow"])], dist.ReduceOp.MAX)
         return NONFINITE if bad > 0 else OVERFLOW if overflow > 0 else TRAINED
 
-    def roll_back(self, last_step: int | None = None) -> None:
-        """After nan_rollback_after skipped steps in a row, the last of them `last_step` (default: the current step):
-        back to the newest checkpoint, and skip the data of those steps when training reaches them again (BLOOM-176B's
-        remedy for its loss spikes, done by hand then). A step queued after them is thrown away with the rest."""
-        started = time.time()
-        last = self.pos.step if last_step is None else last_step
-        window = (last - self.nonfinite_streak + 1, last)
-        self.rollbacks += 1
-        if self.rollbacks > self.s.max_rollbacks:
-            raise UnrecoverableError(
-                f"the loss stayed non-finite after {self.s.max_rollbacks} rollbacks (last at steps "
-                f"{window[0]}-{window[1]}): lower the learning rate or inspect the data"
-            )
-        self.wait_for_checkpoint()  # a save in flight is of a step before the streak: it counts
-        # One rank chooses (the search verifies hashes), so every rank loads the same directory.
-        choice: list[Path | None] = [ckpt.find_latest(self.run_dir.checkpoints) if self.rank == 0 else None]
-        if dist.is_initialized():
-            dist.broadcast_object_list(choice, src=0)
-        if choice[0] is None:
-            raise UnrecoverableError(
-                f"steps {window[0]}-{window[1]} had non-finite losses and {self.run_dir.checkpoints} holds no "
-                "complete checkpoint to roll back to"
-            )
-        windows = [*self.skip_windows, window]
-        self.load(choice[0])
-        self.skip_windows = sorted(set(windows) | set(self.skip_windows))
-        self.nonfinite_streak = 0
-        self._emit(
-            "recovery",
-            restart=self.faults.attempt,
-            resumed_step=self.pos.step,
-            lost_seconds=time.time() - started + self._seconds_since_save(choice[0]),
-            checkpoint=str(choice[0]),
-            reason=f"rolled back after {window[1] - window[0] + 1} non-finite steps; skipping steps "
-            f"{window[0]}-{window[1]}",
-        )
-
-    @staticmethod
-    def _seconds_since_save(step_dir: Path) -> float:
-        """Training wall time thrown away by going back to step_dir (its commit time is in the manifest)."""
-        try:
-            return max(0.0, time.time() - float(json.loads((step_dir / ckpt.MANIFEST).read_text())["time"]))
-        except (OSError, ValueError, KeyError):
-            return 0.0
-
     def check_drift(self) -> None:
         """Stop the run, loudly, when TP-replicated parameters no longer agree (collective)."""
         try:
@@ -358,141 +276,6 @@ class Trainer:
         except ReplicaDriftError as e:
             self._emit("failure", rank=self.rank, reason=f"step {self.pos.step}: {e}")
             raise
-
-    # ---- evaluation --------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def evaluate(self) -> Validation:
-        """Mean next-token loss and bits per byte per validation set. Each DP rank takes every dp_size-th sample;
-        sums are all-reduced, so the figures are the same as one process evaluating everything."""
-        names = sorted(self.valid_data)
-        mbs = self.s.micro_batch_size
-        # The bytes of a DP rank's samples are counted on one of its ranks (the others count none).
-        byte_lengths = self.token_bytes if self.token_bytes is not None and self._first_rank_of_dp_rank() else None
-        sums: list[float] = []
-        for name in names:
-            data = self.valid_data[name]
-            count = min(len(data), self.s.eval_samples)
-            mine = list(range(self.dp_rank, count, self.dp_size))
-            # Every rank runs the same number of full micro-batches (ceil(count / dp_size) samples, rounded up to
-            # micro-batches): the extra rows repeat sample 0 with their labels ignored. Collectives inside a
-            # forward (tensor-parallel all-reduces, pipeline sends, ZeRO-3 gathers) then always pair up.
-            per_rank = math.ceil(count / self.dp_size)
-            rows = math.ceil(per_rank / mbs) * mbs
-            padded = mine + [0] * (rows - len(mine))
-            micro_batches = []
-            text_bytes = 0
-            for i in range(0, rows, mbs):
-                inputs, labels, *doc_ids = self.to_batch(data, padded[i : i + mbs])
-                labels = labels.clone()  # a one-sample batch's labels are a view of its inputs
-                labels[max(0, len(mine) - i) :] = IGNORE_INDEX
-                micro_batches.append((inputs, labels, *doc_ids))
-                if byte_lengths is not None:
-                    text_bytes += label_bytes(labels, byte_lengths)
-            loss_nats, tokens = self.engine.eval_sums(micro_batches)
-            sums += SourceSums(loss_nats, tokens, float(text_bytes)).as_list()
-        # One reduction for every figure: the byte counts ride with the loss sums and token counts.
-        return Validation.from_reduced(names, self._all_reduce(sums))
-
-    def _first_rank_of_dp_rank(self) -> bool:
-        """Whether this rank counts its DP rank's bytes: every rank of a DP rank (its tp, pp and cp ranks) sees the
-        same whole samples, and one of them, at tp = pp = cp = 0, counts them once."""
-        return self.engine.topology.rank_with(self.rank, tp=0, pp=0, cp=0) == self.rank
-
-    def _timed_evaluate(self) -> Validation:
-        started = time.time()
-        validation = self.evaluate()
-        if self.budget is not None:
-            self.budget.observe_eval(time.time() - started)
-        return validation
-
-    # ---- checkpoints -------------------------------------------------------------------------------------
-    def save(self, *, wait: bool = True) -> Path:
-        """Checkpoint this step (collective). With wait (the default), return once it has committed; else once every
-        rank holds host copies of its files: the files are written and committed in the background, and the training
-        loop's polls (`fit`) learn when (async_save.py)."""
-        if self._checkpoint_bytes is None:
-            self._checkpoint_bytes = int(self._model_bytes() * 4)  # fp32 weights + ~3x that in optimizer and rank files
-        return self.checkpointer.save(self.pos.step, self._checkpoint_bytes, self._snapshot, wait=wait)
-
-    def wait_for_checkpoint(self) -> None:
-        """Return once the save in flight, if any, has committed (collective)."""
-        self.checkpointer.wait()
-
-    def _snapshot(self, step_dir: Path) -> Snapshot:
-        """This rank's files of a checkpoint of this step, as host copies, and the manifest's fields as of now."""
-        tag = {"step": str(self.pos.step)}
-        # Collective (ZeRO and bf16 state is gathered over DP): every rank, before anything that may fail on one.
-        optimizer = self.engine.optimizer_snapshot(self.engine.optimizer_shard(), tag)
-        # DP and CP rank 0 of each (tp, pp) position writes its model shard (tp = pp = 1: the whole model); the
-        # position's DP x CP ranks share the writing of its optimizer state; every rank writes its RNG states. The RNG
-        # file goes first, so that a rank killed between two files (write_crash) leaves some written.
-        model = self.engine.model_snapshot(tag)
-        files: list[PendingFile] = [TorchFile(rank_file(self.rank), {"rng": rng_state()})]
-        files += [f for f in (model, optimizer) if f is not None]
-        # Split layouts assemble the whole model from the checkpoint last saved (ParallelEngine.module); it is
-        # complete before anything asks, since the last save of a run commits before fit returns.
-        self.engine.last_checkpoint = step_dir
-        manifest: dict[str, Any] = {
-            "consumed_samples": self.pos.consumed_samples,
-            "layout": self.layout,
-            "world_size": self.world_size,
-            "versions": self.versions,
-            "skip_windows": [list(w) for w in self.skip_windows],
-        }
-        if self.rank == 0:
-            scaler = self.engine.loss_scaler_state()
-            if scaler is not None:
-                manifest["loss_scaler"] = scaler
-                manifest["overflow_steps"] = self.overflow_steps
-        return Snapshot(files, manifest)
-
-    def _on_commit(self, done: Committed) -> None:
-        """A save committed (rank 0 reports it; the others do nothing)."""
-        if self.budget is not None:
-            self.budget.observe_checkpoint(done.stall_s)  # what the steps lost to it, not the background write
-        self._emit(
-            "checkpoint",
-            step=done.step,
-            path=str(done.path),
-            seconds=done.seconds,
-            bytes=done.bytes,
-            stall_s=done.stall_s,
-        )
-
-    def load(self, step_dir: Path) -> None:
-        """Weights, optimizer state and data position from a checkpoint of any layout; the RNG states too when the
-        (tp, pp, dp, cp) layout is the same, since they belong to ranks."""
-        manifest = json.loads((step_dir / ckpt.MANIFEST).read_text())
-        self.engine.load_model(step_dir)
-        has_optimizer = self.engine.load_optimizer(step_dir)
-        saved, now = layout_name(manifest.get("layout") or {}), layout_name(self.layout)
-        if manifest.get("world_size") == self.world_size and saved == now:
-            payload = torch.load(step_dir / rank_file(self.rank), map_location="cpu", weights_only=True)
-            set_rng_state(payload["rng"])
-        else:
-            # The saved RNG states belong to another layout's ranks. Every rank re-seeds as a run starts (one seed
-            # on all ranks), offset by the step so that the draws of the start are not repeated.
-            seed_everything(self.s.seed + manifest["step"])
-            self._emit(
-                "warning",
-                message=f"layout changed since {step_dir.name}: {saved} -> {now}; weights, optimizer state and "
-                f"data position loaded, RNG re-seeded (seed {self.s.seed} + step {manifest['step']})",
-            )
-        if not has_optimizer and manifest["step"] > 0:
-            self._emit("warning", message=f"{step_dir.name} holds no optimizer state: the optimizer starts fresh")
-        self.pos = Position(step=manifest["step"], consumed_samples=manifest["consumed_samples"])
-        self.skip_windows = [(int(a), int(b)) for a, b in manifest.get("skip_windows", [])]
-        # fp16 continues at the loss scale the checkpoint had reached (a rollback also undoes the halvings its
-        # non-finite steps caused); a checkpoint of a bf16 or fp32 run leaves the scaler at its start.
-        if self.engine.loss_scale is not None and "loss_scaler" in manifest:
-            self.engine.load_loss_scaler_state(manifest["loss_scaler"])
-            self.overflow_steps = int(manifest.get("overflow_steps", 0))
-
-    def _model_bytes(self) -> float:
-        """fp32 bytes of the whole model (each rank's share summed over one replica)."""
-        own = sum(p.numel() for _, p in self.engine.named_parameters()) * 4.0
-        replica = [own if self.dp_rank == 0 and self.cp_rank == 0 else 0.0]
-        return self._all_reduce(replica)[0]
 
     # ---- the loop ----------------------------------------------------------------------------------------
     def fit(self) -> str:
@@ -650,36 +433,9 @@ class Trainer:
             **moe,
         )
 
-    def evaluation_at_current_step(self) -> Validation:
-        """The newest evaluation if it was taken at this step (the last training step evaluates), else a new one."""
-        if self.last_eval is not None and self.last_eval[0] == self.pos.step:
-            return self.last_eval[1]
-        return self.evaluate()
-
     def _check_budget(self, seconds: float, total_steps: int, *, step: int | None = None) -> None:
         if self.budget is None:
             return
         over = self.budget.after_step(self.pos.step if step is None else step, seconds, total_steps)
         if over is not None:
             self._emit("warning", message=budget_message(over), budget=over)
-
-    def _record_eval(self, validation: Validation) -> None:
-        self.last_eval = (self.pos.step, validation)
-        loss = validation.overall_loss
-        if self.first_valid_loss is None:
-            self.first_valid_loss = loss
-        bits_per_byte: dict[str, Any] = {}
-        if validation.overall_bits_per_byte is not None:
-            bits_per_byte = {
-                "valid_bits_per_byte": validation.overall_bits_per_byte,
-                "per_source_bits_per_byte": validation.per_source_bits_per_byte(),
-            }
-        self._emit(
-            "eval",
-            step=self.pos.step,
-            consumed_samples=self.pos.consumed_samples,
-            valid_loss=loss,
-            valid_ppl=math.exp(min(loss, 50.0)),
-            per_source=validation.per_source_loss(),
-            **bits_per_byte,
-        )

@@ -18,7 +18,7 @@ from appliance.eval.tasks import load_tasks
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
 from appliance.rundir import RunDir
-from appliance.train.trainer import Position
+from appliance.train.trainer_checkpoints import Position
 from appliance.train.validation import SourceSums, Validation
 
 SEQ_LEN = 64

@@ -24,7 +24,8 @@ from appliance.rundir import RunDir
 from appliance.train import checkpoint as ckpt
 from appliance.train.metrics import StepFlops
 from appliance.train.settings import TrainSettings
-from appliance.train.trainer import Trainer, UnrecoverableError
+from appliance.train.trainer import Trainer
+from appliance.train.trainer_checkpoints import UnrecoverableError
 
 SEQ, BATCH = 8, 2
 INF = math.inf
