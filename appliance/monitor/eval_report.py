@@ -2,7 +2,7 @@
 (validation set) with its loss, perplexity and bits per byte, and one row per task with its scores and their
 standard errors.
 
-The shapes it reads (appliance/eval/final.py, appliance/train/trainer.py `_record_eval`, harness.py `_summary`):
+The shapes it reads (appliance/eval/final.py, appliance/train/trainer_eval.py `_record_eval`, harness.py `_summary`):
   periodic eval event: valid_loss, valid_ppl, per_source {lang: loss}; with a byte-level tokenizer also
                        valid_bits_per_byte, per_source_bits_per_byte {lang: bits per byte}
   eval.json / final:   valid_loss, valid_ppl, valid_bits_per_byte, first_valid_loss,
