@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 from appliance.hardware import detect  # noqa: E402
 from appliance.planner.device import make_device  # noqa: E402
-from kernels.reference import chunked_vocab_ce  # noqa: E402
+from kernels.chunked_ce import chunked_vocab_ce  # noqa: E402
 
 TOKENS, HIDDEN, VOCAB = 1024, 128, 8192
 

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from kernels import bias_gelu, cross_entropy, flash_attention, layer_norm, softmax
+from kernels.chunked_ce import auto_chunk_size
 from kernels.launch import A100, H100, GpuTarget, Launch, recording
-from kernels.reference import auto_chunk_size
 
 TARGETS = (A100, H100)
 

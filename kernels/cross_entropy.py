@@ -8,7 +8,7 @@ fp32 work on them in place, one program per row on a GPU:
   `_ce_grad_kernel` (tensor parallel): per row, overwrites the logits with (softmax - onehot) / count from the
       merged logsumexp.
 1 / count reaches the kernels as a pointer to a 0-d fp32 tensor, so no launch waits for the host. The launchers
-plug into the chunk driver and autograd function shared with the torch twin (`kernels.reference.chunked_vocab_ce`,
+plug into the chunk driver and autograd function shared with the torch twin (`kernels.chunked_ce.chunked_vocab_ce`,
 `VocabCrossEntropyFunction`), which sizes the chunks (on a GPU: the whole micro-batch when its logits fit 2 GiB),
 runs the gradient GEMMs (in backward, with the incoming gradient folded into [tokens, H] operands, when there is
 one chunk), does the tensor-parallel all-reduces, the reductions (mean for training, sum and per-token for
@@ -22,8 +22,8 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from kernels.chunked_ce import OneRankRows, apply_vocab_cross_entropy, apply_vocab_scores
 from kernels.launch import compute_capability, launch
-from kernels.reference import OneRankRows, apply_vocab_cross_entropy, apply_vocab_scores
 
 
 @triton.jit
@@ -213,7 +213,7 @@ def vocab_cross_entropy(
     tp_group: dist.ProcessGroup | None = None,
     reduction: str = "mean",
 ) -> torch.Tensor:
-    """CE of hidden @ weight.T against labels, chunked over tokens; see `kernels.reference.chunked_vocab_ce`
+    """CE of hidden @ weight.T against labels, chunked over tokens; see `kernels.chunked_ce.chunked_vocab_ce`
     for the tensor-parallel contract (weight = this rank's vocab shard, hidden replicated)."""
     return apply_vocab_cross_entropy(
         hidden, weight, labels, chunk_size, ignore_index, tp_group, ce_row_stats, ce_row_grad_, reduction,
@@ -229,5 +229,5 @@ def vocab_scores(
     chunk_size: int | None = None,
     tp_group: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """Target log-probabilities and greedy tokens, chunked; see `kernels.reference.apply_vocab_scores`."""
+    """Target log-probabilities and greedy tokens, chunked; see `kernels.chunked_ce.apply_vocab_scores`."""
     return apply_vocab_scores(hidden, weight, targets, chunk_size, tp_group, ce_row_stats)

@@ -4,8 +4,8 @@ what it returns.
 Three functions carry each op under its name: the registry's switch (registry.py), the pure-torch twin
 (reference.py) and the Triton launcher of the kernel module named here. Each must have exactly the declared
 signature (names, order, kinds, defaults, annotations as written): tests/kernels/test_op_signatures.py compares
-them with `inspect`, and the registry reads the modules from this table. A new op is an entry here, its twin, its
-kernel module and its registry function.
+them with `inspect`, and the registry reads the modules from this table (kernels/backend_env.py KERNEL_MODULES). A
+new op is an entry here, its twin, its kernel module and its registry function.
 """
 
 from __future__ import annotations

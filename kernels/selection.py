@@ -1,7 +1,7 @@
 """Which implementation of each selectable op a run uses, chosen by measurement on the run's GPU at its shapes.
 
-For each op of `kernels.registry.SELECTABLE`, at the shapes one rank of the run feeds it (`RankShapes`):
-1. the candidates `registry.implementations(op, device)` offers (reference, compiled, triton, and the attention
+For each op of `kernels.backend_env.SELECTABLE`, at the shapes one rank of the run feeds it (`RankShapes`):
+1. the candidates `op_backends.implementations(op, device)` offers (reference, compiled, triton, and the attention
    peers sdpa and flex) each run forward and backward once on the same inputs, and their outputs and input
    gradients are compared with the fp32 torch twin's (kernels.reference) on those inputs upcast: a candidate that
    raises or is off by more than CHECK_TOLERANCE is left out, its reason kept;
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from kernels import registry
+from kernels import backend_env, op_backends, registry
 from kernels.reference import alibi_slopes
 
 # Timer(op, backend, step) -> milliseconds per call of step() (one forward + backward).
@@ -378,14 +378,14 @@ def select(
     implementations: Implementations | None = None,
     ops: tuple[str, ...] | None = None,
 ) -> Selection:
-    """Measure every candidate of each op (default: registry.SELECTABLE) at `shapes` on `device` and keep the
+    """Measure every candidate of each op (default: backend_env.SELECTABLE) at `shapes` on `device` and keep the
     fastest that matches the fp32 twin. Leaves the chosen tiles installed; call .apply() to route the ops."""
     device = torch.device(device)
     key = current_key(shapes, device, project_version)
     timer = timer or (cuda_event_timer() if device.type == "cuda" else wall_clock_timer())
-    offered = implementations or registry.implementations
+    offered = implementations or op_backends.implementations
     selection = Selection(key=key, choices={}, times_ms={}, rejected={})
-    for op in ops or registry.SELECTABLE:
+    for op in ops or backend_env.SELECTABLE:
         case = op_case(op, shapes, device)
         expected = case.expected()
         passing, rejected = {}, {}

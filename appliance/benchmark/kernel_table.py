@@ -66,14 +66,14 @@ class Case:
 def count_registry_calls() -> Iterator[Counter[str]]:
     """Calls to kernels.registry's ops while the block runs, whatever backend ran them (the registry's own counter,
     the one the fused-path tests read)."""
-    from kernels import registry
+    from kernels import op_backends
 
     counts: Counter[str] = Counter()
-    before = registry.call_counts()
+    before = op_backends.call_counts()
     try:
         yield counts
     finally:
-        for (op, backend), calls in registry.call_counts().items():
+        for (op, backend), calls in op_backends.call_counts().items():
             if calls > before.get((op, backend), 0):
                 counts[op] += calls - before.get((op, backend), 0)
 
@@ -120,9 +120,9 @@ class KernelCases:
     """Builds the cases of each op at `shapes` on `device`."""
 
     def __init__(self, device: torch.device, shapes: RankShapes, head_dims: Sequence[int] = HEAD_DIMS) -> None:
-        from kernels import reference, registry
+        from kernels import op_backends, reference, registry
 
-        self.reference, self.registry = reference, registry
+        self.reference, self.registry, self.op_backends = reference, registry, op_backends
         self.device, self.cuda, self.shapes, self.head_dims = device, device.type == "cuda", shapes, head_dims
         self.gen = torch.Generator().manual_seed(0)
 
@@ -158,7 +158,7 @@ class KernelCases:
         def torch_ln(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             return F.layer_norm(x, (n,), w, b)
 
-        apex = self.registry.nvidia_apex_layer_norm()
+        apex = self.op_backends.nvidia_apex_layer_norm()
         peers: dict[str, Any] = {"torch_eager": torch_ln, "torch_compile": self.compiled(torch_ln)}
         peers["apex"] = (lambda x, w, b: apex(x, w, b, (n,), 1e-5)) if apex and self.cuda else "not installed"
         # forward reads x and writes y; backward reads x and dy and writes dx (weights are negligible)
@@ -310,7 +310,7 @@ def measure(case: Case, timer: Timer, ceiling: dict[str, Any]) -> dict[str, Any]
         speedup[name] = peer_timing.ms / ms  # > 1: ours is faster
     result["speedup"] = speedup
     if "apex" in speedup:
-        result["apex_faster"] = speedup["apex"] < 1.0  # the reason to call registry.use_apex_layer_norm(True)
+        result["apex_faster"] = speedup["apex"] < 1.0  # the reason to call op_backends.use_apex_layer_norm(True)
     return result
 
 

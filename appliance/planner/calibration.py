@@ -60,7 +60,7 @@ CROSS_ENTROPY_BYTES_PER_LOGIT = 16.0
 # for the statistics and a read + write for the in-place gradient: 3 x act bytes. With the torch twin (CPU,
 # fp32 logits) the count is 83 bytes: statistics 24 (max 4, subtract 8, exp 8, sum 4), gradient 59 (subtract 8,
 # exp 8, one-hot compare 1, its cast 5, subtract 12, scale 8, mask 9, copy back 8). Measured on one core of the
-# 2-core VM (kernels.reference.chunked_vocab_ce at 1024 tokens x 8192 vocab, hidden 128, minus its three GEMMs):
+# 2-core VM (kernels.chunked_ce.chunked_vocab_ce at 1024 tokens x 8192 vocab, hidden 128, minus its three GEMMs):
 # 12.5 to 15.6 ns per logit on quiet runs, 100 to 125 bytes at the 8 GB/s a core gets here (the exps are compute-
 # bound), so the lower measured figure stands.
 TORCH_CHUNKED_CE_BYTES_PER_LOGIT = 100.0

@@ -8,7 +8,7 @@ Our training path (after appliance/kernels/registry.py picks a backend per tenso
   heads fall back to the materialised torch path below rather than being rejected.
 - CPU ranks: the materialised torch path (model/ops.py attention_core): [s, s] scores, an fp32 softmax whose
   output is kept for backward, and its cast back to the compute dtype that the AV product keeps.
-- Loss: one chunked vocab-parallel cross entropy everywhere (kernels.reference.chunked_vocab_ce; Triton row
+- Loss: one chunked vocab-parallel cross entropy everywhere (kernels.chunked_ce.chunked_vocab_ce; Triton row
   kernels on GPUs, the torch twin on CPU): logits exist one token chunk at a time, never more than one chunk's
   [chunk, V/t] at once. GPU ranks take the whole micro-batch as one chunk when its logits fit 2 GiB (else chunks of
   at least 1024 tokens), so the [V/t, H] weight is read twice and its gradient written once per micro-batch; CPU
@@ -104,7 +104,7 @@ def kernels_for(device: Device, model: ModelShape) -> KernelPath:
     )
 
 
-# The chunk rule's constants, restated from kernels/reference.py (MIN_CHUNK_LOGITS, GPU_CHUNK_LOGITS_BYTES,
+# The chunk rule's constants, restated from kernels/chunked_ce.py (MIN_CHUNK_LOGITS, GPU_CHUNK_LOGITS_BYTES,
 # GPU_MIN_CHUNK_TOKENS); tests/kernels/test_kernel_cross_entropy_costs.py holds the two rules equal.
 MIN_CHUNK_LOGITS = 1 << 22
 GPU_CHUNK_LOGITS_BYTES = 2 << 30
@@ -112,7 +112,7 @@ GPU_MIN_CHUNK_TOKENS = 1024
 
 
 def loss_chunk_tokens(tokens: int, hidden: int, vocab_local: int, *, gpu: bool = False, logit_bytes: int = 2) -> int:
-    """Tokens per chunk of the chunked cross entropy (kernels.reference.auto_chunk_size, the rule its callers default
+    """Tokens per chunk of the chunked cross entropy (kernels.chunked_ce.auto_chunk_size, the rule its callers default
     to). GPU: the whole micro-batch when its logits (`logit_bytes` each) fit 2 GiB, else the largest power of two
     that fits but at least 1024 tokens. CPU: a chunk's logits hold about as many elements as the hidden states but
     at least 2^22, rounded up to a power of two. At most `tokens`."""
@@ -144,7 +144,7 @@ class LossChunks:
 
     @property
     def weight_passes(self) -> int:
-        """[V/t, H] weights moved per micro-batch (kernels.reference.chunked_vocab_ce). One chunk: 3, W read by the
+        """[V/t, H] weights moved per micro-batch (kernels.chunked_ce.chunked_vocab_ce). One chunk: 3, W read by the
         forward GEMM and by the hidden-gradient GEMM, the weight gradient written once. n chunks: 4n + 1, per chunk
         W read twice, the gradient written by the first chunk and read and written by each later one, then read and
         written once more when backward scales it by the incoming gradient."""

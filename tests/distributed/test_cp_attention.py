@@ -21,7 +21,7 @@ from appliance.model.alibi import alibi_bias, alibi_slopes
 from appliance.parallel.context.attention import context_parallel_attention, sequence_positions, split_sequence
 from appliance.parallel.testing import collective_guard, run_distributed
 from appliance.parallel.topology import ParallelTopology
-from kernels import registry
+from kernels import op_backends
 
 pytestmark = pytest.mark.distributed
 
@@ -51,7 +51,7 @@ def _run_cases(topology: ParallelTopology, cases: list[tuple[str, torch.dtype, b
         local = [split_sequence(t, cp, rank, mode, dim=2).requires_grad_() for t in (q, k, v)]
         local_docs = split_sequence(docs, cp, rank, mode, dim=1) if with_docs else None
         before = guard.calls.copy()
-        registry.reset_call_counts()
+        op_backends.reset_call_counts()
         out = context_parallel_attention(
             *local, alibi_slopes(HEADS).to(dtype), HEAD_DIM**-0.5, group=group, mode=mode, seq_len=SEQ,
             doc_ids=local_docs,
@@ -60,7 +60,7 @@ def _run_cases(topology: ParallelTopology, cases: list[tuple[str, torch.dtype, b
         traffic = guard.calls - before
         results[f"{mode}-{dtype}-{with_docs}"] = {
             "out": out.detach(), "dq": local[0].grad, "dk": local[1].grad, "dv": local[2].grad,
-            "calls": dict(traffic), "kernels": registry.call_counts(),
+            "calls": dict(traffic), "kernels": op_backends.call_counts(),
         }  # fmt: skip
     return results
 

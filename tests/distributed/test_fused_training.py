@@ -62,7 +62,7 @@ def _run(
     """Train STEPS steps under `backend`; the loss per step, each parameter's gradient of the first step (summed
     over its micro-batches as it reaches the parameter: after the sequence-parallel all-reduce, before DeepSpeed's
     own reductions), the evaluation sums and log-probabilities, and which kernels ran."""
-    from kernels import registry
+    from kernels import op_backends
 
     os.environ["BLOOM_KERNELS"] = backend
     engine = build_test_engine(
@@ -83,7 +83,7 @@ def _run(
 
     for name, param in engine.named_parameters():
         param.register_hook(keep(name))
-    registry.reset_call_counts()
+    op_backends.reset_call_counts()
     tokens, losses = _tokens(), []
     for step in range(STEPS):
         rows = range(step * BATCH, (step + 1) * BATCH)
@@ -105,7 +105,7 @@ def _run(
         "eval_tokens": eval_tokens,
         "logprobs": logprobs,
         "greedy": greedy,
-        "calls": registry.call_counts(),
+        "calls": op_backends.call_counts(),
         "last_stage": engine.is_last_stage,
     }
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from kernels import registry
+from kernels import backend_env, registry
 
 
 class TinyAlibiLM(nn.Module):
@@ -57,7 +57,7 @@ class TinyAlibiLM(nn.Module):
 
 
 def _loss_curve(backend: str, monkeypatch: pytest.MonkeyPatch, device: torch.device, steps: int = 20) -> list[float]:
-    monkeypatch.setenv(registry.BACKEND_ENV, backend)
+    monkeypatch.setenv(backend_env.BACKEND_ENV, backend)
     torch.manual_seed(0)
     model = TinyAlibiLM().to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from kernels import cross_entropy, reference, registry
+from kernels import chunked_ce, cross_entropy, reference, registry
 
 BACKENDS = {"triton": cross_entropy.vocab_cross_entropy, "reference": reference.vocab_cross_entropy}
 
@@ -82,8 +82,8 @@ def test_one_rank_single_pass_equals_the_two_step_rows(dtype: torch.dtype, reduc
     h, w, labels = _problem(13, 16, 50, seed=21)
     h, w = h.to(dtype), w.to(dtype)
     runs = {}
-    for single in (None, reference.ce_row_single):
-        runs[single is None] = reference.chunked_vocab_ce(
+    for single in (None, chunked_ce.ce_row_single):
+        runs[single is None] = chunked_ce.chunked_vocab_ce(
             h, w, labels, chunk_size=5, ignore_index=-100, tp_group=None, want_grad=(True, True),
             reduction=reduction, row_single=single,
         )  # fmt: skip
@@ -172,10 +172,10 @@ def test_sum_per_token_and_scores_match_full_logits(backend, device, monkeypatch
 def test_auto_chunk_size_bounds_logits() -> None:
     # BLOOM-176B head, tp=4: 4096 tokens, hidden 14336, 62720 vocab rows per rank -> the logits chunk of 1024
     # tokens holds about as many elements as the hidden states
-    assert reference.auto_chunk_size(4096, 14336, 62720) == 1024
-    assert reference.auto_chunk_size(3, 16, 50) == 3  # the floor of 2^22 logits: all three tokens in one chunk
+    assert chunked_ce.auto_chunk_size(4096, 14336, 62720) == 1024
+    assert chunked_ce.auto_chunk_size(3, 16, 50) == 3  # the floor of 2^22 logits: all three tokens in one chunk
     # bloom-tiny-cpu's head: Liger's rule alone would give 16-token chunks; the floor makes them 512 (2^22 / 8192)
-    assert reference.auto_chunk_size(1024, 128, 8192) == 512
+    assert chunked_ce.auto_chunk_size(1024, 128, 8192) == 512
 
 
 def _tp_worker(rank: int, world: int, init_file: str, device: str) -> None:

@@ -150,7 +150,7 @@ def test_packed_flash_attention_equals_the_masked_core(backend, device, monkeypa
     slope * k_pos and the causal mask cut at document borders (ALiBi positions need no reset per document)."""
     from appliance.model import ops
     from appliance.model.alibi import alibi_bias
-    from kernels import registry
+    from kernels import op_backends
 
     monkeypatch.setenv("BLOOM_KERNELS", backend)
     b, h, s, d = 2, 3, 19, 16
@@ -158,9 +158,9 @@ def test_packed_flash_attention_equals_the_masked_core(backend, device, monkeypa
     q, k, v = (torch.randn(b, h, s, d, generator=gen).to(device).requires_grad_() for _ in range(3))
     slopes = reference.alibi_slopes(h, device)
     docs = _documents(b, s, 0).to(device)
-    registry.reset_call_counts()
+    op_backends.reset_call_counts()
     out = ops.flash_attention(q, k, v, slopes, d**-0.5, doc_ids=docs)
-    assert registry.call_counts() == {("flash_alibi_attention", backend): 1}
+    assert op_backends.call_counts() == {("flash_alibi_attention", backend): 1}
     positions = torch.arange(s, device=device)
     mask = (positions[None, :] <= positions[:, None]) & (docs[:, None, :, None] == docs[:, None, None, :])
     want = ops.attention_core(q, k, v, alibi_bias(slopes, None, s), mask, d**-0.5)

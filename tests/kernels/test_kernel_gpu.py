@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import reference, registry
+from kernels import backend_env, reference, registry
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,7 +31,7 @@ def _check(ours, plain, inputs: list[torch.Tensor], limit: float = 1e-2) -> None
 
 @pytest.fixture(autouse=True)
 def _triton(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(registry.BACKEND_ENV, "auto")
+    monkeypatch.setenv(backend_env.BACKEND_ENV, "auto")
 
 
 def _bf16(*shape: int, scale: float = 1.0) -> torch.Tensor:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from kernels import attention_peers, flash_attention, reference, registry
+from kernels import attention_peers, backend_env, flash_attention, op_backends, reference, registry
 from kernels import selection as sel
 from kernels.launch import H100, recording
 
@@ -205,10 +205,10 @@ def test_tiles_that_fail_leave_the_launchers_default(clean_tiles: None) -> None:
 # ----- through the registry's own candidates -----------------------------------------------------------------------
 @pytest.fixture
 def registry_api(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """registry.SELECTABLE / implementations / use: the registry's own (kernels/registry.py, branch compile-ops);
-    while this tree's registry lacks them, a minimal stand-in with the same contract for the candidates the CPU
+    """backend_env.SELECTABLE, op_backends.implementations, registry.use: the kernels' own (branch compile-ops);
+    while this tree lacks them, a minimal stand-in with the same contract for the candidates the CPU
     offers (reference, triton in the interpreter, the attention peers)."""
-    if not hasattr(registry, "implementations"):
+    if not hasattr(op_backends, "implementations"):
         from kernels import bias_gelu, cross_entropy, layer_norm
 
         triton = {
@@ -230,8 +230,8 @@ def registry_api(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
             return found
 
         chosen: dict[str, str] = {}
-        monkeypatch.setattr(registry, "SELECTABLE", tuple(triton), raising=False)
-        monkeypatch.setattr(registry, "implementations", implementations, raising=False)
+        monkeypatch.setattr(backend_env, "SELECTABLE", tuple(triton), raising=False)
+        monkeypatch.setattr(op_backends, "implementations", implementations, raising=False)
         monkeypatch.setattr(registry, "use", lambda choices: chosen.update(choices), raising=False)
         monkeypatch.setattr(registry, "chosen", lambda: dict(chosen), raising=False)
     yield
@@ -242,7 +242,7 @@ def test_attention_candidates_on_cpu(registry_api: None) -> None:
     # Every candidate the registry offers on CPU runs the model's attention correctly but FlexAttention, which has
     # no backward on CPU: it is rejected with torch's reason, and the fastest of the others is chosen.
     shapes = replace(SHAPES, documents=True)
-    offered = registry.implementations("flash_alibi_attention", CPU)
+    offered = op_backends.implementations("flash_alibi_attention", CPU)
     assert {"reference", "sdpa", "flex"} <= set(offered)
     ms = {("flash_alibi_attention", b): float(i + 1) for i, b in enumerate(reversed(list(offered)))}
     ms[("flash_alibi_attention", "sdpa")] = 0.5
@@ -257,8 +257,8 @@ def test_attention_candidates_on_cpu(registry_api: None) -> None:
 
 
 def test_every_selectable_op_has_inputs(registry_api: None) -> None:
-    for op in registry.SELECTABLE:
+    for op in backend_env.SELECTABLE:
         case = sel.op_case(op, SHAPES, CPU)
-        assert case.mismatch(registry.implementations(op, CPU)["reference"], case.expected()) is None
+        assert case.mismatch(op_backends.implementations(op, CPU)["reference"], case.expected()) is None
     with pytest.raises(ValueError, match="no inputs for op 'softmax'"):
         sel.op_case("softmax", SHAPES, CPU)

@@ -54,7 +54,7 @@ def _constant(path: Path, name: str) -> object:
 def test_kernel_limits_are_the_kernels_own() -> None:
     assert _constant(ROOT / "kernels/flash_attention.py", "MAX_HEAD_DIM") == FLASH_MAX_HEAD_DIM
     assert _constant(ROOT / "kernels/layer_norm.py", "MAX_ROW") == LAYER_NORM_MAX_ROW
-    from kernels.reference import auto_chunk_size
+    from kernels.chunked_ce import auto_chunk_size
 
     for tokens, hidden, vocab_local in [
         (2048, 1024, 250880), (4096, 14336, 62720), (1, 64, 512), (7, 3, 100), (1024, 128, 8192), (65536, 64, 512)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from appliance.model.config import BloomConfig
 from appliance.parallel.topology import ParallelTopology
-from kernels import registry
+from kernels import backend_env, registry
 from kernels.selection import Implementations, RankShapes, Selection, SelectionKey, Timer, current_key, select
 
 # plan.json's train.dtype -> RankShapes.dtype
@@ -42,8 +42,8 @@ class KernelChoiceError(RuntimeError):
 
 def forced_backend() -> str | None:
     """BLOOM_KERNELS's value when it forces a backend ("triton" or "reference"); None under auto, and when it names
-    a backend per op (registry.given)."""
-    value = os.environ.get(registry.BACKEND_ENV, "auto").strip().lower() or "auto"
+    a backend per op (backend_env.given)."""
+    value = os.environ.get(backend_env.BACKEND_ENV, "auto").strip().lower() or "auto"
     return None if value == "auto" or "=" in value else value
 
 
@@ -85,7 +85,7 @@ def choose_kernels(
 ) -> Selection | None:
     """The measured selection every rank now runs with (collective over the world group), or None on CPU under
     auto and when BLOOM_KERNELS forces a backend (nothing measured; see kernel_record)."""
-    if forced_backend() is not None or registry.given() or torch.device(device).type != "cuda":
+    if forced_backend() is not None or backend_env.given() or torch.device(device).type != "cuda":
         return None
     shapes = rank_shapes(
         config, topology, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype, documents=documents
@@ -166,13 +166,13 @@ def kernel_record(selection: Selection | None, device: torch.device) -> dict[str
             "device": selection.key.device,
             "shapes": vars(selection.key.shapes),
         }
-    named = registry.given()
+    named = backend_env.given()
     if named:  # BLOOM_KERNELS named a backend per op: nothing measured, the rest as under auto
         return {
             "source": "given",
             "choices": registry.chosen(),
             "times_ms": {},
-            "backend_env": f"{registry.BACKEND_ENV}={os.environ.get(registry.BACKEND_ENV, '')}",
+            "backend_env": f"{backend_env.BACKEND_ENV}={os.environ.get(backend_env.BACKEND_ENV, '')}",
         }
     forced = forced_backend()
     return {
@@ -180,5 +180,5 @@ def kernel_record(selection: Selection | None, device: torch.device) -> dict[str
         "backend": registry.get_backend(device),  # what every fused op runs: nothing was chosen per op
         "choices": {},
         "times_ms": {},
-        "backend_env": f"{registry.BACKEND_ENV}={forced or 'auto'}",
+        "backend_env": f"{backend_env.BACKEND_ENV}={forced or 'auto'}",
     }

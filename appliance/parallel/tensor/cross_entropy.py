@@ -67,7 +67,7 @@ def vocab_parallel_loss(
     """Cross-entropy of the tied head's logits against labels [batch, seq], chunked over tokens and split over
     the vocabulary (kernels.registry.vocab_cross_entropy): the full logits are never formed, and this rank's
     [tokens, vocab / tp] only one chunk at a time (on a GPU the whole micro-batch when its logits fit 2 GiB, which
-    the loss then overwrites with their gradient; kernels.reference.auto_chunk_size). The same contract as
+    the loss then overwrites with their gradient; kernels.chunked_ce.auto_chunk_size). The same contract as
     ``F.cross_entropy(full_logits.view(-1, V), labels.view(-1), reduction=...)``, in fp32, except that a mean over
     no token is 0, not NaN. Training's mean reads nothing back to the host."""
     if head.hidden.shape[:-1] != labels.shape:
