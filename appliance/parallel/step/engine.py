@@ -87,14 +87,10 @@ from appliance.parallel.experts.store_engine import (
     experts_hidden_from_deepspeed,
     install_store_step,
 )
+from appliance.parallel.loss import IGNORE_INDEX, VocabParallelLoss
 from appliance.parallel.parallelize import Parallelism, compile_blocks
-from appliance.parallel.pipeline.specs import (
-    BloomStack,
-    VocabParallelLoss,
-    bloom_layer_specs,
-    build_pipeline_module,
-    hf_parameter_name,
-)
+from appliance.parallel.pipeline.specs import bloom_layer_specs, build_pipeline_module, hf_parameter_name
+from appliance.parallel.pipeline.stack import BloomStack
 from appliance.parallel.step.bf16_step import keep_verdicts_on_device
 from appliance.parallel.step.deepspeed_comm import init_deepspeed_comm
 from appliance.parallel.step.deepspeed_config import deepspeed_config
@@ -118,7 +114,6 @@ from appliance.planner.train_settings import TrainSettings
 
 # (input ids, labels), each [micro_batch, seq], and under reset_attention_mask the inputs' document ids third.
 Batch = tuple[torch.Tensor, ...]
-IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)
