@@ -353,7 +353,7 @@ def build_test_engine(
     """``engine.build_engine`` for tests and benchmarks, which name only what they vary: by default fp32 without
     ZeRO, recompute or sequence parallelism, AdamW with BLOOM's betas and eps and no weight decay at a constant
     lr of 1e-3, clipping at 1.0. ``options``: build_engine's optional keywords (cp_mode, overlap_param_gather...)."""
-    from appliance.parallel.step.engine import build_engine  # DeepSpeed loads with it: only ranks that build pay
+    from appliance.parallel.step.build import build_engine  # DeepSpeed loads with it: only ranks that build pay
 
     return build_engine(
         config,
