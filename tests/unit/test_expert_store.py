@@ -20,13 +20,13 @@ from appliance.monitor.events import make_event
 from appliance.monitor.state import RunState, reduce
 from appliance.overrides import parse_overrides
 from appliance.parallel.experts.store import (
-    AdamWSettings,
     ExpertStore,
     expert_step_fields,
     expert_store_for_run,
     expert_tier_event,
 )
 from appliance.parallel.experts.store_hooks import attach_expert_store
+from appliance.parallel.experts.store_slots import AdamWSettings
 from appliance.parallel.experts.store_stand_in import MoeStack, dense_parameters
 from appliance.planner.train_settings import TrainSettings
 from appliance.rundir import RunDir

@@ -44,8 +44,9 @@ from torch import nn
 from appliance.errors import BadInput
 from appliance.model.moe import BloomMoE
 from appliance.parallel.experts.parallel import is_expert_parameter
-from appliance.parallel.experts.store import AdamWSettings, ExpertKey, ExpertStore
+from appliance.parallel.experts.store import ExpertStore
 from appliance.parallel.experts.store_hooks import attach_expert_store
+from appliance.parallel.experts.store_slots import AdamWSettings, ExpertKey
 from appliance.parallel.step.grads import clip_by_global_norm, clip_coefficient
 from appliance.parallel.tensor.mappings import collective_device, group_size
 from appliance.parallel.topology import ParallelTopology
