@@ -153,7 +153,14 @@ def main(argv: list[str] | None = None) -> int:
         # for ulysses), the blocks over pp, the sequence over the cp chunks. The process groups are built once,
         # here, TP innermost, then CP, then DP, then PP.
         layout.validate(
-            world_size, config.n_head, config.n_layer, settings.seq_len, moe_num_experts=config.moe_num_experts
+            world_size,
+            config.n_head,
+            config.n_layer,
+            settings.seq_len,
+            moe_num_experts=config.moe_num_experts,
+            dtype=settings.dtype,
+            expert_device_budget_mb=settings.expert_device_budget_mb,
+            expert_host_budget_mb=settings.expert_host_budget_mb,
         )
         topology = ParallelTopology.from_layout(layout, world_size=world_size)
         # reset_attention_mask: documents end at the datasets' EOD token (refused, naming datasets.json, without one).

@@ -79,6 +79,7 @@ from appliance.parallel.step.precision import (
 from appliance.parallel.step.single_replica import SingleReplicaEngine
 from appliance.parallel.topology import ParallelTopology
 from appliance.parallel.zero.param_gather import build_overlap
+from appliance.planner.layout_rules import tp2d_precision_problems
 from appliance.planner.train_settings import TrainSettings
 
 
@@ -100,6 +101,37 @@ FUSED_ADAMW_DEVICES = ("cpu", "cuda")
 def adamw_kernel(device: torch.device) -> dict[str, bool]:
     """The AdamW implementation for parameters on ``device``, as torch.optim.AdamW keyword arguments."""
     return {"fused": True} if device.type in FUSED_ADAMW_DEVICES else {"foreach": True}
+
+
+def check_engine_layout(
+    config: BloomConfig,
+    topology: ParallelTopology,
+    *,
+    dtype: str,
+    zero_stage: int,
+    sequence_parallel: bool,
+    expert_device_budget_bytes: int = 0,
+    expert_host_budget_bytes: int = 0,
+) -> None:
+    """The layout rules the engine holds this rank to, before any collective: the planner's rules for heads, experts,
+    the 2D mesh's precision and the expert store, in the planner's words (planner/layout_rules.py), so a caller that
+    never validated a Layout is refused as ``Layout.validate`` (and so ``plan --layout``) would refuse it."""
+    topology.validate_heads(config.n_head)
+    check_moe_layout(config, topology, sequence_parallel=sequence_parallel)
+    if expert_device_budget_bytes > 0 or expert_host_budget_bytes > 0:
+        check_store_layout(
+            is_moe=config.is_moe,
+            dtype=dtype,
+            zero_stage=zero_stage,
+            pp=topology.pp,
+            cp=topology.cp,
+            tp=topology.tp,
+            device_budget_bytes=expert_device_budget_bytes,
+            host_budget_bytes=expert_host_budget_bytes,
+        )
+    problems = tp2d_precision_problems(tp2d=topology.tp2d, dtype=dtype, zero_stage=zero_stage)
+    if problems:
+        raise BadInput("; ".join(problems))
 
 
 def build_engine(
@@ -136,20 +168,16 @@ def build_engine(
 
     from appliance.planner.layout import pipeline_partition
 
-    topology.validate_heads(config.n_head)
-    check_moe_layout(config, topology, sequence_parallel=sequence_parallel)
+    check_engine_layout(
+        config,
+        topology,
+        dtype=dtype,
+        zero_stage=zero_stage,
+        sequence_parallel=sequence_parallel,
+        expert_device_budget_bytes=expert_device_budget_bytes,
+        expert_host_budget_bytes=expert_host_budget_bytes,
+    )
     tiered = expert_device_budget_bytes > 0  # the experts in the tiered store (experts/store_engine.py)
-    if tiered or expert_host_budget_bytes > 0:
-        check_store_layout(
-            is_moe=config.is_moe,
-            dtype=dtype,
-            zero_stage=zero_stage,
-            pp=topology.pp,
-            cp=topology.cp,
-            tp=topology.tp,
-            device_budget_bytes=expert_device_budget_bytes,
-            host_budget_bytes=expert_host_budget_bytes,
-        )
     topology.init_process_groups()
     all_to_all = None
     if config.is_moe:
@@ -162,13 +190,6 @@ def build_engine(
     # DeepSpeed's own communication layer wraps the process group already running (the PipelineModule needs it
     # before deepspeed.initialize would set it up).
     init_deepspeed_comm(dist.get_backend())
-    if topology.tp2d > 1 and (dtype == "fp16" or zero_stage > 1):
-        # bf16 and ZeRO-1 count the mesh-row-replicated vectors once (layers2d._mark_2d) and are proven at tp2d = 2
-        # (tests/distributed/test_tp2d.py); fp16's loss scaler and ZeRO-2's gradient partitions are not yet.
-        raise BadInput(
-            f"tp2d({topology.tp2d}) trains in fp32 or bf16 at ZeRO 0 or 1, got dtype {dtype} and zero {zero_stage}: "
-            "fp16 and ZeRO 2/3 are not proven with the 2D mesh yet"
-        )
     # What each rank's layers become (tensor/sequence parallel, context parallel, recompute), decided in one place.
     parallelism = Parallelism(topology, sequence_parallel=sequence_parallel, recompute=recompute, cp_mode=cp_mode)
     loss_fn = VocabParallelLoss(topology.tp_group, topology.cp_group, parallelism.mesh, config.moe_aux_loss_coef)
