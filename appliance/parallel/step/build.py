@@ -46,7 +46,7 @@ from appliance.parallel.checkpoint.weight_shards import (
     init_mesh_blocks_,
     init_shards_,
 )
-from appliance.parallel.experts.exchange import select_all_to_all
+from appliance.parallel.experts.exchange import AllToAllSelection, select_all_to_all
 from appliance.parallel.experts.parallel import (
     check_moe_layout,
     moe_param_groups,
@@ -162,12 +162,11 @@ def build_engine(
     step_engine: str = "auto",
     compile: str = TrainSettings.compile,  # auto | on | off: torch.compile of each block (parallelize.compile_blocks)
 ) -> ParallelEngine:
-    """Build this rank's part of the model and its DeepSpeed engine. Collective: every rank calls it."""
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
-    from appliance.planner.layout import pipeline_partition
-
+    """Build this rank's part of the model and its DeepSpeed engine. Collective: every rank calls it. The steps, in
+    order: the layout's checks, the process groups (and the experts' exchange), the layers on this rank's device with
+    tensor/2D, context and recompute applied (pipeline stage or pp = 1 stack; parallelize.py), this rank's shards of
+    the initial weights, then the step engine with its optimizer and ZeRO (single-replica, or DeepSpeed's with the
+    tiered expert store), then what the step reads late."""
     check_engine_layout(
         config,
         topology,
@@ -177,50 +176,20 @@ def build_engine(
         expert_device_budget_bytes=expert_device_budget_bytes,
         expert_host_budget_bytes=expert_host_budget_bytes,
     )
+    if step_engine not in STEP_ENGINES:
+        raise ValueError(f"step_engine must be one of {STEP_ENGINES}, got {step_engine!r}")
     tiered = expert_device_budget_bytes > 0  # the experts in the tiered store (experts/store_engine.py)
-    topology.init_process_groups()
-    all_to_all = None
-    if config.is_moe:
-        register_expert_groups(topology)  # before DeepSpeed would make its own (experts/parallel.py)
-        # Flat or hierarchical by how the ep groups fall on the plan's nodes: the planner's cost model decides.
-        all_to_all = select_all_to_all(
-            config, topology, micro_batch_size=micro_batch_size, seq_len=seq_len, hardware=hardware
-        )
-        install_all_to_all(all_to_all.exchange)
-    # DeepSpeed's own communication layer wraps the process group already running (the PipelineModule needs it
-    # before deepspeed.initialize would set it up).
-    init_deepspeed_comm(dist.get_backend())
+    all_to_all = _process_groups(
+        config, topology, micro_batch_size=micro_batch_size, seq_len=seq_len, hardware=hardware
+    )
     # What each rank's layers become (tensor/sequence parallel, context parallel, recompute), decided in one place.
     parallelism = Parallelism(topology, sequence_parallel=sequence_parallel, recompute=recompute, cp_mode=cp_mode)
     loss_fn = VocabParallelLoss(topology.tp_group, topology.cp_group, parallelism.mesh, config.moe_aux_loss_coef)
-    # Where DeepSpeed keeps the module (cuda:<current device>, or cpu): the layers are allocated and drawn there.
-    device = torch.device(get_accelerator().current_device_name())
-    module: torch.nn.Module
-    if topology.pp > 1:
-        partition = pipeline_partition(config.n_layer, topology.pp)
-        module = build_pipeline_module(
-            config,
-            parallelism,
-            partition_method=partition.method,
-            blocks_per_stage=partition.layers_per_stage,
-            loss_fn=loss_fn,
-            device=device,
-        )
-    else:
-        specs = bloom_layer_specs(config, parallelism, device=device)
-        module = BloomStack(specs, loss_fn, recompute_blocks=parallelism.full_recompute)
-    compile_blocks(module, parallelism, compile, device)  # the last step of parallelize.py's order
-    set_expert_offsets(module, topology)
-    expert_offset = rank_expert_offset(config, topology)
-    named = [(hf_parameter_name(n, config.n_layer, expert_offset), p) for n, p in module.named_parameters()]
-    if parallelism.mesh is not None:
-        init_mesh_blocks_(named, config, seed, parallelism.mesh.row, parallelism.mesh.col, parallelism.mesh.q)
-    else:
-        init_shards_(named, config, seed, topology.tp_rank(dist.get_rank()), topology.tp)
+    device = _engine_device()
+    module = _layers(config, parallelism, loss_fn, device, compile)
+    named = _draw_initial_weights(module, config, parallelism, seed)
     if sequence_parallel:
         register_sequence_parallel_grad_hooks(module, topology.tp_group)
-    if step_engine not in STEP_ENGINES:
-        raise ValueError(f"step_engine must be one of {STEP_ENGINES}, got {step_engine!r}")
     if step_engine == "auto" and single_replica_step(
         config, topology, dtype=dtype, zero_stage=zero_stage, tiered=tiered
     ):
@@ -229,33 +198,11 @@ def build_engine(
             micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, dtype=dtype,
             grad_clip=grad_clip, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
         )  # fmt: skip
-    # With the store, the experts' AdamW is the store's own, so DeepSpeed's optimizer gets the dense parameters only.
-    groups = param_groups(dense_for_optimizer(named) if tiered else named, weight_decay)
-    if config.is_moe and not tiered:
-        groups = moe_param_groups(groups)
-    optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **adamw_kernel(device))
-    ds_config = deepspeed_config(
-        # DeepSpeed's data-parallel world is dp x cp and it counts one micro-batch per rank of it, so its batch is
-        # the global batch (sequences, over dp) times cp: the same number of micro-batches per step, e.g. 8
-        # sequences at mbs 2, dp 2, cp 2: 2 accumulation steps, DeepSpeed's train_batch_size 16 (slices of 8).
-        global_batch_size=global_batch_size * topology.cp,
-        micro_batch_size=micro_batch_size,
-        dp=topology.dp * topology.cp,
-        zero_stage=zero_stage,
-        dtype=dtype,
-        # No clipping is an infinite threshold rather than 0, so every optimizer path still computes the norm.
-        grad_clip=grad_clip if grad_clip > 0 else math.inf,
-        pipeline=topology.pp > 1,
-    )
-    # The pipeline engine takes its model-parallel unit from the PipelineModule (the same layout, built from
-    # topology.to_deepspeed()); the plain engine gets ours.
-    mpu = None if topology.pp > 1 else TopologyMPU(topology)
-    # The store in bf16 or under ZeRO: DeepSpeed's optimizer must not look for expert groups (experts/store_engine.py)
-    hide = tiered and (dtype == "bf16" or zero_stage > 0)
-    with experts_hidden_from_deepspeed() if hide else contextlib.nullcontext():
-        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config, mpu=mpu)
-    if not (engine.bfloat16_enabled() or engine.zero_optimization()):
-        install_global_norm_clipping(engine, topology)
+    engine = _deepspeed_engine(
+        module, named, config, topology, device,
+        micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, zero_stage=zero_stage, dtype=dtype,
+        grad_clip=grad_clip, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, tiered=tiered,
+    )  # fmt: skip
     experts = None
     if tiered:
         experts = build_engine_store(
@@ -296,6 +243,134 @@ def build_engine(
         all_to_all=all_to_all,
         device_figures=device_figures,
     )
+
+
+def _process_groups(
+    config: BloomConfig,
+    topology: ParallelTopology,
+    *,
+    micro_batch_size: int,
+    seq_len: int | None,
+    hardware: Hardware | None,
+) -> AllToAllSelection | None:
+    """Every process group of the topology, TP innermost; for an MoE model DeepSpeed's expert groups set to ours and
+    the experts' all-to-all chosen and installed (returned; None for a dense model); DeepSpeed's communication layer
+    over the group already running."""
+    topology.init_process_groups()
+    all_to_all = None
+    if config.is_moe:
+        register_expert_groups(topology)  # before DeepSpeed would make its own (experts/parallel.py)
+        # Flat or hierarchical by how the ep groups fall on the plan's nodes: the planner's cost model decides.
+        all_to_all = select_all_to_all(
+            config, topology, micro_batch_size=micro_batch_size, seq_len=seq_len, hardware=hardware
+        )
+        install_all_to_all(all_to_all.exchange)
+    # DeepSpeed's own communication layer wraps the process group already running (the PipelineModule needs it
+    # before deepspeed.initialize would set it up).
+    init_deepspeed_comm(dist.get_backend())
+    return all_to_all
+
+
+def _engine_device() -> torch.device:
+    """Where DeepSpeed keeps the module (cuda:<current device>, or cpu): the layers are allocated and drawn there."""
+    from deepspeed.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().current_device_name())
+
+
+def _layers(
+    config: BloomConfig, parallelism: Parallelism, loss_fn: VocabParallelLoss, device: torch.device, compile: str
+) -> torch.nn.Module:
+    """This rank's layers, parallelized, without values on ``device``: its pipeline stage (pp > 1) or the whole
+    stack (pp = 1), each block compiled where ``compile`` says (the last step of parallelize.py's order)."""
+    from appliance.planner.layout import pipeline_partition
+
+    topology = parallelism.topology
+    module: torch.nn.Module
+    if topology.pp > 1:
+        partition = pipeline_partition(config.n_layer, topology.pp)
+        module = build_pipeline_module(
+            config,
+            parallelism,
+            partition_method=partition.method,
+            blocks_per_stage=partition.layers_per_stage,
+            loss_fn=loss_fn,
+            device=device,
+        )
+    else:
+        specs = bloom_layer_specs(config, parallelism, device=device)
+        module = BloomStack(specs, loss_fn, recompute_blocks=parallelism.full_recompute)
+    compile_blocks(module, parallelism, compile, device)
+    return module
+
+
+def _draw_initial_weights(
+    module: torch.nn.Module, config: BloomConfig, parallelism: Parallelism, seed: int
+) -> list[tuple[str, torch.nn.Parameter]]:
+    """Draw this rank's shards (tp slices, or 2D blocks) of the weights one process would draw from ``seed``, in
+    place; returns the parameters under their Hugging Face names (this rank's experts numbered globally)."""
+    topology = parallelism.topology
+    set_expert_offsets(module, topology)
+    expert_offset = rank_expert_offset(config, topology)
+    named = [(hf_parameter_name(n, config.n_layer, expert_offset), p) for n, p in module.named_parameters()]
+    if parallelism.mesh is not None:
+        init_mesh_blocks_(named, config, seed, parallelism.mesh.row, parallelism.mesh.col, parallelism.mesh.q)
+    else:
+        init_shards_(named, config, seed, topology.tp_rank(dist.get_rank()), topology.tp)
+    return named
+
+
+def _deepspeed_engine(
+    module: torch.nn.Module,
+    named: Sequence[tuple[str, torch.nn.Parameter]],
+    config: BloomConfig,
+    topology: ParallelTopology,
+    device: torch.device,
+    *,
+    micro_batch_size: int,
+    global_batch_size: int,
+    zero_stage: int,
+    dtype: str,
+    grad_clip: float,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    tiered: bool,
+) -> Any:
+    """DeepSpeed's engine over ``module``: AdamW in Megatron's decay groups
+    (and the experts' own, or none with the tiered store), data parallel over dp x cp at the layout's ZeRO stage and
+    precision, the gradient norm global over our topology."""
+    import deepspeed
+
+    # With the store, the experts' AdamW is the store's own, so DeepSpeed's optimizer gets the dense parameters only.
+    groups = param_groups(dense_for_optimizer(named) if tiered else named, weight_decay)
+    if config.is_moe and not tiered:
+        groups = moe_param_groups(groups)
+    optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **adamw_kernel(device))
+    ds_config = deepspeed_config(
+        # DeepSpeed's data-parallel world is dp x cp and it counts one micro-batch per rank of it, so its batch is
+        # the global batch (sequences, over dp) times cp: the same number of micro-batches per step, e.g. 8
+        # sequences at mbs 2, dp 2, cp 2: 2 accumulation steps, DeepSpeed's train_batch_size 16 (slices of 8).
+        global_batch_size=global_batch_size * topology.cp,
+        micro_batch_size=micro_batch_size,
+        dp=topology.dp * topology.cp,
+        zero_stage=zero_stage,
+        dtype=dtype,
+        # No clipping is an infinite threshold rather than 0, so every optimizer path still computes the norm.
+        grad_clip=grad_clip if grad_clip > 0 else math.inf,
+        pipeline=topology.pp > 1,
+    )
+    # The pipeline engine takes its model-parallel unit from the PipelineModule (the same layout, built from
+    # topology.to_deepspeed()); the plain engine gets ours.
+    mpu = None if topology.pp > 1 else TopologyMPU(topology)
+    # The store in bf16 or under ZeRO: DeepSpeed's optimizer must not look for expert groups (experts/store_engine.py)
+    hide = tiered and (dtype == "bf16" or zero_stage > 0)
+    with experts_hidden_from_deepspeed() if hide else contextlib.nullcontext():
+        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config, mpu=mpu)
+    if not (engine.bfloat16_enabled() or engine.zero_optimization()):
+        install_global_norm_clipping(engine, topology)
+    return engine
 
 
 STEP_ENGINES = ("auto", "deepspeed")
