@@ -63,7 +63,7 @@ def _kib(field: str) -> int:
 
 
 def _engine(config: BloomConfig, topology: ParallelTopology) -> Any:
-    from appliance.parallel.step.engine import build_engine
+    from appliance.parallel.step.build import build_engine
 
     with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed's start-up prints
         return build_engine(

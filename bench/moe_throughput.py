@@ -3,7 +3,7 @@
     .venv/bin/python bench/moe_throughput.py                                  # bloom-moe-tiny-cpu, 10 timed steps
     .venv/bin/python bench/moe_throughput.py --steps 20 --ranks-per-node 2    # 2 simulated nodes: hierarchical at ep 4
 
-Each ep builds the engine (parallel/step/engine.py ``build_engine``, fp32, ZeRO 0: the CPU layout) on the same 4 ranks,
+Each ep builds the engine (parallel/step/build.py ``build_engine``, fp32, ZeRO 0: the CPU layout) on the same 4 ranks,
 runs ``--warmup`` steps, then ``--steps`` timed steps between barriers, one micro-batch of ``--micro-batch-size``
 random sequences per rank and step. Tokens/s = 4 ranks x micro-batch x seq_len / the median step (every rank waits
 for the slowest at the gradient all-reduce, so rank 0's clock is the step's). ep > 1 splits every MoE block's
@@ -34,7 +34,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from appliance.model.config import BloomConfig, config_for_shape  # noqa: E402
-from appliance.parallel.step.engine import build_engine  # noqa: E402
+from appliance.parallel.step.build import build_engine  # noqa: E402
 from appliance.parallel.testing import run_distributed  # noqa: E402
 from appliance.parallel.topology import ParallelTopology  # noqa: E402
 from appliance.planner.model_shape import load_model_shape  # noqa: E402

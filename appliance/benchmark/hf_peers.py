@@ -56,7 +56,7 @@ def hf_model(work: Workload, weights: dict[str, torch.Tensor] | None) -> Any:
 
 def training_step(model: Any, work: Workload) -> Callable[[list[Batch]], float]:
     """One optimizer step over a step's micro-batches, as the trainer's engine takes it (see the docstring)."""
-    from appliance.parallel.step.engine import param_groups
+    from appliance.parallel.step.build import param_groups
 
     train = work.spec.train
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]

@@ -70,7 +70,11 @@ class TrainerContender:
 
         spec = work.spec
         # The vocabulary the plan states (a run would read the tokenizer's; both are padded the same way).
-        config, topology = model_config(spec, spec.model.vocab_size), ParallelTopology(tp=1, pp=1, dp=1, world_size=1)
+        # The workload's layout is one device's (tp = pp = dp = 1: workload.py refuses any other).
+        config, topology = (
+            model_config(spec, spec.model.vocab_size),
+            ParallelTopology.from_layout(spec.layout, world_size=1),
+        )
         # The kernels as a run chooses them (measured on a GPU, about a minute and a half), kept beside the bench's
         # results so that the next bench of this GPU, software and shapes reads them instead.
         self.kernels = kernels_for(spec, config, topology, cache_file=KERNELS_CACHE)

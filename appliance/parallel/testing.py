@@ -40,7 +40,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed import distributed_c10d
 
+from appliance.errors import BadInput
 from appliance.parallel.topology import ParallelTopology
+from appliance.planner.layout import Layout
 
 if TYPE_CHECKING:
     from appliance.model.config import BloomConfig
@@ -202,6 +204,20 @@ def _dumps(value: Any) -> bytes:
     return buffer.getvalue()
 
 
+def harness_layout(tp: int, pp: int, dp: int, tp2d: int = 1) -> Layout:
+    """The planner's Layout for the harness's degrees. Here ``tp`` counts the topology's tp axis, so with tp2d = q it
+    is the q x q mesh (q * q ranks) and the Layout's own tp is 1; its micro-batch size is then q, the smallest the
+    mesh rows can split (the ranks never read it: each test passes its own)."""
+    if tp2d > 1:
+        if tp != tp2d * tp2d:
+            raise BadInput(
+                f"parallel layout: tp2d({tp2d}) makes a {tp2d} x {tp2d} mesh of tp ranks, so tp must be "
+                f"{tp2d * tp2d}, got tp({tp})"
+            )
+        return Layout(tp=1, pp=pp, dp=dp, tp2d=tp2d, micro_batch_size=tp2d)
+    return Layout(tp=tp, pp=pp, dp=dp)
+
+
 def _worker(
     rank: int,
     fn: Callable[..., Any],
@@ -222,7 +238,7 @@ def _worker(
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         try:
-            topology = ParallelTopology(tp=tp, pp=pp, dp=dp, world_size=world_size, tp2d=tp2d)
+            topology = ParallelTopology.from_layout(harness_layout(tp, pp, dp, tp2d), world_size=world_size)
             topology.init_process_groups()
             _guard = CollectiveGuard(device)
             _guard.install()
@@ -275,7 +291,8 @@ def run_distributed(
     """Call ``fn(topology, *args)`` on ``world_size`` spawned gloo ranks; return their results by rank.
     ``device``: where every tensor handed to a collective must be (the engine's device). ``tp2d = q``: the tp
     ranks (tp = q * q) form a q x q mesh (topology.py)."""
-    ParallelTopology(tp=tp, pp=pp, dp=dp, world_size=world_size, tp2d=tp2d)  # a bad layout fails here, before spawning
+    # A bad layout fails here, before spawning.
+    ParallelTopology.from_layout(harness_layout(tp, pp, dp, tp2d), world_size=world_size)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
     listener.listen()
@@ -353,7 +370,7 @@ def build_test_engine(
     """``engine.build_engine`` for tests and benchmarks, which name only what they vary: by default fp32 without
     ZeRO, recompute or sequence parallelism, AdamW with BLOOM's betas and eps and no weight decay at a constant
     lr of 1e-3, clipping at 1.0. ``options``: build_engine's optional keywords (cp_mode, overlap_param_gather...)."""
-    from appliance.parallel.step.engine import build_engine  # DeepSpeed loads with it: only ranks that build pay
+    from appliance.parallel.step.build import build_engine  # DeepSpeed loads with it: only ranks that build pay
 
     return build_engine(
         config,

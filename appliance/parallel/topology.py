@@ -71,6 +71,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch.distributed as dist
 
 from appliance.errors import BadInput
+from appliance.planner.layout import Layout
 
 if TYPE_CHECKING:
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
@@ -137,6 +138,20 @@ class ParallelTopology:
         return (
             ("tp", self.tp), ("pp", self.pp), ("dp", self.dp), ("cp", self.cp), ("ep", self.ep), ("tp2d", self.tp2d)
         )  # fmt: skip
+
+    @classmethod
+    def from_layout(cls, layout: Layout, *, world_size: int) -> ParallelTopology:
+        """The rank grid of the planner's layout over ``world_size`` ranks: the one way a layout becomes a topology.
+        The tp axis is the layout's tensor-parallel ranks (``tp_ranks``: tp, or the tp2d x tp2d mesh)."""
+        return cls(
+            tp=layout.tp_ranks,
+            pp=layout.pp,
+            dp=layout.dp,
+            cp=layout.cp,
+            tp2d=layout.tp2d,
+            ep=layout.ep,
+            world_size=world_size,
+        )
 
     @classmethod
     def from_process_group(

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 
 from appliance.errors import BadInput
+from appliance.planner.layout_rules import moe_problems, store_problems, tp2d_precision_problems
 from appliance.planner.model_shape import RECOMPUTE_MODES
 
 ZERO_STAGES = (0, 1, 2)
@@ -138,15 +139,41 @@ class Layout:
         return self.global_batch_size // (self.micro_batch_size * self.dp) if self.global_batch_size else 0
 
     def validate(
-        self, world_size: int, heads: int, layers: int, seq_len: int | None = None, *, moe_num_experts: int = 0
+        self,
+        world_size: int,
+        heads: int,
+        layers: int,
+        seq_len: int | None = None,
+        *,
+        moe_num_experts: int = 0,
+        dtype: str | None = None,
+        expert_device_budget_mb: int = 0,
+        expert_host_budget_mb: int = 0,
     ) -> None:
-        """Check the layout against a world size and a model; BadInput listing every broken rule, every factor named.
-        ``moe_num_experts``: the model's experts per MoE block (0: a dense model, which ep > 1 cannot split)."""
-        problems = []
-        if self.ep > 1 and not moe_num_experts:
-            problems.append(f"ep({self.ep}) > 1 needs an MoE model (moe_num_experts > 0); this one is dense")
-        elif moe_num_experts % self.ep:
-            problems.append(f"moe_num_experts({moe_num_experts}) is not divisible by ep({self.ep})")
+        """Check the layout against a world size, a model and the run's settings; BadInput listing every broken rule,
+        every factor named. Every rule the training ranks hold a layout to is here (the ones that depend on experts,
+        precision or the expert store in layout_rules.py, which the engine's own checks share), so the planner refuses
+        what the ranks would, in the same words. ``moe_num_experts``: the model's experts per MoE block (0: a dense
+        model, which ep > 1 cannot split); ``dtype``: the run's precision (None: its rules are not checked);
+        ``expert_*_budget_mb``: the run's tiered expert store (both 0: none)."""
+        problems = moe_problems(
+            moe_num_experts=moe_num_experts,
+            ep=self.ep,
+            tp=self.tp_ranks,
+            tp2d=self.tp2d,
+            sequence_parallel=self.sequence_parallel,
+        )
+        if dtype is not None:
+            problems += tp2d_precision_problems(tp2d=self.tp2d, dtype=dtype, zero_stage=self.zero_stage)
+            problems += store_problems(
+                is_moe=moe_num_experts > 0,
+                dtype=dtype,
+                zero_stage=self.zero_stage,
+                cp=self.cp,
+                tp=self.tp_ranks,
+                device_budget_bytes=expert_device_budget_mb * 2**20,
+                host_budget_bytes=expert_host_budget_mb * 2**20,
+            )
         if self.world_size != world_size:
             problems.append(f"{self.factors} = {self.world_size} != world size {world_size}")
         if heads % self.tp:

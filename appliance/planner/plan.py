@@ -10,7 +10,7 @@ from appliance.errors import BadInput
 from appliance.hardware.profile import Hardware
 from appliance.hardware.specs import GENERIC_GPU, gpu_spec
 from appliance.planner.cp_reasons import best_without_cp, exchange_note, lost_to_cp, why_note
-from appliance.planner.device import Device, make_device
+from appliance.planner.device import Device, default_precision, make_device
 from appliance.planner.ladder import choose_model
 from appliance.planner.layout import Layout, pipeline_partition
 from appliance.planner.memory import MemoryEstimate, stage_moe_blocks
@@ -405,7 +405,8 @@ def _evaluate_given(
 ) -> Outcome:
     """`plan --layout`: shape errors are bad input; a layout that cannot run is a plan with feasible=False."""
     world = _world_for(hardware, layout)
-    layout.validate(world, model.heads, model.layers, model.seq_len, moe_num_experts=model.moe_num_experts)
+    dtype = precision or default_precision(hardware)  # what make_device below trains in
+    layout.validate(world, model.heads, model.layers, model.seq_len, moe_num_experts=model.moe_num_experts, dtype=dtype)
     if not layout.global_batch_size:
         layout = replace(layout, global_batch_size=gbs)
     device = make_device(hardware, world, precision)

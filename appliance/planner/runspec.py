@@ -176,6 +176,9 @@ class RunSpec:
             self.model.layers,
             self.model.seq_len,
             moe_num_experts=self.model.moe_num_experts,
+            dtype=train.dtype,
+            expert_device_budget_mb=train.expert_device_budget_mb,
+            expert_host_budget_mb=train.expert_host_budget_mb,
         )
 
     # ---- reading -------------------------------------------------------------------------------------------

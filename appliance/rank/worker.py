@@ -148,17 +148,16 @@ def main(argv: list[str] | None = None) -> int:
         # for ulysses), the blocks over pp, the sequence over the cp chunks. The process groups are built once,
         # here, TP innermost, then CP, then DP, then PP.
         layout.validate(
-            world_size, config.n_head, config.n_layer, settings.seq_len, moe_num_experts=config.moe_num_experts
+            world_size,
+            config.n_head,
+            config.n_layer,
+            settings.seq_len,
+            moe_num_experts=config.moe_num_experts,
+            dtype=settings.dtype,
+            expert_device_budget_mb=settings.expert_device_budget_mb,
+            expert_host_budget_mb=settings.expert_host_budget_mb,
         )
-        topology = ParallelTopology(
-            tp=layout.tp_ranks,
-            pp=layout.pp,
-            dp=layout.dp,
-            cp=layout.cp,
-            tp2d=layout.tp2d,  # tp2d = Q: the tp axis is Q * Q ranks, a Q x Q mesh
-            ep=layout.ep,
-            world_size=world_size,
-        )
+        topology = ParallelTopology.from_layout(layout, world_size=world_size)
         # reset_attention_mask: documents end at the datasets' EOD token (refused, naming datasets.json, without one).
         eod_id = dataset_eod_id(run_dir.data) if settings.reset_attention_mask else None
     except (BadInput, ValueError) as e:

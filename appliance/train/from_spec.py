@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from appliance.atomic import write_atomic
 from appliance.model.config import BloomConfig, config_for_shape
-from appliance.parallel.step.engine import ParallelEngine, build_engine
+from appliance.parallel.step.build import build_engine
+from appliance.parallel.step.engine import ParallelEngine
 from appliance.parallel.step.kernel_choice import choose_kernels, kernel_record
 from appliance.parallel.topology import ParallelTopology
 from appliance.planner.measured_kernels import MeasuredKernels

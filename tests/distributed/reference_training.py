@@ -20,7 +20,7 @@ from noise_floor import BASE, Order, pinned_threads
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
 from appliance.model.ops import cross_entropy
-from appliance.parallel.step.engine import param_groups
+from appliance.parallel.step.build import param_groups
 
 
 @dataclass(frozen=True)

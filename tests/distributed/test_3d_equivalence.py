@@ -40,7 +40,7 @@ from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
 from appliance.model.ops import cross_entropy
 from appliance.parallel.checkpoint.weight_shards import gather_full_state_dict
-from appliance.parallel.step.engine import build_engine
+from appliance.parallel.step.build import build_engine
 from appliance.parallel.tensor.drift import ReplicaDriftError
 from appliance.parallel.testing import WrongDeviceError, collective_guard, run_distributed
 from appliance.parallel.topology import ParallelTopology

@@ -41,7 +41,7 @@ from test_3d_equivalence import (
 
 from appliance.parallel.checkpoint.weight_shards import gather_full_state_dict
 from appliance.parallel.context.training import whole_sequences
-from appliance.parallel.step.engine import build_engine
+from appliance.parallel.step.build import build_engine
 from appliance.parallel.testing import run_distributed
 from appliance.parallel.topology import ParallelTopology
 from appliance.rundir import RunDir

@@ -31,7 +31,7 @@ from appliance.data.sampler import PretrainingSampler
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
 from appliance.model.ops import cross_entropy
-from appliance.parallel.step.engine import build_engine, param_groups
+from appliance.parallel.step.build import build_engine, param_groups
 from appliance.parallel.testing import run_distributed
 from appliance.parallel.topology import ParallelTopology
 

@@ -41,8 +41,8 @@ from appliance.model.moe import BloomMoE, canonical_moe_name
 from appliance.model.ops import cross_entropy
 from appliance.parallel.checkpoint.weight_shards import gather_full_state_dict
 from appliance.parallel.experts.parallel import register_expert_groups
+from appliance.parallel.step.build import build_engine
 from appliance.parallel.step.deepspeed_comm import init_deepspeed_comm
-from appliance.parallel.step.engine import build_engine
 from appliance.parallel.testing import run_distributed
 from appliance.parallel.topology import ParallelTopology
 

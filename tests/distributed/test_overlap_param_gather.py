@@ -25,10 +25,10 @@ from typing import Any
 import pytest
 import torch
 
-import appliance.parallel.step.engine as engine_module
+import appliance.parallel.step.build as build_module
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
-from appliance.parallel.step.engine import build_engine, param_groups
+from appliance.parallel.step.build import build_engine, param_groups
 from appliance.parallel.testing import run_distributed
 from appliance.parallel.topology import ParallelTopology
 from appliance.parallel.zero.param_gather import OverlappedParamGather
@@ -112,13 +112,13 @@ def overlap_case(topology: ParallelTopology, dtype: str, zero: int, overlap: boo
 
 def kernel_case(topology: ParallelTopology, dtype: str, zero: int, fused: bool) -> dict[str, Any]:
     """The fp32 masters after one step and after STEPS steps, with torch's fused or foreach AdamW."""
-    chooser = engine_module.adamw_kernel
+    chooser = build_module.adamw_kernel
     if not fused:
-        engine_module.adamw_kernel = lambda device: {"foreach": True}  # type: ignore[assignment]
+        build_module.adamw_kernel = lambda device: {"foreach": True}  # type: ignore[assignment]
     try:
         engine = _engine(topology, dtype, zero, overlap=True)
     finally:
-        engine_module.adamw_kernel = chooser
+        build_module.adamw_kernel = chooser
     inner = engine.engine.optimizer.optimizer  # the torch AdamW inside DeepSpeed's wrapper
     kernel = {k: [g.get(k) for g in inner.param_groups] for k in ("fused", "foreach")}
     _train(engine, topology, range(1))

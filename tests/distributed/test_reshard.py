@@ -28,7 +28,7 @@ from appliance.model.config import BloomConfig
 from appliance.monitor.events import EventWriter
 from appliance.parallel.checkpoint.optimizer_state import optimizer_files
 from appliance.parallel.checkpoint.weight_shards import ShardReader, model_sources
-from appliance.parallel.step.engine import build_engine
+from appliance.parallel.step.build import build_engine
 from appliance.parallel.tensor.param_splits import role_of_parameter, shard_from_full
 from appliance.parallel.testing import run_distributed
 from appliance.parallel.topology import ParallelTopology

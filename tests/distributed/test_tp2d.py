@@ -62,7 +62,7 @@ from appliance.parallel.checkpoint.weight_shards import (
     gather_full_state_dict,
     model_sources,
 )
-from appliance.parallel.pipeline.specs import IGNORE_INDEX
+from appliance.parallel.loss import IGNORE_INDEX
 from appliance.parallel.tensor.mappings import collective_device, count_traffic
 from appliance.parallel.tensor.param_splits import (
     gather_state_dicts,

@@ -88,7 +88,7 @@ def test_the_launch_wrote_the_deepspeed_config_it_ran_with(default_run):
     _, run_dir, _, _ = default_run
     spec = load_spec(run_dir / "plan.json")
     lay, train = spec.layout, spec.train
-    # What build_engine hands deepspeed.initialize for this plan (parallel/step/engine.py), as rank 0 wrote it.
+    # What build_engine hands deepspeed.initialize for this plan (parallel/step/build.py), as rank 0 wrote it.
     expected = deepspeed_config(
         global_batch_size=train.global_batch_size,
         micro_batch_size=train.micro_batch_size,

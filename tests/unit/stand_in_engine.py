@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import torch
 
-from appliance.parallel.step.engine import HostFile
+from appliance.parallel.checkpoint.engine_io import HostFile
 
 
 class StandInEngine:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from test_trainer_late_reads import OK, LateEngine, RecordedStep, events, make_trainer
 
-from appliance.parallel.step.engine import HostFile
+from appliance.parallel.checkpoint.engine_io import HostFile
 from appliance.rundir import RunDir
 from appliance.train import checkpoint as ckpt
 from appliance.train.async_save import FAILED, WRITING, AsyncCheckpointer, Committed, Snapshot, written_file

@@ -20,13 +20,13 @@ from appliance.monitor.events import make_event
 from appliance.monitor.state import RunState, reduce
 from appliance.overrides import parse_overrides
 from appliance.parallel.experts.store import (
-    AdamWSettings,
     ExpertStore,
     expert_step_fields,
     expert_store_for_run,
     expert_tier_event,
 )
 from appliance.parallel.experts.store_hooks import attach_expert_store
+from appliance.parallel.experts.store_slots import AdamWSettings
 from appliance.parallel.experts.store_stand_in import MoeStack, dense_parameters
 from appliance.planner.train_settings import TrainSettings
 from appliance.rundir import RunDir
@@ -248,8 +248,8 @@ def test_the_run_settings_reach_the_engine_with_a_disk_directory_per_rank(
     from appliance.train import from_spec
 
     spec = make_plan(
-        load_hardware("cpu-laptop-2core"), load_model_shape("bloom-micro-test"), layout=parse_layout("tp=1,pp=1,dp=1")
-    ).spec()
+        load_hardware("cpu-laptop-2core"), load_model_shape("bloom-moe-tiny-cpu"), layout=parse_layout("tp=1,pp=1,dp=1")
+    ).spec()  # an MoE model: the plan refuses the store's budgets for a dense one (planner/layout_rules.py)
     spec = replace(spec, train=replace(spec.train, expert_device_budget_mb=3, expert_host_budget_mb=5))
     seen: dict = {}
     monkeypatch.setattr(from_spec, "build_engine", lambda *args, **kwargs: seen.update(kwargs))

@@ -14,7 +14,7 @@ import torch
 from appliance.data.sample_corpus import SAMPLE_CORPUS_DIR
 from appliance.errors import BadInput
 from appliance.parallel.checkpoint.optimizer_state import load_optimizer_state
-from appliance.parallel.step.engine import adamw_kernel
+from appliance.parallel.step.build import adamw_kernel
 from appliance.parallel.zero import param_gather
 from appliance.planner.runspec import load_spec
 from appliance.run_request import RunRequest, make_run_plan

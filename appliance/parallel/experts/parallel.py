@@ -50,22 +50,19 @@ from appliance.parallel.tensor.mappings import (
     scatter_to_sequence_parallel_region,
 )
 from appliance.parallel.topology import ParallelTopology
+from appliance.planner.layout_rules import moe_problems
 
 
 def check_moe_layout(config: BloomConfig, topology: ParallelTopology, *, sequence_parallel: bool = False) -> None:
-    """BadInput naming every factor when the layout cannot run this model's experts."""
-    problems = []
-    if topology.ep > 1 and not config.is_moe:
-        problems.append(f"ep({topology.ep}) > 1 needs an MoE model (moe_num_experts > 0)")
-    if config.is_moe:
-        if config.moe_num_experts % topology.ep:
-            problems.append(f"moe_num_experts({config.moe_num_experts}) % ep({topology.ep}) != 0")
-        if topology.tp > 1 and sequence_parallel:
-            # DeepSpeed drops 1/tp of the tokens on each tp rank as duplicates: sequence chunks are not duplicates.
-            problems.append(f"sequence_parallel with tp({topology.tp}) > 1 and experts: the MoE block needs its "
-                            "input replicated over tp (docs/MOE.md); turn sequence_parallel off")  # fmt: skip
-        if topology.tp2d > 1:
-            problems.append(f"tp2d({topology.tp2d}) > 1 with experts is not supported (experts shard over 1D tp)")
+    """BadInput naming every factor when the layout cannot run this model's experts (the rules and their words are
+    the planner's, planner/layout_rules.py, which Layout.validate states too)."""
+    problems = moe_problems(
+        moe_num_experts=config.moe_num_experts,
+        ep=topology.ep,
+        tp=topology.tp,
+        tp2d=topology.tp2d,
+        sequence_parallel=sequence_parallel,
+    )
     if problems:
         raise BadInput(f"parallel layout {topology.factors}, ep({topology.ep}): " + "; ".join(problems))
 

@@ -2,16 +2,15 @@
 memory or on local disk, moved by a least-recently-used policy under byte budgets, so a model whose experts do
 not fit in device memory still trains.
 
-What moves together. An expert is a unit: its parameters, their gradients and AdamW's exp_avg and exp_avg_sq, so
-its bytes are 4 x its parameter bytes (fp32: 16 bytes per parameter) in whichever tier it is. bf16 experts also carry
-an fp32 master per parameter, which AdamW steps and whose fp32 gradient sums the micro-batches' bf16 ones (DeepSpeed's
-bf16 optimizer's arithmetic), and the bf16 gradient of the micro-batch in progress: 2 + 2 + 4 x 4 = 20 bytes per
-parameter. The step count is
-a 4-byte CPU scalar (as torch's AdamW keeps it) that stays in host memory whatever the tier. The store owns the
-experts' optimizer: one torch AdamW per expert (foreach=False: the per-tensor loop, whose arithmetic is
+What moves together. An expert is a unit: its parameters, their gradients and AdamW's exp_avg and exp_avg_sq, so its
+bytes are 4 x its parameter bytes (fp32: 16 bytes per parameter) in whichever tier it is. bf16 experts also carry an
+fp32 master per parameter, which AdamW steps and whose fp32 gradient sums the micro-batches' bf16 ones (DeepSpeed's bf16
+optimizer's arithmetic), and the bf16 gradient of the micro-batch in progress: 2 + 2 + 4 x 4 = 20 bytes per parameter.
+The step count is a 4-byte CPU scalar (as torch's AdamW keeps it) that stays in host memory whatever the tier. The store
+owns the experts' optimizer: one torch AdamW per expert (foreach=False: the per-tensor loop, whose arithmetic is
 elementwise, so stepping experts one at a time in any order gives the same bits as one AdamW over all of them).
-Gradients are allocated once (zeros) and accumulate in place, so an expert's bytes never change and a gradient
-computed on the device follows its expert into host memory or onto disk between micro-batches.
+Gradients are allocated once (zeros) and accumulate in place, so an expert's bytes never change and a gradient computed
+on the device follows its expert into host memory or onto disk between micro-batches.
 
 The policy (deterministic: the same run moves the same experts in the same order, which the bitwise test needs):
 - `fetch` brings an expert to the device, evicting the least recently used unpinned device experts to host
@@ -42,7 +41,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -50,67 +49,16 @@ import torch.distributed as dist
 from torch import nn
 
 from appliance.errors import BadInput
+from appliance.parallel.experts.store_slots import (
+    STATE_KEYS,
+    TIERS,
+    AdamWSettings,
+    ExpertKey,
+    ExpertSlot,
+    TierCounters,
+)
 from appliance.parallel.experts.store_tiers import DiskTier, Tensors, tensors_bytes, to_device, to_host
 from appliance.planner.train_settings import TrainSettings
-
-TIERS = ("device", "host", "disk")
-STATE_KEYS = ("exp_avg", "exp_avg_sq")  # AdamW's per-element state, moved with the expert
-
-ExpertKey = tuple[int, int]  # (MoE layer in forward order, expert index in the layer)
-
-
-@dataclass
-class TierCounters:
-    hits: int = 0
-    fetches: int = 0
-    evictions: int = 0
-    bytes_in: int = 0
-    bytes_out: int = 0
-
-
-@dataclass(frozen=True)
-class AdamWSettings:
-    """torch.optim.AdamW's defaults; a run passes its own (expert_store_for_run)."""
-
-    lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 1e-2
-    # Megatron's split, as the engine's dense optimizer has it (engine.param_groups): no decay on biases (1-D)
-    decay_vectors: bool = True
-    # torch's fused kernel instead of the per-tensor loop: also elementwise, so the same bits per expert as one fused
-    # AdamW over every parameter (what the engine's dense optimizer runs on CPU, engine.adamw_kernel). It reads the
-    # step count on the parameters' device, so only where that is the host (CPU); foreach=False elsewhere.
-    fused: bool = False
-
-
-@dataclass(eq=False)
-class ExpertSlot:
-    key: ExpertKey
-    module: nn.Module
-    names: list[str]
-    params: list[nn.Parameter]
-    optimizer: torch.optim.AdamW
-    nbytes: int
-    # bf16 experts: an fp32 master per parameter, which AdamW steps and whose .grad accumulates the micro-batches'
-    # gradients in fp32 (DeepSpeed's BF16_Optimizer's arithmetic); empty for fp32 experts, their own masters.
-    masters: list[nn.Parameter] = field(default_factory=list)
-    unfolded: bool = False  # bf16: a micro-batch's gradient is in the bf16 .grad, not yet added to the master's
-    tier: str = "device"
-    host: Tensors | None = None
-    forward_pinned: bool = False
-    grads_pending: int = 0  # parameters whose gradient this backward has still to accumulate
-    grads_early: int = 0  # gradients accumulated in this backward before its first use of the weights
-    backward_uses: set[int] = field(default_factory=set)
-
-    @property
-    def pinned(self) -> bool:
-        return self.forward_pinned or self.grads_pending > 0
-
-    @property
-    def trained(self) -> list[nn.Parameter]:
-        """What AdamW steps and where the gradients accumulate: the fp32 masters, or the fp32 parameters."""
-        return self.masters or self.params
 
 
 class ExpertStore:

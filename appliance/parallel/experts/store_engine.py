@@ -44,11 +44,13 @@ from torch import nn
 from appliance.errors import BadInput
 from appliance.model.moe import BloomMoE
 from appliance.parallel.experts.parallel import is_expert_parameter
-from appliance.parallel.experts.store import AdamWSettings, ExpertKey, ExpertStore
+from appliance.parallel.experts.store import ExpertStore
 from appliance.parallel.experts.store_hooks import attach_expert_store
+from appliance.parallel.experts.store_slots import AdamWSettings, ExpertKey
 from appliance.parallel.step.grads import clip_by_global_norm, clip_coefficient
 from appliance.parallel.tensor.mappings import collective_device, group_size
 from appliance.parallel.topology import ParallelTopology
+from appliance.planner.layout_rules import store_problems
 
 STATE_KINDS = ("exp_avg", "exp_avg_sq")
 
@@ -64,38 +66,19 @@ def check_store_layout(
     device_budget_bytes: int = 1,
     host_budget_bytes: int = 0,
 ) -> None:
-    """BadInput naming every key when the tiered store cannot run with these settings."""
-    if host_budget_bytes > 0 and device_budget_bytes <= 0:
-        raise BadInput(
-            f"train.expert_host_budget_mb ({host_budget_bytes:,} B) needs train.expert_device_budget_mb > 0: with no"
-            " device budget every expert stays resident and none reaches host memory or disk"
-        )
-    problems = []
-    if not is_moe:
-        problems.append("the model has no experts (model moe_num_experts = 0)")
-    if dtype == "fp16":
-        # fp16 scales the loss dynamically: the store would have to unscale its gradients and share the overflow
-        # verdict with ZeRO's loss scaler, which nothing here does yet
-        problems.append("train.dtype is fp16, the store trains fp32 or bf16 experts (fp16's loss scaling is not wired)")
-    if cp > 1:
-        # with cp the experts' gradients are partial sums over cp too (edp_cp group, divided by dp x cp); the store
-        # reduces over edp and divides by dp
-        problems.append(f"layout cp is {cp}, the store reduces its experts over edp only (cp = 1)")
-    if tp > 1:
-        # with tp the experts are tp slices (model/moe.py ExpertMLP): their squares count on every tp rank and their
-        # rows/columns load and save through the tp-sliced checkpoint readers; the store keeps whole experts and
-        # counts its squares on tp rank 0 only
-        problems.append(f"layout tp is {tp}, the store holds whole experts (tp = 1)")
-    if zero_stage > 1:
-        # ZeRO-2 reduces gradient partitions during backward (and in bf16 replaces the bf16 optimizer the store
-        # joins): not proven with the store
-        problems.append(f"layout.zero_stage is {zero_stage}, the store is wired at ZeRO 0 and 1")
+    """BadInput naming every key when the tiered store cannot run with these settings (the rules and their words are
+    the planner's, planner/layout_rules.py, which Layout.validate states too). The store runs at any ``pp``."""
+    problems = store_problems(
+        is_moe=is_moe,
+        dtype=dtype,
+        zero_stage=zero_stage,
+        cp=cp,
+        tp=tp,
+        device_budget_bytes=device_budget_bytes,
+        host_budget_bytes=host_budget_bytes,
+    )
     if problems:
-        raise BadInput(
-            "train.expert_device_budget_mb > 0 (the tiered expert store): "
-            + "; ".join(problems)
-            + " (set expert_device_budget_mb=0 to keep every expert resident)"
-        )
+        raise BadInput("; ".join(problems))
 
 
 @contextmanager

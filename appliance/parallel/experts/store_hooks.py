@@ -24,7 +24,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from appliance.parallel.experts.store import ExpertSlot, ExpertStore
+from appliance.parallel.experts.store import ExpertStore
+from appliance.parallel.experts.store_slots import ExpertSlot
 
 
 class _SavedWeight:

@@ -53,15 +53,13 @@ from appliance.model.bloom import BloomBlock
 from appliance.model.config import BloomConfig
 from appliance.model.initial_weights import empty_module
 from appliance.model.moe import canonical_moe_name
-from appliance.parallel.context.training import token_weighted_loss
+from appliance.parallel.loss import VocabParallelLoss
 from appliance.parallel.parallelize import SEQUENCE_DIM, Parallelism
-from appliance.parallel.tensor.cross_entropy import HeadInput, lm_head_input, vocab_parallel_loss
+from appliance.parallel.tensor.cross_entropy import HeadInput, lm_head_input
 from appliance.parallel.tensor.layers import VocabParallelEmbedding
-from appliance.parallel.tensor.mappings import Group, group_size
-from appliance.parallel.tensor2d.layers2d import Embedding2D, Mesh2D, apply_norm, loss_2d
+from appliance.parallel.tensor2d.layers2d import Embedding2D, apply_norm
 
 EMBED_KEY = "embed"
-IGNORE_INDEX = -100  # labels that count no loss (vocab_parallel_loss's default)
 BLOCK_OFFSET = 2  # pipeline index of block 0: the word embedding and its LayerNorm come first
 CHECKPOINTED_LAYERS = ["TransformerLayerPipe"]
 # What flows between layers: hidden states (token ids into the first), or with packed documents (hidden, doc_ids),
@@ -215,53 +213,6 @@ class EmptyTiedLayerSpec(TiedLayerSpec):
         return empty_module(lambda: TiedLayerSpec.build(self, log), self.device)
 
 
-class VocabParallelLoss:
-    """loss_fn(HeadInput, labels): mean token cross-entropy for training; ``reduction = "sum"`` for evaluation
-    (a padded evaluation micro-batch may hold no token at all). Chunked and vocabulary-parallel
-    (cross_entropy.vocab_parallel_loss): the logits are computed chunk by chunk against the tied embedding
-    shard, whose gradient comes out of the same pass. With context parallelism (a ``cp_group`` of more than one
-    rank) the training loss is this rank's token-weighted share of the micro-batch mean
-    (context.training.token_weighted_loss); the evaluation sum is its slice's sum."""
-
-    def __init__(
-        self,
-        tp_group: Group,
-        cp_group: Group | None = None,
-        mesh: Mesh2D | None = None,
-        moe_aux_loss_coef: float = 0.0,
-    ) -> None:
-        self.tp_group, self.cp_group = tp_group, cp_group
-        self.mesh = mesh  # tp2d: this mesh row's share of the micro-batch (layers2d.loss_2d)
-        self.reduction = "mean"
-        self.inject_nan = False  # a recovery drill's non-finite loss (appliance/train/faults.py)
-        self.moe_aux_loss_coef = moe_aux_loss_coef
-        # BLOOM-MoE, per training micro-batch since the engine last read them: the language-model loss and the
-        # summed (unweighted) MoE load-balancing loss, detached.
-        self.lm_losses: list[torch.Tensor] = []
-        self.aux_losses: list[torch.Tensor] = []
-
-    def __call__(self, head: HeadInput | tuple[HeadInput, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
-        aux = None
-        if not isinstance(head, HeadInput):
-            head, aux = head  # an MoE model's training output: (HeadInput, the travelling MoE loss)
-        loss = self._lm_loss(head, labels)
-        if aux is not None:
-            self.lm_losses.append(loss.detach())
-            self.aux_losses.append(aux.detach().sum())
-            loss = loss + self.moe_aux_loss_coef * aux.sum().to(loss.dtype)
-        return loss
-
-    def _lm_loss(self, head: HeadInput, labels: torch.Tensor) -> torch.Tensor:
-        if self.mesh is not None:
-            loss = loss_2d(head, labels, self.mesh, ignore_index=IGNORE_INDEX, reduction=self.reduction)
-        elif self.reduction == "mean" and self.cp_group is not None and group_size(self.cp_group) > 1:
-            loss_sum = vocab_parallel_loss(head, labels, self.tp_group, reduction="sum")
-            loss = token_weighted_loss(loss_sum, labels, self.cp_group, IGNORE_INDEX)
-        else:
-            loss = vocab_parallel_loss(head, labels, self.tp_group, reduction=self.reduction)
-        return loss * float("nan") if self.inject_nan else loss
-
-
 def bloom_layer_specs(config: BloomConfig, parallelism: Parallelism, *, device: torch.device) -> list[LayerSpec]:
     """The pipeline's layer specs (see the module docstring); every rank builds the same list. The layers they
     build hold uninitialised parameters on ``device``, parallelized by ``parallelism`` (parallelize.py)."""
@@ -294,7 +245,7 @@ def hf_parameter_name(pipe_name: str, n_layer: int, expert_offset: int = 0) -> s
     return f"transformer.h.{block}.{rest}" if 0 <= block < n_layer else "transformer." + rest
 
 
-def _recompute(function: Callable[..., Any], *inputs: Activations) -> Any:
+def recompute_layers(function: Callable[..., Any], *inputs: Activations) -> Any:
     """Full activation recompute of a range of layers (torch's non-reentrant checkpoint: it keeps the RNG state,
     and the layers' tensor-parallel collectives simply run again in the backward pass)."""
     return checkpoint(function, *inputs, use_reentrant=False)
@@ -323,7 +274,7 @@ def build_pipeline_module(
             partition_method=partition_method,
             # One block per checkpoint, as BLOOM (--checkpoint-activations, interval 1).
             activation_checkpoint_interval=1 if parallelism.full_recompute else 0,
-            activation_checkpoint_func=_recompute,
+            activation_checkpoint_func=recompute_layers,
             checkpointable_layers=CHECKPOINTED_LAYERS,
         )
     parts = module.parts
@@ -337,40 +288,3 @@ def build_pipeline_module(
             f"the plan expects {list(blocks_per_stage)}"
         )
     return module
-
-
-class BloomStack(nn.Module):
-    """The same layers in one process, for pp = 1 under DeepSpeed's plain engine (which, unlike the pipeline
-    engine, supports ZeRO-2). Modules are registered under the PipelineModule's names, so ``hf_parameter_name``
-    serves both. forward(ids) -> HeadInput (what scoring reads); forward(ids, labels) -> loss."""
-
-    def __init__(self, specs: Sequence[LayerSpec], loss_fn: VocabParallelLoss, *, recompute_blocks: bool) -> None:
-        super().__init__()
-        self.loss_fn = loss_fn
-        self.recompute_blocks = recompute_blocks
-        self.tied_modules = nn.ModuleDict()
-        self._layers: list[Callable[[torch.Tensor], torch.Tensor]] = []
-        for index, spec in enumerate(specs):
-            if isinstance(spec, TiedLayerSpec):
-                if spec.key not in self.tied_modules:
-                    self.tied_modules[spec.key] = spec.build()
-                tied = self.tied_modules[spec.key]
-                self._layers.append(partial(spec.forward_fn, tied) if spec.forward_fn else tied)
-            else:
-                layer = spec.build()
-                self.add_module(str(index), layer)
-                self._layers.append(layer)
-
-    def forward(
-        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None
-    ) -> Any:
-        """doc_ids: [batch, seq] document of each token (reset_attention_mask), carried to every block as in the
-        pipeline, or None."""
-        # Activations between the layers, the HeadInput after the last.
-        x: Any = input_ids if doc_ids is None else (input_ids, doc_ids)
-        recompute = self.recompute_blocks and torch.is_grad_enabled()
-        for layer in self._layers:
-            x = _recompute(layer, x) if recompute and isinstance(layer, TransformerLayerPipe) else layer(x)
-        if labels is None:
-            return x if isinstance(x, HeadInput) else x[0]  # scoring reads the HeadInput (a training MoE loss aside)
-        return self.loss_fn(x, labels)

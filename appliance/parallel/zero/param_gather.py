@@ -125,7 +125,7 @@ class Bucket:
 
 def forward_layers(module: nn.Module) -> list[Any]:
     """The callables a forward runs, in order: DeepSpeed's PipelineModule keeps them in ``forward_funcs``, and
-    pipeline.specs.BloomStack in ``_layers`` (built from the same specs, in the same order)."""
+    pipeline.stack.BloomStack in ``_layers`` (built from the same specs, in the same order)."""
     layers = getattr(module, "forward_funcs", None)
     if layers is None:
         layers = getattr(module, "_layers", None)
