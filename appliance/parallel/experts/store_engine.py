@@ -46,13 +46,11 @@ from appliance.model.moe import BloomMoE
 from appliance.parallel.experts.parallel import is_expert_parameter
 from appliance.parallel.experts.store import ExpertStore
 from appliance.parallel.experts.store_hooks import attach_expert_store
-from appliance.parallel.experts.store_slots import AdamWSettings, ExpertKey
+from appliance.parallel.experts.store_slots import STATE_KEYS, AdamWSettings, ExpertKey
 from appliance.parallel.step.grads import clip_by_global_norm, clip_coefficient
 from appliance.parallel.tensor.mappings import collective_device, group_size
 from appliance.parallel.topology import ParallelTopology
 from appliance.planner.layout_rules import store_problems
-
-STATE_KINDS = ("exp_avg", "exp_avg_sq")
 
 
 def check_store_layout(
@@ -151,7 +149,7 @@ class EngineExpertStore:
             if step == 0:
                 continue  # before the first step: no state, as for DeepSpeed's optimizer
             for local, full in names:
-                out.update({f"{full}.{kind}": tensors[f"{local}.{kind}"].float() for kind in STATE_KINDS})
+                out.update({f"{full}.{kind}": tensors[f"{local}.{kind}"].float() for kind in STATE_KEYS})
                 out[f"{full}.step"] = torch.tensor(int(tensors[f"{local}.step"]), dtype=torch.int64)
                 if f"{local}.master" in tensors:  # bf16 experts: checkpoint/optimizer_state.py's <name>.master
                     out[f"{full}.master"] = tensors[f"{local}.master"].float()
@@ -165,7 +163,7 @@ class EngineExpertStore:
                 continue
             tensors = self.store.read_expert(key)
             for local, full in names:
-                for kind in STATE_KINDS:
+                for kind in STATE_KEYS:
                     if f"{full}.{kind}" not in keys:
                         raise KeyError(f"optimizer state has no {full}.{kind}")
                     # the moment's own dtype: fp32 also beside a bf16 weight
