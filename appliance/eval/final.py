@@ -121,7 +121,9 @@ def write_final_eval(
     task_runner: TaskRunner | None = None,
 ) -> dict[str, Any]:
     started = time.time()
-    validation: Validation = trainer.evaluate()
+    # The last training step usually evaluated already (eval_interval divides the run, and the last step always
+    # evaluates): the same weights give the same figures, so that pass is not run twice.
+    validation: Validation = trainer.evaluation_at_current_step()
     result: dict[str, Any] = {
         "step": trainer.pos.step,
         "consumed_samples": trainer.pos.consumed_samples,

@@ -1,6 +1,7 @@
-"""Entry point of one training rank, started by PyTorch's elastic agent (torch.distributed.run):
+"""Entry point of one training rank, started by PyTorch's elastic agent (torch.distributed.run, through
+appliance/train/agent.py):
 
-    python -m torch.distributed.run --nproc-per-node N ... -m appliance.rank.worker --run-dir D
+    python -m appliance.train.agent --nproc-per-node N ... -m appliance.rank.worker --run-dir D
 
 It reads plan.json, builds the model, the DeepSpeed engine and the data, resumes from the newest valid
 checkpoint when there is one (so an agent restart after a failure continues the run), trains, and evaluates.
@@ -13,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from appliance.monitor.events import EventWriter
 from appliance.monitor.sinks import writer_with_sinks
 from appliance.parallel.tensor.drift import ReplicaDriftError
 from appliance.planner.runspec import RunSpec, load_spec
+from appliance.process_exit import exit_without_teardown
 from appliance.rundir import RunDir
 from appliance.tokenizer.vocab import tokenizer_vocab_size
 from appliance.train import checkpoint as ckpt
@@ -348,4 +349,4 @@ def _emit_recovery(events: EventWriter, run_dir: RunDir, resumed_from: Path, ste
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())  # a finished rank skips the interpreter's teardown (appliance/process_exit.py)

@@ -41,6 +41,7 @@ from appliance.train.startup import LAUNCH_TIME_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKER_MODULE = "appliance.rank.worker"
+AGENT_MODULE = "appliance.train.agent"  # torch.distributed.run, leaving without the teardown (train/agent.py)
 
 
 # A poll of the agent's few local processes costs microseconds: torch's default, 0.1 s. Ours was 1 s, which added half a
@@ -66,7 +67,7 @@ def agent_command(
     cmd = [
         python,
         "-m",
-        "torch.distributed.run",
+        AGENT_MODULE,
         f"--nproc-per-node={nproc_per_node}",
         f"--max-restarts={max_restarts}",
     ]

@@ -26,6 +26,7 @@ LAYERS = (
     "presets",
     "rundir",
     "atomic",
+    "process_exit",
     "hardware",
     "monitor",
     "planner",

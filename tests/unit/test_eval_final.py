@@ -19,6 +19,7 @@ from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
 from appliance.rundir import RunDir
 from appliance.train.trainer_checkpoints import Position
+from appliance.train.trainer_eval import TrainerEvaluation
 from appliance.train.validation import SourceSums, Validation
 
 SEQ_LEN = 64
@@ -45,8 +46,14 @@ class FakeTrainer:
     first_valid_loss: float = 9.0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    last_eval: tuple[int, Validation] | None = None
+    evaluations: int = 0
+
+    def evaluation_at_current_step(self) -> Validation:
+        return TrainerEvaluation.evaluation_at_current_step(self)  # type: ignore[arg-type]
 
     def evaluate(self) -> Validation:
+        self.evaluations += 1
         # en: 20 nats over 10 tokens of 40 bytes; fr: 30 nats over 10 tokens that stand for no bytes (special ones)
         return Validation.of({"en": SourceSums(20.0, 10.0, 40.0), "fr": SourceSums(30.0, 10.0, 0.0)})
 
@@ -93,6 +100,21 @@ def test_eval_json_has_losses_tasks_and_sample(tmp_path):
     assert on_disk["sample"]["prompt"] == SAMPLE_PROMPT and isinstance(on_disk["sample"]["completion"], str)
     kind, fields = trainer.events[-1]
     assert kind == "eval" and fields["final"] and fields["tasks"] == result["tasks"] and fields["step"] == 7
+    assert trainer.evaluations == 1
+
+
+def test_final_validation_reuses_the_last_steps_evaluation(tmp_path):
+    """The last training step evaluated (the run's last step always does): the final evaluation takes those figures
+    instead of a second validation pass over the same weights; an evaluation from an earlier step is not reused."""
+    run_dir = make_run_dir(tmp_path)
+    model = BloomForCausalLM(BloomConfig(vocab_size=512, hidden_size=32, n_layer=1, n_head=4))
+    at_step_7 = Validation.of({"en": SourceSums(7.0, 10.0, 40.0)})
+    trainer = FakeTrainer(FakeEngine(model), s=FakeSettings(eval_task_limit=1), last_eval=(7, at_step_7))
+    result = write_final_eval(trainer, run_dir, vocab_size=512, is_writer=True)
+    assert trainer.evaluations == 0 and result["valid_loss"] == 0.7
+    trainer = FakeTrainer(FakeEngine(model), s=FakeSettings(eval_task_limit=1), last_eval=(6, at_step_7))
+    result = write_final_eval(trainer, run_dir, vocab_size=512, is_writer=True)
+    assert trainer.evaluations == 1 and result["valid_loss"] == 2.5
 
 
 class CountingScorer(ModelScorer):

@@ -32,7 +32,7 @@ def test_jean_zay_script_has_the_directives_and_one_agent_per_node(tmp_path):
     ):
         assert f"#SBATCH {directive}" in script
     srun = next(line for line in script.splitlines() if line.startswith("srun "))
-    assert "-m torch.distributed.run" in srun and "--nnodes=48" in srun and "--nproc-per-node=8" in srun
+    assert "-m appliance.train.agent" in srun and "--nnodes=48" in srun and "--nproc-per-node=8" in srun
     assert '"--rdzv-endpoint=$MASTER_ADDR:29500"' in srun and "-m appliance.rank.worker" in srun
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p' in script
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
