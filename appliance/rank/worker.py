@@ -30,6 +30,7 @@ from appliance.rundir import RunDir
 from appliance.tokenizer.vocab import tokenizer_vocab_size
 from appliance.train import checkpoint as ckpt
 from appliance.train import elastic, runlock
+from appliance.train.launch import fill_compile_cache_env
 from appliance.train.settings import TrainSettings
 from appliance.train.startup import StartupClock
 from appliance.train.state import seed_everything
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     # The start's phases, from the head's launch to the first step's end: rank 0 emits them as `startup`.
     clock = StartupClock.for_rank()
     run_dir = RunDir(args.run_dir)
+    fill_compile_cache_env(run_dir, os.environ)  # before anything compiles; launch.py's launcher has set them already
     runlock.join(run_dir)  # this rank keeps the run directory until it exits, even if its launcher is gone
     try:
         spec = load_spec(run_dir.plan)  # an unknown, missing or mistyped key, named, before any process group forms

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
@@ -136,6 +136,19 @@ def compile_cache_env(run_dir: RunDir, node_rank: int = 0) -> dict[str, str]:
     a wrong kernel. A variable the user set is kept (e.g. one cache for every run of a machine)."""
     root = run_dir.compile_cache / f"node{node_rank}"
     return {name: str(root / sub) for name, sub in COMPILE_CACHE_ENV.items()}
+
+
+# Which node a rank is on, where its launcher set no compile caches: SLURM's node index (what a requeued job's node
+# keeps), else torch's rendezvous rank of the node.
+NODE_INDEX_ENVS = ("SLURM_NODEID", "GROUP_RANK")
+
+
+def fill_compile_cache_env(run_dir: RunDir, env: MutableMapping[str, str]) -> None:
+    """compile_cache_env's variables for a rank whose launcher set none: the SLURM script's agents start from the
+    batch shell's environment, where one line cannot name each node's directory. Variables already set are kept."""
+    node = next((env[name] for name in NODE_INDEX_ENVS if env.get(name, "").isdigit()), "0")
+    for name, path in compile_cache_env(run_dir, int(node)).items():
+        env.setdefault(name, path)
 
 
 def worker_env(

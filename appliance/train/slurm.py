@@ -17,6 +17,7 @@ from appliance.hardware.slurm import check_time_limit, sbatch_header
 from appliance.planner.runspec import RunSpec
 from appliance.train.launch import FRESH_STORE_ENV, REPO_ROOT, agent_command
 from appliance.train.runlock import LOCK_ENV
+from appliance.train.startup import LAUNCH_TIME_ENV
 
 RDZV_PORT = 29500
 
@@ -130,6 +131,9 @@ def sbatch_script(job: SlurmJob, *, corpus: list[Path], python: str = ".venv/bin
         "",
         "# Time limit near (USR1) or preemption (TERM): ask every rank to save at the same step and stop.",
         "trap 'touch \"$RUN_DIR/control/save-and-exit\"' USR1 TERM",
+        "# Where the ranks' startup account begins (train/startup.py); each node's ranks keep what they compile in",
+        "# $RUN_DIR/compile-cache/node<SLURM_NODEID> (train/launch.py fill_compile_cache_env), across requeues.",
+        f"export {LAUNCH_TIME_ENV}=$(date +%s.%N)",
         f"srun --kill-on-bad-exit=1 --ntasks-per-node=1 {_shell(agent)} &",
         "AGENTS=$!",
         "# wait returns early (status > 128) when a trapped signal arrives: wait again while srun still runs.",

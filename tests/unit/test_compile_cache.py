@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from appliance.rundir import RunDir
-from appliance.train.launch import compile_cache_env, worker_env
+from appliance.train.launch import compile_cache_env, fill_compile_cache_env, worker_env
 
 pytestmark = pytest.mark.slow
 
@@ -45,3 +45,17 @@ def test_a_second_launch_loads_the_first_ones_compiled_graph(tmp_path):
     assert any((run_dir.compile_cache / "node0" / "inductor").iterdir())
     again = compile_in_a_rank(env)
     assert again.get("fxgraph_cache_hit", 0) >= 1 and again.get("fxgraph_cache_miss", 0) == 0, again
+
+
+def test_ranks_whose_launcher_set_no_caches_take_their_nodes_directory(tmp_path):
+    """Under the SLURM script every node's agent starts from the batch shell's environment: each rank fills in its
+    node's directories from SLURM's node index (else torch's group rank); a variable already set is kept."""
+    run_dir = RunDir(tmp_path / "run")
+    env = {"SLURM_NODEID": "3", "GROUP_RANK": "1"}
+    fill_compile_cache_env(run_dir, env)
+    assert env["TRITON_CACHE_DIR"] == str(run_dir.compile_cache / "node3" / "triton")
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(run_dir.compile_cache / "node3" / "inductor")
+    env = {"GROUP_RANK": "1", "TRITON_CACHE_DIR": "/shared/triton"}
+    fill_compile_cache_env(run_dir, env)
+    assert env["TRITON_CACHE_DIR"] == "/shared/triton"
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(run_dir.compile_cache / "node1" / "inductor")

@@ -15,6 +15,7 @@ from appliance.hardware.slurm import sbatch_header
 from appliance.rundir import RunDir
 from appliance.train.runlock import RunInUse, claim
 from appliance.train.slurm import SlurmJob, sbatch_script
+from appliance.train.startup import launch_time
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,6 +35,12 @@ def test_jean_zay_script_has_the_directives_and_one_agent_per_node(tmp_path):
     srun = next(line for line in script.splitlines() if line.startswith("srun "))
     assert "-m appliance.train.agent" in srun and "--nnodes=48" in srun and "--nproc-per-node=8" in srun
     assert '"--rdzv-endpoint=$MASTER_ADDR:29500"' in srun and "-m appliance.rank.worker" in srun
+    # The ranks' startup account begins at this stamp (train/startup.py), set in the shell right before srun.
+    lines = script.splitlines()
+    stamp = next(i for i, line in enumerate(lines) if line.startswith("export BLOOM_LAUNCH_TIME="))
+    assert stamp < lines.index(srun)
+    shell = subprocess.run(["bash", "-c", lines[stamp] + '; echo "$BLOOM_LAUNCH_TIME"'], capture_output=True, text=True)
+    assert abs(launch_time({"BLOOM_LAUNCH_TIME": shell.stdout.strip()}) - time.time()) < 60  # type: ignore[operator]
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p' in script
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
 
