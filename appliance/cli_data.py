@@ -62,8 +62,28 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
 
     if not args.corpus.is_dir():
         raise BadInput(f"--corpus {args.corpus}: not a prepared corpus directory")
-    print(train_tokenizer(args.corpus, args.out, vocab_size=args.vocab_size, tp_size=args.tp))
+    vocab_size, reasons = args.vocab_size, None
+    if vocab_size is None:
+        vocab_size, reasons = corpus_vocab_size(args.corpus)
+        print(f"vocabulary: {reasons[0]}")
+    print(train_tokenizer(args.corpus, args.out, vocab_size=vocab_size, vocab_reasons=reasons, tp_size=args.tp))
     return 0
+
+
+def corpus_vocab_size(corpus_dir: Path) -> tuple[int, list[str]]:
+    """The vocabulary `run` would size for this prepared corpus (planner/vocabulary.py: its prep_report.json's bytes,
+    at most BLOOM's 250,680 entries), and the reason, for fertility.json."""
+    from appliance.data.prep import REPORT_JSON
+    from appliance.planner.vocabulary import vocab_for_corpus
+    from appliance.tokenizer.vocab import BLOOM_VOCAB
+
+    report_path = corpus_dir / REPORT_JSON
+    try:
+        corpus_bytes = int(json.loads(report_path.read_text())["totals"]["bytes_out"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise BadInput(f"{report_path}: cannot read the prepared corpus's size ({e}); pass --vocab-size N") from None
+    choice = vocab_for_corpus(BLOOM_VOCAB, corpus_bytes=corpus_bytes)
+    return choice.size, [f"vocabulary: {choice.reason}"]
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:

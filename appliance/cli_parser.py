@@ -213,7 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("tokenizer", help="train BLOOM's byte-level BPE tokenizer on a prepared corpus")
     p.add_argument("--corpus", type=Path, required=True, help="a directory `prep` wrote")
     p.add_argument("--out", type=Path, required=True, help="where tokenizer.json and fertility.json go")
-    p.add_argument("--vocab-size", type=int, default=250_680, help="BLOOM's, before padding for tensor parallelism")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        help="entries before padding for tensor parallelism (default: sized to the corpus as `run` sizes it, at most"
+        " BLOOM's 250,680)",
+    )
     p.add_argument("--tp", type=int, default=1, help="pad the vocabulary to a multiple of 128 x TP")
 
     p = sub.add_parser("train", help="train (or resume) the run in a run directory")

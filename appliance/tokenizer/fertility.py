@@ -33,13 +33,15 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from appliance.tokenizer.vocab import BLOOM_PLACEHOLDERS, BLOOM_VOCAB
+
 THRESHOLD_POINTS = 10.0
 SPECIAL_ENTRIES = 4  # <unk> <s> </s> <pad>
 BYTE_ENTRIES = 256  # the byte-level alphabet
 REFERENCE_RULE = "equal share of the learned vocabulary"
-# BLOOM's setting, for the arithmetic in fertility.json: 250,680 entries (200 of them placeholders) for
-# 46 natural and 13 programming languages.
-BLOOM_VOCAB, BLOOM_PLACEHOLDERS, BLOOM_LANGUAGES = 250_680, 200, 46 + 13
+# BLOOM's setting, for the arithmetic in fertility.json: 250,680 entries (200 of them placeholders, tokenizer/vocab.py)
+# for 46 natural and 13 programming languages.
+BLOOM_LANGUAGES = 46 + 13
 # Scripts written without spaces between words (Thai, Lao, Myanmar, Khmer, Japanese kana, Han ideographs):
 # each character counts as one word, the usual stand-in when no word segmenter is at hand. Other scripts
 # count runs of word characters, so "l'homme" is two words and "don't" two, for both tokenizers alike.

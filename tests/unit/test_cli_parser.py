@@ -38,7 +38,7 @@ def test_every_command_has_help_in_the_command_list():
 @pytest.mark.parametrize(
     ("command", "shown"),
     [
-        ("tokenizer", "(default: 250680)"),
+        ("tokenizer", "(default: sized to the corpus as `run` sizes it, at most BLOOM's 250,680)"),
         ("run", "(default: text)"),
         ("import", "(default: 2048)"),
         ("sbatch", "(default: 20:00:00)"),
