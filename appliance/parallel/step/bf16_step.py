@@ -31,6 +31,18 @@ import torch
 from appliance.parallel.step.grads import CLIP_EPS
 
 
+def fused_step_verdicts(norm: torch.Tensor, max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(skip, scale) for torch's fused AdamW from the global gradient norm, both 0-d fp32 on the norm's device: the
+    `found_inf` and `grad_scale` of the module docstring's arithmetic. `max_norm` <= 0: no clipping."""
+    bad = (norm < 0) | ~torch.isfinite(norm)  # DeepSpeed masks a NaN or Inf norm as -1
+    if max_norm > 0:
+        scale = torch.clamp((norm + CLIP_EPS) / max_norm, min=1.0)
+        scale = torch.where(bad, torch.ones_like(scale), scale)
+    else:
+        scale = torch.ones_like(norm)
+    return bad.float(), scale.float()
+
+
 def keep_verdicts_on_device(optimizer: Any) -> bool:
     """Replace `optimizer.step` (a DeepSpeed BF16_Optimizer) by one that reads nothing on the host; False, with the
     optimizer untouched, where the conditions in the module docstring do not hold."""
@@ -55,14 +67,8 @@ def _device_step(optimizer: Any) -> Callable[..., None]:
         optimizer.overflow = False  # the engine's host-side flag: the verdict itself stays on the device
         grads, _ = optimizer.get_grads_for_norm()
         norm = get_global_norm_of_tensors(input_tensors=grads, mpu=optimizer.mpu, norm_type=optimizer.norm_type)
-        bad = (norm < 0) | ~torch.isfinite(norm)  # DeepSpeed masks a NaN or Inf norm as -1
-        skip = bad.float()
-        if optimizer.clip_grad > 0:
-            scale = torch.clamp((norm + CLIP_EPS) / optimizer.clip_grad, min=1.0)
-            scale = torch.where(bad, torch.ones_like(scale), scale)
-        else:
-            scale = torch.ones_like(norm)
-        optimizer._global_grad_norm = torch.where(bad, torch.full_like(norm, float("inf")), norm)
+        skip, scale = fused_step_verdicts(norm, optimizer.clip_grad)
+        optimizer._global_grad_norm = torch.where(skip.bool(), torch.full_like(norm, float("inf")), norm)
         for param_partition, grad_partition in zip(
             optimizer.fp32_groups_flat_partition, optimizer.fp32_groups_gradient_flat_partition, strict=True
         ):
@@ -72,7 +78,7 @@ def _device_step(optimizer: Any) -> Callable[..., None]:
                 else grad_partition
             )
         inner = optimizer.optimizer
-        inner.grad_scale, inner.found_inf = scale.float(), skip
+        inner.grad_scale, inner.found_inf = scale, skip
         try:
             inner.step()
         finally:

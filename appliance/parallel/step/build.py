@@ -77,6 +77,7 @@ from appliance.parallel.step.precision import (
     keep_training_at_the_minimum_scale,
 )
 from appliance.parallel.step.single_replica import SingleReplicaEngine
+from appliance.parallel.step.zero_step import keep_zero_verdicts_on_device
 from appliance.parallel.topology import ParallelTopology
 from appliance.parallel.zero.param_gather import build_overlap
 from appliance.planner.layout_rules import tp2d_precision_problems
@@ -220,11 +221,12 @@ def build_engine(
         if experts is not None:  # None: a pipeline stage without MoE blocks, whose clipping stays the dense one
             install_store_step(engine, experts, topology)
     min_loss_scale = keep_training_at_the_minimum_scale(engine.optimizer) if engine.fp16_enabled() else None
-    # bf16 under DeepSpeed's BF16_Optimizer: its norm and skip verdicts stay on the device (step/bf16_step.py), so the
-    # step's figures can be read late, as the single-replica engine's are. Before the overlapped gather wraps the step.
+    # bf16 under DeepSpeed's BF16_Optimizer (ZeRO 0/1) or ZeRO's optimizer (ZeRO 2): its norm and skip verdicts stay
+    # on the device (step/bf16_step.py, step/zero_step.py), so the step's figures can be read late, as the
+    # single-replica engine's are. Before the overlapped gather wraps the step.
     device_figures = (
         dtype == "bf16" and not tiered and not config.is_moe and topology.tp2d <= 1 and step_engine == "auto"
-        and keep_verdicts_on_device(engine.optimizer)
+        and (keep_verdicts_on_device(engine.optimizer) or keep_zero_verdicts_on_device(engine.optimizer))
     )  # fmt: skip
     # BLOOM-MoE: ZeRO partitions the expert groups over edp, not dp; the overlapped gather knows dp only, so an MoE
     # model keeps DeepSpeed's own gather inside the step.
