@@ -28,7 +28,7 @@ def test_a_bloom_sized_corpus_gets_blooms_vocabulary(tmp_path):
 
 
 def test_no_report_names_the_file_and_the_way_out(tmp_path):
-    with pytest.raises(BadInput, match="prep_report.json.*--vocab-size"):
+    with pytest.raises(BadInput, match=r"prep_report\.json.*--vocab-size"):
         corpus_vocab_size(tmp_path)
 
 
