@@ -24,13 +24,13 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
+from appliance.data.blend import DATASETS_JSON
 from appliance.data.indexed import IndexedDatasetWriter, token_dtype
+from appliance.data.prep import SHARD_GLOB
 from appliance.errors import BadInput
 
 ProgressFn = Callable[[float, str], None]
-SHARD_GLOB = "shard-*.jsonl"
 EOD_TOKEN = "</s>"  # id 2 in our tokenizers (appliance/tokenizer/vocab.py); read from the file, not assumed
-DATASETS_JSON = "datasets.json"
 # A language code becomes part of a file name, so it must be a plain code ("en", "zh-Hans", "und").
 LANG_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,31}$")
 # Work unit sent to a worker: ~1 MiB of text keeps the pickling overhead small and the memory in flight bounded.

@@ -34,10 +34,10 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 
 from appliance.eval.harness import TaskModel, TextCodec
 from appliance.eval.scoring import generate_greedy, score_log_likelihoods
+from appliance.eval.tasks import DEFAULT_MAX_GEN_TOKS
 
 MODEL_NAME = "bloom-appliance"
 # lm-eval's hf backend's default for generation tasks that name no max_gen_toks.
-DEFAULT_MAX_GEN_TOKS = 256
 
 
 @register_model(MODEL_NAME)

@@ -19,7 +19,6 @@ from tokenizers import AddedToken, Tokenizer
 # Ids 0-3, in BLOOM's order. </s> ends every document in the indexed datasets (Megatron's "eod").
 SPECIAL_TOKENS: tuple[str, ...] = ("<unk>", "<s>", "</s>", "<pad>")
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
-EOD_TOKEN = "</s>"
 
 # BLOOM's pre-tokenizer split (bigscience's bloom tokenizer.json, Split with behavior "Isolated"): a run of
 # characters that are not whitespace nor one of . , ! ? … 。 ， 、 । ۔ ، (and, through the nested class quirk,

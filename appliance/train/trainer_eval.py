@@ -11,11 +11,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from appliance.data.blend import SampleSource
+from appliance.parallel.loss import IGNORE_INDEX
 from appliance.parallel.step.engine import ParallelEngine
 from appliance.train.budget_watch import BudgetWatch
 from appliance.train.settings import TrainSettings
 from appliance.train.trainer_checkpoints import Position
-from appliance.train.validation import IGNORE_INDEX, SourceSums, Validation, label_bytes
+from appliance.train.validation import SourceSums, Validation, label_bytes
 
 
 class TrainerEvaluation:

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
+from appliance.parallel.loss import IGNORE_INDEX
+
 OVERALL = "all"  # the key of the figure over every source
-IGNORE_INDEX = -100  # labels that count no loss: padding rows of an evaluation micro-batch
 
 
 @dataclass(frozen=True)

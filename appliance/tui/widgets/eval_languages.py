@@ -18,7 +18,7 @@ from appliance.monitor.state import RunState
 from appliance.tui.widgets.panel import Panel, waiting
 
 GROUP_GAP = 3  # blank cells between two column groups
-OVERALL = "all"
+OVERALL_ROW = "all"  # the name shown on the row of the figures over every language
 
 
 def fmt_ppl(value: float | None) -> str:
@@ -42,7 +42,7 @@ def rows_of(report: EvalReport) -> list[LanguageScore]:
     """The overall figure first, as "all" (the trainer's own name for it), then each language."""
     if report.loss is None and report.ppl is None:
         return report.languages
-    return [LanguageScore(OVERALL, report.loss, report.ppl, report.bits_per_byte), *report.languages]
+    return [LanguageScore(OVERALL_ROW, report.loss, report.ppl, report.bits_per_byte), *report.languages]
 
 
 def language_table(languages: list[LanguageScore], rows: int, width: int) -> Table:
@@ -83,7 +83,7 @@ def language_table(languages: list[LanguageScore], rows: int, width: int) -> Tab
     cells: list[list[Text | str]] = []
     for x in shown:
         # Text: names come from files, never markup; the overall row stands out as the headline figure
-        cell: list[Text | str] = [Text(x.name, style="reverse" if x.name == OVERALL else "")]
+        cell: list[Text | str] = [Text(x.name, style="reverse" if x.name == OVERALL_ROW else "")]
         cell += [fmt_float(x.loss, ".3f"), fmt_ppl(x.ppl)] + ([fmt_float(x.bits_per_byte, ".3f")] if with_bpb else [])
         cells.append(cell)
     if len(shown) < len(languages):
