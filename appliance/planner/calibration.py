@@ -21,20 +21,42 @@ class Efficiency:
     memory: float  # fraction of the memory bandwidth elementwise kernels reach
 
 
-# A100: fitted to BLOOM-176B (see the module docstring). H100/H200: training reaches a smaller fraction of their
-# peak than A100 does (cuBLAS bf16 GEMMs run at ~70-75% of 989 TFLOPs against ~85% of 312 on A100; Megatron-LM's
-# published H100 runs sit near 45-50% MFU against 50-55% on A100), so their GEMM efficiency is the A100 figure
-# times 0.85, and they need wider GEMMs to get there. Other GPUs: the A100 figure times 0.9, an assumption.
+# A100: fitted to BLOOM-176B (see the module docstring). Other GPUs: the A100 figure times 0.9, an assumption.
 A100_EFFICIENCY = Efficiency(gemm=0.76, gemm_half_width=256.0, attention=0.60, memory=0.80)
+# H100/H200 (one compute die: the H200 adds memory, not tensor cores): fitted to bloom-560m's step on one H200 at
+# micro-batches 2 and 16 (bench/results/2026-11-26-h200-bloom-560m-mb{2,16}-trainer.json, bf16, seq 2048, compiled
+# blocks; micro-batch 8 is held out, tests/unit/test_planner_h200_steps.py), in three steps:
+# - attention: the flash kernels took 7.356 ms a step at micro-batch 2 in the profile (forward 6.133, dK/dV 9.557,
+#   dQ 6.379 ms over 3 steps); `attention` is set so the term gives that at head_dim 64 and width 2048.
+# - the curve's width-1024 point: micro-batch 16 is device-bound (host_time.py), so its 274.6 ms step less the
+#   attention (8 x 7.356), elementwise (47.67) and optimizer (5.53) terms leaves 162.5 ms for the GEMMs, all 1024
+#   wide here: 0.684 of the 989 TFLOP/s peak. The profile's GEMM kernels alone ran at 0.75-0.78 at micro-batch 2 (17.8
+#   ms a step for 1.37e13 FLOPs); the step's figure is lower because it also carries what the model does not itemise
+#   on this path (the gradient norm's and casts' passes, the kernels between the GEMMs).
+# - the width-8192 point: the 8192^3 bf16 matmul ceiling measured in the same two processes, 710.0 and 743.6
+#   TFLOP/s, mean 0.735 of the peak. Through both points: 0.743 * 1024 / (1024 + 89) = 0.684, 0.743 * 8192 /
+#   (8192 + 89) = 0.735. The old figures (0.65, 384) gave 0.47 at width 1024 and made these steps 19-26% slow.
+H100_EFFICIENCY = Efficiency(gemm=0.743, gemm_half_width=89.0, attention=0.444, memory=0.80)
 EFFICIENCY: dict[str, Efficiency] = {
     "A100": A100_EFFICIENCY,
-    "H100": Efficiency(gemm=0.65, gemm_half_width=384.0, attention=0.60, memory=0.80),
-    "H200": Efficiency(gemm=0.65, gemm_half_width=384.0, attention=0.60, memory=0.80),
+    "H100": H100_EFFICIENCY,
+    "H200": H100_EFFICIENCY,
 }
 DEFAULT_GPU_EFFICIENCY = Efficiency(gemm=0.68, gemm_half_width=256.0, attention=0.60, memory=0.75)
 # CPU ranks (fp32, MKL/oneDNN GEMMs): eff = 0.77 * n / (n + 128) reproduces the measured 37 and 54 GFLOP/s per
 # 96 GFLOP/s core at widths 128 and 256; memory streams at the spec's per-core bandwidth.
 CPU_EFFICIENCY = Efficiency(gemm=0.77, gemm_half_width=128.0, attention=0.60, memory=0.80)
+
+# Host seconds per kernel launch of a GPU rank's step, on the path host_time.py counts (compiled blocks, flash
+# attention, the chunked loss, the flat AdamW step). An average over that mix: the compiled graphs' wrappers and
+# guards, the Triton kernels launched from Python, autograd, the aten calls. Fitted to bloom-560m at micro-batch 2 on
+# one H200 (bench/results/2026-11-26-h200-bloom-560m-mb2-trainer.json; 16-core host), which is host-bound (the GPU was
+# idle 57% of the profiled step): the 79.32 ms step less the optimizer's tail (5.53 ms, timing.py) less the host time
+# of the 293 per-parameter gradient adds since removed (aten::add_ self time 3.99 ms a step under the profiler,
+# scaled by the profiler's slowdown 79.32 / 102.56: 3.07 ms), over the 1,114 launches the code issues now
+# (host_time.launches_per_step; 1,381 then): 70.71 ms / 1,114 = 63.5 us. CPU ranks run their kernels on the host
+# itself, inside the fitted CPU rates: no entry.
+HOST_SECONDS_PER_LAUNCH = {"gpu": 63.5e-6}
 
 # Tensor-core GEMMs lose rate when a per-rank width is not a multiple of 128 (tile quantization): the planner
 # prefers hidden/tp % 128 == 0 and charges this factor otherwise.

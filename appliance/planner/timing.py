@@ -11,7 +11,8 @@ slowest stage, m of them useful: the bubble is (p - 1)/m of the work. After the 
 reduce (overlapped with the last backward only when the DeepSpeed config turns overlap_comm on, pp == 1),
 the parameter all-gather of ZeRO >= 1 (issued after the step, per layer, and hidden under the next step's forward
 except where a layer's forward would wait for its own parameters), the tied-embedding all-reduce, and the
-optimizer step at memory bandwidth.
+optimizer step at memory bandwidth. On GPU ranks, what the host's kernel launches add where they outlast the device's
+work (host_time.py: the step is max(device - optimizer, host) + optimizer).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from appliance.hardware.profile import Hardware
 from appliance.planner import calibration as cal
-from appliance.planner import context_parallel, train_settings
+from appliance.planner import context_parallel, host_time, train_settings
 from appliance.planner.comm import allreduce_sent, gather_sent, tp_allreduces_per_layer
 from appliance.planner.context_parallel import local_tokens
 from appliance.planner.device import Device, Link, cp_link, dp_link, make_device, pp_link, tied_link, tp_link
@@ -54,6 +55,7 @@ BREAKDOWN_KEYS = (
     "param_gather",
     "tied_embedding",
     "optimizer",
+    "host",
 )
 
 
@@ -396,8 +398,41 @@ def step_time_for_device(
         tied = _ring_time(allreduce_sent(size, 2), 2, tied_link(hw, device, t, d, p))
     breakdown["tied_embedding"] = tied
     breakdown["optimizer"] = _optimizer_bytes(params, layout, device.dtype) / mem_rate
+    breakdown["host"] = _exposed_host(model, layout, device, kernels, partition, stages, s, breakdown)
     total = sum(breakdown.values())
     return StepTime(total, slowest, {k: breakdown[k] for k in BREAKDOWN_KEYS})
+
+
+def _exposed_host(
+    model: ModelShape,
+    layout: Layout,
+    device: Device,
+    kernels: KernelPath,
+    partition: Partition,
+    stages: list[int],
+    s: int,
+    breakdown: dict[str, float],
+) -> float:
+    """Seconds the step waits on the host beyond its device time (host_time.py), for the busiest host among
+    `stages`, against the device seconds in `breakdown` with the optimizer's as the tail that never overlaps."""
+    if not host_time.host_term_applies(model, layout, device, kernels):
+        return 0.0
+    tokens = layout.micro_batch_size * local_tokens(s, layout.cp)
+    launches = max(
+        host_time.launches_per_step(
+            model,
+            layout,
+            device,
+            kernels,
+            layers=partition.layers_per_stage[st],
+            params=stage_parameters(model, layout, st, partition),
+            last_stage=st == layout.pp - 1,
+            tokens=tokens,
+        )
+        for st in stages
+    )
+    host_s = host_time.host_seconds(launches, device)
+    return host_time.exposed_host_seconds(sum(breakdown.values()), breakdown["optimizer"], host_s)
 
 
 def _optimizer_bytes(params: float, layout: Layout, dtype: str) -> float:

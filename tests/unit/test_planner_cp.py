@@ -207,13 +207,15 @@ def test_cp_is_chosen_when_nothing_else_fits() -> None:
 # the slowest stage in each of these plans: (m + p - 1) slots x passes x V/t x h x act bytes / (memory_bw x 0.8).
 # GPU chunks: the whole micro-batch when its bf16 logits fit 2 GiB, else 4096 tokens (2^31 / (250,880 x 2 B) =
 # 4279 -> 4096); passes: 3 for one chunk, 4n + 1 for n. CPU: 512-token chunks (2^22 / 8192) of 1024 tokens, fp32.
+# The H100 rows' first figures are those of the H100/H200 GEMM and attention efficiencies refitted to one H200's
+# bloom-560m steps (calibration.py; was 5.5856646 and 11.674272): same layouts, the GEMMs faster.
 BEFORE_CP = [
     # m = 512 / (8 x 8) = 8; 8 x 2048 tokens = 4 chunks, 17 passes
     ("h100-sxm5-x8-node", "bloom-3b", None, "tp=1,pp=1,dp=8,mbs=8,gbs=512,zero=2,recompute=none,sp=0",
-     5.5856646 + 8 * 17 * 250880 * 2560 * 2 / (3.35e12 * 0.8)),
+     4.7107528 + 8 * 17 * 250880 * 2560 * 2 / (3.35e12 * 0.8)),
     # m = 512 / (4 x 8) = 16; 4 x 2048 tokens = 2 chunks, 9 passes
     ("h100-sxm5-x8-node", "bloom-7b1", None, "tp=1,pp=1,dp=8,mbs=4,gbs=512,zero=2,recompute=none,sp=0",
-     11.674272 + 16 * 9 * 250880 * 4096 * 2 / (3.35e12 * 0.8)),
+     9.9751792 + 16 * 9 * 250880 * 4096 * 2 / (3.35e12 * 0.8)),
     ("a100-80gb-x8-node", "bloom-7b1", None, "tp=1,pp=1,dp=8,mbs=4,gbs=512,zero=2,recompute=none,sp=0",
      29.236664 + 16 * 9 * 250880 * 4096 * 2 / (2.039e12 * 0.8)),
     # m = 2048 / (2 x 8) = 128, p = 12: 139 slots; 2 x 2048 tokens x 62,720 x 2 B = 514 MB, one chunk, 3 passes
