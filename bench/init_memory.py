@@ -12,7 +12,8 @@ build held at its peak, the rank's parameters included. Times are the build's wa
 time (ranks share the machine's cores, so wall time includes waiting for the others).
 
 The per-rank function ``measure_init`` is also what tests/distributed/test_init_shards.py runs; the script uses
-only ``build_engine`` and ``model_shard``, so it measures an older checkout just as well (PYTHONPATH=that checkout).
+only ``build_test_engine`` (whose keywords stay as build_engine's signature changes) and ``model_shard``, so it
+measures an older checkout that has them just as well (PYTHONPATH=that checkout).
 """
 
 from __future__ import annotations
@@ -63,25 +64,11 @@ def _kib(field: str) -> int:
 
 
 def _engine(config: BloomConfig, topology: ParallelTopology) -> Any:
-    from appliance.parallel.step.build import build_engine
+    from appliance.parallel.testing import build_test_engine
 
     with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed's start-up prints
-        return build_engine(
-            config,
-            topology,
-            micro_batch_size=1,
-            global_batch_size=topology.dp,
-            zero_stage=0,
-            dtype="fp32",
-            grad_clip=1.0,
-            recompute="none",
-            sequence_parallel=False,
-            lr=1e-3,
-            weight_decay=0.0,
-            betas=(0.9, 0.95),
-            eps=1e-8,
-            seed=SEED,
-        )
+        # fp32, ZeRO 0, no recompute: no copy of the weights beside the module (build_test_engine's defaults)
+        return build_test_engine(config, topology, micro_batch_size=1, global_batch_size=topology.dp, seed=SEED)
 
 
 def digest(tensor: torch.Tensor) -> str:

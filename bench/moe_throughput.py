@@ -3,8 +3,8 @@
     .venv/bin/python bench/moe_throughput.py                                  # bloom-moe-tiny-cpu, 10 timed steps
     .venv/bin/python bench/moe_throughput.py --steps 20 --ranks-per-node 2    # 2 simulated nodes: hierarchical at ep 4
 
-Each ep builds the engine (parallel/step/build.py ``build_engine``, fp32, ZeRO 0: the CPU layout) on the same 4 ranks,
-runs ``--warmup`` steps, then ``--steps`` timed steps between barriers, one micro-batch of ``--micro-batch-size``
+Each ep builds the engine (parallel/testing.py ``build_test_engine``, fp32, ZeRO 0: the CPU layout) on the same 4
+ranks, runs ``--warmup`` steps, then ``--steps`` timed steps between barriers, one micro-batch of ``--micro-batch-size``
 random sequences per rank and step. Tokens/s = 4 ranks x micro-batch x seq_len / the median step (every rank waits
 for the slowest at the gradient all-reduce, so rank 0's clock is the step's). ep > 1 splits every MoE block's
 experts over ep ranks (each holds E/ep) and adds two all-to-alls per MoE block and pass; the exchange is the one
@@ -34,8 +34,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from appliance.model.config import BloomConfig, config_for_shape  # noqa: E402
-from appliance.parallel.step.build import build_engine  # noqa: E402
-from appliance.parallel.testing import run_distributed  # noqa: E402
+from appliance.parallel.testing import build_test_engine, run_distributed  # noqa: E402
 from appliance.parallel.topology import ParallelTopology  # noqa: E402
 from appliance.planner.model_shape import load_model_shape  # noqa: E402
 
@@ -47,23 +46,9 @@ def _steps_at(
     world: ParallelTopology, config: BloomConfig, ep: int, mbs: int, seq: int, warmup: int, steps: int
 ) -> dict[str, Any]:
     topology = ParallelTopology(tp=1, pp=1, dp=RANKS, ep=ep, world_size=RANKS)
-    engine = build_engine(
-        config,
-        topology,
-        micro_batch_size=mbs,
-        global_batch_size=mbs * RANKS,
-        zero_stage=0,
-        dtype="fp32",
-        grad_clip=1.0,
-        recompute="none",
-        sequence_parallel=False,
-        lr=1e-3,
-        weight_decay=0.0,
-        betas=(0.9, 0.95),
-        eps=1e-8,
-        seed=42,
-        seq_len=seq,
-    )
+    engine = build_test_engine(
+        config, topology, micro_batch_size=mbs, global_batch_size=mbs * RANKS, seed=42, seq_len=seq
+    )  # fp32, ZeRO 0, AdamW at lr 1e-3, clipping at 1.0 (appliance/parallel/testing.py)
     selected = engine.all_to_all
     g = torch.Generator().manual_seed(1000 + dist.get_rank())
     times = []

@@ -33,6 +33,7 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,8 +44,12 @@ from torch.distributed import distributed_c10d
 from appliance.errors import BadInput
 from appliance.parallel.topology import ParallelTopology
 from appliance.planner.layout import Layout
+from appliance.planner.train_settings import TrainSettings
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    from appliance.hardware.profile import Hardware
     from appliance.model.config import BloomConfig
     from appliance.parallel.step.engine import ParallelEngine
 
@@ -360,32 +365,125 @@ def build_test_engine(
     grad_clip: float = 1.0,
     recompute: str = "none",
     sequence_parallel: bool = False,
+    cp_mode: str = "ulysses",
     lr: float = 1e-3,
     weight_decay: float = 0.0,
     betas: tuple[float, float] = (0.9, 0.95),
     eps: float = 1e-8,
     seed: int = 0,
-    **options: Any,
+    seq_len: int | None = None,
+    overlap_param_gather: bool = TrainSettings.overlap_param_gather,
+    compile: str = TrainSettings.compile,
+    expert_device_budget_bytes: int = 0,
+    expert_host_budget_bytes: int = 0,
+    expert_disk_dir: Path | None = None,
+    hardware: Hardware | None = None,
+    step_engine: str = "auto",
 ) -> ParallelEngine:
-    """``engine.build_engine`` for tests and benchmarks, which name only what they vary: by default fp32 without
+    """``build.build_engine`` for tests and benchmarks, which name only what they vary: by default fp32 without
     ZeRO, recompute or sequence parallelism, AdamW with BLOOM's betas and eps and no weight decay at a constant
-    lr of 1e-3, clipping at 1.0. ``options``: build_engine's optional keywords (cp_mode, overlap_param_gather...)."""
+    lr of 1e-3, clipping at 1.0. The keywords become the Layout of ``topology`` (``engine_layout``) and the
+    TrainSettings (``engine_settings``) the engine reads; ``hardware``, ``expert_disk_dir`` and ``step_engine`` go
+    to it as they are."""
     from appliance.parallel.step.build import build_engine  # DeepSpeed loads with it: only ranks that build pay
 
-    return build_engine(
-        config,
+    layout = engine_layout(
         topology,
         micro_batch_size=micro_batch_size,
         global_batch_size=global_batch_size,
         zero_stage=zero_stage,
-        dtype=dtype,
-        grad_clip=grad_clip,
         recompute=recompute,
         sequence_parallel=sequence_parallel,
+        cp_mode=cp_mode,
+    )
+    settings = engine_settings(
+        micro_batch_size=micro_batch_size,
+        global_batch_size=global_batch_size,
+        dtype=dtype,
+        grad_clip=grad_clip,
         lr=lr,
         weight_decay=weight_decay,
         betas=betas,
         eps=eps,
         seed=seed,
-        **options,
+        seq_len=seq_len,
+        overlap_param_gather=overlap_param_gather,
+        compile=compile,
+        expert_device_budget_bytes=expert_device_budget_bytes,
+        expert_host_budget_bytes=expert_host_budget_bytes,
     )
+    return build_engine(
+        config,
+        topology,
+        layout,
+        settings,
+        hardware=hardware,  # None: the MoE exchange's nodes are LOCAL_WORLD_SIZE ranks (experts/exchange.py)
+        expert_disk_dir=expert_disk_dir,
+        step_engine=step_engine,
+    )
+
+
+def engine_layout(topology: ParallelTopology, **fields: Any) -> Layout:
+    """The Layout whose topology (``ParallelTopology.from_layout``) is ``topology``, with ``fields`` (batch sizes,
+    ZeRO stage, recompute, sequence parallelism, cp_mode) set."""
+    degrees = harness_layout(topology.tp, topology.pp, topology.dp, topology.tp2d)
+    return replace(degrees, cp=topology.cp, ep=topology.ep, **fields)
+
+
+def engine_settings(
+    *,
+    micro_batch_size: int,
+    global_batch_size: int,
+    dtype: str = "fp32",
+    grad_clip: float = 1.0,
+    lr: float = 1e-3,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+    seed: int = 0,
+    seq_len: int | None = None,
+    overlap_param_gather: bool = TrainSettings.overlap_param_gather,
+    compile: str = TrainSettings.compile,
+    expert_device_budget_bytes: int = 0,
+    expert_host_budget_bytes: int = 0,
+) -> TrainSettings:
+    """TrainSettings holding a test engine's keywords (build_test_engine's defaults). The engine reads only these; the
+    schedule and intervals, which the trainer reads, are one constant-lr pass over one global batch.
+
+    ``seq_len`` None: the length the MoE exchange's choice assumes when none is known (experts/exchange.py
+    CHOICE_SEQUENCE), so a test that names none sizes the exchange as ``select_all_to_all`` does without one; the
+    engine reads it for nothing else. The expert store's budgets are given in bytes, as the tests size them from an
+    expert's bytes, and held in MiB as the settings hold them (``_mib``)."""
+    from appliance.parallel.experts.exchange import CHOICE_SEQUENCE
+
+    return TrainSettings(
+        seq_len=CHOICE_SEQUENCE if seq_len is None else seq_len,
+        global_batch_size=global_batch_size,
+        micro_batch_size=micro_batch_size,
+        train_samples=global_batch_size,
+        lr=lr,
+        min_lr=lr,
+        warmup_samples=0,
+        decay_samples=global_batch_size,
+        weight_decay=weight_decay,
+        grad_clip=grad_clip,
+        adam_beta1=betas[0],
+        adam_beta2=betas[1],
+        adam_eps=eps,
+        eval_interval=1,
+        eval_samples=0,
+        save_interval=1,
+        dtype=dtype,
+        seed=seed,
+        overlap_param_gather=overlap_param_gather,
+        compile=compile,
+        expert_device_budget_mb=_mib(expert_device_budget_bytes),
+        expert_host_budget_mb=_mib(expert_host_budget_bytes),
+    )
+
+
+def _mib(size: int) -> int:
+    """``size`` bytes in MiB: whole MiB as the int plan.json holds, else the fraction (a test's expert budget of a few
+    hundred KiB): size / 2**20 is exact in binary floating point, and build.expert_budget_bytes turns it back into
+    the same bytes."""
+    return size // 2**20 if size % 2**20 == 0 else size / 2**20  # type: ignore[return-value]

@@ -1,8 +1,8 @@
 """A rank's model config and engine from the run spec: the one code path from plan.json to what is built, shared by
 the worker and the tests that check it (tests/unit/test_runspec_engine.py).
 
-Every layout and training key the engine takes comes from the spec here, and nowhere else: no default stands in
-for a missing key (the spec refuses a plan without it).
+The engine takes the spec's own sections (layout, training settings, hardware), passed through unchanged: no
+default stands in for a missing key (the spec refuses a plan without it) and no key is copied out of them.
 """
 
 from __future__ import annotations
@@ -80,35 +80,19 @@ def engine_for(
     (kernels_for; `kernels`: that record when the caller has chosen them already). With `run_dir`, rank 0 writes
     the DeepSpeed config the engine runs with, and the kernels, to run_dir/ds_config.json, replacing the previous
     launch's."""
-    layout, train = spec.layout, spec.train
     if kernels is None:
         kernels = kernels_for(spec, config, topology, run_dir=run_dir)
+    # The spec's sections as they are: the layout (batch sizes, ZeRO, recompute, SP, cp_mode), the training settings
+    # (precision, optimizer, seed, seq_len, compile, the expert store's budgets) and the plan's nodes and links, which
+    # the MoE exchange is chosen for as the plan priced it.
+    disk_dir = expert_disk_dir(run_dir, dist.get_rank()) if run_dir is not None else None
     engine = build_engine(
         config,
         topology,
-        micro_batch_size=train.micro_batch_size,
-        global_batch_size=train.global_batch_size,
-        zero_stage=layout.zero_stage,
-        dtype=train.dtype,
-        grad_clip=train.grad_clip,
-        recompute=layout.recompute,
-        sequence_parallel=layout.sequence_parallel,
-        cp_mode=layout.cp_mode,
-        seq_len=train.seq_len,
-        lr=train.lr,
-        weight_decay=train.weight_decay,
-        betas=(train.adam_beta1, train.adam_beta2),
-        eps=train.adam_eps,
-        seed=train.seed,
-        overlap_param_gather=train.overlap_param_gather,
-        compile=train.compile,
-        # BLOOM-MoE: 0 keeps every expert resident; else the tiered expert store (parallel/experts/store_engine.py)
-        expert_device_budget_bytes=train.expert_device_budget_mb * 2**20,
-        expert_host_budget_bytes=train.expert_host_budget_mb * 2**20,  # 0: host memory unlimited, no disk
-        expert_disk_dir=(
-            expert_disk_dir(run_dir, dist.get_rank()) if run_dir is not None and train.expert_host_budget_mb else None
-        ),
-        hardware=spec.hardware,  # the plan's nodes and links: the MoE exchange is chosen as the plan priced it
+        spec.layout,
+        spec.train,
+        hardware=spec.hardware,
+        expert_disk_dir=disk_dir if spec.train.expert_host_budget_mb else None,  # the store's tier past the host's
     )
     if run_dir is not None and dist.get_rank() == 0:
         record = engine.ds_config

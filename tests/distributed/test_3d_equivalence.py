@@ -40,9 +40,8 @@ from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
 from appliance.model.ops import cross_entropy
 from appliance.parallel.checkpoint.weight_shards import gather_full_state_dict
-from appliance.parallel.step.build import build_engine
 from appliance.parallel.tensor.drift import ReplicaDriftError
-from appliance.parallel.testing import WrongDeviceError, collective_guard, run_distributed
+from appliance.parallel.testing import WrongDeviceError, build_test_engine, collective_guard, run_distributed
 from appliance.parallel.topology import ParallelTopology
 from appliance.train.schedule import BatchRampup, LRSchedule
 
@@ -146,7 +145,7 @@ def _reference_outputs(model: BloomForCausalLM) -> dict[str, Any]:
 
 # ---- one layout, on its ranks ----------------------------------------------------------------------------
 def _engine(topology: ParallelTopology, options: dict[str, Any], dtype: str) -> Any:
-    return build_engine(
+    return build_test_engine(
         CONFIG,
         topology,
         micro_batch_size=MBS,

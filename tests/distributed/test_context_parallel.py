@@ -41,8 +41,7 @@ from test_3d_equivalence import (
 
 from appliance.parallel.checkpoint.weight_shards import gather_full_state_dict
 from appliance.parallel.context.training import whole_sequences
-from appliance.parallel.step.build import build_engine
-from appliance.parallel.testing import run_distributed
+from appliance.parallel.testing import build_test_engine, run_distributed
 from appliance.parallel.topology import ParallelTopology
 from appliance.rundir import RunDir
 
@@ -67,7 +66,7 @@ LAYOUTS: dict[str, tuple[int, int, int, int, str, int, bool]] = {
 
 
 def _engine(topology: ParallelTopology, cp_mode: str, zero: int, sp: bool) -> Any:
-    return build_engine(
+    return build_test_engine(
         CONFIG,
         topology,
         micro_batch_size=MBS,

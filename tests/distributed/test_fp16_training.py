@@ -32,7 +32,7 @@ from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
 from appliance.model.ops import cross_entropy
 from appliance.parallel.step.build import build_engine, param_groups
-from appliance.parallel.testing import run_distributed
+from appliance.parallel.testing import engine_layout, run_distributed
 from appliance.parallel.topology import ParallelTopology
 
 pytestmark = pytest.mark.distributed
@@ -126,10 +126,16 @@ def _train(topology: ParallelTopology, root: Path, forced_scale: float | None) -
     from appliance.train.settings import TrainSettings
     from appliance.train.trainer import Trainer
 
-    engine = build_engine(
-        CONFIG, topology, micro_batch_size=MBS, global_batch_size=GBS, zero_stage=0, dtype="fp16",
-        grad_clip=GRAD_CLIP, recompute="none", sequence_parallel=False, lr=LR, seed=SEED, **OPTIMIZER,
+    betas = OPTIMIZER["betas"]
+    settings = TrainSettings(
+        seq_len=SEQ, global_batch_size=GBS, micro_batch_size=MBS, train_samples=GBS * STEPS, lr=LR, min_lr=LR,
+        warmup_samples=0, decay_samples=GBS * STEPS, weight_decay=OPTIMIZER["weight_decay"], grad_clip=GRAD_CLIP,
+        adam_beta1=betas[0], adam_beta2=betas[1], adam_eps=OPTIMIZER["eps"], eval_interval=1000, eval_samples=0,
+        save_interval=1000, dtype="fp16", seed=SEED, drift_check_interval=0,
     )  # fmt: skip
+    # The engine reads the settings the trainer reads, as the worker's does (train/from_spec.py).
+    layout = engine_layout(topology, micro_batch_size=MBS, global_batch_size=GBS, zero_stage=0, recompute="none")
+    engine = build_engine(CONFIG, topology, layout, settings, hardware=None)
     if forced_scale is not None:
         # A huge scale to start from, loaded as a checkpoint's scaler state would be (hysteresis 2, as configured).
         engine.load_loss_scaler_state(
@@ -144,12 +150,6 @@ def _train(topology: ParallelTopology, root: Path, forced_scale: float | None) -
     }
     run_dir = RunDir(root).make() if dist.get_rank() == 0 else RunDir(root)
     dist.barrier()
-    settings = TrainSettings(
-        seq_len=SEQ, global_batch_size=GBS, micro_batch_size=MBS, train_samples=GBS * STEPS, lr=LR, min_lr=LR,
-        warmup_samples=0, decay_samples=GBS * STEPS, weight_decay=OPTIMIZER["weight_decay"], grad_clip=GRAD_CLIP,
-        adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, eval_interval=1000, eval_samples=0, save_interval=1000,
-        dtype="fp16", seed=SEED, drift_check_interval=0,
-    )  # fmt: skip
     samples = [row.numpy().astype(np.int64) for row in token_stream()]
     dp_rank, dp = topology.dp_rank(dist.get_rank()), topology.dp
     trainer = Trainer(

@@ -41,9 +41,8 @@ from appliance.model.moe import BloomMoE, canonical_moe_name
 from appliance.model.ops import cross_entropy
 from appliance.parallel.checkpoint.weight_shards import gather_full_state_dict
 from appliance.parallel.experts.parallel import register_expert_groups
-from appliance.parallel.step.build import build_engine
 from appliance.parallel.step.deepspeed_comm import init_deepspeed_comm
-from appliance.parallel.testing import run_distributed
+from appliance.parallel.testing import build_test_engine, run_distributed
 from appliance.parallel.topology import ParallelTopology
 
 pytestmark = pytest.mark.distributed
@@ -155,20 +154,13 @@ def _engine(topology: ParallelTopology, ep: int, pp: int, hardware: Any = None) 
     os.environ.setdefault("LOCAL_RANK", "0")  # read by DeepSpeed
     dp = topology.world_size // pp
     topology = ParallelTopology(tp=1, pp=pp, dp=dp, ep=ep, world_size=topology.world_size)
-    return build_engine(
+    return build_test_engine(
         CONFIG,
         topology,
         micro_batch_size=MBS,
         global_batch_size=MBS * dp,
-        zero_stage=0,
-        dtype="fp32",
         grad_clip=0.0,
-        recompute="none",
-        sequence_parallel=False,
         lr=1e-2,  # the gradients are captured before the step; the step makes the saved weights differ from a draw
-        weight_decay=0.0,
-        betas=(0.9, 0.95),
-        eps=1e-8,
         seed=SEED,
         seq_len=SEQ,  # the all-to-all choice weighs exchanges of MBS x SEQ tokens
         hardware=hardware,  # None: the nodes are LOCAL_WORLD_SIZE ranks (parallel/experts/exchange.py node_size)
@@ -351,10 +343,10 @@ def _tiered_engine(topology: ParallelTopology, budget: int, host_budget: int = 0
                    dtype: str = "fp32") -> Any:  # fmt: skip
     os.environ.setdefault("LOCAL_RANK", "0")
     topology = ParallelTopology(tp=1, pp=pp, dp=dp, ep=2, world_size=topology.world_size)
-    return build_engine(config, topology, micro_batch_size=MBS, global_batch_size=MBS * 2 * dp, zero_stage=zero_stage,
-                        dtype=dtype, grad_clip=1.0, recompute="none", sequence_parallel=False, lr=1e-2,
-                        weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, seed=SEED, expert_device_budget_bytes=budget,
-                        expert_host_budget_bytes=host_budget, expert_disk_dir=disk)  # fmt: skip
+    return build_test_engine(config, topology, micro_batch_size=MBS, global_batch_size=MBS * 2 * dp,
+                             zero_stage=zero_stage, dtype=dtype, grad_clip=1.0, lr=1e-2, weight_decay=0.1, seed=SEED,
+                             expert_device_budget_bytes=budget, expert_host_budget_bytes=host_budget,
+                             expert_disk_dir=disk)  # fmt: skip
 
 
 def _tiered_mode(topology: ParallelTopology, name: str, disk: Path) -> dict[str, Any]:
@@ -639,10 +631,9 @@ BETA1 = 0.9
 def _epcp_engine(topology: ParallelTopology, dtype: str, zero_stage: int) -> Any:
     os.environ.setdefault("LOCAL_RANK", "0")
     topology = ParallelTopology(tp=1, pp=1, dp=EPCP_DP, cp=EPCP_CP, ep=EPCP_EP, world_size=topology.world_size)
-    return build_engine(CONFIG, topology, micro_batch_size=MBS, global_batch_size=MBS * EPCP_DP, zero_stage=zero_stage,
-                        dtype=dtype, grad_clip=0.0, recompute="none", sequence_parallel=False, lr=1e-2,
-                        weight_decay=0.0, betas=(BETA1, 0.95), eps=1e-8, seed=SEED, seq_len=SEQ,
-                        cp_mode=EPCP_MODE)  # fmt: skip
+    return build_test_engine(CONFIG, topology, micro_batch_size=MBS, global_batch_size=MBS * EPCP_DP,
+                             zero_stage=zero_stage, dtype=dtype, grad_clip=0.0, lr=1e-2, betas=(BETA1, 0.95),
+                             seed=SEED, seq_len=SEQ, cp_mode=EPCP_MODE)  # fmt: skip
 
 
 def _epcp_steps(topology: ParallelTopology, save_to: str) -> dict[str, Any]:
@@ -830,9 +821,8 @@ def _eptp_engine(topology: ParallelTopology, save_to: str) -> dict[str, Any]:
     """One engine step at tp = 2, dp = 2, ep = 2 (this rank's gradients and weights after it), then its checkpoint."""
     os.environ.setdefault("LOCAL_RANK", "0")
     topology = ParallelTopology(pp=1, world_size=topology.world_size, **EPTP)
-    engine = build_engine(CONFIG, topology, micro_batch_size=MBS, global_batch_size=MBS * 2, zero_stage=0,
-                          dtype="fp32", grad_clip=0.0, recompute="none", sequence_parallel=False, lr=1e-2,
-                          weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8, seed=SEED, seq_len=SEQ)  # fmt: skip
+    engine = build_test_engine(CONFIG, topology, micro_batch_size=MBS, global_batch_size=MBS * 2, grad_clip=0.0,
+                               lr=1e-2, seed=SEED, seq_len=SEQ)  # fmt: skip
     captured: dict[str, torch.Tensor] = {}
     hooks = [
         p.register_hook(lambda g, n=n: captured.__setitem__(n, captured.get(n, 0) + g.detach().clone()))

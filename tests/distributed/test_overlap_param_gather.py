@@ -28,8 +28,8 @@ import torch
 import appliance.parallel.step.build as build_module
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import BloomConfig
-from appliance.parallel.step.build import build_engine, param_groups
-from appliance.parallel.testing import run_distributed
+from appliance.parallel.step.build import param_groups
+from appliance.parallel.testing import build_test_engine, run_distributed
 from appliance.parallel.topology import ParallelTopology
 from appliance.parallel.zero.param_gather import OverlappedParamGather
 
@@ -60,7 +60,7 @@ def rank_batches(topology: ParallelTopology, step: int) -> list[tuple[torch.Tens
 
 
 def _engine(topology: ParallelTopology, dtype: str, zero: int, overlap: bool) -> Any:
-    return build_engine(
+    return build_test_engine(
         CONFIG, topology, micro_batch_size=MBS, global_batch_size=GBS, zero_stage=zero, dtype=dtype, grad_clip=1.0,
         recompute="none", sequence_parallel=False, seed=SEED, overlap_param_gather=overlap, **OPTIMIZER,
     )  # fmt: skip

@@ -30,7 +30,7 @@ from appliance.parallel.checkpoint.optimizer_state import optimizer_files
 from appliance.parallel.checkpoint.weight_shards import ShardReader, model_sources
 from appliance.parallel.step.build import build_engine
 from appliance.parallel.tensor.param_splits import role_of_parameter, shard_from_full
-from appliance.parallel.testing import run_distributed
+from appliance.parallel.testing import engine_layout, run_distributed
 from appliance.parallel.topology import ParallelTopology
 from appliance.rundir import RunDir
 from appliance.train import checkpoint as ckpt
@@ -94,22 +94,9 @@ def _trainer(topology: ParallelTopology, root: Path, zero: int, dtype: str = "fp
     """A Trainer as the worker builds it, at this launch's layout, with ``root`` as its run directory."""
     os.environ.setdefault("LOCAL_RANK", "0")  # read by DeepSpeed's PipelineModule
     settings = _settings(dtype)
-    engine = build_engine(
-        CONFIG,
-        topology,
-        micro_batch_size=MBS,
-        global_batch_size=GBS,
-        zero_stage=zero,
-        dtype=dtype,
-        grad_clip=settings.grad_clip,
-        recompute="none",
-        sequence_parallel=False,
-        lr=settings.lr,
-        weight_decay=settings.weight_decay,
-        betas=(settings.adam_beta1, settings.adam_beta2),
-        eps=settings.adam_eps,
-        seed=settings.seed,
-    )
+    # The engine reads the settings the trainer reads, as the worker's does (train/from_spec.py).
+    planned = engine_layout(topology, micro_batch_size=MBS, global_batch_size=GBS, zero_stage=zero, recompute="none")
+    engine = build_engine(CONFIG, topology, planned, settings, hardware=None)
     rank = torch.distributed.get_rank()
     data = TokenStream()
 

@@ -240,10 +240,12 @@ def test_the_run_setting_builds_the_store() -> None:
 def test_the_run_settings_reach_the_engine_with_a_disk_directory_per_rank(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """from_spec hands both budgets to build_engine in bytes, and a disk directory inside the run dir, one per rank."""
+    """from_spec hands both budgets to build_engine in the spec's settings, which the engine reads in bytes, and a disk
+    directory inside the run dir, one per rank."""
     from dataclasses import replace
 
     from appliance.hardware import load_hardware
+    from appliance.parallel.step.build import expert_budget_bytes
     from appliance.planner import load_model_shape, make_plan, parse_layout
     from appliance.train import from_spec
 
@@ -252,10 +254,10 @@ def test_the_run_settings_reach_the_engine_with_a_disk_directory_per_rank(
     ).spec()  # an MoE model: the plan refuses the store's budgets for a dense one (planner/layout_rules.py)
     spec = replace(spec, train=replace(spec.train, expert_device_budget_mb=3, expert_host_budget_mb=5))
     seen: dict = {}
-    monkeypatch.setattr(from_spec, "build_engine", lambda *args, **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(from_spec, "build_engine", lambda *args, **kwargs: seen.update(kwargs, settings=args[3]))
     monkeypatch.setattr(from_spec.dist, "get_rank", lambda: 3)
     from_spec.engine_for(spec, None, None, run_dir=RunDir(tmp_path))  # type: ignore[arg-type]
-    assert seen["expert_device_budget_bytes"] == 3 * 2**20 and seen["expert_host_budget_bytes"] == 5 * 2**20
+    assert seen["settings"] is spec.train and expert_budget_bytes(seen["settings"]) == (3 * 2**20, 5 * 2**20)
     assert seen["expert_disk_dir"] == tmp_path / "expert_store" / "rank00003"
 
 

@@ -99,7 +99,7 @@ def test_engine_for_passes_the_plans_hardware_and_records_the_engines_choice(
     given: dict[str, Any] = {}
     held: dict[str, AllToAllSelection | None] = {"all_to_all": selection}
 
-    def fake_build_engine(config: Any, topology: Any, **kwargs: Any) -> Any:
+    def fake_build_engine(config: Any, topology: Any, layout: Any, settings: Any, **kwargs: Any) -> Any:
         given.update(kwargs)
         return SimpleNamespace(ds_config={"train_batch_size": 2048}, all_to_all=held["all_to_all"])
 

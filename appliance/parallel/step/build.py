@@ -80,6 +80,7 @@ from appliance.parallel.step.single_replica import SingleReplicaEngine
 from appliance.parallel.step.zero_step import keep_zero_verdicts_on_device
 from appliance.parallel.topology import ParallelTopology
 from appliance.parallel.zero.param_gather import build_overlap
+from appliance.planner.layout import Layout
 from appliance.planner.layout_rules import tp2d_precision_problems
 from appliance.planner.train_settings import TrainSettings
 
@@ -138,71 +139,66 @@ def check_engine_layout(
 def build_engine(
     config: BloomConfig,
     topology: ParallelTopology,
+    layout: Layout,
+    settings: TrainSettings,
     *,
-    micro_batch_size: int,
-    global_batch_size: int,
-    zero_stage: int,
-    dtype: str,
-    grad_clip: float,
-    recompute: str,
-    sequence_parallel: bool,
-    lr: float,
-    weight_decay: float,
-    betas: tuple[float, float],
-    eps: float,
-    seed: int,
-    overlap_param_gather: bool = TrainSettings.overlap_param_gather,
-    cp_mode: str = "ulysses",
-    expert_device_budget_bytes: int = 0,
-    expert_host_budget_bytes: int = 0,  # 0: host memory unlimited; else the rest of the experts go to expert_disk_dir
+    hardware: Hardware | None,
     expert_disk_dir: Path | None = None,
-    seq_len: int | None = None,  # MoE: sizes the exchanges the all-to-all choice weighs (model/moe.py)
-    hardware: Hardware | None = None,  # MoE: the run's profile, its nodes and links (None: LOCAL_WORLD_SIZE)
-    # "auto": single_replica_step decides, and DeepSpeed's bf16 step keeps its verdicts on the device
-    # (step/bf16_step.py); "deepspeed": DeepSpeed's engine and step as DeepSpeed ships them
     step_engine: str = "auto",
-    compile: str = TrainSettings.compile,  # auto | on | off: torch.compile of each block (parallelize.compile_blocks)
 ) -> ParallelEngine:
-    """Build this rank's part of the model and its DeepSpeed engine. Collective: every rank calls it. The steps, in
-    order: the layout's checks, the process groups (and the experts' exchange), the layers on this rank's device with
-    tensor/2D, context and recompute applied (pipeline stage or pp = 1 stack; parallelize.py), this rank's shards of
-    the initial weights, then the step engine with its optimizer and ZeRO (single-replica, or DeepSpeed's with the
-    tiered expert store), then what the step reads late."""
+    """Build this rank's part of the model and its DeepSpeed engine. Collective: every rank calls it.
+
+    Each fact comes from one of the plan's typed sections. ``layout``: the batch sizes (micro and global, in
+    sequences over dp), the ZeRO stage, recompute, sequence parallelism and cp_mode; its degrees are ``topology``'s
+    (``ParallelTopology.from_layout``). ``settings``: precision, AdamW, clipping, the seed, seq_len (the MoE
+    exchange is sized for it), compile, overlap_param_gather and the tiered expert store's budgets. ``hardware``: the
+    plan's nodes and links, which the MoE exchange is chosen for (None: LOCAL_WORLD_SIZE ranks per node).
+    ``expert_disk_dir``: this rank's directory for the experts the store's host budget has no room for.
+    ``step_engine``: "auto" (single_replica_step decides, and DeepSpeed's bf16 step keeps its verdicts on the device,
+    step/bf16_step.py) or "deepspeed" (DeepSpeed's engine and step as DeepSpeed ships them).
+
+    The steps, in order: the layout's checks, the process groups (and the experts' exchange), the layers on this
+    rank's device with tensor/2D, context and recompute applied (pipeline stage or pp = 1 stack; parallelize.py), this
+    rank's shards of the initial weights, then the step engine with its optimizer and ZeRO (single-replica, or
+    DeepSpeed's with the tiered expert store), then what the step reads late."""
+    check_inputs_agree(topology, layout, settings)
+    device_budget, host_budget = expert_budget_bytes(settings)
+    dtype, zero_stage, micro_batch_size = settings.dtype, layout.zero_stage, layout.micro_batch_size
     check_engine_layout(
         config,
         topology,
         dtype=dtype,
         zero_stage=zero_stage,
-        sequence_parallel=sequence_parallel,
-        expert_device_budget_bytes=expert_device_budget_bytes,
-        expert_host_budget_bytes=expert_host_budget_bytes,
+        sequence_parallel=layout.sequence_parallel,
+        expert_device_budget_bytes=device_budget,
+        expert_host_budget_bytes=host_budget,
     )
     if step_engine not in STEP_ENGINES:
         raise ValueError(f"step_engine must be one of {STEP_ENGINES}, got {step_engine!r}")
-    tiered = expert_device_budget_bytes > 0  # the experts in the tiered store (experts/store_engine.py)
+    tiered = device_budget > 0  # the experts in the tiered store (experts/store_engine.py)
     all_to_all = _process_groups(
-        config, topology, micro_batch_size=micro_batch_size, seq_len=seq_len, hardware=hardware
+        config, topology, micro_batch_size=micro_batch_size, seq_len=settings.seq_len, hardware=hardware
     )
     # What each rank's layers become (tensor/sequence parallel, context parallel, recompute), decided in one place.
-    parallelism = Parallelism(topology, sequence_parallel=sequence_parallel, recompute=recompute, cp_mode=cp_mode)
+    parallelism = Parallelism(
+        topology, sequence_parallel=layout.sequence_parallel, recompute=layout.recompute, cp_mode=layout.cp_mode
+    )
     loss_fn = VocabParallelLoss(topology.tp_group, topology.cp_group, parallelism.mesh, config.moe_aux_loss_coef)
     device = _engine_device()
-    module = _layers(config, parallelism, loss_fn, device, compile)
-    named = _draw_initial_weights(module, config, parallelism, seed)
-    if sequence_parallel:
+    module = _layers(config, parallelism, loss_fn, device, settings.compile)
+    named = _draw_initial_weights(module, config, parallelism, settings.seed)
+    if layout.sequence_parallel:
         register_sequence_parallel_grad_hooks(module, topology.tp_group)
     if step_engine == "auto" and single_replica_step(
         config, topology, dtype=dtype, zero_stage=zero_stage, tiered=tiered
     ):
-        return _single_replica_engine(
-            module, named, config, topology, loss_fn,
-            micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, dtype=dtype,
-            grad_clip=grad_clip, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
-        )  # fmt: skip
+        return _single_replica_engine(module, named, config, topology, loss_fn, layout, settings)
+    betas = (settings.adam_beta1, settings.adam_beta2)
     engine = _deepspeed_engine(
         module, named, config, topology, device,
-        micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, zero_stage=zero_stage, dtype=dtype,
-        grad_clip=grad_clip, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, tiered=tiered,
+        micro_batch_size=micro_batch_size, global_batch_size=layout.global_batch_size, zero_stage=zero_stage,
+        dtype=dtype, grad_clip=settings.grad_clip, lr=settings.lr, betas=betas, eps=settings.adam_eps,
+        weight_decay=settings.weight_decay, tiered=tiered,
     )  # fmt: skip
     experts = None
     if tiered:
@@ -210,13 +206,13 @@ def build_engine(
             module,
             named,
             device=device,
-            budget_bytes=expert_device_budget_bytes,
-            host_budget_bytes=expert_host_budget_bytes,
+            budget_bytes=device_budget,
+            host_budget_bytes=host_budget,
             disk_dir=expert_disk_dir,
-            lr=lr,
+            lr=settings.lr,
             betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
+            eps=settings.adam_eps,
+            weight_decay=settings.weight_decay,
         )
         if experts is not None:  # None: a pipeline stage without MoE blocks, whose clipping stays the dense one
             install_store_step(engine, experts, topology)
@@ -230,14 +226,14 @@ def build_engine(
     )  # fmt: skip
     # BLOOM-MoE: ZeRO partitions the expert groups over edp, not dp; the overlapped gather knows dp only, so an MoE
     # model keeps DeepSpeed's own gather inside the step.
-    overlap = overlap_param_gather and not config.is_moe
+    overlap = settings.overlap_param_gather and not config.is_moe
     gather = build_overlap(engine.optimizer, module, topology.groups("dp_cp"), overlap)
     return ParallelEngine(
         engine,
         topology,
         config,
         micro_batch_size=micro_batch_size,
-        cp_mode=cp_mode,
+        cp_mode=layout.cp_mode,
         loss_fn=loss_fn,
         min_loss_scale=min_loss_scale,
         param_gather=gather,
@@ -247,12 +243,48 @@ def build_engine(
     )
 
 
+def check_inputs_agree(topology: ParallelTopology, layout: Layout, settings: TrainSettings) -> None:
+    """The facts build_engine's inputs hold twice agree, before any collective: the topology's degrees are the
+    layout's (as ParallelTopology.from_layout makes them), and the settings' batch sizes the layout's (as plan.json's
+    reader requires them to be, runspec.py). BadInput naming every difference."""
+    degrees = [
+        f"{name}: layout {planned}, topology {built}"
+        for name, planned, built in (
+            ("tp", layout.tp_ranks, topology.tp),  # the topology's tp axis: tp, or the tp2d x tp2d mesh
+            ("pp", layout.pp, topology.pp),
+            ("dp", layout.dp, topology.dp),
+            ("cp", layout.cp, topology.cp),
+            ("ep", layout.ep, topology.ep),
+            ("tp2d", layout.tp2d, topology.tp2d),
+        )
+        if planned != built
+    ]
+    problems = [
+        f"layout {layout.describe()} is not the topology {topology.factors} ({'; '.join(degrees)}): build the"
+        " topology with ParallelTopology.from_layout"
+    ] if degrees else []  # fmt: skip
+    problems += [
+        f"train.{key}({getattr(settings, key)}) != layout.{key}({getattr(layout, key)})"
+        for key in ("micro_batch_size", "global_batch_size")
+        if getattr(settings, key) != getattr(layout, key)
+    ]
+    if problems:
+        raise BadInput("engine: " + "; ".join(problems))
+
+
+def expert_budget_bytes(settings: TrainSettings) -> tuple[int, int]:
+    """The tiered expert store's device and host budgets in bytes, from the settings' MiB (device 0: no store, every
+    expert resident; host 0: host memory unlimited, no disk). ``int`` also takes a test's fraction of a MiB, whose
+    bytes / 2**20 is exact in binary floating point."""
+    return int(settings.expert_device_budget_mb * 2**20), int(settings.expert_host_budget_mb * 2**20)
+
+
 def _process_groups(
     config: BloomConfig,
     topology: ParallelTopology,
     *,
     micro_batch_size: int,
-    seq_len: int | None,
+    seq_len: int,
     hardware: Hardware | None,
 ) -> AllToAllSelection | None:
     """Every process group of the topology, TP innermost; for an MoE model DeepSpeed's expert groups set to ours and
@@ -403,31 +435,26 @@ def _single_replica_engine(
     config: BloomConfig,
     topology: ParallelTopology,
     loss_fn: VocabParallelLoss,
-    *,
-    micro_batch_size: int,
-    global_batch_size: int,
-    dtype: str,
-    grad_clip: float,
-    lr: float,
-    weight_decay: float,
-    betas: tuple[float, float],
-    eps: float,
+    layout: Layout,
+    settings: TrainSettings,
 ) -> ParallelEngine:
     from appliance.parallel.step.flat_optimizer import FlatAdamW
 
+    dtype, grad_clip = settings.dtype, settings.grad_clip
     if dtype == "bf16":
         # The weights in bf16, buffers (the ALiBi slopes) as they are: what DeepSpeed's engine casts for bf16.
         with torch.no_grad():
             for param in module.parameters():
                 param.data = param.data.to(torch.bfloat16)
     optimizer = FlatAdamW(
-        named, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-        max_grad_norm=grad_clip if grad_clip > 0 else math.inf,
+        named, lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2), eps=settings.adam_eps,
+        weight_decay=settings.weight_decay, max_grad_norm=grad_clip if grad_clip > 0 else math.inf,
         tp_rank=topology.tp_rank(dist.get_rank()), norm_group=topology.mp_group,
     )  # fmt: skip
+    micro_batch_size = layout.micro_batch_size
     record = deepspeed_config(
-        global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, dp=1, zero_stage=0, dtype=dtype,
-        grad_clip=grad_clip if grad_clip > 0 else math.inf,
+        global_batch_size=layout.global_batch_size, micro_batch_size=micro_batch_size, dp=1, zero_stage=0,
+        dtype=dtype, grad_clip=grad_clip if grad_clip > 0 else math.inf,
     )  # fmt: skip
     # The record says what ran: the same batch, precision and clipping, stepped without DeepSpeed's engine.
     record["zero_optimization"] = {"stage": 0, "overlap_comm": False}

@@ -1,8 +1,8 @@
 """One training engine for every (tp, pp, dp, cp) layout: the trainer's only view of the model and the optimizer.
 
-    engine = build_engine(config, topology, micro_batch_size=2, global_batch_size=8, zero_stage=1, dtype="bf16",
-                          grad_clip=1.0, recompute="full", sequence_parallel=False, lr=1e-3, weight_decay=0.1,
-                          betas=(0.9, 0.95), eps=1e-8, seed=42)
+    spec = load_spec(run_dir.plan)                         # plan.json (planner/runspec.py)
+    topology = ParallelTopology.from_layout(spec.layout, world_size=dist.get_world_size())
+    engine = build_engine(config, topology, spec.layout, spec.train, hardware=spec.hardware)
     result = engine.train_batch([(inputs, labels), ...])   # this DP rank's micro-batches of one step
 
 How the layout is applied, step by step, is build.py's docstring.
