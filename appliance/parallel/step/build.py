@@ -155,7 +155,8 @@ def build_engine(
     plan's nodes and links, which the MoE exchange is chosen for (None: LOCAL_WORLD_SIZE ranks per node).
     ``expert_disk_dir``: this rank's directory for the experts the store's host budget has no room for.
     ``step_engine``: "auto" (single_replica_step decides, and DeepSpeed's bf16 steps keep their verdicts on the
-    device: step/bf16_step.py at ZeRO 0/1, step/zero_step.py at ZeRO 2) or "deepspeed" (DeepSpeed's engine and step as DeepSpeed ships them).
+    device: step/bf16_step.py at ZeRO 0/1, step/zero_step.py at ZeRO 2) or "deepspeed" (DeepSpeed's engine and step
+    as DeepSpeed ships them).
 
     The steps, in order: the layout's checks, the process groups (and the experts' exchange), the layers on this
     rank's device with tensor/2D, context and recompute applied (pipeline stage or pp = 1 stack; parallelize.py), this
