@@ -68,6 +68,7 @@ from appliance.parallel.step.bf16_step import keep_verdicts_on_device
 from appliance.parallel.step.deepspeed_comm import init_deepspeed_comm
 from appliance.parallel.step.deepspeed_config import deepspeed_config
 from appliance.parallel.step.engine import ParallelEngine, rank_expert_offset
+from appliance.parallel.step.fp16_step import keep_fp16_verdicts_on_device
 from appliance.parallel.step.grads import (
     TopologyMPU,
     install_global_norm_clipping,
@@ -155,8 +156,8 @@ def build_engine(
     plan's nodes and links, which the MoE exchange is chosen for (None: LOCAL_WORLD_SIZE ranks per node).
     ``expert_disk_dir``: this rank's directory for the experts the store's host budget has no room for.
     ``step_engine``: "auto" (single_replica_step decides, and DeepSpeed's bf16 steps keep their verdicts on the
-    device: step/bf16_step.py at ZeRO 0/1, step/zero_step.py at ZeRO 2) or "deepspeed" (DeepSpeed's engine and step
-    as DeepSpeed ships them).
+    device: step/bf16_step.py at ZeRO 0/1, step/zero_step.py at ZeRO 2, fp16's with its loss scale: step/fp16_step.py)
+    or "deepspeed" (DeepSpeed's engine and step as DeepSpeed ships them).
 
     The steps, in order: the layout's checks, the process groups (and the experts' exchange), the layers on this
     rank's device with tensor/2D, context and recompute applied (pipeline stage or pp = 1 stack; parallelize.py), this
@@ -218,13 +219,16 @@ def build_engine(
         if experts is not None:  # None: a pipeline stage without MoE blocks, whose clipping stays the dense one
             install_store_step(engine, experts, topology)
     min_loss_scale = keep_training_at_the_minimum_scale(engine.optimizer) if engine.fp16_enabled() else None
-    # bf16 under DeepSpeed's BF16_Optimizer (ZeRO 0/1) or ZeRO's optimizer (ZeRO 2): its norm and skip verdicts stay
-    # on the device (step/bf16_step.py, step/zero_step.py), so the step's figures can be read late, as the
-    # single-replica engine's are. Before the overlapped gather wraps the step.
-    device_figures = (
-        dtype == "bf16" and not tiered and not config.is_moe and topology.tp2d <= 1 and step_engine == "auto"
-        and (keep_verdicts_on_device(engine.optimizer) or keep_zero_verdicts_on_device(engine.optimizer))
-    )  # fmt: skip
+    # bf16 under DeepSpeed's BF16_Optimizer (ZeRO 0/1) or ZeRO's optimizer (ZeRO 2), fp16 under ZeRO's optimizer with
+    # its loss scale on the device too: the norm and skip verdicts stay on the device (step/bf16_step.py,
+    # step/zero_step.py, step/fp16_step.py), so the step's figures can be read late, as the single-replica engine's
+    # are. Before the overlapped gather wraps the step.
+    device_step = not tiered and not config.is_moe and topology.tp2d <= 1 and step_engine == "auto"
+    optimizer = engine.optimizer
+    device_figures = device_step and (
+        (dtype == "bf16" and (keep_verdicts_on_device(optimizer) or keep_zero_verdicts_on_device(optimizer)))
+        or (dtype == "fp16" and keep_fp16_verdicts_on_device(optimizer))
+    )
     # BLOOM-MoE: ZeRO partitions the expert groups over edp, not dp; the overlapped gather knows dp only, so an MoE
     # model keeps DeepSpeed's own gather inside the step.
     overlap = settings.overlap_param_gather and not config.is_moe

@@ -38,6 +38,7 @@ from appliance.parallel.experts.store_engine import (
 )
 from appliance.parallel.loss import IGNORE_INDEX, VocabParallelLoss
 from appliance.parallel.pipeline.specs import hf_parameter_name
+from appliance.parallel.step.fp16_step import step_figures
 from appliance.parallel.step.precision import (
     load_loss_scaler_state,
     loss_scaler_state,
@@ -73,8 +74,9 @@ class PendingStep:
 
     The single-replica engine leaves the loss and the gradient norm on the device ([loss, grad norm] in one fp32
     tensor), so the host can queue the next step before this one has finished and read these figures afterwards:
-    the one host sync per step, one step late. DeepSpeed's engines read theirs inside the step; their result comes
-    here already resolved.
+    the one host sync per step, one step late. DeepSpeed's steps whose verdicts stay on the device do the same, fp16's
+    with the loss scale the step ran at and its overflow flag after them ([loss, grad norm, scale, overflow],
+    step/fp16_step.py). Other DeepSpeed steps read theirs inside the step; their result comes here already resolved.
     """
 
     def __init__(self, figures: torch.Tensor | StepResult) -> None:
@@ -84,8 +86,12 @@ class PendingStep:
     def result(self) -> StepResult:
         if self._result is None:
             assert isinstance(self._figures, torch.Tensor)
-            loss, grad_norm = self._figures.tolist()  # the step's one device-to-host read
-            self._result = StepResult(loss=loss, grad_norm=grad_norm)
+            loss, grad_norm, *scaling = self._figures.tolist()  # the step's one device-to-host read
+            if scaling:
+                scale, overflow = scaling
+                self._result = StepResult(loss=loss, grad_norm=grad_norm, loss_scale=scale, overflow=overflow > 0)
+            else:
+                self._result = StepResult(loss=loss, grad_norm=grad_norm)
         return self._result
 
 
@@ -228,8 +234,9 @@ class ParallelEngine(EngineCheckpointIO):
         return PendingStep(self._train_batch_deepspeed(micro_batches))
 
     def _train_batch_deepspeed_on_device(self, micro_batches: Sequence[Batch]) -> torch.Tensor:
-        """DeepSpeed's step whose verdicts stay on the device (step/bf16_step.py): [loss, grad norm], unread. A dense
-        bf16 model: no loss scale, no MoE figures, no 2D mesh (the cases _train_batch_deepspeed reads on the host)."""
+        """DeepSpeed's step whose verdicts stay on the device (step/bf16_step.py, zero_step.py, fp16_step.py): [loss,
+        grad norm], and in fp16 the scale and overflow flag after them, unread. A dense model: no MoE figures, no 2D
+        mesh (the cases _train_batch_deepspeed reads on the host)."""
         issued = self.param_gather.issued if self.param_gather is not None else 0
         if self.pipelined:
             loss = self.engine.train_batch(self._pipeline_iter(micro_batches, training=True))
@@ -241,7 +248,10 @@ class ParallelEngine(EngineCheckpointIO):
                 "longer ends with all_gather_dp_groups (read from 0.19.8); set train.overlap_param_gather to false"
             )
         norm = self.engine.get_global_grad_norm()
-        return torch.stack([loss.detach().float().reshape(()), norm.float().reshape(()).to(loss.device)])
+        figures = torch.stack([loss.detach().float().reshape(()), norm.float().reshape(()).to(loss.device)])
+        if self.min_loss_scale is not None:
+            figures = torch.cat([figures, step_figures(self.engine.optimizer).to(loss.device)])
+        return figures
 
     def _train_batch_deepspeed(self, micro_batches: Sequence[Batch]) -> StepResult:
         scale = self.loss_scale

@@ -71,20 +71,27 @@ def check_fp16_supported(dtype: str, source: str, accelerator: Any = None) -> No
 
 
 def loss_scaler_state(optimizer: Any) -> dict[str, float]:
-    """The dynamic loss scaler's state in ZeRO's fp16 `optimizer`, as a checkpoint manifest keeps it."""
+    """The dynamic loss scaler's state in ZeRO's fp16 `optimizer`, as a checkpoint manifest keeps it (DeepSpeed's
+    scaler or the device one of step/fp16_step.py, whose tensors this reads on the host)."""
     scaler = optimizer.loss_scaler
     return {key: float(getattr(scaler, attr)) for key, attr in SCALER_FIELDS.items()}
 
 
 def load_loss_scaler_state(optimizer: Any, state: Mapping[str, float]) -> None:
     """Set the scaler from what ``loss_scaler_state`` returned (every rank the same, so they agree on overflows)."""
+    import torch
+
     scaler = optimizer.loss_scaler
     missing = [key for key in SCALER_FIELDS if key not in state]
     if missing:
         raise ValueError(f"loss scaler state lacks {missing}")
-    scaler.cur_scale = float(state["scale"])
-    for key in ("hysteresis_left", "iteration", "last_overflow_iteration"):
-        setattr(scaler, SCALER_FIELDS[key], int(state[key]))
+    for key, attr in SCALER_FIELDS.items():
+        value = float(state[key]) if key == "scale" else int(state[key])
+        current = getattr(scaler, attr)
+        if isinstance(current, torch.Tensor):
+            current.fill_(value)  # the device scaler's state (step/fp16_step.py), in place on its device
+        else:
+            setattr(scaler, attr, value)
 
 
 def keep_training_at_the_minimum_scale(optimizer: Any) -> float:

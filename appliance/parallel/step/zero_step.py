@@ -26,9 +26,9 @@ returns, so nothing else that steps it (a checkpoint load) inherits them.
 
 Used for bf16 where the inner optimizer is torch's fused AdamW (build.adamw_kernel) and DeepSpeed steps it on the
 device: no optimizer offload, ZenFlow, torch autocast's GradScaler, MoE expert groups or unnormed steps
-(compute_grad_norm = false). Anything else keeps DeepSpeed's step. fp16 is not covered: DeepSpeed's backward
-multiplies the loss by the dynamic loss scale as a Python float (DynamicLossScaler.cur_scale, `scale_if_loss`), so
-the scale itself would have to become a device tensor first.
+(compute_grad_norm = false). Anything else keeps DeepSpeed's step. fp16 has a step of its own (step/fp16_step.py):
+there DeepSpeed's backward multiplies the loss by the dynamic loss scale, a Python float, so the scale itself becomes
+a device tensor first.
 """
 
 from __future__ import annotations
