@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from appliance.planner.device import Device
 from appliance.planner.model_shape import ModelShape
+from kernels.chunk_rule import auto_chunk_size
 
 # The kernels' own limits, restated so the planner does not import torch or Triton; tests/unit/
 # test_planner_kernel_path.py reads the kernel modules and checks these equal theirs.
@@ -108,32 +109,6 @@ def kernels_for(device: Device, model: ModelShape) -> KernelPath:
     )
 
 
-# The chunk rule's constants, restated from kernels/chunked_ce.py (MIN_CHUNK_LOGITS, GPU_CHUNK_LOGITS_BYTES,
-# GPU_MIN_CHUNK_TOKENS); tests/kernels/test_kernel_cross_entropy_costs.py holds the two rules equal.
-MIN_CHUNK_LOGITS = 1 << 22
-GPU_CHUNK_LOGITS_BYTES = 2 << 30
-GPU_MIN_CHUNK_TOKENS = 1024
-
-
-def loss_chunk_tokens(tokens: int, hidden: int, vocab_local: int, *, gpu: bool = False, logit_bytes: int = 2) -> int:
-    """Tokens per chunk of the chunked cross entropy (kernels.chunked_ce.auto_chunk_size, the rule its callers default
-    to). GPU: the whole micro-batch when its logits (`logit_bytes` each) fit 2 GiB, else the largest power of two
-    that fits but at least 1024 tokens. CPU: a chunk's logits hold about as many elements as the hidden states but
-    at least 2^22, rounded up to a power of two. At most `tokens`."""
-    tokens = max(1, tokens)
-    if gpu:
-        per_token = max(1, vocab_local * logit_bytes)
-        if tokens * per_token <= GPU_CHUNK_LOGITS_BYTES:
-            return tokens
-        fitting = GPU_CHUNK_LOGITS_BYTES // per_token
-        power = 1 << (fitting.bit_length() - 1) if fitting >= 1 else 1
-        return min(tokens, max(GPU_MIN_CHUNK_TOKENS, power))
-    growth = max(1, math.ceil(vocab_local / max(hidden, 1)))
-    wanted = max(math.ceil(tokens / growth), math.ceil(MIN_CHUNK_LOGITS / max(vocab_local, 1)))
-    chunk = 1 << max(0, math.ceil(math.log2(max(1, wanted))))
-    return min(chunk, tokens)
-
-
 @dataclass(frozen=True)
 class LossChunks:
     """How the chunked loss cuts one micro-batch's tokens on one rank."""
@@ -157,7 +132,7 @@ class LossChunks:
 
 def loss_chunks(kernels: KernelPath, tokens: float, hidden: int, vocab_local: int, logit_bytes: int) -> LossChunks:
     """The chunks of the chunked loss for a micro-batch of `tokens` on one rank: GPU ranks (the Triton path) by the
-    GPU rule, CPU ranks by the CPU rule (loss_chunk_tokens)."""
+    GPU rule, CPU ranks by the CPU rule (kernels/chunk_rule.py, the rule the loss itself runs)."""
     whole = math.ceil(tokens)
-    chunk = loss_chunk_tokens(whole, hidden, vocab_local, gpu=kernels.triton, logit_bytes=logit_bytes)
+    chunk = auto_chunk_size(whole, hidden, vocab_local, gpu=kernels.triton, logit_bytes=logit_bytes)
     return LossChunks(chunk, math.ceil(whole / chunk))

@@ -35,7 +35,6 @@ from appliance.planner.kernel_path import (
     MATERIALISED,
     MEGATRON_DEEPSPEED,
     kernels_for,
-    loss_chunk_tokens,
 )
 from appliance.planner.search import search_layouts
 
@@ -54,12 +53,20 @@ def _constant(path: Path, name: str) -> object:
 def test_kernel_limits_are_the_kernels_own() -> None:
     assert _constant(ROOT / "kernels/flash_attention.py", "MAX_HEAD_DIM") == FLASH_MAX_HEAD_DIM
     assert _constant(ROOT / "kernels/layer_norm.py", "MAX_ROW") == LAYER_NORM_MAX_ROW
-    from kernels.chunked_ce import auto_chunk_size
 
-    for tokens, hidden, vocab_local in [
-        (2048, 1024, 250880), (4096, 14336, 62720), (1, 64, 512), (7, 3, 100), (1024, 128, 8192), (65536, 64, 512)
-    ]:  # fmt: skip
-        assert loss_chunk_tokens(tokens, hidden, vocab_local) == auto_chunk_size(tokens, hidden, vocab_local)
+
+def test_the_planner_prices_the_loss_with_the_kernels_own_chunk_rule() -> None:
+    """One rule, imported by both (kernels/chunk_rule.py), and importing it loads no torch."""
+    import subprocess
+    import sys
+
+    from appliance.planner import kernel_path
+    from kernels import chunk_rule, chunked_ce
+
+    assert kernel_path.auto_chunk_size is chunk_rule.auto_chunk_size is chunked_ce.auto_chunk_size
+    code = "import sys, appliance.planner.kernel_path; print('torch' in sys.modules)"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert loaded.stdout.strip() == "False"
 
 
 def test_kernels_follow_the_device_and_the_head_width() -> None:
