@@ -25,8 +25,8 @@ sys.path.insert(0, str(_HERE.parent))
 from appliance.hardware import load_hardware  # noqa: E402
 from appliance.planner import Budget, make_plan  # noqa: E402
 from appliance.planner.sizing import SMOKE_BUDGET_S, duration_text, tokens_text  # noqa: E402
+from appliance.planner.vocabulary import BYTES_PER_TOKEN  # noqa: E402
 
-BYTES_PER_TOKEN = 4.6
 HARDWARE = ("cpu-laptop-2core", "h100-sxm5-x1", "h100-sxm5-x8-node", "jean-zay-a100-48n")
 CORPORA = (("sample (3 MB)", None), ("1 GB", 1e9), ("100 GB", 100e9), ("1.6 TB", 1.6e12))
 SAMPLE_TOKENS = {False: 2_532_916, True: 2_434_926}  # by hardware.has_gpus: the tokenizer differs

@@ -1,7 +1,7 @@
-"""One copy of each constant: no two modules of the appliance assign the same module-level UPPER_CASE name to the
-same literal value. Such a pair is one fact written twice (a file name, a label index, a token), which drifts the
-day one copy changes; the second module imports the first's. Names that only happen to coincide are listed below
-with what each means."""
+"""One copy of each constant: no two modules of the appliance, the kernels or the benchmarks bind the same
+module-level UPPER_CASE name to the same literal value. Such a pair is one fact written twice (a file name, a label
+index, a token), which drifts the day one copy changes; the second module imports the first's. Names that only
+happen to coincide are listed below with what each means."""
 
 from __future__ import annotations
 
@@ -9,11 +9,14 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
-APPLIANCE = Path(__file__).resolve().parents[2] / "appliance"
+ROOT = Path(__file__).resolve().parents[2]
+SCANNED = ("appliance", "kernels", "bench")
 
 # name -> why its copies are different facts that happen to share a value.
 DIFFERENT_FACTS = {
     "VERSION": "each file format's own version number (indexed datasets, the metrics snapshot)",
+    "SEED": "each one's own random stream: MinHash's permutations (data/dedup.py), a benchmark's weights",
+    "RANKS": "each benchmark's own number of gloo ranks",
 }
 
 
@@ -44,11 +47,15 @@ def literal_constants(source: str) -> list[tuple[str, str]]:
     return found
 
 
+def scanned_files() -> list[Path]:
+    return [path for folder in SCANNED for path in sorted((ROOT / folder).rglob("*.py"))]
+
+
 def restated_constants() -> dict[tuple[str, str], list[str]]:
     where: dict[tuple[str, str], list[str]] = defaultdict(list)
-    for path in sorted(APPLIANCE.rglob("*.py")):
+    for path in scanned_files():
         for constant in literal_constants(path.read_text()):
-            where[constant].append(str(path.relative_to(APPLIANCE.parent)))
+            where[constant].append(str(path.relative_to(ROOT)))
     return {k: v for k, v in where.items() if len(v) > 1 and k[0] not in DIFFERENT_FACTS}
 
 
@@ -66,7 +73,7 @@ def test_the_scan_finds_a_restated_constant():
 def test_every_allowed_name_still_has_copies():
     """An entry of DIFFERENT_FACTS whose copies are gone goes too."""
     names: dict[str, set[str]] = defaultdict(set)
-    for path in APPLIANCE.rglob("*.py"):
+    for path in scanned_files():
         for name, _value in literal_constants(path.read_text()):
             names[name].add(str(path))
     for name in DIFFERENT_FACTS:
