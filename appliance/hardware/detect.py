@@ -26,10 +26,9 @@ from appliance.hardware.profile import (
     Hardware,
     SlurmAllocation,
 )
-from appliance.hardware.specs import FABRIC_GBPS, LOOPBACK_GBPS, match_nvml_name
+from appliance.hardware.specs import FABRIC_GBPS, GIB, LOOPBACK_GBPS, match_nvml_name
 from appliance.hardware.visible import VisibleGpu, VisibleGpus, visible_gpus
 
-GIB = 2**30
 NVLINK3_GBS_PER_LINK_PER_DIRECTION = 25.0  # A100 NVLink 3: 50 GB/s per link, both directions together
 
 

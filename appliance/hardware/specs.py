@@ -11,6 +11,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+# Memory sizes in the specs and profiles are GiB: "80 GB" GPUs report 80 GiB, so the figures equal the name on the box.
+GIB = 2**30
+
 
 @dataclass(frozen=True)
 class GpuSpec:

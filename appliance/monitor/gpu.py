@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from appliance.hardware.specs import GIB
 from appliance.hardware.visible import VisibleGpu, job_gpus, load_nvml
 from appliance.monitor.events import EventWriter, finite
 
@@ -23,8 +24,6 @@ if TYPE_CHECKING:
     from appliance.monitor.energy import EnergyMeter
 
 log = logging.getLogger(__name__)
-
-GIB = 2**30  # "80 GB" GPUs report 80 GiB; GiB keeps the table's figures equal to the name on the box
 
 
 def _query(fn: Any, *args: Any) -> Any:

@@ -19,8 +19,6 @@ from appliance.planner import calibration as cal
 from appliance.planner.calibration import Efficiency
 from appliance.planner.train_settings import DTYPES
 
-GIB = 2**30
-
 
 @dataclass(frozen=True)
 class Device:

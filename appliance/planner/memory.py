@@ -14,10 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from appliance.hardware.profile import Hardware
+from appliance.hardware.specs import GIB
 from appliance.planner import calibration as cal
 from appliance.planner import context_parallel
 from appliance.planner.context_parallel import local_tokens
-from appliance.planner.device import GIB, Device, make_device
+from appliance.planner.device import Device, make_device
 from appliance.planner.kernel_path import (
     FLASH,
     FULL_LOGITS_CE,

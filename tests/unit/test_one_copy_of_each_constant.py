@@ -20,6 +20,20 @@ DIFFERENT_FACTS = {
 }
 
 
+ARITHMETIC = (ast.Constant, ast.BinOp, ast.UnaryOp, ast.operator, ast.unaryop)
+
+
+def constant_value(expr: ast.expr) -> object | None:
+    """A literal's value, or that of arithmetic on numbers alone (`1 << 22`, `2 * 2**30`); None otherwise."""
+    try:
+        return ast.literal_eval(expr)
+    except ValueError:
+        pass
+    if all(isinstance(node, ARITHMETIC) for node in ast.walk(expr)):
+        return eval(compile(ast.Expression(expr), "<constant>", "eval"), {"__builtins__": {}})  # numbers only
+    return None
+
+
 def literal_constants(source: str) -> list[tuple[str, str]]:
     """(name, repr of the value) for each module-level UPPER_CASE name bound to a literal (tuple targets too)."""
     found = []
@@ -40,10 +54,9 @@ def literal_constants(source: str) -> list[tuple[str, str]]:
             for name, expr in pairs:
                 if not (isinstance(name, ast.Name) and name.id.isupper()):
                     continue
-                try:
-                    found.append((name.id, repr(ast.literal_eval(expr))))
-                except ValueError:  # not a literal: computed from something, so not a restatement
-                    continue
+                value = constant_value(expr)
+                if value is not None:  # None: computed from other names, so not a restatement
+                    found.append((name.id, repr(value)))
     return found
 
 
@@ -66,8 +79,8 @@ def test_no_constant_is_written_twice():
 
 def test_the_scan_finds_a_restated_constant():
     """Control: the scan sees plain, annotated and tuple assignments, and skips computed values."""
-    source = 'A = "x"\nB: int = 3\nC, D = 1, (2, 3)\nE = len("x")\nlower = 1\n'
-    assert literal_constants(source) == [("A", "'x'"), ("B", "3"), ("C", "1"), ("D", "(2, 3)")]
+    source = 'A = "x"\nB: int = 3\nC, D = 1, (2, 3)\nE = len("x")\nlower = 1\nF = 1 << 22\nG = A * 2\n'
+    assert literal_constants(source) == [("A", "'x'"), ("B", "3"), ("C", "1"), ("D", "(2, 3)"), ("F", "4194304")]
 
 
 def test_every_allowed_name_still_has_copies():

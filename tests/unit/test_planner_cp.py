@@ -14,6 +14,7 @@ import pytest
 from appliance import cli
 from appliance.errors import BadInput
 from appliance.hardware import load_hardware
+from appliance.hardware.specs import GIB
 from appliance.planner import (
     Layout,
     activation_bytes_per_layer,
@@ -26,7 +27,7 @@ from appliance.planner import (
     step_time,
 )
 from appliance.planner.context_parallel import attention_share, busiest_attention_share
-from appliance.planner.device import GIB, cp_link, make_device
+from appliance.planner.device import cp_link, make_device
 from appliance.planner.kernel_path import kernels_for
 from appliance.planner.search import search_layouts
 
