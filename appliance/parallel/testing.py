@@ -361,30 +361,19 @@ def build_test_engine(
     micro_batch_size: int,
     global_batch_size: int,
     zero_stage: int = 0,
-    dtype: str = "fp32",
-    grad_clip: float = 1.0,
     recompute: str = "none",
     sequence_parallel: bool = False,
     cp_mode: str = "ulysses",
-    lr: float = 1e-3,
-    weight_decay: float = 0.0,
-    betas: tuple[float, float] = (0.9, 0.95),
-    eps: float = 1e-8,
-    seed: int = 0,
-    seq_len: int | None = None,
-    overlap_param_gather: bool = TrainSettings.overlap_param_gather,
-    compile: str = TrainSettings.compile,
-    expert_device_budget_bytes: int = 0,
-    expert_host_budget_bytes: int = 0,
     expert_disk_dir: Path | None = None,
     hardware: Hardware | None = None,
     step_engine: str = "auto",
+    **settings: Any,
 ) -> ParallelEngine:
-    """``build.build_engine`` for tests and benchmarks, which name only what they vary: by default fp32 without
-    ZeRO, recompute or sequence parallelism, AdamW with BLOOM's betas and eps and no weight decay at a constant
-    lr of 1e-3, clipping at 1.0. The keywords become the Layout of ``topology`` (``engine_layout``) and the
-    TrainSettings (``engine_settings``) the engine reads; ``hardware``, ``expert_disk_dir`` and ``step_engine`` go
-    to it as they are."""
+    """``build.build_engine`` for tests and benchmarks, which name only what they vary. The layout's keywords become
+    the Layout of ``topology`` (``engine_layout``); ``settings`` are ``engine_settings``' keywords (precision,
+    AdamW, clipping, seed, seq_len, compile, the expert budgets in bytes), with its defaults: fp32, AdamW with BLOOM's
+    betas and eps and no weight decay at a constant lr of 1e-3, clipping at 1.0. ``hardware``, ``expert_disk_dir``
+    and ``step_engine`` go to the engine as they are."""
     from appliance.parallel.step.build import build_engine  # DeepSpeed loads with it: only ranks that build pay
 
     layout = engine_layout(
@@ -396,27 +385,12 @@ def build_test_engine(
         sequence_parallel=sequence_parallel,
         cp_mode=cp_mode,
     )
-    settings = engine_settings(
-        micro_batch_size=micro_batch_size,
-        global_batch_size=global_batch_size,
-        dtype=dtype,
-        grad_clip=grad_clip,
-        lr=lr,
-        weight_decay=weight_decay,
-        betas=betas,
-        eps=eps,
-        seed=seed,
-        seq_len=seq_len,
-        overlap_param_gather=overlap_param_gather,
-        compile=compile,
-        expert_device_budget_bytes=expert_device_budget_bytes,
-        expert_host_budget_bytes=expert_host_budget_bytes,
-    )
+    train = engine_settings(micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, **settings)
     return build_engine(
         config,
         topology,
         layout,
-        settings,
+        train,
         hardware=hardware,  # None: the MoE exchange's nodes are LOCAL_WORLD_SIZE ranks (experts/exchange.py)
         expert_disk_dir=expert_disk_dir,
         step_engine=step_engine,

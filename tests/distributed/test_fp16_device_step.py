@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from device_steps import Batches, engine_snapshot, one_sample_each, random_micro_batches
 from noise_floor import relative_norm
 
 from appliance.model.config import BloomConfig
@@ -43,22 +44,8 @@ RESUME_AT = 5  # the resumed engine starts at this step, from the state the devi
 FIRST_APPLIED = 5  # the first step that does not overflow from FORCED_START (2^20 fits, measured)
 
 
-def _micro_batches(rank: int, step: int) -> list[tuple[torch.Tensor, ...]]:
-    generator = torch.Generator().manual_seed(1000 * step + rank)
-    tokens = [torch.randint(0, CONFIG.vocab_size, (MBS, SEQ + 1), generator=generator) for _ in range(COUNT)]
-    return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
-
-
-def _one_sample_each(micro_batches: list[tuple[torch.Tensor, ...]]) -> list[tuple[torch.Tensor, ...]]:
-    """The same samples as one-sample micro-batches: the same step, its sums over samples taken in another order."""
-    return [tuple(t[i : i + 1] for t in batch) for batch in micro_batches for i in range(MBS)]
-
-
-def _snapshot(engine: Any) -> dict[str, dict[str, torch.Tensor]]:
-    return {
-        "weights": {n: p.detach().float().clone() for n, p in engine.named_parameters()},
-        "state": {k: v.detach().clone() for k, v in engine.optimizer_state().items()},
-    }
+def _micro_batches(rank: int, step: int) -> Batches:
+    return random_micro_batches(CONFIG.vocab_size, rank=rank, step=step, mbs=MBS, seq=SEQ, count=COUNT)
 
 
 def _engine(topology: ParallelTopology, step_engine: str, *, one_sample: bool = False) -> Any:
@@ -81,15 +68,15 @@ def _train(
     out: dict[str, Any] = {"device_figures": engine.device_figures, "scaler": scaler, "steps": [], "scalers": []}
     for step in steps:
         batches = _micro_batches(rank, step)
-        out["steps"].append(_figures(engine.train_batch(_one_sample_each(batches) if one_sample else batches)))
+        out["steps"].append(_figures(engine.train_batch(one_sample_each(batches) if one_sample else batches)))
         out["scalers"].append(engine.loss_scaler_state())
         if step == FIRST_APPLIED:
-            out["first"] = _snapshot(engine)
+            out["first"] = engine_snapshot(engine)
         if save is not None and step == RESUME_AT - 1:
             save.mkdir(parents=True, exist_ok=True)
             engine.save_model(save, {})
             out["resume_from"] = {"optimizer": engine.optimizer_state(), "scaler": engine.loss_scaler_state()}
-    out["last"] = _snapshot(engine)
+    out["last"] = engine_snapshot(engine)
     return out
 
 
@@ -116,9 +103,9 @@ def _rank(topology: ParallelTopology, root: str) -> dict[str, Any]:
     out["reads"] = {"issuing": dict(issuing.counts), "reading": dict(reading.counts), "figures": figures}
     # An overflow: a scale far too large, as a checkpoint's scaler state would set it, with no hysteresis left.
     engine.load_loss_scaler_state({**engine.loss_scaler_state(), "scale": 2.0**30, "hysteresis_left": 1})
-    before, scaler_before = _snapshot(engine), engine.loss_scaler_state()
+    before, scaler_before = engine_snapshot(engine), engine.loss_scaler_state()
     overflowed = _figures(engine.train_batch(_micro_batches(rank, 99)))
-    after = _snapshot(engine)
+    after = engine_snapshot(engine)
     out["overflow"] = {
         "figures": overflowed,
         "changed": [k for part in before for k in before[part] if not torch.equal(before[part][k], after[part][k])],

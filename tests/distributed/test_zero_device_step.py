@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from device_steps import Batches, engine_snapshot, one_sample_each, random_micro_batches
 from noise_floor import relative_norm
 
 from appliance.model.config import BloomConfig
@@ -33,22 +34,8 @@ GRAD_CLIP = 0.5
 FIRST_STEP_RTOL = 1e-6
 
 
-def _micro_batches(rank: int, step: int) -> list[tuple[torch.Tensor, ...]]:
-    generator = torch.Generator().manual_seed(1000 * step + rank)
-    tokens = [torch.randint(0, CONFIG.vocab_size, (MBS, SEQ + 1), generator=generator) for _ in range(COUNT)]
-    return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
-
-
-def _one_sample_each(micro_batches: list[tuple[torch.Tensor, ...]]) -> list[tuple[torch.Tensor, ...]]:
-    """The same samples as one-sample micro-batches: the same step, its sums over samples taken in another order."""
-    return [tuple(t[i : i + 1] for t in batch) for batch in micro_batches for i in range(MBS)]
-
-
-def _snapshot(engine: Any) -> dict[str, dict[str, torch.Tensor]]:
-    return {
-        "weights": {n: p.detach().float().clone() for n, p in engine.named_parameters()},
-        "state": {k: v.detach().clone() for k, v in engine.optimizer_state().items()},
-    }
+def _micro_batches(rank: int, step: int) -> Batches:
+    return random_micro_batches(CONFIG.vocab_size, rank=rank, step=step, mbs=MBS, seq=SEQ, count=COUNT)
 
 
 def _train(topology: ParallelTopology, rank: int, step_engine: str, *, one_sample: bool) -> tuple[Any, dict[str, Any]]:
@@ -59,12 +46,12 @@ def _train(topology: ParallelTopology, rank: int, step_engine: str, *, one_sampl
     out: dict[str, Any] = {"device_figures": engine.device_figures, "losses": [], "norms": []}
     for step in range(STEPS):
         batches = _micro_batches(rank, step)
-        result = engine.train_batch(_one_sample_each(batches) if one_sample else batches)
+        result = engine.train_batch(one_sample_each(batches) if one_sample else batches)
         out["losses"].append(result.loss)
         out["norms"].append(result.grad_norm)
         if step == 0:
-            out["first"] = _snapshot(engine)
-    out["last"] = _snapshot(engine)
+            out["first"] = engine_snapshot(engine)
+    out["last"] = engine_snapshot(engine)
     return engine, out
 
 
@@ -85,13 +72,13 @@ def _rank(topology: ParallelTopology) -> dict[str, Any]:
         figures = [p.result() for p in pending]
     finite = all(math.isfinite(f.loss) and math.isfinite(f.grad_norm) for f in figures)
     out["reads"] = {"issuing": dict(issuing.counts), "reading": dict(reading.counts), "finite": finite}
-    before = _snapshot(engine)
+    before = engine_snapshot(engine)
     engine.loss_fn.inject_nan = True
     try:
         skipped = engine.train_batch(_micro_batches(rank, 99))
     finally:
         engine.loss_fn.inject_nan = False
-    after = _snapshot(engine)
+    after = engine_snapshot(engine)
     out["nan"] = {
         "norm": skipped.grad_norm,
         "changed": [k for part in before for k in before[part] if not torch.equal(before[part][k], after[part][k])],
