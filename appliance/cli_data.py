@@ -65,7 +65,7 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
     vocab_size, reasons = args.vocab_size, None
     if vocab_size is None:
         vocab_size, reasons = corpus_vocab_size(args.corpus)
-        print(f"vocabulary: {reasons[0]}")
+        print(reasons[0])
     print(train_tokenizer(args.corpus, args.out, vocab_size=vocab_size, vocab_reasons=reasons, tp_size=args.tp))
     return 0
 
