@@ -9,6 +9,10 @@ Two files go into the script directory:
 SLURM does the scheduling, the retries (--requeue) and the accounting; the appliance only runs one step per
 job. A unit's work is committed with a done marker (prep_work.py), so running submit.sh again after a failed,
 cancelled or requeued task redoes only the units that are missing or whose input changed.
+
+Both scripts `shlex.quote` every path and name they hold, refuse at input any that holds a control character
+(hardware/slurm.py), and set their own umask (027: directories 0750, files 0640, the logs and the corpus too),
+whatever the submitting shell's.
 """
 
 from __future__ import annotations
@@ -19,7 +23,14 @@ from pathlib import Path
 
 from appliance.data.prep_work import default_work_dir
 from appliance.errors import BadInput
-from appliance.hardware.slurm import check_time_limit, sbatch_header
+from appliance.hardware.slurm import (
+    check_output_dir,
+    check_partition_and_account,
+    check_script_text,
+    check_time_limit,
+    sbatch_header,
+    slurm_file_name,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_ARRAY_MAX = 64  # default array size: one task per work unit (64 MB of .jsonl or one file), up to 64
@@ -49,6 +60,14 @@ class PrepJob:
         if self.cpus_per_task < 1:
             raise BadInput(f"--cpus-per-task {self.cpus_per_task}: need at least 1")
         check_time_limit(self.time_limit, "--time")
+        for path in self.inputs:
+            check_script_text(path, "--input")
+        check_script_text(self.out_dir, "--out")
+        check_output_dir(self.script_dir.resolve(), "--script-dir")  # its logs/ holds the jobs' --output
+        check_script_text(self.cwd, "the current directory")
+        if self.work_dir is not None:
+            check_script_text(self.work_dir, "--work-dir")
+        check_partition_and_account(self.partition, self.account)
 
 
 def default_script_dir(out_dir: Path) -> Path:
@@ -59,12 +78,21 @@ def default_array_size(units: int) -> int:
     return max(1, min(units, DEFAULT_ARRAY_MAX))
 
 
+def _path_arg(path: Path) -> str:
+    """A path as a command-line argument: a relative one that starts with '-' (Path drops a leading "./") gets it
+    back, or `prep`'s parser would read the file name as an option."""
+    text = str(path)
+    return f"./{text}" if text.startswith("-") else text
+
+
 def batch_script(job: PrepJob, *, python: str | None = None) -> str:
     """prep.sbatch: one step per job; the step is the script's first argument."""
     python = python or str(REPO_ROOT / ".venv" / "bin" / "python")
+    check_script_text(python, "the python interpreter")
+    check_script_text(REPO_ROOT, "the appliance's directory")
     work_dir = job.work_dir or default_work_dir(job.out_dir)
-    prep = [python, str(REPO_ROOT / "bloom_appliance.py"), "prep", "--input", *map(str, job.inputs)]
-    prep += ["--out", str(job.out_dir), "--work-dir", str(work_dir)] + (["--strict"] if job.strict else [])
+    prep = [python, str(REPO_ROOT / "bloom_appliance.py"), "prep", "--input", *map(_path_arg, job.inputs)]
+    prep += ["--out", _path_arg(job.out_dir), "--work-dir", _path_arg(work_dir)] + (["--strict"] if job.strict else [])
     directives = [
         "--job-name=prep",
         "--nodes=1",
@@ -78,6 +106,7 @@ def batch_script(job: PrepJob, *, python: str | None = None) -> str:
         f"# One step of `prep`, submitted by {SUBMIT_NAME}: read and filter as arrays of {job.array_size} tasks,",
         "# templates and finish as single jobs.",
         "set -euo pipefail",
+        "umask 027  # the corpus and its work files: the user's and their group's to read, whatever the umask",
         f"cd {shlex.quote(str(job.cwd))}",
         'STEP="$1"',
         "prep() {",
@@ -96,7 +125,10 @@ def batch_script(job: PrepJob, *, python: str | None = None) -> str:
 def submit_script(job: PrepJob) -> str:
     """submit.sh: the chain of four jobs, each waiting for the one before it to succeed."""
     batch = shlex.quote(str((job.script_dir / BATCH_NAME).resolve()))
-    logs = shlex.quote(str((job.script_dir / "logs").resolve()))
+    logs = (job.script_dir / "logs").resolve()
+    # slurmd expands %x, %A, %a and %j in --output; a '%' of the directory's own name is doubled (slurm_file_name).
+    array_log = shlex.quote(f"--output={slurm_file_name(logs)}/%x-%A_%a.out")
+    job_log = shlex.quote(f"--output={slurm_file_name(logs)}/%x-%j.out")
     last = job.array_size - 1
     after = "--kill-on-invalid-dep=yes --dependency=afterok"
     lines = [
@@ -104,18 +136,18 @@ def submit_script(job: PrepJob) -> str:
         "# Corpus preparation on SLURM: read (array) -> templates -> filter (array) -> finish.",
         "# Safe to run again: units already done are skipped, so a rerun redoes only what failed or changed.",
         "set -euo pipefail",
-        f"LOGS={logs}",
+        "umask 027  # the logs: the user's and their group's to read, whatever the umask",
+        f"LOGS={shlex.quote(str(logs))}",
         'mkdir -p "$LOGS"',
         "submit() {  # sbatch --parsable prints JOBID or JOBID;CLUSTER",
         "    local id",
         '    id=$(sbatch --parsable "$@")',
         '    echo "${id%%;*}"',
         "}",
-        f'READ=$(submit --job-name=prep-read --array=0-{last} --output="$LOGS/%x-%A_%a.out" {batch} read)',
-        f'TEMPLATES=$(submit --job-name=prep-templates {after}:"$READ" --output="$LOGS/%x-%j.out" {batch} templates)',
-        f'FILTER=$(submit --job-name=prep-filter --array=0-{last} {after}:"$TEMPLATES" '
-        f'--output="$LOGS/%x-%A_%a.out" {batch} filter)',
-        f'FINISH=$(submit --job-name=prep-finish {after}:"$FILTER" --output="$LOGS/%x-%j.out" {batch} finish)',
+        f"READ=$(submit --job-name=prep-read --array=0-{last} {array_log} {batch} read)",
+        f'TEMPLATES=$(submit --job-name=prep-templates {after}:"$READ" {job_log} {batch} templates)',
+        f'FILTER=$(submit --job-name=prep-filter --array=0-{last} {after}:"$TEMPLATES" {array_log} {batch} filter)',
+        f'FINISH=$(submit --job-name=prep-finish {after}:"$FILTER" {job_log} {batch} finish)',
         f'echo "prep: read $READ ({job.array_size} tasks) -> templates $TEMPLATES -> filter $FILTER '
         f'({job.array_size} tasks) -> finish $FINISH; logs in $LOGS"',
         f'echo {shlex.quote(f"the corpus lands in {job.out_dir} when job")} "$FINISH" completes',
@@ -126,9 +158,9 @@ def submit_script(job: PrepJob) -> str:
 
 def write_scripts(job: PrepJob, *, python: str | None = None) -> Path:
     """Write prep.sbatch and submit.sh into job.script_dir; returns the path of submit.sh."""
-    job.script_dir.mkdir(parents=True, exist_ok=True)
+    job.script_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
     for name, text in ((BATCH_NAME, batch_script(job, python=python)), (SUBMIT_NAME, submit_script(job))):
         path = job.script_dir / name
         path.write_text(text)
-        path.chmod(0o755)
+        path.chmod(0o750)  # as the scripts' own umask: the user's and their group's
     return job.script_dir / SUBMIT_NAME

@@ -34,10 +34,13 @@ def test_jean_zay_script_has_the_directives_and_one_agent_per_node(tmp_path):
         assert f"#SBATCH {directive}" in script
     srun = next(line for line in script.splitlines() if line.startswith("srun "))
     assert "-m appliance.train.agent" in srun and "--nnodes=48" in srun and "--nproc-per-node=8" in srun
-    assert '"--rdzv-endpoint=$MASTER_ADDR:29500"' in srun and "-m appliance.rank.worker" in srun
+    # The rendezvous endpoint and id are the job's, computed by the script into variables of its own.
+    assert '--rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="$RDZV_ID"' in srun and "-m appliance.rank.worker" in srun
+    assert 'RDZV_ENDPOINT="$MASTER_ADDR:29500"' in script and 'RDZV_ID="$SLURM_JOB_ID"' in script
     # The ranks' startup account begins at this stamp (train/startup.py), set in the shell right before srun.
     lines = script.splitlines()
-    stamp = next(i for i, line in enumerate(lines) if line.startswith("export BLOOM_LAUNCH_TIME="))
+    stamp = next(i for i, line in enumerate(lines) if line.startswith("BLOOM_LAUNCH_TIME="))
+    assert lines[stamp + 1] == "export BLOOM_LAUNCH_TIME"
     assert stamp < lines.index(srun)
     shell = subprocess.run(["bash", "-c", lines[stamp] + '; echo "$BLOOM_LAUNCH_TIME"'], capture_output=True, text=True)
     assert abs(launch_time({"BLOOM_LAUNCH_TIME": shell.stdout.strip()}) - time.time()) < 60  # type: ignore[operator]
