@@ -16,6 +16,7 @@ from appliance.planner.layout import Layout, pipeline_partition
 from appliance.planner.memory import MemoryEstimate, stage_moe_blocks
 from appliance.planner.model_shape import ModelShape
 from appliance.planner.moe_costs import moe_plan_notes, moe_shape_for_model
+from appliance.planner.node_losses import planned_restarts
 from appliance.planner.recipe import default_global_batch_size, run_estimate, train_section
 from appliance.planner.runspec import PlanDevice, PlanReport, RunSection, RunSpec
 from appliance.planner.search import Evaluated, SearchResult, evaluate, search_layouts
@@ -301,6 +302,8 @@ def make_plan(
         corpus_bytes=budget.corpus_bytes,
         limit=limit,
     )
+    gpus = layout.world_size if hardware.has_gpus else 0
+    run = replace(run, max_restarts=planned_restarts(gpus, hardware.nodes, run.time_s))  # planner/node_losses.py
     tokens = train.train_samples * train.seq_len
     sizing = (
         explain(model, sized, budget, tokens=tokens, steps=steps, step_s=step_s, ov=ov, seconds=seconds, limit=limit)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from appliance.planner.failures import plan_failure_cost
 from appliance.planner.layout import pipeline_partition
+from appliance.planner.node_losses import RESTART_MARGIN
 from appliance.planner.plan import CONVENTIONS, Plan
 from appliance.planner.sizing import duration_text
 from appliance.planner.tp2d import comparison_lines
@@ -106,6 +107,11 @@ def format_plan(plan: Plan, *, spares: int = 0) -> str:
     if failures is not None:
         out.append("Failures (lost nodes; planner/failures.py):")
         out += [f"  {line}" for line in failures.lines()]
+        out.append(
+            f"  restart budget: max_restarts {r.max_restarts} (each loss spends one: the losses' 99th percentile, at"
+            f" least the suggested spares, plus {RESTART_MARGIN} for other failures; planner/node_losses.py; --set"
+            " max_restarts=N)"
+        )
     out.append("FLOP conventions:")
     out.append(f"  model FLOPs (MFU): {CONVENTIONS['model_flops']}")
     out.append(f"  hardware FLOPs (TFLOPs per GPU): {CONVENTIONS['hardware_flops']}")

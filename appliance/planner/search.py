@@ -147,10 +147,16 @@ def expert_parallel_degrees(model: ModelShape, dp: int) -> list[int]:
 
 
 def search_layouts(
-    hardware: Hardware, model: ModelShape, global_batch_size: int, precision: str | None = None
+    hardware: Hardware,
+    model: ModelShape,
+    global_batch_size: int,
+    precision: str | None = None,
+    *,
+    only_tp: int | None = None,
 ) -> SearchResult:
     """Every candidate layout for `model` at `global_batch_size` on `hardware` in `precision` (None: the hardware's
-    default), the best feasible one first."""
+    default), the best feasible one first. `only_tp`: that TP degree alone, if the hardware allows it (the elastic
+    step-down keeps the plan's, planner/shrink.py); None: every one it allows."""
     world = world_size_for(hardware)
     device = make_device(hardware, world, precision)
     kernels = kernels_for(device, model)
@@ -165,6 +171,8 @@ def search_layouts(
         # reduce-scatter and ZeRO's overlap needs CUDA streams. Recompute stays available for big shapes.
         tps = [1]
         recomputes, zeros = RECOMPUTE_MODES, (0,)
+    if only_tp is not None:
+        tps = [tp for tp in tps if tp == only_tp]
     # Selective recompute only where it drops [s, s] tensors: under flash it would be recompute=none by another name.
     recomputes = tuple(r for r in recomputes if r != "selective" or kernels.selective_recompute_helps)
     seen_reasons: set[str] = set()

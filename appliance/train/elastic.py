@@ -11,8 +11,10 @@ the plan's world again. Each start, the ranks:
    the host (`stand_by`) until the training ranks of its start release it, or its agent restarts it when the
    agents re-form. The training ranks form a world of their own (WORLD_SIZE set to theirs before the process group
    forms), so a spare is in none of their groups and in none of their collectives;
-2. take the layout for the ranks that train from the planner (same tp, pp and cp, dp refitted, the global batch
-   kept through more gradient accumulation), or stop with its error naming the factors;
+2. take the layout for the ranks that train from the planner (planner/shrink.py: on GPUs the fastest layout the
+   planner fits in the GPU's memory, tp kept and pp, dp, micro-batch, ZeRO stage and recompute free; on CPU ranks
+   the same tp, pp and cp with dp refitted; the global batch kept either way), or stop with its error naming the
+   factors;
 3. learn which nodes they are on (every training rank's node name, gathered) and compare them with the nodes of
    the last start, which rank 0 keeps in control/nodes.json, with the spares of that start;
 4. resume from the newest checkpoint as always; checkpoints load at any layout (train/checkpoint.py).
@@ -68,9 +70,7 @@ def spec_for_world(spec: RunSpec, world_size: int, env: dict[str, str] | None = 
     does not fit it."""
     if world_size == spec.layout.world_size or not launched_elastic(env):
         return spec
-    model = spec.model
-    layout = layout_for_world(spec.layout, world_size, heads=model.heads, layers=model.layers, seq_len=model.seq_len)
-    return spec.with_layout(layout, spec.report.estimate)
+    return spec.with_layout(layout_for_world(spec, world_size), spec.report.estimate)
 
 
 def launched_elastic(env: dict[str, str] | None = None) -> bool:
@@ -93,7 +93,7 @@ def min_agents(spec: RunSpec, nodes: NodeGroup) -> int:
     if nodes.min_nodes is not None:
         return nodes.min_nodes
     if nodes.spares:
-        return usable_node_counts(spec.layout, nodes.nnodes)[0]
+        return usable_node_counts(spec, nodes.nnodes)[0]
     return nodes.nnodes
 
 
@@ -101,13 +101,18 @@ def check_node_range(spec: RunSpec, min_nodes: int, max_nodes: int, source: str)
     """Before launching with --nnodes MIN:MAX: BadInput when the plan cannot train on MIN nodes or any fewer;
     otherwise, for each node count between MIN and MAX that holds no layout itself, the count that would train
     there (the agents may re-form with any count in the range; the other nodes then stand by)."""
-    usable = usable_node_counts(spec.layout, max_nodes)
+    usable = usable_node_counts(spec, max_nodes)
     if training_nodes(usable, max_nodes, min_nodes) is None:
-        per_node = spec.layout.world_size // max_nodes
+        per_node, lay = spec.layout.world_size // max_nodes, spec.layout
+        how = (
+            f"in a layout with tp({lay.tp}) that fits the GPUs' memory (`plan --spares K` lists the step-downs)"
+            if spec.hardware.has_gpus
+            else f"and mbs({lay.micro_batch_size})"
+        )
         raise BadInput(
             f"--nnodes {min_nodes}:{max_nodes}: {min_nodes} nodes x {per_node} ranks cannot carry the plan's"
-            f" {spec.layout.factors} with global batch({spec.layout.global_batch_size}) and"
-            f" mbs({spec.layout.micro_batch_size}) ({source}); node counts that can: {usable}"
+            f" {lay.factors} with global batch({lay.global_batch_size}) {how} ({source}); node counts that can:"
+            f" {usable}"
         )
     return {
         n: trains
@@ -145,7 +150,7 @@ def placement(spec: RunSpec, env: dict[str, str] | None = None) -> Placement:
     plan_world = spec.layout.world_size
     if launched_elastic(env) and world != plan_world and per_node and not plan_world % per_node:
         plan_nodes = plan_world // per_node
-        trains = training_nodes(usable_node_counts(spec.layout, plan_nodes), plan_nodes, world // per_node)
+        trains = training_nodes(usable_node_counts(spec, plan_nodes), plan_nodes, world // per_node)
         if trains is not None:  # None: too few nodes; all train, and the re-plan names the factors
             train_world = trains * per_node
     return Placement(rank=rank, agent_world=world, train_world=train_world, per_node=per_node)

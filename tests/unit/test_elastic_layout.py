@@ -26,35 +26,34 @@ from appliance.train.launch import agent_command
 from appliance.train.nodes import NodeGroup, node_group, parse_nnodes
 from appliance.train.nodes import main as nodes_main
 
-PLAN = parse_layout("tp=1,pp=1,dp=3,mbs=1,gbs=6")
-MODEL = {"heads": 4, "layers": 2, "seq_len": 64}
-
 
 def test_a_lost_node_keeps_the_global_batch_through_more_accumulation() -> None:
-    shrunk = layout_for_world(PLAN, 2, **MODEL)
+    plan = _spec("tp=1,pp=1,dp=3,mbs=1,gbs=6")
+    shrunk = layout_for_world(plan, 2)
     assert (shrunk.tp, shrunk.pp, shrunk.dp, shrunk.global_batch_size) == (1, 1, 2, 6)
-    assert (PLAN.micro_batches, shrunk.micro_batches) == (2, 3)  # 6 = 1 x 3 x 2 = 1 x 2 x 3
+    assert (plan.layout.micro_batches, shrunk.micro_batches) == (2, 3)  # 6 = 1 x 3 x 2 = 1 x 2 x 3
 
 
 def test_the_plans_world_again_is_the_plans_layout_grow_back() -> None:
-    assert layout_for_world(PLAN, 3, **MODEL) is PLAN
-    shrunk = layout_for_world(PLAN, 2, **MODEL)
-    assert layout_for_world(shrunk, 3, **MODEL).dp == 3  # from the shrunk one too: dp refits both ways
+    plan = _spec("tp=1,pp=1,dp=3,mbs=1,gbs=6")
+    assert layout_for_world(plan, 3) is plan.layout
+    shrunk = plan.with_layout(layout_for_world(plan, 2), plan.report.estimate)
+    assert layout_for_world(shrunk, 3).dp == 3  # from the shrunk one too: dp refits both ways
 
 
 def test_no_valid_layout_names_the_factors() -> None:
     with pytest.raises(BadInput, match=r"global batch\(6\) is not divisible by mbs\(1\) \* dp\(4\)"):
-        layout_for_world(PLAN, 4, **MODEL)
-    tp2 = parse_layout("tp=2,pp=1,dp=3,mbs=1,gbs=6")
+        layout_for_world(_spec("tp=1,pp=1,dp=3,mbs=1,gbs=6"), 4)
+    tp2 = _spec("tp=2,pp=1,dp=3,mbs=1,gbs=6")
     with pytest.raises(BadInput, match=r"5 ranks cannot hold tp\(2\) \* pp\(1\) \* dp: .* 2 ranks of one model"):
-        layout_for_world(tp2, 5, **MODEL)
+        layout_for_world(tp2, 5)
 
 
 def test_what_min_may_be_for_bloom_176b() -> None:
-    # tp4 pp12 dp8 on 48 nodes of 8 GPUs: one replica is 48 ranks = 6 nodes, and gbs 2048 / mbs 2 = 1024 micro-
-    # batches per step must divide by dp, so dp is 1, 2, 4 or 8.
-    bloom = parse_layout("tp=4,pp=12,dp=8,mbs=2,gbs=2048")
-    assert usable_node_counts(bloom, 48) == [6, 12, 24, 48]
+    # tp4 kept on 8-GPU nodes, gbs 2048 = mbs x dp x micro-batches: dp a power of two, pp whatever balances 70
+    # blocks (+ 2 ends) over the rest, and a layout among them that fits 80 GB (tests/unit/test_step_down.py).
+    # Not 6 nodes: one replica of the plan's pipeline, which no layout fits (dp1 keeps all of ZeRO's states).
+    assert usable_node_counts(_bloom(), 48) == [9, 12, 14, 16, 18, 20, 24, 28, 32, 35, 36, 40, 48]
 
 
 def test_the_node_record_names_lost_and_returned_nodes(tmp_path: Path) -> None:
@@ -105,10 +104,9 @@ def test_placement_trains_the_plans_nodes_and_the_rest_stand_by() -> None:
 
 
 def test_with_no_spare_left_the_largest_usable_count_below_trains() -> None:
-    # BLOOM-176B: 47 nodes of 48 hold no layout; 24 of them train (dp4, 256 micro-batches per step) and 23 stand by.
-    bloom = parse_layout("tp=4,pp=12,dp=8,mbs=2,gbs=2048")
-    usable = usable_node_counts(bloom, 48)
-    assert [training_nodes(usable, 48, n) for n in (52, 48, 47, 24, 23, 6, 5)] == [48, 48, 24, 24, 12, 6, None]
+    # BLOOM-176B: 47 nodes of 48 hold no layout; 40 of them train (tp4 pp10 dp8) and 7 stand by.
+    usable = usable_node_counts(_bloom(), 48)
+    assert [training_nodes(usable, 48, n) for n in (52, 48, 47, 24, 23, 9, 8)] == [48, 48, 40, 24, 20, 9, None]
 
 
 def test_nnodes_min_max_flags(tmp_path: Path) -> None:
@@ -148,6 +146,12 @@ def _spec(layout: str) -> RunSpec:
         load_hardware("cpu-laptop-2core"), load_model_shape("bloom-micro-test"), layout=parse_layout(layout)
     )
     return plan.spec()
+
+
+def _bloom() -> RunSpec:
+    """BLOOM-176B's own layout (tp4 pp12 dp8, mbs 2, gbs 2048) on its 48 nodes."""
+    hardware, model = load_hardware("jean-zay-a100-48n"), load_model_shape("bloom-176b")
+    return make_plan(hardware, model, layout=parse_layout("tp=4,pp=12,dp=8,mbs=2,gbs=2048")).spec()
 
 
 def test_only_elastic_launches_re_plan_and_min_must_hold_a_layout() -> None:
