@@ -311,8 +311,9 @@ def follow_run(
 
     The follower also keeps metrics.snapshot (monitor/snapshot.py) every `snapshot_every_s` (None: never) once
     `snapshot_min_bytes` of new events arrived, and when it stops: it is the process that folds every event
-    anyway, from byte 0, for the whole life of the run (the head runs it), so the snapshot costs it one pickle
-    every few minutes and saves every later attach the full read."""
+    anyway, from byte 0, for the whole life of the run (the head runs it), so the snapshot costs it one JSON
+    encoding every few minutes and saves every later attach the full read. A snapshot that attach refuses (damaged,
+    crafted, another version) is logged as a warning and the whole file is absorbed instead."""
     metrics = RunDir(Path(run_dir)).metrics
     tail = EventTail(metrics)
     saver = SnapshotSaver(metrics, snapshot_every_s, snapshot_min_bytes) if snapshot_every_s is not None else None

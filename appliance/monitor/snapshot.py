@@ -7,46 +7,49 @@ process that follows the run anyway (the head's headless follower, the dashboard
 with the byte offset of metrics.jsonl it covers; an attaching reader loads it and folds only the bytes after that
 offset. metrics.jsonl stays the source of truth: the snapshot is a cache, and any doubt about it means a full read.
 
-The file, `metrics.snapshot` beside metrics.jsonl: one JSON header line, then the pickled RunState.
+The file, `metrics.snapshot` beside metrics.jsonl: one JSON header line, then the RunState as JSON
+(monitor/snapshot_codec.py).
   header: format, version, shape (a hash of every reducer class's field names), offset (where the covered events
           end, at a line boundary), head_sha256 (the file's first bytes) and edge_sha256 (the bytes just before
           offset): the metrics.jsonl it was taken from, payload_sha256 and payload_bytes (corruption), saved_t.
-A snapshot is used only when every check holds; otherwise `load_snapshot` says why and the caller re-reads the
-whole file (never a wrong dashboard). Written atomically (a temporary file, then os.replace), so a reader never
-sees half of one, and two savers (follower and dashboard) only replace each other's complete files.
+A snapshot is used only when every check holds; otherwise `load_snapshot` says why (and `attach` logs it as a
+warning, when there was a snapshot to refuse) and the caller re-reads the whole file (never a wrong dashboard).
+Written atomically (a temporary file, then os.replace), so a reader never sees half of one, and two savers
+(follower and dashboard) only replace each other's complete files.
 
-The payload is unpickled by an unpickler that admits only the reducer's own classes and a few builtins, so a
-tampered file cannot run code; a change to what a class means without a change to its fields must bump VERSION.
+The checksums only catch damage: whoever writes the file writes them too, and a run directory is what people copy
+between machines. So the payload is data and nothing else: JSON, read by code that knows each class a RunState
+holds and checks every field's type (snapshot_codec.py), never a pickle, so a crafted file can at worst be refused.
+Version 1 was a pickle: it is refused like any other version. A change to what a field means without a change to
+the fields' names must bump VERSION.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import json
+import logging
 import os
-import pickle
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from appliance.monitor import eval_report, gpu, state, state_fields
+from appliance.monitor import eval_report, gpu, snapshot_codec, state, state_fields
 from appliance.monitor.events import EventTail
 from appliance.monitor.state import RunState
-from appliance.monitor.state_fields import SECTIONS
+
+log = logging.getLogger(__name__)
 
 FORMAT = "bloom-appliance reducer snapshot"
-VERSION = 1
+VERSION = 2  # 1: the payload was a pickle
 SNAPSHOT_NAME = "metrics.snapshot"
 FINGERPRINT_BYTES = 4096  # hashed at the file's start and before the offset: a replaced or rewritten file differs
 SAVE_EVERY_S = 300.0  # a follower saves every 5 min: an attach then folds at most ~5,800 events of 48 nodes
 SAVE_MIN_NEW_BYTES = 1 << 20  # and only after 1 MB of new events (~70 s at 48 nodes): small runs read fast anyway
 
 _REDUCER_MODULES = (state, state_fields, gpu, eval_report)
-_SAFE_BUILTINS = {("builtins", name) for name in ("set", "frozenset", "dict", "list", "tuple", "complex")}
-_SAFE_GLOBALS = _SAFE_BUILTINS | {("collections", "deque")}
 
 
 def snapshot_path(metrics: Path) -> Path:
@@ -55,7 +58,7 @@ def snapshot_path(metrics: Path) -> Path:
 
 def reducer_shape() -> str:
     """A hash of the field names of every class a RunState holds: a snapshot from code with another shape is
-    refused instead of being unpickled into objects that lack (or misread) a field."""
+    refused instead of being read into objects that lack (or misread) a field."""
     shapes = []
     for module in _REDUCER_MODULES:
         for name, obj in sorted(vars(module).items()):
@@ -63,17 +66,6 @@ def reducer_shape() -> str:
                 names = [f.name for f in dataclasses.fields(obj)] if dataclasses.is_dataclass(obj) else []
                 shapes.append(f"{module.__name__}.{name}:{','.join(names)}:{','.join(getattr(obj, '__slots__', ()))}")
     return hashlib.sha256("\n".join(shapes).encode()).hexdigest()[:16]
-
-
-class _ReducerUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _SAFE_GLOBALS:
-            return super().find_class(module, name)
-        if module in {m.__name__ for m in _REDUCER_MODULES}:
-            obj = super().find_class(module, name)
-            if isinstance(obj, type):
-                return obj
-        raise pickle.UnpicklingError(f"{module}.{name} is not a reducer class")
 
 
 def _fingerprints(metrics: Path, offset: int) -> tuple[str, str]:
@@ -90,10 +82,11 @@ def _fingerprints(metrics: Path, offset: int) -> tuple[str, str]:
 
 def save_snapshot(metrics: Path, run_state: RunState, offset: int) -> Path:
     """Write the snapshot of `run_state`, which folded exactly the events of metrics.jsonl before byte `offset`
-    (a line boundary). Atomic. Raises OSError when the run directory is not writable."""
+    (a line boundary). Atomic. Raises OSError when the run directory is not writable, ValueError when
+    metrics.jsonl no longer holds `offset` bytes or the state holds a value the codec cannot write."""
     metrics = Path(metrics)
     head, edge = _fingerprints(metrics, offset)
-    payload = pickle.dumps(run_state, protocol=pickle.HIGHEST_PROTOCOL)
+    payload = snapshot_codec.encode(run_state)
     header = {
         "format": FORMAT,
         "version": VERSION,
@@ -125,6 +118,7 @@ class Loaded:
     state: RunState | None
     offset: int
     reason: str  # "" when the snapshot was used
+    refused: bool = False  # there was a snapshot, and a check failed (not merely no file)
 
 
 def load_snapshot(metrics: Path) -> Loaded:
@@ -135,35 +129,45 @@ def load_snapshot(metrics: Path) -> Loaded:
         with open(path, "rb") as f:
             header = json.loads(f.readline())
             payload = f.read()
-        if not isinstance(header, dict) or header.get("format") != FORMAT:
-            return Loaded(None, 0, f"{path} is not a reducer snapshot")
-        if header.get("version") != VERSION or header.get("shape") != reducer_shape():
-            return Loaded(None, 0, f"{path} was written by another version of the reducer")
-        offset = header.get("offset")
-        if not isinstance(offset, int) or offset < 0 or metrics.stat().st_size < offset:
-            return Loaded(None, 0, f"{path} covers {offset} bytes, more than {metrics} holds")
-        if _fingerprints(metrics, offset) != (header.get("head_sha256"), header.get("edge_sha256")):
-            return Loaded(None, 0, f"{path} was taken from another {metrics.name} (its bytes differ)")
-        if len(payload) != header.get("payload_bytes") or hashlib.sha256(payload).hexdigest() != header.get(
-            "payload_sha256"
-        ):
-            return Loaded(None, 0, f"{path} is damaged (its checksum does not match)")
-        loaded = _ReducerUnpickler(io.BytesIO(payload)).load()
+        problem = _header_problem(metrics, path, header, payload)
+        if problem:
+            return Loaded(None, 0, problem, refused=True)
+        loaded = snapshot_codec.decode(payload)
     except FileNotFoundError:
         return Loaded(None, 0, f"no {path.name}")
-    except (OSError, ValueError, EOFError, pickle.UnpicklingError, AttributeError, TypeError) as exc:
-        return Loaded(None, 0, f"{path} cannot be read: {type(exc).__name__}: {exc}")
-    if not isinstance(loaded, RunState):
-        return Loaded(None, 0, f"{path} does not hold a RunState")
-    loaded.changed = set(SECTIONS)  # everything is new to the reader that loads it
-    return Loaded(loaded, offset, "")
+    except (OSError, ValueError) as exc:  # SnapshotDataError and json's errors are ValueErrors
+        return Loaded(None, 0, f"{path} cannot be read: {type(exc).__name__}: {exc}", refused=True)
+    loaded.changed = set(state_fields.SECTIONS)  # everything is new to the reader that loads it
+    return Loaded(loaded, header["offset"], "")
+
+
+def _header_problem(metrics: Path, path: Path, header: Any, payload: bytes) -> str:
+    """Why the header rules the payload out ("" when it does not): another format, version or reducer, another
+    metrics.jsonl, or damage."""
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        return f"{path} is not a reducer snapshot"
+    if header.get("version") != VERSION or header.get("shape") != reducer_shape():
+        return f"{path} was written by another version of the reducer"
+    offset = header.get("offset")
+    if not isinstance(offset, int) or offset < 0 or metrics.stat().st_size < offset:
+        return f"{path} covers {offset} bytes, more than {metrics} holds"
+    if _fingerprints(metrics, offset) != (header.get("head_sha256"), header.get("edge_sha256")):
+        return f"{path} was taken from another {metrics.name} (its bytes differ)"
+    if len(payload) != header.get("payload_bytes") or hashlib.sha256(payload).hexdigest() != header.get(
+        "payload_sha256"
+    ):
+        return f"{path} is damaged (its checksum does not match)"
+    return ""
 
 
 def attach(metrics: Path) -> tuple[RunState, EventTail, Loaded]:
-    """A state and a tail positioned after it: from the snapshot when it is valid, else empty at byte 0."""
+    """A state and a tail positioned after it: from the snapshot when it is valid, else empty at byte 0 (with a
+    warning naming why, when a snapshot was there)."""
     loaded = load_snapshot(metrics)
     tail = EventTail(Path(metrics))
     if loaded.state is None:
+        if loaded.refused:
+            log.warning("%s; reading all of %s instead", loaded.reason, Path(metrics).name)
         return RunState(), tail, loaded
     tail.start_at(loaded.offset)
     return loaded.state, tail, loaded
@@ -172,7 +176,7 @@ def attach(metrics: Path) -> tuple[RunState, EventTail, Loaded]:
 class SnapshotSaver:
     """Saves the state of a reader that follows metrics.jsonl, every `every_s` seconds once `min_new_bytes`
     arrived. Best effort: a read-only run directory (a viewer without write access) turns it off, silently, since
-    the snapshot only saves time."""
+    the snapshot only saves time; so does a state holding a value the codec cannot write (with a warning)."""
 
     def __init__(self, metrics: Path, every_s: float = SAVE_EVERY_S, min_new_bytes: int = SAVE_MIN_NEW_BYTES) -> None:
         self.metrics, self.every_s, self.min_new_bytes = Path(metrics), every_s, min_new_bytes
@@ -189,6 +193,10 @@ class SnapshotSaver:
             return False
         try:
             save_snapshot(self.metrics, run_state, offset)
+        except snapshot_codec.SnapshotDataError as exc:
+            log.warning("%s: not saving %s: %s", self.metrics.parent, SNAPSHOT_NAME, exc)
+            self.enabled = False  # the state keeps what the codec cannot write: trying at every poll would only spin
+            return False
         except ValueError:
             return False  # metrics.jsonl shrank under the reader (replaced): the next save tries again
         except OSError:

@@ -5,9 +5,9 @@ Reading: a timer starts a thread worker every `poll_interval`; the worker reads 
 metrics.jsonl (EventTail), folds them into the RunState under a lock and posts StateChanged naming the sections
 that changed; the handler redraws only those panels. The first read starts from metrics.snapshot when it is valid
 (monitor/snapshot.py: the state as of a byte offset, saved by the head's follower), so attaching to a long run
-folds only the events after that offset; the dashboard keeps the snapshot too, when it can write the run
-directory. Keys write control files the trainer polls, so the dashboard never talks to the training processes and
-quitting it leaves the run alone.
+folds only the events after that offset (a snapshot it refuses is named in a warning, and the whole file is read);
+the dashboard keeps the snapshot too, when it can write the run directory. Keys write control files the trainer
+polls, so the dashboard never talks to the training processes and quitting it leaves the run alone.
 """
 
 from __future__ import annotations
@@ -160,6 +160,8 @@ class DashboardApp(App[int]):
         if not self._attached:
             state, self._tail, loaded = attach(self.run_dir.metrics)
             self.attach_note = loaded.reason
+            if loaded.refused:  # damaged, crafted or from another version: say why the first read takes long
+                self.notify(f"{loaded.reason}; reading all of metrics.jsonl instead", severity="warning")
             self._saver.saved_offset = loaded.offset
             with self.state_lock:
                 self.state = state

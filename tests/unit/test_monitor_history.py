@@ -4,7 +4,9 @@ file, a doubtful snapshot falls back to the whole file, and the cost of an attac
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import logging
 import math
 import pickle
 import threading
@@ -17,7 +19,7 @@ import pytest
 from appliance.monitor import snapshot
 from appliance.monitor.events import EventTail
 from appliance.monitor.headless import HeadlessPrinter, follow_run
-from appliance.monitor.snapshot import attach, load_snapshot, save_snapshot, snapshot_path
+from appliance.monitor.snapshot import SnapshotSaver, attach, load_snapshot, save_snapshot, snapshot_path
 from appliance.monitor.state import RunState, reduce
 from appliance.monitor.state_fields import Series
 
@@ -161,30 +163,46 @@ def test_a_doubtful_snapshot_falls_back_to_the_full_read(tmp_path: Path, how: st
     else:
         metrics.write_bytes((FIXTURES / "cpu-2core" / "metrics.jsonl").read_bytes() + data)
     state, tail, loaded = attach(metrics)
-    assert loaded.state is None and reason in loaded.reason, loaded.reason
+    assert loaded.state is None and loaded.refused and reason in loaded.reason, loaded.reason
     for event in tail.read_new():
         reduce(state, event)
     assert tail.bytes_read == metrics.stat().st_size  # the whole file, from byte 0
     assert plain(state) == plain(full_read(metrics))
 
 
-class _Boom:
-    def __reduce__(self) -> tuple[Any, tuple[str]]:
-        return (print, ("a tampered snapshot ran code",))
-
-
-def test_a_tampered_payload_cannot_run_code(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    metrics = recorded_run(tmp_path, "cpu-2core")
-    offset = metrics.stat().st_size
-    save_snapshot(metrics, full_read(metrics), offset)
+def test_a_version_1_snapshot_is_refused_and_the_whole_file_read(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Version 1 held a pickle: a run directory from before the JSON payload gets the full read, and says why."""
+    metrics = recorded_run(tmp_path, "gpu-8xa100")
+    offset = line_ends(metrics.read_bytes())[-5]
+    save_snapshot(metrics, state_before(metrics, offset), offset)
     snap = snapshot_path(metrics)
-    payload = pickle.dumps(_Boom())
+    payload = pickle.dumps(state_before(metrics, offset), protocol=pickle.HIGHEST_PROTOCOL)  # what version 1 wrote
     header = json.loads(snap.read_bytes().split(b"\n", 1)[0])
-    header.update(payload_bytes=len(payload), payload_sha256=__import__("hashlib").sha256(payload).hexdigest())
+    header.update(version=1, payload_bytes=len(payload), payload_sha256=hashlib.sha256(payload).hexdigest())
     snap.write_bytes(json.dumps(header).encode() + b"\n" + payload)
-    loaded = load_snapshot(metrics)
-    assert loaded.state is None and "not a reducer class" in loaded.reason
-    assert "ran code" not in capsys.readouterr().out
+    with caplog.at_level(logging.WARNING, logger="appliance.monitor.snapshot"):
+        state, tail, loaded = attach(metrics)
+    assert loaded.state is None and loaded.refused and "another version" in loaded.reason
+    assert loaded.reason in caplog.text
+    for event in tail.read_new():
+        reduce(state, event)
+    assert tail.bytes_read == metrics.stat().st_size
+    assert plain(state) == plain(full_read(metrics))
+
+
+def test_a_state_the_codec_cannot_write_turns_the_saver_off(tmp_path: Path) -> None:
+    metrics = recorded_run(tmp_path, "cpu-2core")
+    state, tail, _ = attach(metrics)
+    for event in tail.read_new():
+        reduce(state, event)
+    assert SnapshotSaver(metrics, every_s=0.0, min_new_bytes=1).maybe_save(state, tail)  # control: it can save
+    snapshot_path(metrics).unlink()
+    state.plan["odd"] = object()  # no event holds one; a value of a type the codec does not know
+    saver = SnapshotSaver(metrics, every_s=0.0, min_new_bytes=1)
+    assert not saver.maybe_save(state, tail) and not saver.enabled  # not retried at every poll
+    assert not snapshot_path(metrics).exists()
 
 
 def synthetic_history(metrics: Path, minutes: int, nodes: int = 48) -> None:
