@@ -20,11 +20,12 @@ import torch.distributed as dist
 
 from appliance.benchmark.kernel_table import count_registry_calls
 from appliance.benchmark.workload import Batch, Workload
+from appliance.parallel.store import LOOPBACK, STORE_BIND_ENV
 
 if TYPE_CHECKING:
     from appliance.parallel.step.engine import ParallelEngine
 
-ONE_RANK_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+ONE_RANK_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", STORE_BIND_ENV)
 
 
 def _free_loopback_port() -> int:
@@ -41,8 +42,9 @@ def one_rank_group(backend: str) -> Iterator[None]:
     if dist.is_initialized():
         raise RuntimeError("bench: a process group is already running in this process")
     saved = {key: os.environ.get(key) for key in ONE_RANK_ENV}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_loopback_port()), RANK="0", WORLD_SIZE="1",
+    os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(_free_loopback_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")  # fmt: skip
+    os.environ[STORE_BIND_ENV] = LOOPBACK  # the group's store too (parallel/store.py)
     try:
         init_deepspeed_comm(backend)
         yield

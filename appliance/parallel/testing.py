@@ -26,7 +26,6 @@ import functools
 import io
 import os
 import queue
-import socket
 import sys
 import threading
 import time
@@ -42,6 +41,7 @@ import torch.multiprocessing as mp
 from torch.distributed import distributed_c10d
 
 from appliance.errors import BadInput
+from appliance.parallel.store import listening_socket, loopback_interface, serve_store
 from appliance.parallel.topology import ParallelTopology
 from appliance.planner.layout import Layout
 from appliance.planner.train_settings import TrainSettings
@@ -197,11 +197,6 @@ def _environment(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def _loopback_interface() -> str:
-    names = {name for _, name in socket.if_nameindex()}
-    return "lo" if "lo" in names else "lo0"
-
-
 def _dumps(value: Any) -> bytes:
     # torch.save into bytes: tensors travel by value, with no shared memory tied to the rank's lifetime.
     buffer = io.BytesIO()
@@ -237,7 +232,7 @@ def _worker(
     tp, pp, dp, world_size, tp2d = layout
     report: tuple[int, bool, bytes | str, float]
     try:
-        os.environ["GLOO_SOCKET_IFNAME"] = _loopback_interface()
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
         torch.set_num_threads(1)  # ranks share a few cores; more threads per rank only contend
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
@@ -298,19 +293,9 @@ def run_distributed(
     ranks (tp = q * q) form a q x q mesh (topology.py)."""
     # A bad layout fails here, before spawning.
     ParallelTopology.from_layout(harness_layout(tp, pp, dp, tp2d), world_size=world_size)
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
+    listener = listening_socket("127.0.0.1", 0)
     port = listener.getsockname()[1]
-    # The store's server takes the socket over (and closes it when the store goes away).
-    store = dist.TCPStore(
-        "127.0.0.1",
-        port,
-        is_master=True,
-        wait_for_workers=False,
-        master_listen_fd=listener.detach(),
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    store = serve_store(listener, "127.0.0.1", timeout=datetime.timedelta(seconds=timeout_s))
     results = mp.get_context("spawn").Queue()
     with _environment(RANK_ENVIRONMENT):
         context = mp.start_processes(

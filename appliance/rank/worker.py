@@ -121,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         return elastic.stand_by(run_dir, place)
     os.environ["WORLD_SIZE"] = str(place.train_world)
     device = _device()
+    # The process group forms on a store rank 0 serves at MASTER_ADDR:MASTER_PORT (the agent's), listening on the one
+    # address the launcher named (parallel/store.py): 127.0.0.1 on one node, the node's rendezvous address on several.
     init_deepspeed_comm("nccl" if device.type == "cuda" else "gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     events = writer_with_sinks(run_dir.metrics) if rank == 0 else None

@@ -1,10 +1,18 @@
 """Starts the training ranks through PyTorch's elastic agent (torch.distributed.run).
 
 The agent restarts the whole worker group when a rank dies (--max-restarts), and the workers resume from the
-newest valid checkpoint. On one node it runs with a standalone rendezvous on loopback; under SLURM each node runs
-the same agent with a shared c10d rendezvous on the first node (see appliance/train/slurm.py); without SLURM, with
-`--nnodes/--node-rank/--master`, each node's launcher starts its agent, node 0's under a process that hosts the
-rendezvous store on the master address only (see appliance/train/nodes.py).
+newest valid checkpoint. Under SLURM each node runs the same agent with a shared c10d rendezvous on the first node
+(see appliance/train/slurm.py); without SLURM, with `--nnodes/--node-rank/--master`, each node's launcher starts its
+agent, node 0's under a process that hosts the rendezvous store on the master address only (see
+appliance/train/nodes.py).
+
+What listens where (no store authenticates anyone: parallel/store.py). One node: everything on 127.0.0.1. The agent
+hosts its c10d rendezvous store on a port the kernel picks (train/agent.py); the ranks get 127.0.0.1 as MASTER_ADDR
+and the port torch picks as MASTER_PORT, where rank 0 serves their process group's store; gloo's connections are
+pinned to the loopback interface. Several nodes: the rendezvous store on --master HOST:PORT (train/nodes.py), rank
+0's store on the address its node's agent gave the rendezvous (nodes.py `local_address`), each node's gloo on the
+address its host name resolves to (on loopback where that store is). SLURM's script names no address: torch's own
+stores there, on every interface of the first node.
 """
 
 from __future__ import annotations
@@ -25,14 +33,18 @@ from typing import Any
 
 from appliance.errors import BadInput
 from appliance.monitor.events import EventWriter
+from appliance.parallel.store import LOOPBACK, STORE_BIND_ENV, loopback_interface
 from appliance.planner.failures import RDZV_KEEP_ALIVE_ATTEMPTS, RDZV_KEEP_ALIVE_S, RDZV_LAST_CALL_S
 from appliance.planner.runspec import RunSpec, load_spec
 from appliance.rundir import RunDir
+from appliance.train.agent import HOST_RENDEZVOUS
 from appliance.train.nodes import (
     ELASTIC_ENV,
     NODE_NAME_ENV,
     NodeGroup,
     check_master_here,
+    local_address,
+    store_bind_host,
     store_host_command,
     wait_for_master,
 )
@@ -60,24 +72,30 @@ def agent_command(
     python: str = sys.executable,
     worker_args: tuple[str, ...] = (),
     store_hosted_elsewhere: bool = False,
+    local_addr: str | None = None,
 ) -> list[str]:
-    """The agent's command line. `store_hosted_elsewhere`: every agent joins the rendezvous store as a client (the
-    launcher of node 0 hosts it, bound to the master address only; appliance/train/nodes.py). `nnodes` may be
-    "MIN:MAX": the agents then re-form without a lost node (rendezvous timings: `rendezvous_conf`)."""
-    cmd = [
-        python,
-        "-m",
-        AGENT_MODULE,
-        f"--nproc-per-node={nproc_per_node}",
-        f"--max-restarts={max_restarts}",
-    ]
-    if nnodes == 1 and rdzv_endpoint is None:
-        cmd.append("--standalone")  # c10d rendezvous on a free loopback port
+    """The agent's command line. One node (no `rdzv_endpoint`): the agent hosts the rendezvous store itself, on
+    loopback, and gives the ranks 127.0.0.1 as MASTER_ADDR. `store_hosted_elsewhere`: every agent joins the
+    rendezvous store as a client (the launcher of node 0 hosts it, bound to the master address only;
+    appliance/train/nodes.py). `nnodes` may be "MIN:MAX": the agents then re-form without a lost node (rendezvous
+    timings: `rendezvous_conf`). `local_addr`: this node's address in the rendezvous, which torch gives every rank
+    as MASTER_ADDR when this node comes first (None: torch's own choice, this machine's FQDN)."""
+    one_node = nnodes == 1 and rdzv_endpoint is None
+    # One node: torch's --standalone would host the rendezvous store on every interface. The agent hosts it instead
+    # (train/agent.py), on loopback, and adds the --rdzv-endpoint; it joins as a client like the agents of nodes.
+    cmd = [python, "-m", AGENT_MODULE, *((HOST_RENDEZVOUS, LOOPBACK) if one_node else ())]
+    cmd += [f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}"]
+    if one_node:
+        cmd += ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-id={rdzv_id}"]
+        conf = rendezvous_conf(elastic=False, store_hosted_elsewhere=True)
+        local_addr = LOOPBACK
     else:
         cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}"]
         conf = rendezvous_conf(elastic=":" in str(nnodes), store_hosted_elsewhere=store_hosted_elsewhere)
-        if conf:
-            cmd.append(f"--rdzv-conf={conf}")
+    if conf:
+        cmd.append(f"--rdzv-conf={conf}")
+    if local_addr is not None:
+        cmd.append(f"--local-addr={local_addr}")
     # Each rank's stdout/stderr goes to run_dir/logs/<run id>/attempt_<n>/<rank>/; the console shows events. The agent
     # looks at its workers every AGENT_MONITOR_INTERVAL_S: its exit (the train stage's end) and a restart lag by that.
     cmd += [f"--log-dir={Path(run_dir) / 'logs'}", "--redirects=3", f"--monitor-interval={AGENT_MONITOR_INTERVAL_S}"]
@@ -115,8 +133,11 @@ def rendezvous_conf(*, elastic: bool, store_hosted_elsewhere: bool, env: dict[st
 
 # By default the agent lets its workers share its own rendezvous store, with no per-restart prefix: after a
 # restart, the new workers find the dead ones' addresses under the same keys and the process group fails to form
-# ("Gloo connectFullMesh failed ... Connection refused"). With this set, each restart's rank 0 hosts a fresh store.
+# ("Gloo connectFullMesh failed ... Connection refused"). With this set, each restart's rank 0 hosts a fresh store,
+# at MASTER_ADDR (the agent's --local-addr) and a port torch picks, listening on STORE_BIND_ENV's address only.
 FRESH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+# The interface gloo's connections use (torch reads it in every rank).
+GLOO_INTERFACE_ENV = "GLOO_SOCKET_IFNAME"
 
 
 # The compile caches torch and Triton read from the environment: Triton's kernels (ours and Inductor's), and
@@ -156,11 +177,13 @@ def worker_env(
     *,
     cpu_plan: bool = False,
     compile_cache: dict[str, str] | None = None,
+    store_bind: str | None = None,
 ) -> dict[str, str]:
     """The ranks' environment. `cpu_plan`: the plan has no GPUs (it was made for CPU ranks, e.g. with --hardware
     cpu-laptop-2core on a GPU node): the ranks see no GPU, or each would take cuda:<local rank> and DeepSpeed its
     CUDA accelerator, and a second rank would find no second GPU. `compile_cache`: compile_cache_env's variables,
-    set where the environment has none."""
+    set where the environment has none. `store_bind`: the one address rank 0's process-group store listens on
+    (parallel/store.py); on loopback, gloo's connections stay there too."""
     env = dict(os.environ if base is None else base)
     for name, path in (compile_cache or {}).items():
         env.setdefault(name, path)
@@ -168,6 +191,12 @@ def worker_env(
         env["CUDA_VISIBLE_DEVICES"] = ""
         env["DS_ACCELERATOR"] = "cpu"
     env[FRESH_STORE_ENV] = "1"
+    if store_bind is not None:
+        env[STORE_BIND_ENV] = store_bind
+    if store_bind == LOOPBACK:
+        # Every rank is on this machine. Gloo would otherwise listen on the address the host name resolves to,
+        # often the machine's network address.
+        env.setdefault(GLOO_INTERFACE_ENV, loopback_interface())
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     # One compute thread per rank on CPU: ranks x threads must not exceed the cores (the agent sets this to 1 too
     # when it starts more than one process per node, with a warning we make unnecessary).
@@ -268,6 +297,7 @@ def run_agent(
         rdzv_endpoint=None if nodes is None else nodes.master,
         rdzv_id=f"bloom-{run_dir.root.resolve().name}",
         store_hosted_elsewhere=nodes is not None,
+        local_addr=None if nodes is None else local_address(nodes),
     )
     previous = _request_stop_on_signals(run_dir) if threading.current_thread() is threading.main_thread() else {}
     agent_log = run_dir.logs / ("agent.log" if nodes is None or nodes.is_head else f"agent-node{nodes.node_rank}.log")
@@ -285,6 +315,7 @@ def run_agent(
             env = worker_env(
                 cpu_plan=cpu_plan,
                 compile_cache=compile_cache_env(run_dir, 0 if nodes is None else nodes.node_rank),
+                store_bind=LOOPBACK if nodes is None else store_bind_host(nodes),
             )
             env = env if lock is None else lock.child_env(env)
             if multi and nodes is not None:

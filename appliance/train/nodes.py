@@ -17,10 +17,16 @@ node loss like any other.
 
 Who hosts the rendezvous: on node 0, a small process that runs the agent as its child, not the agent. torch's
 TCPStore server listens on every interface (`*:PORT`) whatever host it is given; this process binds the listening
-socket itself, to HOST only, and hands it to the store (`master_listen_fd`); every agent, node 0's included, joins
-as a client (`is_host=false`). HOST is the address the user names: 127.0.0.1 reaches nothing outside the machine,
-0.0.0.0 listens everywhere, and only when written so. The store lives exactly as long as node 0's agent, which
-outlives the head as on one node.
+socket itself, to HOST only, and hands it to the store (`master_listen_fd`, parallel/store.py); every agent, node
+0's included, joins as a client (`is_host=false`). HOST is the address the user names: 127.0.0.1 reaches nothing
+outside the machine, 0.0.0.0 listens everywhere, and only when written so. The store lives exactly as long as node
+0's agent, which outlives the head as on one node.
+
+The ranks' own store: the rendezvous gives every rank the address of the node it ranks first (its agent's
+--local-addr) as MASTER_ADDR and a free port there as MASTER_PORT, and rank 0 serves the process group's store on
+that address only (`store_bind_host`). A node's address is PET_LOCAL_ADDR when set, else the address the machine
+reaches the master from (`local_address`), so the ranks meet on the network the user named; where a node's --master
+is the wildcard, torch's default (the machine's FQDN) and a rank 0 store on every interface, as asked.
 
 Files: the run directory must be one directory on a file system every node mounts (as under SLURM). Node 0 runs
 the data stages; the other nodes wait for them (the stage records in stages.json) and read the same plan, data
@@ -31,16 +37,19 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import ipaddress
 import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 from appliance.errors import BadInput
+from appliance.parallel.store import listening_socket, serve_store
 
 DEFAULT_PORT = 29500
 # A node other than 0 may start before node 0 has its rendezvous up (or before its data stages end): how long it
@@ -241,20 +250,58 @@ def node_group(
 
 def _listening_socket(host: str, port: int, flag: str) -> socket.socket:
     """A socket bound to HOST:PORT only and listening, or BadInput naming `flag`."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        return listening_socket(host, port)
     except OSError as e:
-        sock.close()
         why = (
             "is not an address of this machine (node 0 hosts the rendezvous)"
             if e.errno == errno.EADDRNOTAVAIL
             else f"cannot listen there: {e.strerror}"
         )
         raise BadInput(f"{flag} {host}:{port}: {why}") from None
-    sock.listen(1024)
-    return sock
+
+
+# torch.distributed.run's variable for its --local-addr (simulated nodes on one machine take 127.0.0.1, .2, ...).
+LOCAL_ADDR_ENV = "PET_LOCAL_ADDR"
+
+
+def listens_everywhere(host: str) -> bool:
+    """HOST is the wildcard address (0.0.0.0, ::): the user asked for every interface."""
+    with contextlib.suppress(ValueError):
+        return ipaddress.ip_address(host).is_unspecified
+    return False
+
+
+def address_toward(host: str, port: int, flag: str) -> str:
+    """This machine's address on its route to HOST: the source address the kernel picks for it (connecting a
+    datagram socket sends nothing), or BadInput naming `flag` when there is no route."""
+    try:
+        family, _, _, _, where = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(where)
+            return str(probe.getsockname()[0])
+    except OSError as e:
+        raise BadInput(f"{flag} {host}:{port}: no route from this machine ({e.strerror or e})") from None
+
+
+def local_address(group: NodeGroup, env: Mapping[str, str] | None = None) -> str | None:
+    """This node's address in the rendezvous (the agent's --local-addr). The node the rendezvous ranks first gives
+    its address to every rank as MASTER_ADDR, and its rank 0 serves the process group's store there: PET_LOCAL_ADDR
+    when set; else the address this machine reaches the master from, on the network the user named; None where
+    --master is the wildcard (torch then gives this machine's FQDN)."""
+    env = os.environ if env is None else env
+    if env.get(LOCAL_ADDR_ENV):
+        return env[LOCAL_ADDR_ENV]
+    if listens_everywhere(group.master_host):
+        return None
+    return address_toward(group.master_host, group.master_port, "--master")
+
+
+def store_bind_host(group: NodeGroup, env: Mapping[str, str] | None = None) -> str:
+    """Where rank 0's process-group store listens when the rendezvous ranks this node first: the node's local
+    address, or every interface where this node's --master is the wildcard."""
+    local = local_address(group, env)
+    return group.master_host if local is None else local
 
 
 def check_master_here(group: NodeGroup) -> None:
@@ -271,20 +318,7 @@ def store_host_command(group: NodeGroup, agent: list[str], python: str = sys.exe
 def host_store_while(host: str, port: int, command: list[str] | None) -> int:
     """Serve the c10d store on HOST:PORT only while `command` runs (its exit code), or, without one, until the
     process is stopped (SIGINT: 0; SIGTERM ends it): a store on a machine that does not train (--store-elsewhere)."""
-    from torch.distributed import TCPStore
-
-    sock = _listening_socket(host, port, "--master")
-    # torch's TCPStore server would bind every interface itself; given a listening descriptor, it serves that one
-    # (and owns it from then on).
-    store = TCPStore(
-        host,
-        port,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=timedelta(seconds=600),
-        master_listen_fd=sock.fileno(),
-    )
-    sock.detach()
+    store = serve_store(_listening_socket(host, port, "--master"), host, timeout=timedelta(seconds=600))
     try:
         if command:
             return subprocess.call(command)

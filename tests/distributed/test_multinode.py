@@ -3,8 +3,9 @@ processes on one run directory, two ranks each (tp1 pp2 dp2), stop at step 2 on 
 
 What it shows: the agents meet at the rendezvous and train one 4-rank run (every global rank reports); the
 rendezvous listens on the given address only (its listening socket read from /proc/net/tcp while it runs, not
-on 0.0.0.0); the stop-and-rerun resumes from the checkpoint; each node's samples name their node; bad flags exit 2
-naming the flag.
+on 0.0.0.0), and so does every other socket the nodes' processes listen on (rank 0's process-group store, gloo:
+the nodes reach the master over loopback); the stop-and-rerun resumes from the checkpoint; each node's samples name
+their node; bad flags exit 2 naming the flag.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from listening_sockets import Listener, listeners
 from prepared_runs import cpu_only_env, events, explain, prepare_run
 
 from appliance.rundir import RunDir
@@ -67,9 +69,11 @@ def _two_nodes(run_dir: RunDir, *args: str) -> dict[str, Any]:
         for rank in (1, 0)
     ]
     listening: set[str] = set()
+    every_listener: set[Listener] = set()
     deadline = time.monotonic() + 300
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         listening |= _listeners(port)
+        every_listener |= listeners([p.pid for p in procs])
         time.sleep(0.2)
     results = [p.communicate(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
     return {
@@ -79,6 +83,7 @@ def _two_nodes(run_dir: RunDir, *args: str) -> dict[str, Any]:
             for p, (out, err) in zip(procs, results, strict=True)
         ),
         "listening": listening,
+        "every_listener": every_listener,
     }
 
 
@@ -124,6 +129,14 @@ def test_rendezvous_listens_on_the_given_address_only(runs: dict[str, Any]) -> N
     loopback = "0100007F"  # 127.0.0.1 as /proc/net/tcp writes it (little-endian hex)
     for launch in ("first", "second"):
         assert runs[launch]["listening"] == {loopback}, runs[launch]["listening"]
+
+
+def test_every_socket_of_both_nodes_listens_on_the_masters_network_only(runs: dict[str, Any]) -> None:
+    for launch in ("first", "second"):
+        found = runs[launch]["every_listener"]
+        described = sorted(map(str, found))
+        assert any("appliance.rank.worker" in s.command for s in found), described  # the reader sees the ranks
+        assert all(s.loopback for s in found), f"{launch} launch: listening beyond loopback: {described}"
 
 
 def test_each_node_names_its_samples(runs: dict[str, Any]) -> None:

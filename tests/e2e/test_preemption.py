@@ -1,5 +1,9 @@
 """SIGTERM to a running appliance: every rank stops at the same step with a complete checkpoint, the command exits
-with the documented "preempted" code (3), and rerunning the same command resumes from that step to the end."""
+with the documented "preempted" code (3), and rerunning the same command resumes from that step to the end.
+
+While it trains, the listening sockets of the whole process tree (the agent's rendezvous store, rank 0's
+process-group store, gloo) are read from /proc: on one node every one is on loopback (tests/security/test_sockets.py
+has the reader's own checks)."""
 
 import json
 import signal
@@ -9,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from appliance_cli import appliance_command, cpu_only_env
+from listening_sockets import listeners
 
 STEPS = 40
 
@@ -41,13 +46,20 @@ def test_sigterm_saves_at_one_step_exits_3_and_rerun_resumes(tmp_path):
         cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cpu_only_env()
     )
     deadline = time.time() + 600
+    listening = set()
     while not any(e["kind"] == "step" and e["step"] >= 3 for e in events(run_dir)):
         assert head.poll() is None, head.stdout.read()[-3000:] if head.stdout else ""
         assert time.time() < deadline, "training did not start"
+        listening |= listeners([head.pid])
         time.sleep(0.5)
+    listening |= listeners([head.pid])  # training: every store and connection is up
     head.send_signal(signal.SIGTERM)
     output, _ = head.communicate(timeout=300)
     assert head.returncode == 3, output[-3000:]
+    described = sorted(map(str, listening))
+    assert any("appliance.train.agent" in s.command for s in listening), described  # the reader sees the stores
+    assert any("appliance.rank.worker" in s.command for s in listening), described
+    assert all(s.loopback for s in listening), f"listening beyond loopback: {described}"
 
     first = events(run_dir)
     # rank 0 reports the step it stopped at; the head process then reports the run's final state

@@ -28,9 +28,10 @@ def test_run_plan_starts_tp_pp_dp_ranks_and_clears_a_stale_preempted_marker(tmp_
     assert seen == {"nproc": 8, "restarts": 5, "args": ("--eval-only",), "marker": False, "cpu_plan": True}
 
 
-def test_agent_command_single_node_uses_a_loopback_standalone_rendezvous(tmp_path):
+def test_agent_command_single_node_hosts_its_rendezvous_on_loopback(tmp_path):
     cmd = launch.agent_command(tmp_path, nproc_per_node=2, max_restarts=3)
-    assert "--standalone" in cmd and "--nproc-per-node=2" in cmd and "--max-restarts=3" in cmd
+    assert cmd[3:5] == ["--host-rendezvous", "127.0.0.1"] and "--standalone" not in cmd  # train/agent.py hosts it
+    assert "--nproc-per-node=2" in cmd and "--max-restarts=3" in cmd and "--local-addr=127.0.0.1" in cmd
     assert cmd[-4:] == ["-m", "appliance.rank.worker", "--run-dir", str(tmp_path)]
 
 

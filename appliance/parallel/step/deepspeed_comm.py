@@ -1,6 +1,9 @@
-"""Starting DeepSpeed's communication layer on the process group the ranks already share."""
+"""Starting DeepSpeed's communication layer: on the process group the ranks already share, or, for the ranks of a
+launch, on a new one whose store listens where the launcher said (parallel/store.py `ranks_init_method`)."""
 
 from __future__ import annotations
+
+from appliance.parallel.store import ranks_init_method
 
 # DeepSpeed's CPU accelerator compiles a shared-memory all-reduce (C++, about a minute on 2 cores) the first time its
 # communication layer starts, behind a file lock that a killed build leaves in place: every later start then waits
@@ -15,4 +18,4 @@ def init_deepspeed_comm(backend: str) -> None:
 
     if backend == "gloo":
         deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
-    deepspeed.init_distributed(dist_backend=backend)
+    deepspeed.init_distributed(dist_backend=backend, init_method=ranks_init_method())
