@@ -23,11 +23,25 @@ def cmd_prep(args: argparse.Namespace) -> int:
     if args.step:
         part = parse_slice(args.slice) if args.slice else None
         done = run_step(
-            args.step, args.input, args.out, work_dir=args.work_dir, part=part, workers=args.workers, strict=args.strict
+            args.step,
+            args.input,
+            args.out,
+            work_dir=args.work_dir,
+            part=part,
+            workers=args.workers,
+            strict=args.strict,
+            follow_symlinks=args.follow_symlinks,
         )
         print(json.dumps(done, indent=1, ensure_ascii=False))
         return 0
-    report = prepare_corpus(args.input, args.out, workers=args.workers, strict=args.strict, work_dir=args.work_dir)
+    report = prepare_corpus(
+        args.input,
+        args.out,
+        workers=args.workers,
+        strict=args.strict,
+        work_dir=args.work_dir,
+        follow_symlinks=args.follow_symlinks,
+    )
     print(json.dumps(report.get("totals", report), indent=1, ensure_ascii=False))
     return 0
 
@@ -42,10 +56,12 @@ def _write_prep_scripts(args: argparse.Namespace) -> int:
         inputs=args.input,
         out_dir=args.out,
         script_dir=args.script_dir or default_script_dir(args.out),
-        array_size=args.array_size or default_array_size(count_units(args.input, strict=args.strict)),
+        array_size=args.array_size
+        or default_array_size(count_units(args.input, strict=args.strict, follow_symlinks=args.follow_symlinks)),
         cwd=Path.cwd(),
         work_dir=args.work_dir,
         strict=args.strict,
+        follow_symlinks=args.follow_symlinks,
         cpus_per_task=args.cpus_per_task,
         time_limit=args.time,
         partition=args.partition,

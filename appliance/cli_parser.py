@@ -186,6 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="worker processes (default: CPU count)")
     p.add_argument("--strict", action="store_true", help="stop at the first bad record (file, line, byte offset)")
     p.add_argument("--work-dir", type=Path, help="resumable per-unit work (default: .<out>.prep-work beside --out)")
+    p.add_argument(
+        "--follow-symlinks",
+        action="store_true",
+        help="read symlinks that point outside the inputs (default: skip and count them)",
+    )
     p.add_argument("--step", choices=["read", "templates", "filter", "finish"], help="run one step (SLURM jobs do)")
     p.add_argument("--slice", help="I/N: with --step read or filter, this array task's share of the work units")
     p.add_argument("--sbatch", action="store_true", help="write SLURM scripts (job arrays) instead of running")

@@ -58,7 +58,8 @@ from appliance.data.prep_work import (
     templates_key,
     unit_identity,
 )
-from appliance.data.readers import Skip, Unit, plan_units
+from appliance.data.readers import Skip, Unit
+from appliance.data.walk import plan_units
 from appliance.errors import BadInput
 
 SHARD_BYTES = 256 << 20
@@ -78,6 +79,7 @@ def prepare_corpus(
     on_progress: Progress | None = None,
     perplexity: filters.Perplexity | None = None,
     work_dir: Path | None = None,
+    follow_symlinks: bool = False,
 ) -> dict:
     """Prepare `inputs` into `out_dir` (shards + prep_report.json/.md) and return the report.
 
@@ -87,10 +89,11 @@ def prepare_corpus(
     and a successful run removes it. Raises BadInput for a missing input, an input that leaves no document, and
     (with `strict`) the first bad record; the work directory goes then too, since the input has to change.
     Without `strict`, bad records and files are skipped and counted, and control characters removed and counted
-    (prep_files.py, unicode_fix.py): one bad file never stops the corpus.
+    (prep_files.py, unicode_fix.py): one bad file never stops the corpus. Symlinks that leave the inputs are
+    skipped and counted unless `follow_symlinks` (walk.py).
     """
     out_dir = Path(out_dir)
-    paths, units, plan_skips = _plan(inputs, strict)
+    paths, units, plan_skips = _plan(inputs, strict, follow_symlinks)
     progress = on_progress or (lambda fraction: None)
     work = open_work_dir(work_dir or default_work_dir(out_dir), out_dir)
     everything = list(range(len(units)))
@@ -120,6 +123,7 @@ def run_step(
     workers: int = 1,
     strict: bool = False,
     perplexity: filters.Perplexity | None = None,
+    follow_symlinks: bool = False,
 ) -> dict[str, Any]:
     """Run one step over the work units, or over slice `part` = (index, count) of them for read and filter.
 
@@ -131,7 +135,7 @@ def run_step(
     if part is not None and step not in UNIT_STEPS:
         raise BadInput(f"--slice applies to --step {' or '.join(UNIT_STEPS)}, not {step}")
     out_dir = Path(out_dir)
-    paths, units, plan_skips = _plan(inputs, strict)
+    paths, units, plan_skips = _plan(inputs, strict, follow_symlinks)
     work = open_work_dir(work_dir or default_work_dir(out_dir), out_dir)
     if step in UNIT_STEPS:
         indices = slice_units([_unit_size(u) for u in units], *part) if part else list(range(len(units)))
@@ -156,9 +160,9 @@ def run_step(
     return {"step": step, **report["totals"]}
 
 
-def count_units(inputs: Sequence[Path], *, strict: bool = False) -> int:
+def count_units(inputs: Sequence[Path], *, strict: bool = False, follow_symlinks: bool = False) -> int:
     """How many work units the inputs make (what sizes a SLURM array); BadInput as prepare_corpus."""
-    return len(_plan(inputs, strict)[1])
+    return len(_plan(inputs, strict, follow_symlinks)[1])
 
 
 def iter_corpus(corpus_dir: Path) -> Iterator[dict]:
@@ -172,11 +176,11 @@ def iter_corpus(corpus_dir: Path) -> Iterator[dict]:
                 yield json.loads(line)
 
 
-def _plan(inputs: Sequence[Path], strict: bool) -> tuple[list[Path], list[Unit], list[Skip]]:
+def _plan(inputs: Sequence[Path], strict: bool, follow_symlinks: bool) -> tuple[list[Path], list[Unit], list[Skip]]:
     paths = [Path(p) for p in inputs]
     if not paths:
         raise BadInput("prep: no input given")
-    units, plan_skips = plan_units(paths, strict=strict)
+    units, plan_skips = plan_units(paths, strict=strict, follow_symlinks=follow_symlinks)
     if not units:
         found = ", ".join(sorted({f"{s.reason} {s.path}" for s in plan_skips})) or "no files"
         raise BadInput(f"prep: no readable input file in {', '.join(map(str, paths))} ({found})")

@@ -4,8 +4,9 @@ Every stage records, per language, the documents and UTF-8 bytes that entered an
 documents it dropped (in corpus order, so two runs write the same report). Hostile input is counted per skip
 reason with the first few places it was found; every file that gave no document at all is named with its
 reason; characters removed from the documents kept (NULs and other controls, unicode_fix.REMOVED) are counted
-per reason, in characters and in documents. The report holds no timings or host names: it is byte-identical
-between runs on the same inputs.
+per reason, in characters and in documents; .txt documents cut at the size cap (readers.TXT_MAX_DOC_BYTES, no
+blank line came in time) are counted with the first few places. The report holds no timings or host names: it is
+byte-identical between runs on the same inputs.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 from appliance.data.filters import CODE, FILTERS, PARAMS
 from appliance.data.pii import redact
-from appliance.data.readers import Skip
+from appliance.data.readers import TXT_MAX_DOC_BYTES, Skip
 
 STAGES = ("unicode_repair", "template_lines", *FILTERS, "exact_dedup", "near_dedup", "pii")
 EXAMPLES = 3
@@ -49,8 +50,8 @@ class Removed:
 
 @dataclass
 class Stats:
-    """Per-stage, per-language counts, examples of dropped documents, skipped input by reason, and characters
-    removed by reason."""
+    """Per-stage, per-language counts, examples of dropped documents, skipped input by reason, characters
+    removed by reason, and .txt documents cut at the size cap."""
 
     stages: dict[str, dict[str, Counts]] = field(default_factory=dict)
     examples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
@@ -59,6 +60,8 @@ class Stats:
     pii_tags: dict[str, int] = field(default_factory=dict)
     removals: dict[str, Removed] = field(default_factory=dict)
     removal_examples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    cuts: int = 0
+    cut_examples: list[dict[str, Any]] = field(default_factory=list)
 
     def counts(self, stage: str, lang: str) -> Counts:
         return self.stages.setdefault(stage, {}).setdefault(lang, Counts())
@@ -95,6 +98,12 @@ class Stats:
         if len(shown) < EXAMPLES:
             shown.append({"file": path, "line": line, "offset": offset, "chars": chars})
 
+    def cut(self, path: str, line: int, offset: int) -> None:
+        """A .txt document ended at the size cap; (path, line, offset) is where it starts."""
+        self.cuts += 1
+        if len(self.cut_examples) < EXAMPLES:
+            self.cut_examples.append({"file": path, "line": line, "offset": offset})
+
     def merge(self, other: Stats) -> None:
         """Fold in a later unit's stats (units are merged in corpus order, so examples stay the first ones)."""
         for stage, langs in other.stages.items():
@@ -115,6 +124,8 @@ class Stats:
         for reason, shown in other.removal_examples.items():
             mine = self.removal_examples.setdefault(reason, [])
             mine += shown[: EXAMPLES - len(mine)]
+        self.cuts += other.cuts
+        self.cut_examples += other.cut_examples[: EXAMPLES - len(self.cut_examples)]
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON, for a work unit's done marker (prep_work.py); from_json reads it back unchanged."""
@@ -126,6 +137,8 @@ class Stats:
             "pii_tags": self.pii_tags,
             "removals": {reason: vars(r) for reason, r in self.removals.items()},
             "removal_examples": self.removal_examples,
+            "cuts": self.cuts,
+            "cut_examples": self.cut_examples,
         }
 
     @classmethod
@@ -140,6 +153,8 @@ class Stats:
             data["pii_tags"],
             removals,
             data["removal_examples"],
+            data.get("cuts", 0),  # absent from read markers written before the .txt cap
+            data.get("cut_examples", []),
         )
 
 
@@ -182,6 +197,7 @@ def build_report(
             reason: {**vars(stats.removals[reason]), "examples": stats.removal_examples.get(reason, [])}
             for reason in sorted(stats.removals)
         },
+        "cut_documents": {"count": stats.cuts, "max_bytes": TXT_MAX_DOC_BYTES, "examples": stats.cut_examples},
         "stages": stages,
         "languages": {lang: {"docs": c.docs_out, "bytes": c.bytes_out} for lang, c in sorted(kept_by_lang.items())},
         "totals": {
@@ -266,6 +282,14 @@ def to_markdown(report: dict) -> str:
             ex = v["examples"][0]
             first = f"{ex['file']} document at line {ex['line']}, byte {ex['offset']}"
             lines.append(f"| {reason} | {v['chars']:,} | {v['docs']:,} | {first} |")
+    cut = report["cut_documents"]
+    if cut["count"]:
+        ex = cut["examples"][0]
+        lines += [
+            "",
+            f"{cut['count']:,} .txt documents were cut at {cut['max_bytes']:,} bytes (no blank line came in time);"
+            f" the first starts at {ex['file']} line {ex['line']}, byte {ex['offset']}.",
+        ]
     lines += ["", "## Examples of dropped documents", ""]
     for s in report["stages"]:
         for ex in s["dropped_examples"]:

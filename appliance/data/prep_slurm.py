@@ -49,6 +49,7 @@ class PrepJob:
     cwd: Path
     work_dir: Path | None = None
     strict: bool = False
+    follow_symlinks: bool = False
     cpus_per_task: int = 8  # local worker processes per array task (SLURM_CPUS_PER_TASK)
     time_limit: str = "04:00:00"  # per job; a 64 MB unit takes minutes, so this bounds a slice of ~100 units
     partition: str | None = None
@@ -93,6 +94,7 @@ def batch_script(job: PrepJob, *, python: str | None = None) -> str:
     work_dir = job.work_dir or default_work_dir(job.out_dir)
     prep = [python, str(REPO_ROOT / "bloom_appliance.py"), "prep", "--input", *map(_path_arg, job.inputs)]
     prep += ["--out", _path_arg(job.out_dir), "--work-dir", _path_arg(work_dir)] + (["--strict"] if job.strict else [])
+    prep += ["--follow-symlinks"] if job.follow_symlinks else []
     directives = [
         "--job-name=prep",
         "--nodes=1",

@@ -80,6 +80,8 @@ def _read(task: ReadTask, docs_path: Path, lines_path: Path) -> UnitResult:
                 if item.reason == INVALID_UTF8 and result.first_bad is None:
                     result.first_bad = item
                 continue
+            if item.cut:
+                result.stats.cut(str(unit.path), item.line, item.offset)
             doc = _repaired(item, str(unit.path), task.strict)
             if isinstance(doc, Skip):
                 result.stats.skip(doc)

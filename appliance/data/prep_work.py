@@ -44,7 +44,9 @@ UNIT_STEPS = ("read", "filter")  # the steps that run per work unit, and so as S
 # What the output depends on besides the input: the pipeline's own code and the packages that change text.
 _DATA_DIR = Path(__file__).resolve().parent
 _PIPELINE_FILES = (
+    "walk.py",
     "readers.py",
+    "compressed.py",
     "unicode_fix.py",
     "langid.py",
     "filters.py",

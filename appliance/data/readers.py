@@ -1,18 +1,25 @@
-"""Streaming readers for the corpus formats `prep` accepts, hostile input included.
+"""Streaming readers for the corpus formats `prep` accepts, hostile input included (walk.py finds the files).
 
-Formats (chosen by file name; directories are walked recursively in sorted order):
+Formats (chosen by file name):
 - `.jsonl` / `.json` lines, plain, `.gz` or `.zst`: one record per line, field "text", optional "lang" and "source".
 - `.txt` / `.text` / `.md` / `.rst`: a file up to TXT_DOC_BYTES is one document. A bigger file is cut into
   documents at the first blank line after every TXT_DOC_BYTES, so a book becomes a few chapter-sized documents
-  rather than thousands of paragraphs too short for the word-count filter.
+  rather than thousands of paragraphs too short for the word-count filter. A document that reaches
+  TXT_MAX_DOC_BYTES without such a blank line is cut before the line that would take it past the cap; a line
+  longer than the cap is cut after its last space or tab in the cap's second half, else at the last UTF-8
+  character boundary before the cap (_txt_cut), and each piece ends its document. Each such cut is marked on the
+  document it ends (Record.cut) and counted in the report.
 - `.parquet`: column "text" (optional "lang", "source"), read one record batch at a time.
 - a directory written by `datasets.Dataset.save_to_disk` (or a DatasetDict): same columns, split by split; a
-  damaged split is skipped and the others are read.
-Inside directories, hidden entries (".git", ".DS_Store") are passed over and files of other kinds are counted as
-skipped ("unsupported_file"); a file named on the command line is read as text whatever its suffix.
+  damaged split is skipped and the others are read. A split name in dataset_dict.json must be one `datasets`
+  accepts (word characters, dot-separated): any other ("../x", "/abs") is skipped as "bad_split_name", never
+  joined onto the folder's path.
 
-Memory stays bounded: bytes are read in BLOCK_BYTES blocks and only the current line is held, so a 50 MB line
-costs about its own size a few times over. Lines longer than MAX_RECORD_BYTES are skipped without being held.
+Memory stays bounded whatever the input: bytes are read in BLOCK_BYTES blocks (compressed.py inflates .gz and
+.zst one block at a time, so a bomb costs one block) and only the current line is held, so a 50 MB line costs
+about its own size a few times over. JSONL lines longer than MAX_RECORD_BYTES are skipped without being held;
+.txt lines are cut into documents instead. A JSONL line nested deeper than json.loads can recurse (Python's
+recursion limit, about 1,000 levels) is skipped as "json_too_deep".
 
 Hostile input never raises here unless `strict`: every bad record is reported as a Skip with its reason, file,
 line and byte offset (offsets count decompressed bytes for .gz/.zst), and the good records around it are kept.
@@ -26,40 +33,43 @@ per file from ReadCounts, over all its records (prep.py skips such a file whole)
 from __future__ import annotations
 
 import json
-import os
+import re
+import sys
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import zstandard
 
+from appliance.data.compressed import Truncated, gzip_blocks, zstd_blocks
 from appliance.errors import BadInput
 
 BLOCK_BYTES = 1 << 20
 MAX_RECORD_BYTES = 64 << 20  # a 50 MB single line still passes; anything past this is skipped unread
 TXT_DOC_BYTES = 1 << 20
-CHUNK_BYTES = 64 << 20  # plain .jsonl files past this are split into byte ranges, one work unit each
+TXT_MAX_DOC_BYTES = 4 << 20  # a .txt document never grows past this, blank lines or not (a line alone: + 1)
 PARQUET_BATCH_ROWS = 1024
-
-TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst")
-JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
-COMPRESSED = {".gz": "gz", ".zst": "zst"}
+MAX_SPLIT_LIST_BYTES = 1 << 20  # dataset_dict.json only names the splits; one bigger than this is refused
 
 # Skip reasons (public: they are the keys of prep_report.json's "skipped").
 EMPTY_FILE = "empty_file"
 BROKEN_SYMLINK = "broken_symlink"
+SYMLINK_OUTSIDE = "symlink_outside_input"  # walk.py: a link out of the inputs, without --follow-symlinks
+FOLDER_TOO_DEEP = "folder_too_deep"  # walk.py: a folder nested past MAX_FOLDER_DEPTH
 UNSUPPORTED_FILE = "unsupported_file"
 UNREADABLE_FILE = "unreadable_file"
 INVALID_UTF8 = "invalid_utf8"
 BAD_JSON = "bad_json"
+JSON_TOO_DEEP = "json_too_deep"
 NO_TEXT = "no_text_field"
 EMPTY_TEXT = "empty_text"
 TOO_LARGE = "record_too_large"
 TRUNCATED = "truncated_compressed"
 CORRUPT = "corrupt_compressed"
+BAD_SPLIT_NAME = "bad_split_name"
 NOT_UTF8 = "not_utf8_file"  # a whole file, judged by ReadCounts.not_utf8 once all of it is read
 NUL_BYTES = "nul_bytes"  # strict mode only: lenient mode removes NULs and counts them (unicode_fix.py)
 
@@ -87,6 +97,7 @@ class Record:
     source: str
     line: int  # 1-based line (row for parquet/arrow) in the file
     offset: int  # byte offset of the line in the (decompressed) file
+    cut: bool = False  # a .txt document that ends at TXT_MAX_DOC_BYTES, not at a blank line or the file's end
 
 
 @dataclass(frozen=True)
@@ -128,86 +139,6 @@ class ReadCounts:
         return self.wide_bom > 0 or 2 * bad > self.records or code_page
 
 
-class Truncated(Exception):
-    """A compressed stream ended before its end-of-stream marker."""
-
-
-def plan_units(inputs: list[Path], *, strict: bool) -> tuple[list[Unit], list[Skip]]:
-    """Expand the inputs into work units in a fixed order (input order, then sorted paths, then byte ranges)."""
-    units: list[Unit] = []
-    skips: list[Skip] = []
-    for given in inputs:
-        if not given.exists() and not given.is_symlink():
-            raise BadInput(f"prep: input {given} does not exist")
-        source = given.name or str(given)
-        for path, kind, codec in _walk(given, explicit=True, seen=set()):
-            skip = _file_problem(path, kind)
-            if skip is not None:
-                if strict and skip.reason != UNSUPPORTED_FILE:  # a stray .pdf is no bad record
-                    raise BadInput(f"prep: {skip.message()}")
-                skips.append(skip)
-                continue
-            size = path.stat().st_size
-            if kind == "jsonl" and codec == "" and size > CHUNK_BYTES:
-                units += [
-                    Unit(path, kind, codec, source, s, min(s + CHUNK_BYTES, size)) for s in range(0, size, CHUNK_BYTES)
-                ]
-            else:
-                units.append(Unit(path, kind, codec, source))
-    return units, skips
-
-
-def _walk(path: Path, *, explicit: bool, seen: set[str]) -> Iterator[tuple[Path, str, str]]:
-    if path.is_dir():
-        real = os.path.realpath(path)
-        if real in seen:  # a symlink cycle
-            return
-        seen.add(real)
-        if _is_saved_dataset(path):
-            yield path, "arrow", ""
-            return
-        for child in sorted(path.iterdir(), key=lambda p: p.name):
-            if not child.name.startswith("."):
-                yield from _walk(child, explicit=False, seen=seen)
-        return
-    kind, codec = classify(path)
-    if kind == "" and explicit and path.exists():
-        kind = "txt"  # a file named on the command line is read as text whatever its name
-    yield path, kind, codec
-
-
-def classify(path: Path) -> tuple[str, str]:
-    """(kind, codec) from the file name; kind "" when prep does not read this kind of file."""
-    name = path.name.lower()
-    codec = ""
-    for suffix, c in COMPRESSED.items():
-        if name.endswith(suffix):
-            codec, name = c, name[: -len(suffix)]
-    if name.endswith(JSONL_SUFFIXES):
-        return "jsonl", codec
-    if name.endswith(TEXT_SUFFIXES):
-        return "txt", codec
-    if name.endswith(".parquet") and codec == "":
-        return "parquet", ""
-    return "", codec
-
-
-def _is_saved_dataset(path: Path) -> bool:
-    return (path / "dataset_dict.json").is_file() or (
-        (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
-    )
-
-
-def _file_problem(path: Path, kind: str) -> Skip | None:
-    if not path.exists():
-        return Skip(BROKEN_SYMLINK, str(path), 0, 0, f"points to {os.readlink(path)}")
-    if kind == "":
-        return Skip(UNSUPPORTED_FILE, str(path), 0, 0)
-    if kind != "arrow" and path.stat().st_size == 0:
-        return Skip(EMPTY_FILE, str(path), 0, 0)
-    return None
-
-
 def read_unit(unit: Unit, *, strict: bool, counts: ReadCounts | None = None) -> Iterator[Record | Skip]:
     """Records and skips of one unit, in file order. With `strict`, the first skip raises BadInput instead."""
     counts = counts if counts is not None else ReadCounts()
@@ -241,7 +172,8 @@ def _read_lines(unit: Unit, counts: ReadCounts, strict: bool) -> Iterator[Record
     path = str(unit.path)
     doc: list[str] = []  # txt: lines of the document being assembled
     doc_bytes, doc_line, doc_offset = 0, 1, 0
-    for line_no, offset, raw in _lines(unit):
+    pieces = TXT_MAX_DOC_BYTES if unit.kind == "txt" else None
+    for line_no, offset, raw, more in _lines(unit, pieces):
         counts.records += 1
         if isinstance(raw, str):  # the line splitter's verdict on a line it could not deliver
             yield Skip(raw, path, line_no, offset, _DETAIL[raw])
@@ -269,12 +201,15 @@ def _read_lines(unit: Unit, counts: ReadCounts, strict: bool) -> Iterator[Record
             if text.strip():
                 yield _jsonl_record(text, unit.source, path, line_no, offset, strict)
             continue
+        if doc and doc_bytes + len(raw) + 1 > TXT_MAX_DOC_BYTES:  # no blank line came in time: cut before this line
+            yield from _txt_document(doc, unit.source, doc_line, doc_offset, cut=True)
+            doc, doc_bytes = [], 0
         if not doc:
             doc_line, doc_offset = line_no, offset
         doc.append(text)
         doc_bytes += len(raw) + 1
-        if doc_bytes >= TXT_DOC_BYTES and not text.strip():
-            yield from _txt_document(doc, unit.source, doc_line, doc_offset)
+        if more or (doc_bytes >= TXT_DOC_BYTES and not text.strip()):  # a piece of a long line ends its document
+            yield from _txt_document(doc, unit.source, doc_line, doc_offset, cut=more)
             doc, doc_bytes = [], 0
     if doc:
         yield from _txt_document(doc, unit.source, doc_line, doc_offset)
@@ -287,10 +222,10 @@ _DETAIL = {
 }
 
 
-def _txt_document(lines: list[str], source: str, line: int, offset: int) -> Iterator[Record]:
+def _txt_document(lines: list[str], source: str, line: int, offset: int, *, cut: bool = False) -> Iterator[Record]:
     text = "\n".join(lines).strip("\n")
     if text.strip():
-        yield Record(text, None, source, line, offset)
+        yield Record(text, None, source, line, offset, cut)
 
 
 def _jsonl_record(text: str, source: str, path: str, line: int, offset: int, strict: bool) -> Record | Skip:
@@ -300,6 +235,8 @@ def _jsonl_record(text: str, source: str, path: str, line: int, offset: int, str
         obj = json.loads(text, strict=strict)
     except ValueError as err:
         return Skip(BAD_JSON, path, line, offset, str(err)[:120])
+    except RecursionError:  # json's C parser recurses once per level and stops cleanly at the limit
+        return Skip(JSON_TOO_DEEP, path, line, offset, f"nested past about {sys.getrecursionlimit()} levels")
     if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
         return Skip(NO_TEXT, path, line, offset, 'no string field "text"')
     return _record(obj, source, path, line, offset, strict)
@@ -321,16 +258,18 @@ def _record(obj: dict, source: str, path: str, line: int, offset: int, strict: b
     )
 
 
-def _lines(unit: Unit) -> Iterator[tuple[int, int, bytes | str]]:
-    """(line number, byte offset, line bytes without "\\n") for the lines that start inside the unit's range.
+def _lines(unit: Unit, piece_bytes: int | None = None) -> Iterator[tuple[int, int, bytes | str, bool]]:
+    """(line number, byte offset, line bytes without "\\n", more) for the lines that start inside the unit's range.
 
-    Instead of bytes, a skip reason: TOO_LARGE for a line past MAX_RECORD_BYTES (read through and dropped block
-    by block, never held whole), TRUNCATED/CORRUPT where a compressed stream breaks off (always the last item).
+    With `piece_bytes` (.txt), a line longer than that comes in pieces of at most piece_bytes, cut by _txt_cut:
+    `more` is True on each piece but the last, and `offset` is the piece's own. Without it (JSONL), a line past
+    MAX_RECORD_BYTES comes as the skip reason TOO_LARGE instead of bytes (read through and dropped block by block,
+    never held whole). TRUNCATED/CORRUPT come where a compressed stream breaks off (always the last item).
     """
-    begin = _first_line_start(unit.path, unit.start) if unit.start else 0
+    begin = _first_line_start(unit.path, unit.start, unit.end) if unit.start else 0
     if unit.end is not None and begin >= unit.end:
         return  # one line covers this whole chunk: the previous chunk reads it
-    line_no, offset = 1, begin
+    line_no, offset = 1, begin  # offset: where the bytes not yet delivered start
     pending: list[bytes] = []
     pending_bytes = 0
     try:
@@ -342,33 +281,66 @@ def _lines(unit: Unit) -> Iterator[tuple[int, int, bytes | str]]:
                     if pending_bytes <= MAX_RECORD_BYTES:
                         pending.append(block[pos:])
                     pending_bytes += len(block) - pos
+                    if piece_bytes is not None and pending_bytes > piece_bytes:
+                        rest = yield from _pieces(line_no, offset, b"".join(pending), piece_bytes)
+                        offset += pending_bytes - len(rest)
+                        pending, pending_bytes = [rest], len(rest)
                     break
                 length = pending_bytes + nl - pos
                 if length > MAX_RECORD_BYTES:
-                    yield line_no, offset, TOO_LARGE
+                    yield line_no, offset, TOO_LARGE, False
                 else:
-                    yield line_no, offset, b"".join([*pending, block[pos:nl]])
+                    line = b"".join([*pending, block[pos:nl]])
+                    if piece_bytes is not None:
+                        line = yield from _pieces(line_no, offset, line, piece_bytes)
+                        offset, length = offset + length - len(line), len(line)
+                    yield line_no, offset, line, False
                 line_no, offset = line_no + 1, offset + length + 1
                 pending, pending_bytes = [], 0
                 pos = nl + 1
                 if unit.end is not None and offset >= unit.end:
                     return
     except Truncated:
-        yield line_no, offset, TRUNCATED
+        yield line_no, offset, TRUNCATED, False
         return
     except (zlib.error, zstandard.ZstdError):
-        yield line_no, offset, CORRUPT
+        yield line_no, offset, CORRUPT, False
         return
     if pending_bytes:  # a last line without "\n"
-        yield line_no, offset, TOO_LARGE if pending_bytes > MAX_RECORD_BYTES else b"".join(pending)
+        yield line_no, offset, TOO_LARGE if pending_bytes > MAX_RECORD_BYTES else b"".join(pending), False
 
 
-def _first_line_start(path: Path, start: int) -> int:
-    """The first line start at or after `start`: the line straddling `start` belongs to the previous chunk."""
+def _pieces(line_no: int, offset: int, data: bytes, limit: int) -> Generator[tuple[int, int, bytes, bool], None, bytes]:
+    """Cut pieces of at most `limit` bytes off the front of `data`, a line or its start, until at most `limit`
+    are left; returns those."""
+    while len(data) > limit:
+        cut = _txt_cut(data, limit)
+        yield line_no, offset, data[:cut], True
+        offset, data = offset + cut, data[cut:]
+    return data
+
+
+def _txt_cut(data: bytes, limit: int) -> int:
+    """Where to cut `data`, longer than `limit` bytes, so that data[:cut] is at most `limit` bytes: after the last
+    space or tab in limit's second half (words stay whole), else at the last UTF-8 character boundary at or
+    before `limit` (a continuation byte is 0b10xxxxxx, at most 3 follow their lead byte)."""
+    space = max(data.rfind(b" ", limit // 2, limit), data.rfind(b"\t", limit // 2, limit))
+    if space >= 0:
+        return space + 1
+    cut = limit
+    while cut > limit - 3 and data[cut] & 0xC0 == 0x80:
+        cut -= 1
+    return cut
+
+
+def _first_line_start(path: Path, start: int, end: int | None = None) -> int:
+    """The first line start at or after `start`: the line straddling `start` belongs to the previous chunk. The
+    search stops at `end` (returning `end` or past it): a chunk inside one long line has no line of its own,
+    and each chunk of a 2 GB line searching on to the file's end would read the file once per chunk."""
     with open(path, "rb") as fh:
         fh.seek(start - 1)
         pos = start - 1
-        while block := fh.read(BLOCK_BYTES):
+        while (end is None or pos < end) and (block := fh.read(BLOCK_BYTES)):
             nl = block.find(b"\n")
             if nl >= 0:
                 return pos + nl + 1
@@ -379,50 +351,13 @@ def _first_line_start(path: Path, start: int) -> int:
 def _blocks(unit: Unit, begin: int) -> Iterator[bytes]:
     with open(unit.path, "rb") as fh:
         if unit.codec == "gz":
-            yield from _gzip_blocks(fh)
+            yield from gzip_blocks(fh, BLOCK_BYTES)
         elif unit.codec == "zst":
-            yield from _zstd_blocks(fh)
+            yield from zstd_blocks(fh, BLOCK_BYTES)
         else:
             fh.seek(begin)
             while block := fh.read(BLOCK_BYTES):
                 yield block
-
-
-# Compressed input is fed in small pieces and inflated at most BLOCK_BYTES at a time, so a highly compressible
-# line (50 MB of one repeated sentence) is never inflated far ahead of the line splitter.
-_COMPRESSED_READ = 64 << 10
-
-
-def _gzip_blocks(fh: BinaryIO) -> Iterator[bytes]:
-    data = fh.read(_COMPRESSED_READ)
-    while data:  # one gzip member per pass (concatenated .gz files have several)
-        decomp = zlib.decompressobj(16 + zlib.MAX_WBITS)
-        while True:
-            piece = decomp.decompress(data, BLOCK_BYTES)
-            if piece:
-                yield piece
-            if decomp.eof:
-                data = decomp.unused_data or fh.read(_COMPRESSED_READ)
-                break
-            data = decomp.unconsumed_tail or fh.read(_COMPRESSED_READ)
-            if not data:
-                raise Truncated()
-
-
-def _zstd_blocks(fh: BinaryIO) -> Iterator[bytes]:
-    data = fh.read(_COMPRESSED_READ)
-    while data:  # one zstd frame per pass (concatenated .zst files have several)
-        decomp = zstandard.ZstdDecompressor().decompressobj(write_size=BLOCK_BYTES)
-        while True:
-            piece = decomp.decompress(data)
-            if piece:
-                yield piece
-            if decomp.eof:
-                data = decomp.unused_data or fh.read(_COMPRESSED_READ)
-                break
-            data = fh.read(_COMPRESSED_READ)
-            if not data:
-                raise Truncated()
 
 
 # ------------------------------------------------------------------------------------------- tabular formats
@@ -435,11 +370,14 @@ def _read_tabular(unit: Unit, counts: ReadCounts, strict: bool) -> Iterator[Reco
     path = str(unit.path)
     try:
         parts = _parts(unit)
-    except (OSError, ValueError, KeyError, TypeError) as err:  # dataset_dict.json unreadable or malformed
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:  # dataset_dict.json unreadable, bad
         yield Skip(UNREADABLE_FILE, path, 1, 0, f"dataset_dict.json: {err}"[:200])
         return
     row = 0
     for part, batches in parts:
+        if batches is None:
+            yield Skip(BAD_SPLIT_NAME, path, row + 1, 0, f"{part}not a split name; not read")
+            continue
         try:
             for batch in batches():
                 columns = batch.to_pydict()
@@ -456,7 +394,9 @@ def _read_tabular(unit: Unit, counts: ReadCounts, strict: bool) -> Iterator[Reco
                         yield Skip(NO_TEXT, path, row, 0, '"text" is not a string')
                         continue
                     yield _record({"text": text, "lang": lang, "source": source}, unit.source, path, row, 0, strict)
-        except (OSError, ValueError) as err:  # pyarrow raises ArrowInvalid (a ValueError) on a damaged file
+        # pyarrow raises ArrowInvalid (a ValueError) on a damaged file; datasets may raise the others on a damaged
+        # state.json (RecursionError: nested past Python's limit).
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
             yield Skip(UNREADABLE_FILE, path, row + 1, 0, f"{part}{err}"[:200])
 
 
@@ -464,19 +404,33 @@ Batches = Callable[[], Iterator[Any]]
 _COLUMNS = ["text", "lang", "source"]
 
 
-def _parts(unit: Unit) -> list[tuple[str, Batches]]:
+# What `datasets` accepts as a split name (datasets.naming): no separator, no "..", nothing absolute, so a name
+# can only ever be a folder directly inside the dataset's.
+_SPLIT_NAME = re.compile(r"\w+(\.\w+)*")
+
+
+def _parts(unit: Unit) -> list[tuple[str, Batches | None]]:
     """(prefix for skip details, record batches) of each part of a tabular unit: the parquet file, or each split
     of a saved dataset in sorted order (what DatasetDict.load_from_disk would load, but one split at a time, so
-    that one damaged split does not cost the others). Raises when a DatasetDict's list of splits is unreadable."""
+    that one damaged split does not cost the others); None for a split whose name is no split name. Raises when a
+    DatasetDict's list of splits is unreadable."""
     if unit.kind == "parquet":
         return [("", partial(_parquet_batches, unit.path))]
     listing = unit.path / "dataset_dict.json"
     if not listing.is_file():
         return [("", partial(_dataset_batches, unit.path))]
+    if listing.stat().st_size > MAX_SPLIT_LIST_BYTES:
+        raise ValueError(f"over {MAX_SPLIT_LIST_BYTES} bytes, for a list of split names")
     splits = json.loads(listing.read_text(encoding="utf-8"))["splits"]
     if not isinstance(splits, list) or not all(isinstance(name, str) for name in splits):
         raise ValueError('"splits" is not a list of names')
-    return [(f"split {name}: ", partial(_dataset_batches, unit.path / name)) for name in sorted(splits)]
+    return [_split_part(unit.path, name) for name in sorted(splits)]
+
+
+def _split_part(folder: Path, name: str) -> tuple[str, Batches | None]:
+    if _SPLIT_NAME.fullmatch(name):
+        return f"split {name}: ", partial(_dataset_batches, folder / name)
+    return f"split {name[:80]!r}: ", None  # never joined onto the folder's path
 
 
 def _parquet_batches(path: Path) -> Iterator[Any]:

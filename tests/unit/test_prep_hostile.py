@@ -16,7 +16,7 @@ import pytest
 import zstandard
 from test_prep_corpus_text import prose, write_jsonl
 
-from appliance.data import readers, unicode_fix
+from appliance.data import readers, unicode_fix, walk
 from appliance.data.prep import iter_corpus, prepare_corpus
 from appliance.errors import BadInput
 
@@ -252,15 +252,15 @@ def test_strict_line_numbers_count_across_chunks(tmp_path: Path, monkeypatch: py
     lines[33] = b'{"text": oops}\n'
     path = tmp_path / "big.jsonl"
     path.write_bytes(b"".join(lines))
-    monkeypatch.setattr(readers, "CHUNK_BYTES", 2000)  # several chunks; the bad line is in a later one
-    units, _ = readers.plan_units([path], strict=True)
+    monkeypatch.setattr(walk, "CHUNK_BYTES", 2000)  # several chunks; the bad line is in a later one
+    units, _ = walk.plan_units([path], strict=True)
     assert len(units) > 3
     with pytest.raises(BadInput, match=rf"line 34, byte offset {len(b''.join(lines[:33]))}\b"):
         prepare_corpus([path], tmp_path / "corpus", strict=True)
     lines[33] = _line(33)
     path.write_bytes(b"".join(lines))
     chunked = prepare_corpus([path], tmp_path / "chunked")
-    monkeypatch.setattr(readers, "CHUNK_BYTES", 1 << 30)
+    monkeypatch.setattr(walk, "CHUNK_BYTES", 1 << 30)
     whole = prepare_corpus([path], tmp_path / "whole")
     assert chunked["totals"]["docs_out"] == whole["totals"]["docs_out"] == 40
     assert (tmp_path / "chunked" / "shard-00000.jsonl").read_bytes() == (

@@ -16,7 +16,8 @@ from test_prep_corpus_text import prose, write_jsonl
 
 from appliance.data import readers
 from appliance.data.prep import iter_corpus, prepare_corpus
-from appliance.data.readers import Record, Skip, plan_units, read_unit
+from appliance.data.readers import Record, Skip, read_unit
+from appliance.data.walk import plan_units
 from appliance.errors import BadInput
 
 
