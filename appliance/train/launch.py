@@ -38,6 +38,7 @@ from appliance.planner.failures import RDZV_KEEP_ALIVE_ATTEMPTS, RDZV_KEEP_ALIVE
 from appliance.planner.runspec import RunSpec, load_spec
 from appliance.rundir import RunDir
 from appliance.train.agent import HOST_RENDEZVOUS
+from appliance.train.cache_key import cache_tag
 from appliance.train.nodes import (
     ELASTIC_ENV,
     NODE_NAME_ENV,
@@ -146,7 +147,7 @@ COMPILE_CACHE_ENV = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "i
 
 
 def compile_cache_env(run_dir: RunDir, node_rank: int = 0) -> dict[str, str]:
-    """Where a node's ranks keep what they compile: `<run>/compile-cache/node<R>/{triton,inductor}`.
+    """Where a node's ranks keep what they compile: `<run>/compile-cache/<user tag>/node<R>/{triton,inductor}`.
 
     In the run directory, because it is what outlives everything the cache must outlive: an agent restart, a requeue
     onto other machines, a rerun of the command (the defaults, ~/.triton and /tmp/torchinductor_<user>, are lost with
@@ -154,8 +155,11 @@ def compile_cache_env(run_dir: RunDir, node_rank: int = 0) -> dict[str, str]:
     because the run directory may sit on a file system every node mounts: each directory is written by one node's
     ranks only, so the compile of the first start takes no lock and renames no file across nodes. The caches' keys
     hold the GPU, the software versions and the source, so a node that lands on other hardware misses, never loads
-    a wrong kernel. A variable the user set is kept (e.g. one cache for every run of a machine)."""
-    root = run_dir.compile_cache / f"node{node_rank}"
+    a wrong kernel. A variable the user set is kept (e.g. one cache for every run of a machine).
+
+    Below compile-cache/, a folder named by this user's key (train/cache_key.py): the caches hold code that torch and
+    Triton load, and a run directory copied from someone else must not bring code into this user's ranks."""
+    root = run_dir.compile_cache / cache_tag() / f"node{node_rank}"
     return {name: str(root / sub) for name, sub in COMPILE_CACHE_ENV.items()}
 
 

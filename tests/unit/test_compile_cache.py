@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from appliance.rundir import RunDir
+from appliance.train.cache_key import cache_tag
 from appliance.train.launch import compile_cache_env, fill_compile_cache_env, worker_env
 
 pytestmark = pytest.mark.slow
@@ -42,7 +43,7 @@ def test_a_second_launch_loads_the_first_ones_compiled_graph(tmp_path):
     env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
     first = compile_in_a_rank(env)
     assert first.get("fxgraph_cache_miss", 0) >= 1 and first.get("fxgraph_cache_hit", 0) == 0, first
-    assert any((run_dir.compile_cache / "node0" / "inductor").iterdir())
+    assert any((run_dir.compile_cache / cache_tag() / "node0" / "inductor").iterdir())
     again = compile_in_a_rank(env)
     assert again.get("fxgraph_cache_hit", 0) >= 1 and again.get("fxgraph_cache_miss", 0) == 0, again
 
@@ -53,9 +54,10 @@ def test_ranks_whose_launcher_set_no_caches_take_their_nodes_directory(tmp_path)
     run_dir = RunDir(tmp_path / "run")
     env = {"SLURM_NODEID": "3", "GROUP_RANK": "1"}
     fill_compile_cache_env(run_dir, env)
-    assert env["TRITON_CACHE_DIR"] == str(run_dir.compile_cache / "node3" / "triton")
-    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(run_dir.compile_cache / "node3" / "inductor")
+    mine = run_dir.compile_cache / cache_tag()
+    assert env["TRITON_CACHE_DIR"] == str(mine / "node3" / "triton")
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(mine / "node3" / "inductor")
     env = {"GROUP_RANK": "1", "TRITON_CACHE_DIR": "/shared/triton"}
     fill_compile_cache_env(run_dir, env)
     assert env["TRITON_CACHE_DIR"] == "/shared/triton"
-    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(run_dir.compile_cache / "node1" / "inductor")
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(mine / "node1" / "inductor")

@@ -7,6 +7,7 @@ import appliance.train.launch as launch
 from appliance.hardware import load_hardware
 from appliance.planner import load_model_shape, make_plan, parse_layout
 from appliance.rundir import RunDir
+from appliance.train.cache_key import cache_tag
 
 
 def test_run_plan_starts_tp_pp_dp_ranks_and_clears_a_stale_preempted_marker(tmp_path, monkeypatch):
@@ -39,8 +40,10 @@ def test_ranks_keep_their_compile_caches_in_the_run_directory_per_node(tmp_path)
     run_dir = RunDir(tmp_path / "run")
     caches = launch.compile_cache_env(run_dir, node_rank=3)
     env = launch.worker_env({"PATH": "/bin"}, compile_cache=caches)
-    assert env["TRITON_CACHE_DIR"] == str(tmp_path / "run" / "compile-cache" / "node3" / "triton")
-    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "run" / "compile-cache" / "node3" / "inductor")
+    assert env["TRITON_CACHE_DIR"] == str(tmp_path / "run" / "compile-cache" / cache_tag() / "node3" / "triton")
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(
+        tmp_path / "run" / "compile-cache" / cache_tag() / "node3" / "inductor"
+    )
     # A cache the user chose (one for every run of the machine, say) is kept.
     mine = launch.worker_env({"TRITON_CACHE_DIR": "/scratch/triton"}, compile_cache=caches)
     assert (
@@ -70,4 +73,4 @@ def test_run_agent_gives_the_ranks_the_launch_time_and_the_caches(tmp_path, monk
     before = time.time()
     assert launch.run_agent(run_dir, nproc_per_node=2, max_restarts=0) == 0
     assert before <= float(seen["BLOOM_LAUNCH_TIME"]) <= time.time()
-    assert seen["TRITON_CACHE_DIR"] == str(run_dir.compile_cache / "node0" / "triton")
+    assert seen["TRITON_CACHE_DIR"] == str(run_dir.compile_cache / cache_tag() / "node0" / "triton")
