@@ -13,6 +13,7 @@ from appliance.cli_plan import cmd_bench, cmd_detect, cmd_plan
 from appliance.cli_run import cmd_run, cmd_tui
 from appliance.cli_train import cmd_eval, cmd_export, cmd_import, cmd_sbatch, cmd_train
 from appliance.errors import EXIT_BAD_INPUT, EXIT_FAILED, BadInput
+from appliance.output_dirs import start_command
 
 # Flags of the program itself, accepted before the command (`--debug run ...`) and, for --debug, after it too.
 GLOBAL_FLAGS = ("--debug",)
@@ -48,7 +49,12 @@ def with_default_command(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(with_default_command(sys.argv[1:] if argv is None else argv))
+    argv = with_default_command(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    # Files 0640 and folders 0750 at most, in this process and every process it starts (agents, ranks), whatever
+    # the user's umask: a group-writable run directory would let group members replace plan.json. The output
+    # folders' markers record this command line.
+    start_command(argv)
     try:
         return COMMANDS[args.command](args)
     except BadInput as e:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from appliance.errors import BadInput
+from appliance.output_dirs import claim_dir
 
 
 def cmd_prep(args: argparse.Namespace) -> int:
@@ -31,6 +32,7 @@ def cmd_prep(args: argparse.Namespace) -> int:
             workers=args.workers,
             strict=args.strict,
             follow_symlinks=args.follow_symlinks,
+            force=args.force,
         )
         print(json.dumps(done, indent=1, ensure_ascii=False))
         return 0
@@ -41,21 +43,41 @@ def cmd_prep(args: argparse.Namespace) -> int:
         strict=args.strict,
         work_dir=args.work_dir,
         follow_symlinks=args.follow_symlinks,
+        force=args.force,
     )
     print(json.dumps(report.get("totals", report), indent=1, ensure_ascii=False))
     return 0
 
 
 def _write_prep_scripts(args: argparse.Namespace) -> int:
-    from appliance.data.prep import count_units
-    from appliance.data.prep_slurm import PrepJob, default_array_size, default_script_dir, write_scripts
+    from appliance.data.prep import claim_output, count_units
+    from appliance.data.prep_slurm import (
+        BATCH_NAME,
+        SUBMIT_NAME,
+        PrepJob,
+        default_array_size,
+        default_script_dir,
+        write_scripts,
+    )
 
     if args.step or args.slice:
         raise BadInput("--sbatch writes the scripts for every step; leave out --step and --slice")
+    if args.force:
+        raise BadInput("--force: not with --sbatch (the jobs run without it); give a new or empty --out")
+    claim_output(args.input, args.out)  # refused now rather than in the finish job, hours later
+    script_dir = args.script_dir or default_script_dir(args.out)
+    # The scripts' folder also receives the jobs' logs/ (submit.sh makes it): the rerun recognises it as its own.
+    scripts = claim_dir(
+        script_dir,
+        "prep --sbatch",
+        flag="--script-dir",
+        inputs={"--input": args.input, "--out": [args.out]},
+        writes=(BATCH_NAME, SUBMIT_NAME),
+    )
     job = PrepJob(
         inputs=args.input,
         out_dir=args.out,
-        script_dir=args.script_dir or default_script_dir(args.out),
+        script_dir=script_dir,
         array_size=args.array_size
         or default_array_size(count_units(args.input, strict=args.strict, follow_symlinks=args.follow_symlinks)),
         cwd=Path.cwd(),
@@ -67,7 +89,9 @@ def _write_prep_scripts(args: argparse.Namespace) -> int:
         partition=args.partition,
         account=args.account,
     )
+    scripts.begin([BATCH_NAME, SUBMIT_NAME])
     submit = write_scripts(job)
+    scripts.mark([BATCH_NAME, SUBMIT_NAME])
     print(f"wrote {submit} and {submit.parent / 'prep.sbatch'}: read and filter as arrays of {job.array_size} tasks")
     print(f"submit with: bash {submit}   (run it again to resume after a failure)")
     return 0
@@ -82,7 +106,11 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
     if vocab_size is None:
         vocab_size, reasons = corpus_vocab_size(args.corpus)
         print(reasons[0])
-    print(train_tokenizer(args.corpus, args.out, vocab_size=vocab_size, vocab_reasons=reasons, tp_size=args.tp))
+    print(
+        train_tokenizer(
+            args.corpus, args.out, vocab_size=vocab_size, vocab_reasons=reasons, tp_size=args.tp, force=args.force
+        )
+    )
     return 0
 
 

@@ -137,6 +137,13 @@ SET_RESUMED_HELP = (
 )
 
 
+# --out of the commands that write a folder (appliance/output_dirs.py): new, empty or their own earlier output.
+FORCE_HELP = (
+    "write into a non-empty --out that is not an earlier {what}, beside its files: they are kept, and a name"
+    " the command writes that is taken is still refused"
+)
+
+
 def _add_set(p: argparse.ArgumentParser, help: str) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help)
 
@@ -200,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--partition", help="with --sbatch")
     p.add_argument("--account", help="with --sbatch")
     p.add_argument("--script-dir", type=Path, help="with --sbatch: where to write (default: <out>.prep-slurm)")
+    p.add_argument("--force", action="store_true", help=FORCE_HELP.format(what="prep output"))
 
     p = sub.add_parser("tokenize", help="Megatron .bin/.idx datasets from a prepared corpus, outside `run`")
     p.add_argument("--corpus", type=Path, required=True, help="a directory `prep` wrote (shard-*.jsonl)")
@@ -212,7 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokenizer processes (default: as `run`'s data stage, min(CPU count, 8))",
     )
     p.add_argument(
-        "--force", action="store_true", help="write into a non-empty --out that is not an earlier tokenize output"
+        "--force",
+        action="store_true",
+        help=FORCE_HELP.format(what="tokenize output") + "; or over an earlier one of other inputs",
     )
 
     p = sub.add_parser("tokenizer", help="train BLOOM's byte-level BPE tokenizer on a prepared corpus")
@@ -225,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
         " BLOOM's 250,680)",
     )
     p.add_argument("--tp", type=int, default=1, help="pad the vocabulary to a multiple of 128 x TP")
+    p.add_argument("--force", action="store_true", help=FORCE_HELP.format(what="tokenizer output"))
 
     p = sub.add_parser("train", help="train (or resume) the run in a run directory")
     p.add_argument("--run-dir", type=Path, required=True, help="a run directory with a plan.json")
@@ -266,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write a Hugging Face transformers Bloom directory (safetensors)")
     p.add_argument("--run-dir", type=Path, required=True, help="a run directory with a checkpoint")
     p.add_argument("--out", type=Path, required=True, help="the directory transformers will load")
+    p.add_argument("--force", action="store_true", help=FORCE_HELP.format(what="export"))
 
     p = sub.add_parser("tui", help="attach the dashboard to a run directory (live or finished)")
     p.add_argument("--run-dir", type=Path, required=True, help="any run directory, e.g. runs/latest")

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from appliance.cli_parser import nodes_from_args
 from appliance.errors import BadInput
+from appliance.output_dirs import make_run_dir
 from appliance.rundir import RunDir
 from appliance.train.runlock import refuse_if_live
 
@@ -50,6 +51,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         spec = existing_plan(req) or make_run_plan(req)
         run_dir = req.run_dir or default_run_dir(spec.model.name)
         refuse_if_live(RunDir(run_dir))  # here, not in the background child, whose refusal nobody would see
+        make_run_dir(run_dir, inputs={"--corpus": req.corpus})  # marked before head.log is written into it
         return _run_with_dashboard(run_dir)
     return _run_headless(req, args.log_format, run)
 

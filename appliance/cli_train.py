@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from appliance.cli_parser import nodes_from_args
 from appliance.errors import EXIT_FAILED, EXIT_PREEMPTED, BadInput
+from appliance.output_dirs import OutputDir, claim_file, claim_run_dir, make_run_dir
 from appliance.rundir import RunDir
 from appliance.train.runlock import own_run_dir, refuse_if_live
 
@@ -19,6 +20,12 @@ if TYPE_CHECKING:
 def _need_run_dir(path: Path) -> Path:
     if not (path / "plan.json").is_file():
         raise BadInput(f"--run-dir {path}: not a run directory (no plan.json)")
+    return path
+
+
+def _run_dir_to_write(path: Path) -> Path:
+    """A run directory `train` or `eval` writes into: it has a plan, and it is a run's (appliance/output_dirs.py)."""
+    claim_run_dir(_need_run_dir(path))
     return path
 
 
@@ -53,7 +60,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             if value:
                 raise BadInput(f"{flag}: give it on node 0 only (this is --node-rank {nodes.node_rank})")
         return _launch(args.run_dir, _stop_args(args), nodes)
-    with own_run_dir(RunDir(_need_run_dir(args.run_dir))):  # from before --layout rewrites the plan
+    with own_run_dir(RunDir(_run_dir_to_write(args.run_dir))):  # from before --layout rewrites the plan
         return _train(args, nodes)
 
 
@@ -89,6 +96,7 @@ def _change_settings(run_dir: RunDir, items: list[str]) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    _run_dir_to_write(args.run_dir)
     code = _launch(args.run_dir, ("--eval-only", *_lm_eval_args(args)))
     if code == 0:
         print((args.run_dir / "eval.json").read_text())
@@ -124,7 +132,7 @@ def _lm_eval_args(args: argparse.Namespace) -> list[str]:
 def cmd_export(args: argparse.Namespace) -> int:
     from appliance.eval.export import export_run
 
-    print(export_run(RunDir(_need_run_dir(args.run_dir)), args.out))
+    print(export_run(RunDir(_need_run_dir(args.run_dir)), args.out, force=args.force))
     return 0
 
 
@@ -148,7 +156,13 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
 
     corpus = args.corpus or [SAMPLE_CORPUS_DIR]
     check_inputs(corpus)
-    plan_path = args.run_dir / "plan.json"
+    inputs = {"--corpus": corpus}
+    scripts = _scripts_written(claim_run_dir(args.run_dir, inputs=inputs))
+    out = args.out or RunDir(args.run_dir).sbatch_script
+    claim_file(
+        out, flag="--out", what="a script `sbatch` wrote for this run directory", ours=lambda p: _key(p) in scripts
+    )
+    plan_path = RunDir(args.run_dir).plan
     if plan_path.exists():
         spec = load_spec(plan_path)
     else:
@@ -162,13 +176,24 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
         partition=args.partition,
         account=args.account,
     )
-    args.run_dir.mkdir(parents=True, exist_ok=True)
+    _, run_dir_out = make_run_dir(args.run_dir, inputs=inputs)
     write_atomic(plan_path, spec.dumps())
-    script = sbatch_script(job, corpus=[p.resolve() for p in corpus])
-    out = args.out or args.run_dir / "train.sbatch"
-    out.write_text(script)
-    out.chmod(0o750)
+    write_atomic(out, sbatch_script(job, corpus=[p.resolve() for p in corpus]).encode())
+    out.chmod(0o750)  # 0750, not the 0640 of write_atomic: a script to run
+    run_dir_out.mark(run_dir_out.owned, scripts=sorted(scripts | {_key(out)}))
     lay = spec.layout
     print(f"wrote {out}: {job.nodes} nodes x {job.gpus_per_node} GPUs, tp{lay.tp} pp{lay.pp} dp{lay.dp}")
     print(f"submit with: sbatch {out}")
     return 0
+
+
+def _key(path: Path) -> str:
+    return str(path.resolve())
+
+
+def _scripts_written(run_dir: OutputDir) -> set[str]:
+    """The scripts `sbatch` wrote for this run directory, which a rerun may replace: those its marker lists; in a run
+    directory made before the marker, the default one."""
+    if run_dir.record:
+        return {s for s in run_dir.record.get("scripts", []) if isinstance(s, str)}
+    return {_key(RunDir(run_dir.root).sbatch_script)}

@@ -15,6 +15,7 @@ from typing import Any
 from appliance.atomic import write_atomic
 from appliance.errors import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, BadInput, Preempted
 from appliance.monitor.events import EventWriter
+from appliance.output_dirs import claim_run_dir, make_run_dir
 from appliance.planner.runspec import RunSpec, load_spec
 from appliance.run_request import RunRequest, apply_request, check_inputs, default_run_dir, existing_plan, make_run_plan
 from appliance.rundir import RunDir, point_latest
@@ -30,8 +31,11 @@ def run(req: RunRequest, *, on_event_writer: Any = None) -> int:
         return run_on_other_node(req, req.nodes)
     check_inputs(req.corpus)
     check_resumed_settings(req)  # a refused --set leaves the run directory as it was, events included
+    inputs = {"--corpus": req.corpus}
+    if req.run_dir is not None:  # new, empty or a run's, and not holding the corpus (appliance/output_dirs.py)
+        claim_run_dir(req.run_dir, inputs=inputs)
     spec = existing_plan(req) or make_run_plan(req)
-    run_dir = RunDir(req.run_dir or default_run_dir(spec.model.name)).make()
+    run_dir, _ = make_run_dir(req.run_dir or default_run_dir(spec.model.name), inputs=inputs)
     # One training per run directory: a rerun while a run (or its orphaned ranks) trains here is refused (exit 2,
     # naming the owner) before it writes anything. The lock goes on to the ranks (appliance/train/runlock.py).
     with own_run_dir(run_dir):

@@ -6,6 +6,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+# control/'s files steer the run (stop, checkpoint) and its lock names the owner: only the run's user may plant them.
+CONTROL_DIR_MODE = 0o700
+
 
 @dataclass(frozen=True)
 class RunDir:
@@ -118,15 +121,31 @@ class RunDir:
         """Triton's and torch.compile's caches, a directory per node (appliance/train/launch.py compile_cache_env)."""
         return self.root / "compile-cache"
 
+    @property
+    def sbatch_script(self) -> Path:
+        """The SLURM batch script `sbatch` writes, unless given --out."""
+        return self.root / "train.sbatch"
+
     def make(self) -> RunDir:
-        for d in (self.root, self.control):
-            d.mkdir(parents=True, exist_ok=True, mode=0o750)
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o750)
+        self.make_control()
         return self
+
+    def make_control(self) -> Path:
+        """control/, 0700 (CONTROL_DIR_MODE), also when an older version or a shell's `mkdir -p` made it wider."""
+        self.control.mkdir(parents=True, exist_ok=True, mode=CONTROL_DIR_MODE)
+        st = self.control.stat()
+        if st.st_mode & 0o777 != CONTROL_DIR_MODE and st.st_uid == os.getuid():
+            os.chmod(self.control, CONTROL_DIR_MODE)
+        return self.control
 
 
 def point_latest(runs_root: Path, run: Path) -> None:
-    """Atomically repoint runs/latest at `run` (a relative symlink, replaced by rename)."""
+    """Atomically repoint runs/latest at `run` (a relative symlink, replaced by rename). A `latest` that is not a
+    symbolic link is someone else's file: it stays, and no link is made."""
     link = runs_root / "latest"
+    if link.exists() and not link.is_symlink():
+        return
     tmp = runs_root / f".latest.{os.getpid()}"
     if tmp.is_symlink() or tmp.exists():
         tmp.unlink()

@@ -25,9 +25,10 @@ from appliance.benchmark.ceilings import Timer, machine_ceilings
 from appliance.benchmark.contenders import Contender, Outcome, Running, run_contenders
 from appliance.benchmark.hf_peers import PeerContender, compile_backend
 from appliance.benchmark.kernel_table import HEAD_DIMS, KernelCases, RankShapes, kernel_records
-from appliance.benchmark.report import FLOP_CONVENTION, format_table, write_json
+from appliance.benchmark.report import FLOP_CONVENTION, format_table, is_result, write_json
 from appliance.benchmark.trainer_speed import TrainerContender, one_rank_group
 from appliance.benchmark.workload import BenchSize, Progress, Workload, plan_workload
+from appliance.output_dirs import claim_file
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -61,6 +62,11 @@ def _versions() -> dict[str, str]:
 CONTENDER_KEYS = ("trainer", "hf-eager", "hf-compile")
 
 
+def _claim_out(path: Path) -> None:
+    """--out: a new file or an earlier bench result; anything else is not the bench's to replace."""
+    claim_file(path, flag="--out", what="an earlier bench result", ours=is_result)
+
+
 def run_bench(model: str | None, out: Path | None, *, quick: bool = False, size: BenchSize | None = None,
               profile: bool = False, contenders: tuple[str, ...] = CONTENDER_KEYS, kernel_table: bool = True,
               progress: Progress = _progress) -> dict:  # fmt: skip
@@ -73,6 +79,7 @@ def run_bench(model: str | None, out: Path | None, *, quick: bool = False, size:
         torch.cuda.get_device_name(work.device) if cuda else f"{platform.machine()} CPU ({work.threads} threads)"
     )
     path = out or default_out(device_name)
+    _claim_out(path)  # before the minutes of measuring
     if not cuda:
         from appliance.train.cpu_memory import keep_freed_memory
 
@@ -121,6 +128,7 @@ def run_bench(model: str | None, out: Path | None, *, quick: bool = False, size:
     result["workload"]["kernels"] = ours.kernels if ours is not None else None  # what the trainer ran, and why
     result["load_average_1min"] = {"start": load_before[0], "end": os.getloadavg()[0]}
     print(format_table(result))
+    _claim_out(path)  # again: the file may have appeared meanwhile
     write_json(result, path)
     print(f"wrote {path}")
     return result

@@ -36,6 +36,15 @@ def read_json(path: Path) -> dict[str, Any]:
     return result
 
 
+def is_result(path: Path) -> bool:
+    """Whether `path` holds a bench result (what `bench --out` may replace)."""
+    try:
+        read_json(path)
+    except (OSError, ValueError, TypeError):
+        return False
+    return True
+
+
 def _figure(value: float | None, spec: str, width: int) -> str:
     return f"{value:{width}{spec}}" if value is not None else f"{'-':>{width}s}"
 

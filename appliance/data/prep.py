@@ -21,8 +21,10 @@ workers nor on the number of array tasks: the same inputs give byte-identical fi
 
 Every unit's output is committed with a done marker keyed by a hash of its input and settings (prep_work.py),
 so a killed local run or a failed array task resumes: a rerun skips the units already done and redoes the
-rest. The corpus is assembled in the work directory and renamed into place at the end, so `out_dir` holds
-either the old corpus or the new one, never half of one. Inputs are only ever opened for reading.
+rest. The corpus is assembled in the work directory and moved into `out_dir` at the end, file by file, each by a
+rename. `out_dir` must be new, empty or an earlier `prep` output (appliance/output_dirs.py): its marker lists the
+shards and reports a rerun replaces or removes; nothing else in it is touched, and a folder that is, holds or lies
+inside an input is refused. Inputs are only ever opened for reading.
 Memory per document kept across the run is a few dozen bytes (its hashes); text only ever streams.
 """
 
@@ -31,7 +33,6 @@ from __future__ import annotations
 import hashlib
 import json
 import multiprocessing
-import os
 import shutil
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -61,11 +62,13 @@ from appliance.data.prep_work import (
 from appliance.data.readers import Skip, Unit
 from appliance.data.walk import plan_units
 from appliance.errors import BadInput
+from appliance.output_dirs import OutputDir, claim_dir, matching, read_json_object
 
 SHARD_BYTES = 256 << 20
 REPORT_JSON = "prep_report.json"
 REPORT_MD = "prep_report.md"
 SHARD_GLOB = "shard-*.jsonl"
+OUTPUT_NAMES = (SHARD_GLOB, REPORT_JSON, REPORT_MD)  # everything prep writes into --out
 
 Progress = Callable[[float], None]
 
@@ -80,6 +83,7 @@ def prepare_corpus(
     perplexity: filters.Perplexity | None = None,
     work_dir: Path | None = None,
     follow_symlinks: bool = False,
+    force: bool = False,
 ) -> dict:
     """Prepare `inputs` into `out_dir` (shards + prep_report.json/.md) and return the report.
 
@@ -90,12 +94,13 @@ def prepare_corpus(
     (with `strict`) the first bad record; the work directory goes then too, since the input has to change.
     Without `strict`, bad records and files are skipped and counted, and control characters removed and counted
     (prep_files.py, unicode_fix.py): one bad file never stops the corpus. Symlinks that leave the inputs are
-    skipped and counted unless `follow_symlinks` (walk.py).
+    skipped and counted unless `follow_symlinks` (walk.py). `out_dir` is checked first (`claim_output`; `force`:
+    write beside files prep did not write).
     """
-    out_dir = Path(out_dir)
     paths, units, plan_skips = _plan(inputs, strict, follow_symlinks)
+    out = claim_output(paths, out_dir, force=force)
     progress = on_progress or (lambda fraction: None)
-    work = open_work_dir(work_dir or default_work_dir(out_dir), out_dir)
+    work = open_work_dir(work_dir or default_work_dir(out.root.resolve()), out.root)
     everything = list(range(len(units)))
     sizes = [_unit_size(u) for u in units]
     try:
@@ -104,7 +109,7 @@ def prepare_corpus(
             _read_units(units, everything, work, strict, run_map, _span(progress, sizes, 0.0, 0.45))
             _make_templates(units, work)
             _filter_units(units, everything, work, perplexity, run_map, _span(progress, sizes, 0.45, 0.9))
-        report = _finish(paths, units, plan_skips, work, out_dir, perplexity, progress)
+        report = _finish(paths, units, plan_skips, work, out, perplexity, progress)
     except BadInput:
         shutil.rmtree(work.root, ignore_errors=True)
         raise
@@ -124,6 +129,7 @@ def run_step(
     strict: bool = False,
     perplexity: filters.Perplexity | None = None,
     follow_symlinks: bool = False,
+    force: bool = False,
 ) -> dict[str, Any]:
     """Run one step over the work units, or over slice `part` = (index, count) of them for read and filter.
 
@@ -134,9 +140,9 @@ def run_step(
         raise BadInput(f"--step {step!r}: expected one of {', '.join(STEPS)}")
     if part is not None and step not in UNIT_STEPS:
         raise BadInput(f"--slice applies to --step {' or '.join(UNIT_STEPS)}, not {step}")
-    out_dir = Path(out_dir)
     paths, units, plan_skips = _plan(inputs, strict, follow_symlinks)
-    work = open_work_dir(work_dir or default_work_dir(out_dir), out_dir)
+    out = claim_output(paths, out_dir, force=force)  # by every step: a job array must not start on a refused --out
+    work = open_work_dir(work_dir or default_work_dir(out.root.resolve()), out.root)
     if step in UNIT_STEPS:
         indices = slice_units([_unit_size(u) for u in units], *part) if part else list(range(len(units)))
         passed_over: list[int] = []  # units of files skipped whole: the filter step has nothing to do for them
@@ -155,9 +161,23 @@ def run_step(
         kept, screened = _make_templates(units, work)
         skipped = [str(p) for p in screened.not_utf8]
         return {"step": step, "units": len(units), "template_lines": kept, "files_skipped": skipped}
-    report = _finish(paths, units, plan_skips, work, out_dir, perplexity, lambda fraction: None)
+    report = _finish(paths, units, plan_skips, work, out, perplexity, lambda fraction: None)
     shutil.rmtree(work.root, ignore_errors=True)
     return {"step": step, **report["totals"]}
+
+
+def claim_output(inputs: Sequence[Path], out_dir: Path, *, force: bool = False) -> OutputDir:
+    """--out: new, empty or an earlier prep output, and none of the inputs (appliance/output_dirs.py); BadInput
+    otherwise. `force`: write beside files prep did not write (never over them). Writes nothing."""
+    return claim_dir(
+        out_dir, "prep", inputs={"--input": inputs}, force=force, legacy=_earlier_prep, writes=OUTPUT_NAMES
+    )
+
+
+def _earlier_prep(out_dir: Path) -> list[str] | None:
+    """A corpus prep wrote before the marker existed: its report reads as one."""
+    report = read_json_object(out_dir / REPORT_JSON)
+    return matching(out_dir, OUTPUT_NAMES) if report is not None and "totals" in report else None
 
 
 def count_units(inputs: Sequence[Path], *, strict: bool = False, follow_symlinks: bool = False) -> int:
@@ -320,11 +340,11 @@ def _finish(
     units: list[Unit],
     plan_skips: list[Skip],
     work: WorkDir,
-    out_dir: Path,
+    out: OutputDir,
     perplexity: filters.Perplexity | None,
     progress: Progress,
 ) -> dict:
-    """Dedup over the whole corpus, write the shards and the report, and move them to `out_dir`."""
+    """Dedup over the whole corpus, write the shards and the report, and move them to `out`."""
     read = _read_markers(units, work, "finish")
     templates = _current_templates(read, work, "finish")
     results = _read_results(read)
@@ -357,7 +377,7 @@ def _finish(
     )
     (work.corpus / REPORT_JSON).write_text(to_json(report), encoding="utf-8")
     (work.corpus / REPORT_MD).write_text(to_markdown(report), encoding="utf-8")
-    _publish(work.corpus, out_dir)
+    out.publish(work.corpus)
     return report
 
 
@@ -430,23 +450,3 @@ class _ShardWriter:
 
 
 _DEDUP_STAGES = ("exact_dedup", "near_dedup")
-
-
-def _publish(staged: Path, out_dir: Path) -> None:
-    """Swap the finished corpus into place: rename the old one aside, rename the new one in, drop the old."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    if staged.stat().st_dev != out_dir.parent.stat().st_dev:
-        # A --work-dir on another file system (a cluster's scratch space): copy beside out_dir first, so that
-        # the swap below is still a rename.
-        near = out_dir.with_name(f".{out_dir.name}.new-{os.getpid()}")
-        shutil.rmtree(near, ignore_errors=True)
-        shutil.copytree(staged, near)
-        shutil.rmtree(staged)
-        staged = near
-    old = None
-    if out_dir.exists():
-        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-        os.replace(out_dir, old)
-    os.replace(staged, out_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

@@ -3,11 +3,15 @@
 The datasets are built by tokenize_corpus.build_indexed_datasets, the code of the `run` pipeline's data stage, so
 the output directory holds exactly what a run's data/ holds: <lang>_text_document.bin/.idx and datasets.json.
 
-The output directory is protected. A non-empty --out is written only when it is an earlier `tokenize` output of
-the same inputs (tokenize.json, written beside the datasets, says so), or with --force:
+The output directory follows the rule of every output folder (appliance/output_dirs.py): new, empty, or an earlier
+`tokenize` output (its marker, or for one made before markers, its tokenize.json), and not one of the inputs.
+tokenize.json, written beside the datasets, records the inputs they were built from:
 - same inputs and every dataset complete: nothing to do ("up to date"), the files are left untouched;
 - same inputs but an interrupted or damaged output: built again;
-- anything else (other files, another corpus or tokenizer): refused with exit 2, unless --force.
+- another corpus or tokenizer: refused with exit 2 unless --force, which builds the datasets again;
+- other files: refused with exit 2 unless --force, which builds beside them (they are kept, and a taken name of
+  ours is refused still).
+Only the files an earlier tokenize wrote are ever replaced or removed.
 "Same inputs" means the same tokenizer bytes (SHA-256: a tokenizer file is a few MB) and the same shard files by
 name, size and modification time (hashing a terabyte corpus to decide whether to skip would cost as much as
 tokenizing it; make and rsync decide the same way).
@@ -32,12 +36,14 @@ from appliance.data.tokenize_corpus import (
     load_tokenizer_with_eod,
 )
 from appliance.errors import BadInput
+from appliance.output_dirs import MARKER, OutputDir, claim_dir, read_json_object
 
 SayFn = Callable[[str], None]
 TOKENIZER_JSON = "tokenizer.json"
 # Written at the start (state "started") and rewritten at the end (state "done"): an interrupted tokenize is then
 # recognised as ours and may be redone without --force.
 MANIFEST = "tokenize.json"
+OUTPUT_NAMES = (MANIFEST, DATASETS_JSON, "*_text_document.bin", "*_text_document.idx")  # what tokenize writes
 # One progress line at most this often: a 1 TB corpus prints a few thousand lines, a small one only the last.
 PROGRESS_EVERY_S = 10.0
 
@@ -75,12 +81,13 @@ def inputs_key(shards: list[Path], tokenizer_json: Path, *, append_eod: bool) ->
     return digest.hexdigest()
 
 
-def _read_manifest(out_dir: Path) -> dict[str, Any] | None:
-    try:
-        manifest = json.loads((out_dir / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+def _earlier_tokenize(out_dir: Path) -> list[str] | None:
+    """An output tokenize wrote before the marker existed: its tokenize.json, and the files it names."""
+    manifest = read_json_object(out_dir / MANIFEST)
+    if manifest is None or "inputs" not in manifest:
         return None
-    return manifest if isinstance(manifest, dict) else None
+    prefixes = [p for p in manifest.get("prefixes", []) if isinstance(p, str)]
+    return [MANIFEST, DATASETS_JSON, *(f"{prefix}{suffix}" for prefix in prefixes for suffix in (".bin", ".idx"))]
 
 
 def _complete(out_dir: Path) -> dict | None:
@@ -96,29 +103,25 @@ def _complete(out_dir: Path) -> dict | None:
     return dict(summary)
 
 
-def _refusal(out_dir: Path, manifest: dict[str, Any] | None) -> str:
-    if manifest is None:
-        entries = sorted(p.name for p in out_dir.iterdir())
-        shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
-        why = f"holds {shown} and no {MANIFEST}, so it is not an earlier tokenize output"
-    else:
-        why = (
-            f"an earlier tokenize output of other inputs (corpus {manifest.get('corpus')}, tokenizer"
-            f" {manifest.get('tokenizer')}; the shards or the tokenizer differ)"
-        )
-    return f"--out {out_dir}: {why}; choose an empty directory, or add --force to write over it"
+def _refusal(out_dir: Path, manifest: dict[str, Any]) -> str:
+    return (
+        f"--out {out_dir}: an earlier tokenize output of other inputs (corpus {manifest.get('corpus')}, tokenizer"
+        f" {manifest.get('tokenizer')}; the shards or the tokenizer differ); choose an empty directory, or add --force"
+        " to build it again"
+    )
 
 
-def _remove_stale(out_dir: Path, previous: dict[str, Any] | None) -> None:
+def _remove_stale(out: OutputDir) -> None:
     """Before a rebuild: the temporary files of an interrupted build, and the datasets of languages an earlier
     tokenize wrote here (the new build writes the ones it finds again; a language gone from the corpus must not
-    linger beside the new datasets.json)."""
-    for tmp in out_dir.glob("*_text_document.*.tmp-*"):
+    linger beside the new datasets.json). Only in an earlier output of ours, and only its own files."""
+    if not out.owned:
+        return
+    for tmp in out.root.glob("*_text_document.*.tmp-*"):
         tmp.unlink()
-    for prefix in (previous or {}).get("prefixes", []):
-        if isinstance(prefix, str) and "/" not in prefix and prefix.endswith("_text_document"):
-            for suffix in (".bin", ".idx"):
-                (out_dir / f"{prefix}{suffix}").unlink(missing_ok=True)
+    for name in out.owned:
+        if name.endswith(("_text_document.bin", "_text_document.idx")):
+            (out.root / name).unlink(missing_ok=True)
 
 
 def _write_manifest(out_dir: Path, manifest: dict[str, Any]) -> None:
@@ -164,23 +167,28 @@ def tokenize_corpus_dir(
     shards = check_corpus(corpus)
     tokenizer_json = resolve_tokenizer(tokenizer)
     load_tokenizer_with_eod(tokenizer_json)  # a bad tokenizer fails here, before out_dir is touched
-    if out_dir.exists() and not out_dir.is_dir():
-        raise BadInput(f"--out {out_dir}: a file, not a directory")
+    out = claim_dir(
+        out_dir,
+        "tokenize",
+        inputs={"--corpus": [corpus], "--tokenizer": [tokenizer_json]},
+        force=force,
+        legacy=_earlier_tokenize,
+        writes=OUTPUT_NAMES,
+    )
     key = inputs_key(shards, tokenizer_json, append_eod=True)
 
-    previous = _read_manifest(out_dir) if out_dir.is_dir() else None
-    ours = previous is not None and previous.get("inputs") == key
-    if ours and previous is not None and previous.get("state") == "done":
+    previous = read_json_object(out_dir / MANIFEST) if out.owned else None
+    if previous is not None and previous.get("inputs") == key and previous.get("state") == "done":
         summary = _complete(out_dir)
         if summary is not None:
             say(f"tokenize: {out_dir} is up to date with {corpus} and {tokenizer_json}; nothing to do")
             return {"state": "up to date", "datasets": summary}
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (ours or force):
+    if previous is not None and previous.get("inputs") != key and not force:
         raise BadInput(_refusal(out_dir, previous))
 
     was_empty = not out_dir.is_dir() or not any(out_dir.iterdir())
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _remove_stale(out_dir, previous)
+    _remove_stale(out)
+    out.begin([MANIFEST, DATASETS_JSON])
     manifest = {"corpus": str(corpus.resolve()), "tokenizer": str(tokenizer_json.resolve()), "inputs": key}
     _write_manifest(out_dir, {**manifest, "state": "started"})
     total_mb = sum(s.stat().st_size for s in shards) / 1e6
@@ -196,11 +204,13 @@ def tokenize_corpus_dir(
     except BaseException:
         # A bad shard line or a Ctrl-C: an --out that was empty is left empty (the writers removed their
         # temporary files), so the rerun after the fix is not refused as "another tokenize's output".
-        if was_empty and sorted(p.name for p in out_dir.iterdir()) == [MANIFEST]:
+        if was_empty and sorted(p.name for p in out_dir.iterdir()) == sorted([MANIFEST, MARKER]):
             (out_dir / MANIFEST).unlink()
+            (out_dir / MARKER).unlink()
         raise
     prefixes = sorted(entry["prefix"] for entry in summary.values())
     _write_manifest(out_dir, {**manifest, "state": "done", "prefixes": prefixes})
+    out.mark([MANIFEST, DATASETS_JSON, *(f"{prefix}{suffix}" for prefix in prefixes for suffix in (".bin", ".idx"))])
     for lang, entry in summary.items():
         say(f"tokenize: {lang}: {entry['documents']} documents, {entry['tokens']} tokens ({entry['dtype']})")
     return {"state": "built", "datasets": summary}

@@ -13,7 +13,6 @@ format is docs/MOE.md's); transformers' BloomForCausalLM refuses it by its model
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,6 +25,7 @@ from tokenizers import Tokenizer
 
 from appliance.errors import BadInput
 from appliance.model.config import BloomConfig
+from appliance.output_dirs import Inputs, OutputDir, claim_dir, matching, read_json_object
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -33,6 +33,19 @@ TIED_HEAD = "lm_head.weight"
 # transformers names these four; BLOOM's tokenizer has them at ids 0..3.
 SPECIAL_TOKENS = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
 _BARE_PREFIXES = ("word_embeddings.", "word_embeddings_layernorm.", "h.", "ln_f.")
+GENERATION_CONFIG = "generation_config.json"
+# Every name an export writes: an earlier export's files are these, and only these are ever replaced or removed.
+OUTPUT_NAMES = (
+    "config.json",
+    GENERATION_CONFIG,
+    SINGLE_FILE,
+    "model-*-of-*.safetensors",
+    INDEX_FILE,
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
+MODEL_TYPES = ("bloom", "bloom_moe")
 
 
 def expected_shapes(config: BloomConfig) -> dict[str, tuple[int, ...]]:
@@ -159,15 +172,19 @@ def _write_tokenizer(
     _write_json(out / "special_tokens_map.json", present)
 
 
-def _move_into_place(tmp: Path, out_dir: Path) -> None:
-    """Replace out_dir by tmp; the previous export is removed only after the new one is in place."""
-    if not out_dir.exists():
-        tmp.rename(out_dir)
-        return
-    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-    out_dir.rename(old)
-    tmp.rename(out_dir)
-    shutil.rmtree(old)
+def claim_export_dir(out_dir: Path, *, inputs: Inputs | None = None, force: bool = False) -> OutputDir:
+    """--out: new, empty or an earlier export, and none of `inputs` (appliance/output_dirs.py); BadInput otherwise.
+    `force`: write beside files the export did not write (never over them). Writes nothing."""
+    return claim_dir(out_dir, "export", inputs=inputs, force=force, legacy=_earlier_export, writes=OUTPUT_NAMES)
+
+
+def _earlier_export(out_dir: Path) -> list[str] | None:
+    """An export written before the marker existed: a Bloom config.json beside a generation_config.json. A bare
+    config.json is not enough: other projects' folders hold one."""
+    config = read_json_object(out_dir / "config.json")
+    if config is None or config.get("model_type") not in MODEL_TYPES or not (out_dir / GENERATION_CONFIG).is_file():
+        return None
+    return matching(out_dir, OUTPUT_NAMES)
 
 
 def export_hf(
@@ -179,22 +196,22 @@ def export_hf(
     max_shard_bytes: int = 2 * 1024**3,
     dtype: torch.dtype = torch.float32,
     model_max_length: int | None = None,
+    inputs: Inputs | None = None,
+    force: bool = False,
 ) -> Path:
     """Write a transformers Bloom model directory at out_dir and return it.
 
     state_dict: our (= transformers') names, with or without "transformer." and the tied lm_head.weight (dropped).
     Tensors are converted to dtype one shard at a time, so at most one shard is held twice. The export is built in
-    a hidden sibling directory and renamed into place: a crash leaves out_dir as it was. An existing out_dir is
-    replaced only when it is empty or a previous export (has config.json).
+    a hidden staging folder inside out_dir and its files renamed into place, each whole: a crash before that leaves
+    out_dir as it was. out_dir must be new, empty or an earlier export (`claim_export_dir`, with `inputs` and
+    `force`); a rerun replaces or removes only the earlier export's files.
     """
     out_dir, tokenizer_json = Path(out_dir), Path(tokenizer_json)
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be > 0 (got {max_shard_bytes})")
     special_ids = _load_tokenizer(tokenizer_json, config)
-    if out_dir.exists() and (
-        not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / "config.json").exists())
-    ):
-        raise BadInput(f"{out_dir}: exists and is not an earlier export; choose another --out")
+    out = claim_export_dir(out_dir, inputs=inputs, force=force)
     source = "state_dict to export"
     names = _match_names(list(state_dict), config, source)
     expected = expected_shapes(config)
@@ -205,10 +222,7 @@ def export_hf(
     sizes = {name: state_dict[names[name]].numel() * itemsize for name in expected}
     shards = _plan_shards(sizes, max_shard_bytes)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = out.staging()
     try:
         _write_tokenizer(tokenizer_json, tmp, special_ids, model_max_length)
         weight_map: dict[str, str] = {}
@@ -227,9 +241,9 @@ def export_hf(
         _write_json(tmp / "config.json", hf_config)
         generation = {k: v for k, v in special_ids.items() if k != "unk_token_id" and v is not None}
         _write_json(tmp / "generation_config.json", generation)
-        _move_into_place(tmp, out_dir)
+        out.publish(tmp)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        out.abandon(tmp)
         raise
     return out_dir
 

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from appliance.atomic import make_dir, write_atomic
 from appliance.errors import BadInput
+from appliance.output_dirs import claim_run_dir, make_run_dir
 from appliance.planner.runspec import ImportedWeights, RunSpec
 from appliance.rundir import RunDir
 from appliance.train import checkpoint as ckpt
@@ -30,6 +31,8 @@ def import_run(hf_dir: Path, run_dir: Path, *, hardware: str | None = None, seq_
     from appliance.planner import ModelShape, make_plan
 
     rd = RunDir(run_dir)
+    inputs = {"--hf-dir": [Path(hf_dir)]}
+    claim_run_dir(run_dir, inputs=inputs)  # before the checkpoint is read: new, empty or a run's, and not --hf-dir
     if rd.plan.exists() or rd.checkpoints.exists():
         raise BadInput(f"--run-dir {run_dir}: already holds a run; import into a new directory")
     tokenizer_json = Path(hf_dir) / "tokenizer.json"
@@ -57,7 +60,7 @@ def import_run(hf_dir: Path, run_dir: Path, *, hardware: str | None = None, seq_
     )
     spec = replace(spec, init=imported)
 
-    rd.make()
+    make_run_dir(run_dir, inputs=inputs)
     make_dir(rd.tokenizer)
     shutil.copyfile(tokenizer_json, rd.tokenizer_json)
     step_dir = ckpt.prepare_step_dir(rd.checkpoints, 0)

@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         # Every rank fails alike, and again after any restart with these nodes: stop instead (see failed_marker).
         if events is not None:
             events.emit("failure", rank=rank, reason=str(e), fatal=True)
-            run_dir.control.mkdir(parents=True, exist_ok=True)
+            run_dir.make_control()
             run_dir.failed_marker.write_text(f"{e}\n")
             elastic.release_spares(run_dir)
         dist.destroy_process_group()

@@ -21,6 +21,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 from appliance.data.tokenize_corpus import iter_corpus
 from appliance.errors import BadInput
+from appliance.output_dirs import OutputDir, claim_dir, matching, read_json_object
 from appliance.tokenizer.fertility import fertility_report, reference_rule
 from appliance.tokenizer.vocab import (
     BLOOM_SPLIT_REGEX,
@@ -39,6 +40,8 @@ HELD_OUT_CAP_BYTES = 256 * 1024
 # word counts anyway): 64 MiB x 46 languages (ROOTS) is ~3 GB of text. Pass sample_bytes_per_lang to go beyond.
 DEFAULT_CAP_CEILING_BYTES = 64 * 1024 * 1024
 BYTE_ALPHABET = 256
+FERTILITY_JSON = "fertility.json"
+OUTPUT_NAMES = ("tokenizer.json", "tokenizer_config.json", FERTILITY_JSON)  # everything a tokenizer writes into --out
 
 
 def bloom_tokenizer() -> Tokenizer:
@@ -120,6 +123,20 @@ def language_sample(corpus_dir: Path, cap_bytes_per_lang: int | None, seed: int)
     return dict(sorted(samples.items()))
 
 
+def claim_output(corpus_dir: Path, out_dir: Path, *, force: bool = False) -> OutputDir:
+    """--out: new, empty or an earlier tokenizer output, and not the corpus; BadInput otherwise. Writes nothing."""
+    return claim_dir(
+        out_dir, "tokenizer", inputs={"--corpus": [corpus_dir]}, force=force, legacy=_earlier_tokenizer,
+        writes=OUTPUT_NAMES,
+    )  # fmt: skip
+
+
+def _earlier_tokenizer(out_dir: Path) -> list[str] | None:
+    """A tokenizer written before the marker existed: its fertility.json reads as one."""
+    report = read_json_object(out_dir / FERTILITY_JSON)
+    return matching(out_dir, OUTPUT_NAMES) if report is not None and "tokenizer" in report else None
+
+
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     tmp.write_text(text, encoding="utf-8")
@@ -150,6 +167,7 @@ def train_tokenizer(
     sample_bytes_per_lang: int | None = None,
     seed: int = 0,
     on_progress: ProgressFn | None = None,
+    force: bool = False,
 ) -> Path:
     """Train BLOOM's tokenizer on corpus_dir; write out_dir/tokenizer.json and fertility.json.
 
@@ -158,9 +176,11 @@ def train_tokenizer(
     the embedding's row count (also when the corpus is too small to learn vocab_size entries, so the model
     shape follows from the arguments alone). vocab_reasons (the plan's, planner/vocabulary.py) say why vocab_size;
     fertility.json records them. placeholder_tokens=None takes BLOOM's share (200 of 250,680, at least 8).
-    on_progress(fraction, message) reports the stages. Returns the tokenizer.json path.
+    on_progress(fraction, message) reports the stages. Returns the tokenizer.json path. out_dir must be new, empty
+    or an earlier tokenizer output (appliance/output_dirs.py; `force`: write beside files it did not write).
     """
     corpus_dir, out_dir = Path(corpus_dir), Path(out_dir)
+    out = claim_output(corpus_dir, out_dir, force=force)
     placeholders = default_placeholder_count(vocab_size) if placeholder_tokens is None else placeholder_tokens
     if placeholders < 0:
         raise BadInput(f"placeholder_tokens must be at least 0, got {placeholders}")
@@ -206,10 +226,11 @@ def train_tokenizer(
         "corpus_bytes_per_lang": {lang: s.corpus_bytes for lang, s in samples.items()},
     }
     # tokenizer.json last: its presence means the stage finished.
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _write_atomic(out_dir / "fertility.json", json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    out.begin(OUTPUT_NAMES)
+    _write_atomic(out_dir / FERTILITY_JSON, json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     _write_atomic(out_dir / "tokenizer_config.json", json.dumps(_transformers_config(), indent=2) + "\n")
     tokenizer_json = out_dir / "tokenizer.json"
     _write_atomic(tokenizer_json, tokenizer.to_str(pretty=True))
+    out.mark(OUTPUT_NAMES)
     progress(1.0, f"tokenizer: {padded} entries, fertility checked on {len(samples)} languages")
     return tokenizer_json

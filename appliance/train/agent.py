@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 from datetime import timedelta
 
+from appliance.output_dirs import restrict_umask
 from appliance.process_exit import exit_without_teardown
 
 HOST_RENDEZVOUS = "--host-rendezvous"
@@ -23,6 +24,7 @@ STORE_TIMEOUT = timedelta(seconds=600)
 def main(argv: list[str] | None = None) -> None:
     from torch.distributed.run import main as run_agent
 
+    restrict_umask()  # under SLURM no command line starts the agent: its ranks' logs and files get the modes here
     args = sys.argv[1:] if argv is None else argv
     store = None
     if args[:1] == [HOST_RENDEZVOUS]:

@@ -291,7 +291,7 @@ def note_spares(run_dir: RunDir, spares: list[str]) -> None:
 
 
 def _write_nodes(run_dir: RunDir, record: dict[str, Any]) -> None:
-    run_dir.control.mkdir(parents=True, exist_ok=True)
+    run_dir.make_control()
     write_atomic(nodes_record(run_dir), (json.dumps(record) + "\n").encode())
 
 

@@ -215,7 +215,7 @@ def _request_stop_on_signals(run_dir: RunDir) -> dict[int, Any]:
     all-reduce, save, and exit cleanly. Signalling the agent instead would race its own worker shutdown."""
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        run_dir.control.mkdir(parents=True, exist_ok=True)
+        run_dir.make_control()
         run_dir.request_stop.touch()
 
     return {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGUSR1)}
@@ -347,7 +347,7 @@ def run_agent(
                 except subprocess.TimeoutExpired:
                     watcher.poll()
                 except KeyboardInterrupt:
-                    run_dir.control.mkdir(parents=True, exist_ok=True)
+                    run_dir.make_control()
                     run_dir.request_stop.touch()
     finally:
         for sig, handler in previous.items():

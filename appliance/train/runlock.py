@@ -213,7 +213,7 @@ def claim(run_dir: RunDir, *, fd: int | None = None, owner: Owner | None = None)
     """Own `run_dir` for a training run, or raise RunInUse naming the run that does.
 
     `fd`: lock this open descriptor of run_lock (the SLURM batch shell's) instead of opening one."""
-    run_dir.control.mkdir(parents=True, exist_ok=True)
+    run_dir.make_control()
     own_fd = fd is None
     if fd is None:
         fd = os.open(run_dir.run_lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)

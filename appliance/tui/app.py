@@ -272,7 +272,7 @@ class DashboardApp(App[int]):
             )
             return
         try:
-            path.parent.mkdir(exist_ok=True)
+            self.run_dir.make_control()
             path.touch()
         except OSError as exc:
             self.notify(f"cannot write {path}: {exc}", severity="error")

@@ -26,6 +26,7 @@ LAYERS = (
     "presets",
     "rundir",
     "atomic",
+    "output_dirs",
     "process_exit",
     "hardware",
     "monitor",

@@ -87,6 +87,7 @@ def test_export_loads_in_transformers(model, tokenizer_json, tmp_path):
     out = export_hf(model.state_dict(), CONFIG, tokenizer_json, tmp_path / "export")
     names = sorted(p.name for p in out.iterdir())
     assert names == [
+        ".bloom-appliance.json",  # the marker: an earlier export, which a rerun may replace
         "config.json",
         "generation_config.json",
         "model.safetensors",
@@ -191,7 +192,9 @@ def test_export_rejects_bad_input(model, tokenizer_json, tmp_path):
         export_hf(model.state_dict(), CONFIG, tmp_path / "none.json", tmp_path / "a")
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "notes.txt").write_text("mine")
-    with pytest.raises(BadInput, match="busy: exists and is not an earlier export"):
+    with pytest.raises(
+        BadInput, match=r"busy: holds notes\.txt and no \.bloom-appliance\.json, so it is not an earlier"
+    ):
         export_hf(model.state_dict(), CONFIG, tokenizer_json, tmp_path / "busy")
     small = BloomConfig(vocab_size=200, hidden_size=48, n_layer=2, n_head=6)
     small_state = {k: v[:200] if v.shape[0] == 320 else v for k, v in model.state_dict().items()}

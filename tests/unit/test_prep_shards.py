@@ -15,6 +15,7 @@ from appliance.data import prep, prep_units
 from appliance.data.prep import prepare_corpus, run_step
 from appliance.data.prep_work import UnitCommit, default_work_dir, parse_slice, slice_units
 from appliance.errors import BadInput
+from appliance.output_dirs import MARKER
 
 FOOTER = "This page belongs to the example site and is shown on every page of it."
 
@@ -39,7 +40,8 @@ def corpus_inputs(root: Path) -> list[Path]:
 
 
 def files_of(corpus: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(corpus.iterdir())}
+    """The corpus's files; not the marker, which records the time and command line of the run that wrote them."""
+    return {p.name: p.read_bytes() for p in sorted(corpus.iterdir()) if p.name != MARKER}
 
 
 def run_sliced(inputs: list[Path], out: Path, slices: int, *, finish: bool = True) -> None:
