@@ -176,9 +176,12 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
         partition=args.partition,
         account=args.account,
     )
+    script = sbatch_script(job, corpus=[p.resolve() for p in corpus])  # refuses a hostile path before any mkdir
     _, run_dir_out = make_run_dir(args.run_dir, inputs=inputs)
+    # The job's --output is logs/slurm-%j.out: SLURM opens it before the script runs, and cannot without the folder.
+    RunDir(args.run_dir).logs.mkdir(exist_ok=True)
     write_atomic(plan_path, spec.dumps())
-    write_atomic(out, sbatch_script(job, corpus=[p.resolve() for p in corpus]).encode())
+    write_atomic(out, script.encode())
     out.chmod(0o750)  # 0750, not the 0640 of write_atomic: a script to run
     run_dir_out.mark(run_dir_out.owned, scripts=sorted(scripts | {_key(out)}))
     lay = spec.layout

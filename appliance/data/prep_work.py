@@ -177,6 +177,8 @@ WORK_TAG = "PREP_WORK"  # names the directory as ours, and the corpus it is for
 
 
 def default_work_dir(out_dir: Path) -> Path:
+    if Path(out_dir).name in ("", ".."):  # `--out .` or `..` has no name of its own: the folder's is the one to use
+        out_dir = Path(out_dir).resolve()
     return out_dir.parent / f".{out_dir.name}.prep-work"
 
 

@@ -105,6 +105,9 @@ def test_sbatch_makes_a_private_run_directory(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     run_dir = tmp_path / "runs" / "s"
     assert (run_dir / "train.sbatch").is_file() and (run_dir / "plan.json").is_file()
+    # SLURM opens the job's --output (logs/slurm-%j.out) before the script runs: the folder must exist already.
+    assert "--output=" + str((run_dir / "logs").resolve()) in (run_dir / "train.sbatch").read_text()
+    assert (run_dir / "logs").is_dir()
     assert wrong_modes(run_dir, scripts=("train.sbatch",)) == []
 
 

@@ -151,3 +151,14 @@ def test_cli_writes_the_scripts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     assert os.access(tmp_path / "corpus.prep-slurm" / "submit.sh", os.X_OK)
     assert not (tmp_path / "corpus").exists()  # nothing ran
     assert main(["prep", "--input", "in", "--out", "corpus", "--slice", "0/2"]) == 2  # --slice needs --step
+
+
+def test_an_out_named_dot_gets_its_folders_name_for_the_work_directory(tmp_path, monkeypatch):
+    """`--out .` (or `..`) has no name of its own: the work directory beside it takes the folder's real name, not
+    `..prep-work` (a dot-dot name inside the parent)."""
+    here = tmp_path / "corpus"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    assert default_work_dir(Path(".")) == tmp_path / ".corpus.prep-work"
+    assert default_work_dir(Path("..")) == tmp_path.parent / f".{tmp_path.name}.prep-work"
+    assert default_work_dir(Path("out")) == Path(".out.prep-work")  # a named folder keeps its relative path
