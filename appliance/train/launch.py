@@ -139,6 +139,7 @@ def rendezvous_conf(*, elastic: bool, store_hosted_elsewhere: bool, env: dict[st
 FRESH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 # The interface gloo's connections use (torch reads it in every rank).
 GLOO_INTERFACE_ENV = "GLOO_SOCKET_IFNAME"
+NCCL_INTERFACE_ENV = "NCCL_SOCKET_IFNAME"
 
 
 # The compile caches torch and Triton read from the environment: Triton's kernels (ours and Inductor's), and
@@ -201,6 +202,9 @@ def worker_env(
         # Every rank is on this machine. Gloo would otherwise listen on the address the host name resolves to,
         # often the machine's network address.
         env.setdefault(GLOO_INTERFACE_ENV, loopback_interface())
+        # NCCL's bootstrap listens on the interface it picks (a network one when there is one); on one node its
+        # data goes over NVLink/PCIe or shared memory, so loopback costs nothing. (Not yet run on a GPU node.)
+        env.setdefault(NCCL_INTERFACE_ENV, loopback_interface())
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     # One compute thread per rank on CPU: ranks x threads must not exceed the cores (the agent sets this to 1 too
     # when it starts more than one process per node, with a warning we make unnecessary).

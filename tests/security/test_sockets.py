@@ -22,7 +22,7 @@ import pytest
 from listening_sockets import decode_address, listeners
 
 from appliance.parallel.store import LOOPBACK, STORE_BIND_ENV, ranks_init_method
-from appliance.train.launch import GLOO_INTERFACE_ENV, WORKER_MODULE, agent_command, worker_env
+from appliance.train.launch import GLOO_INTERFACE_ENV, NCCL_INTERFACE_ENV, WORKER_MODULE, agent_command, worker_env
 from appliance.train.nodes import NodeGroup, local_address, store_bind_host
 
 
@@ -108,9 +108,11 @@ def test_a_rank_without_a_named_address_keeps_torchs_own_store() -> None:
 def test_one_node_ranks_get_loopback_for_their_store_and_gloo() -> None:
     env = worker_env({}, store_bind=LOOPBACK)
     assert env[STORE_BIND_ENV] == LOOPBACK and env[GLOO_INTERFACE_ENV] in ("lo", "lo0")
+    assert env[NCCL_INTERFACE_ENV] == env[GLOO_INTERFACE_ENV]  # NCCL's bootstrap on a GPU node, likewise
     assert worker_env({GLOO_INTERFACE_ENV: "ib0"}, store_bind=LOOPBACK)[GLOO_INTERFACE_ENV] == "ib0"  # the user's
     several = worker_env({}, store_bind="10.1.2.3")
     assert several[STORE_BIND_ENV] == "10.1.2.3" and GLOO_INTERFACE_ENV not in several
+    assert NCCL_INTERFACE_ENV not in several
     cmd = agent_command(Path("/r"), nproc_per_node=2, max_restarts=0)
     assert "--standalone" not in cmd and f"--local-addr={LOOPBACK}" in cmd and "--rdzv-conf=is_host=false" in cmd
 
