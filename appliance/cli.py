@@ -10,6 +10,7 @@ from collections.abc import Callable
 from appliance.cli_data import cmd_prep, cmd_tokenize, cmd_tokenizer
 from appliance.cli_parser import build_parser
 from appliance.cli_plan import cmd_bench, cmd_detect, cmd_plan
+from appliance.cli_presets import cmd_presets
 from appliance.cli_run import cmd_run, cmd_tui
 from appliance.cli_train import cmd_eval, cmd_export, cmd_import, cmd_sbatch, cmd_train
 from appliance.errors import EXIT_BAD_INPUT, EXIT_FAILED, BadInput
@@ -32,6 +33,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "sbatch": cmd_sbatch,
     "import": cmd_import,
     "bench": cmd_bench,
+    "presets": cmd_presets,
 }
 
 

@@ -17,6 +17,24 @@ if TYPE_CHECKING:
 
 
 DEFAULT_LOG_FORMAT = "text"
+# After the help of every --model and --hardware: where the names are.
+NAMES = "; `presets` lists the names"
+
+
+def layout_keys() -> list[str]:
+    """The keys --layout takes (planner/layout.py), each setting by its shortest name: tp, pp, dp, mbs, gbs, ..."""
+    from appliance.planner.layout import LAYOUT_KEYS
+
+    shortest: dict[str, str] = {}
+    for key, setting in LAYOUT_KEYS.items():
+        if len(key) < len(shortest.get(setting, key + "_")):
+            shortest[setting] = key
+    return list(shortest.values())
+
+
+# --layout of run, train and plan: the planner's syntax, the same keys everywhere.
+LAYOUT_METAVAR = "KEY=VALUE,..."
+LAYOUT_KEYS_HELP = f", e.g. tp=4,pp=12,dp=8,mbs=2; keys: {', '.join(layout_keys())}"
 DEBUG_HELP = "on an error, print the full traceback before the one-line message (exit codes stay the same)"
 BUDGET_HELP = (
     "wall time, e.g. 45m, 6h or 2d: plan the largest model and token count that finish in it (default: a 10-minute"
@@ -63,8 +81,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="run every stage (default: on the embedded sample corpus)")
     p.add_argument("--corpus", type=Path, nargs="+", help="files or directories (.txt, .jsonl[.gz|.zst], .parquet)")
     p.add_argument("--run-dir", type=Path, help="run directory (default: runs/<time>-<model>)")
-    p.add_argument("--model", help="model preset name or TOML file (default: the largest that fits the budget)")
-    p.add_argument("--hardware", help="plan for a hardware profile instead of the detected machine")
+    p.add_argument("--model", help="model preset name or TOML file (default: the largest that fits the budget)" + NAMES)
+    p.add_argument("--hardware", help="plan for a hardware profile instead of the detected machine" + NAMES)
     p.add_argument("--headless", action="store_true", help="no dashboard: progress lines and events on stdout")
     p.add_argument(
         "--log-format", choices=["text", "json"], default=DEFAULT_LOG_FORMAT, help="headless progress lines or events"
@@ -72,7 +90,11 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-steps", type=int, help="stop after N optimizer steps")
     p.add_argument("--budget", help=BUDGET_HELP)
     p.add_argument("--prepare-only", action="store_true", help="stop after plan, prep, tokenizer and data")
-    p.add_argument("--layout", help="train at this layout instead of the planner's choice, e.g. tp=1,pp=2,dp=2,ep=2")
+    p.add_argument(
+        "--layout",
+        metavar=LAYOUT_METAVAR,
+        help="train at this layout instead of the planner's choice" + LAYOUT_KEYS_HELP,
+    )
     _add_set(p, "override a training setting (e.g. lr=3e-4); unknown keys are an error; " + SET_RESUMED_HELP)
     _add_nodes(p)
 
@@ -165,11 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object (the hardware profile's keys)")
 
     p = sub.add_parser("plan", help="plan the parallel layout with the cost model")
-    p.add_argument("--hardware", help="hardware profile name or TOML file (default: detect)")
-    p.add_argument("--model", help="model preset name or TOML file (default: the model ladder picks)")
+    p.add_argument("--hardware", help="hardware profile name or TOML file (default: detect)" + NAMES)
+    p.add_argument("--model", help="model preset name or TOML file (default: the model ladder picks)" + NAMES)
     p.add_argument("--global-batch-size", type=int, help="samples per optimizer step (default: the model's recipe)")
     p.add_argument("--seq-len", type=int, help="tokens per sample (default: the model's)")
-    p.add_argument("--layout", help="evaluate this layout, e.g. tp=4,pp=12,dp=8,mbs=2[,zero=1][,recompute=full]")
+    p.add_argument("--layout", metavar=LAYOUT_METAVAR, help="evaluate this layout" + LAYOUT_KEYS_HELP)
     p.add_argument(
         "--precision",
         choices=DTYPES,
@@ -239,7 +261,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train (or resume) the run in a run directory")
     p.add_argument("--run-dir", type=Path, required=True, help="a run directory with a plan.json")
-    p.add_argument("--resume", action="store_true", help="resume from the newest valid checkpoint (the default)")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="only resume: exit 2 if the run has no committed checkpoint yet (without it, a launch resumes from the"
+        " newest valid checkpoint, or starts at step 0 when there is none)",
+    )
     p.add_argument(
         "--stop-at-step",
         type=int,
@@ -248,8 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--layout",
-        metavar="tp=T,pp=P,dp=D[,mbs=M,zero=Z,recompute=R]",
-        help="continue at another parallel layout (e.g. on fewer nodes): the newest checkpoint loads directly",
+        metavar=LAYOUT_METAVAR,
+        help="continue at another parallel layout (e.g. on fewer nodes): the newest checkpoint loads directly"
+        + LAYOUT_KEYS_HELP,
     )
     _add_set(p, "change a setting before this launch (e.g. eval_interval=100); " + SET_RESUMED_HELP)
     _add_nodes(p)
@@ -281,17 +309,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tui", help="attach the dashboard to a run directory (live or finished)")
     p.add_argument("--run-dir", type=Path, required=True, help="any run directory, e.g. runs/latest")
+    p.add_argument(
+        "--wait",
+        action="store_true",
+        help="a run directory that holds no run yet (or does not exist yet): wait for its run to start (default:"
+        " exit 2 naming it)",
+    )
+
+    p = sub.add_parser("presets", help="the model and hardware presets --model and --hardware take by name")
+    p.add_argument("--json", action="store_true", help="one JSON object: models and hardware, every figure")
 
     p = sub.add_parser("import", help="start a run from a transformers Bloom checkpoint (safetensors)")
     p.add_argument(
         "--hf-dir", type=Path, required=True, help="a directory transformers saved (config, weights, tokenizer)"
     )
     p.add_argument("--run-dir", type=Path, required=True, help="a new run directory; then `run --run-dir` trains on")
-    p.add_argument("--hardware", help="plan for a hardware profile instead of the detected machine")
+    p.add_argument("--hardware", help="plan for a hardware profile instead of the detected machine" + NAMES)
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sample for the continued training")
 
     p = sub.add_parser("bench", help="tokens/s and MFU of the trainer against transformers eager and compiled; kernels")
-    p.add_argument("--model", help="model preset name or TOML file (default: what the plan picks for this machine)")
+    p.add_argument(
+        "--model", help="model preset name or TOML file (default: what the plan picks for this machine)" + NAMES
+    )
     p.add_argument("--out", type=Path, help="JSON result file (default: runs/bench/<date>-<device>.json)")
     p.add_argument("--quick", action="store_true", help="a smoke run: a few steps of bloom-micro-test on CPU; on a GPU"
                    " bloom-560m at micro-batch 2, 5 timed steps (default model and sizes)")  # fmt: skip
@@ -315,9 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("sbatch", help="write a SLURM batch script that trains the plan on an allocation")
     p.add_argument("--run-dir", type=Path, required=True, help="the run directory the job will use")
-    p.add_argument("--hardware", help="hardware profile name or TOML file (default: detect)")
-    p.add_argument("--model", help="model preset name or TOML file (default: the model ladder picks)")
-    p.add_argument("--corpus", type=Path, nargs="+", help="input corpus (default: the embedded sample corpus)")
+    p.add_argument("--hardware", help="hardware profile name or TOML file (default: detect)" + NAMES)
+    p.add_argument("--model", help="model preset name or TOML file (default: the model ladder picks)" + NAMES)
+    (p.add_argument("--corpus", type=Path, nargs="+", help="input corpus (default: the embedded sample corpus)"),)
     p.add_argument("--nodes", type=int, help="default: the plan's GPUs / GPUs per node")
     p.add_argument("--gpus-per-node", type=int, help="default: the hardware's")
     p.add_argument("--time", default="20:00:00", help="job time limit, [D-]HH:MM:SS; the job requeues itself")

@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from appliance.cli_parser import nodes_from_args
 from appliance.errors import BadInput
-from appliance.output_dirs import make_run_dir
+from appliance.output_dirs import listing, make_run_dir
 from appliance.rundir import RunDir
 from appliance.train.runlock import refuse_if_live
 
 if TYPE_CHECKING:
+    from appliance.monitor.headless import HeadlessPrinter
     from appliance.run_request import RunRequest
+
+# In the run directory: the output of the headless run a dashboard started in the background.
+HEAD_LOG = "head.log"
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -43,7 +48,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not headless:
         # Validate in the foreground (exit 2 here on bad input), then run headless in the background and attach
         # the dashboard: quitting the dashboard leaves the run going, as on a head node.
-        from appliance.head_run import check_resumed_settings
+        from appliance.head_run import check_resumed_settings, folders_to_make
         from appliance.run_request import check_inputs, existing_plan
 
         check_inputs(req.corpus)
@@ -51,43 +56,56 @@ def cmd_run(args: argparse.Namespace) -> int:
         spec = existing_plan(req) or make_run_plan(req)
         run_dir = req.run_dir or default_run_dir(spec.model.name)
         refuse_if_live(RunDir(run_dir))  # here, not in the background child, whose refusal nobody would see
+        made = folders_to_make(run_dir)
         make_run_dir(run_dir, inputs={"--corpus": req.corpus})  # marked before head.log is written into it
-        return _run_with_dashboard(run_dir)
+        return _run_with_dashboard(run_dir, made)
     return _run_headless(req, args.log_format, run)
 
 
 def _run_headless(req: RunRequest, log_format: str, run: Callable[..., int]) -> int:
-    from appliance.monitor.headless import HeadlessPrinter, follow_run
+    from appliance.monitor.headless import HeadlessPrinter
 
     printer = HeadlessPrinter(stream=sys.stdout, log_format=log_format)
-    done = threading.Event()
-    followers: list[threading.Thread] = []
+    return run(req, follow=lambda run_dir: _printing_new_events(run_dir, printer))
 
-    def start_following(run_dir: RunDir) -> None:
-        t = threading.Thread(
-            target=follow_run,
-            args=(run_dir.root, printer),
-            kwargs={"stop": done.is_set},
-            daemon=True,
-        )
-        t.start()
-        followers.append(t)
 
+@contextlib.contextmanager
+def _printing_new_events(run_dir: RunDir, printer: HeadlessPrinter) -> Iterator[None]:
+    """Print the events of this launch while the block runs, and the last ones as it ends. A rerun's earlier events
+    (every step line of the launches before) are folded into the printer's state, not printed again."""
+    from appliance.monitor.headless import follow_run
+
+    done, attached = threading.Event(), threading.Event()
+
+    def stop() -> bool:
+        attached.set()  # follow_run asks once it has folded in the earlier events, before it prints a new one
+        return done.is_set()
+
+    follower = threading.Thread(
+        target=follow_run, args=(run_dir.root, printer), kwargs={"stop": stop, "skip_existing": True}, daemon=True
+    )
+    follower.start()
+    # Until it asks, an event of this launch would be taken for an earlier one: wait as long as the history takes.
+    while not attached.wait(timeout=0.1) and follower.is_alive():
+        pass
     try:
-        return run(req, on_event_writer=start_following)
+        yield
     finally:
         done.set()
-        for t in followers:
-            t.join(timeout=5)
+        follower.join(timeout=5)
 
 
-def _run_with_dashboard(run_dir: Path) -> int:
+def _run_with_dashboard(run_dir: Path, made: list[Path]) -> int:
+    """The run headless in a child process, its output in head.log; the dashboard here. `made`: the folders this
+    command made for the run directory, removed again when the run fails before a data stage completes."""
+    from appliance.head_run import discard_if_unprepared
     from appliance.tui.app import run_tui
 
     run_dir.mkdir(parents=True, exist_ok=True)
     argv = [a for a in sys.argv[1:] if a != "run"]
     child_args = ["run", "--headless", "--run-dir", str(run_dir), *_strip_run_dir(argv)]
-    log = open(run_dir / "head.log", "ab")  # noqa: SIM115 - handed to the detached child
+    log_path = run_dir / HEAD_LOG
+    log = open(log_path, "ab")  # noqa: SIM115 - handed to the detached child
     child = subprocess.Popen(
         [sys.executable, str(Path(__file__).resolve().parents[1] / "bloom_appliance.py"), *child_args],
         stdout=log,
@@ -97,10 +115,14 @@ def _run_with_dashboard(run_dir: Path) -> int:
     code = run_tui(run_dir)
     if child.poll() is None:
         print(
-            f"The run goes on in the background (pid {child.pid}); log: {run_dir / 'head.log'}.\n"
+            f"The run goes on in the background (pid {child.pid}); log: {log_path}.\n"
             f"Attach again with: ./bloom_appliance.py tui --run-dir {run_dir}"
         )
         return code
+    if child.returncode != 0:
+        print(*log_path.read_text(errors="replace").strip().splitlines()[-1:], file=sys.stderr)  # the error line
+        if not discard_if_unprepared(RunDir(run_dir), made):
+            print(f"log: {log_path}", file=sys.stderr)
     return child.returncode
 
 
@@ -117,8 +139,30 @@ def _strip_run_dir(argv: list[str]) -> list[str]:
 
 
 def cmd_tui(args: argparse.Namespace) -> int:
+    if not args.wait:
+        _need_a_run(args.run_dir)
     from appliance.tui.app import run_tui
 
-    if not args.run_dir.is_dir():
-        raise BadInput(f"--run-dir {args.run_dir}: no such directory")
     return run_tui(args.run_dir)
+
+
+def _run_files(path: Path) -> list[Path]:
+    """What a run directory holds from its first second on, whichever command started it: events, plan, stages."""
+    run = RunDir(path)
+    return [run.metrics, run.plan, run.manifest]
+
+
+def _need_a_run(path: Path) -> None:
+    """BadInput unless `path` holds a run (`tui --wait` waits for one instead), naming the runs inside it when it is
+    the folder of runs (`--run-dir runs` for `runs/latest`)."""
+    wait = "; `tui --wait` waits for a run to start there"
+    if not path.is_dir():
+        raise BadInput(f"--run-dir {path}: no such directory{wait}")
+    if any(f.is_file() for f in _run_files(path)):
+        return
+    entries = sorted(path.iterdir(), reverse=True)  # runs/<time>-<model>: the newest first
+    entries.sort(key=lambda p: p.name != "latest")  # and runs/latest before them
+    runs = [str(p) for p in entries if any(f.is_file() for f in _run_files(p))]
+    inside = f"; it holds runs: {listing(runs)}" if runs else ""
+    names = [f.name for f in _run_files(path)]
+    raise BadInput(f"--run-dir {path}: holds no run (no {', '.join(names[:-1])} or {names[-1]}){inside}{wait}")

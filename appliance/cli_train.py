@@ -18,9 +18,40 @@ if TYPE_CHECKING:
 
 
 def _need_run_dir(path: Path) -> Path:
-    if not (path / "plan.json").is_file():
-        raise BadInput(f"--run-dir {path}: not a run directory (no plan.json)")
+    if not RunDir(path).plan.is_file():
+        raise BadInput(
+            f"--run-dir {path}: not a run directory (no plan.json); make one first: {PREPARE.format(run_dir=path)}"
+        )
     return path
+
+
+# What a command on a run directory says to run first, when what it reads is not there yet.
+PREPARE = "./bloom_appliance.py run --run-dir {run_dir} --prepare-only --corpus PATH..."
+TRAIN = "./bloom_appliance.py train --run-dir {run_dir}"
+
+
+def _need_inputs(path: Path, *, data: bool = True, checkpoint: bool = False) -> None:
+    """BadInput, before any process starts, unless the run directory holds what the command reads: a plan, the
+    tokenizer, the indexed data (`data`) and a committed checkpoint (`checkpoint`), naming the first missing one and
+    the command that makes it. No torch here: the check answers in the time Python takes to start."""
+    from appliance.data.blend import DATASETS_JSON  # numpy, no torch
+    from appliance.train.checkpoint import find_latest
+
+    run_dir = RunDir(_need_run_dir(path))
+    needed = [("tokenizer", run_dir.tokenizer_json)] + (
+        [("indexed data", run_dir.data / DATASETS_JSON)] if data else []
+    )
+    for what, file in needed:
+        if not file.is_file():
+            raise BadInput(
+                f"--run-dir {path}: no {what} ({file} is missing); run first: {PREPARE.format(run_dir=path)}"
+            )
+    # Sizes against the manifest, not hashes: a few stat calls; the ranks verify the hashes when they load it.
+    if checkpoint and find_latest(run_dir.checkpoints, verify_hashes=False) is None:
+        raise BadInput(
+            f"--run-dir {path}: no complete checkpoint in {run_dir.checkpoints};"
+            f" train first: {TRAIN.format(run_dir=path)}"
+        )
 
 
 def _run_dir_to_write(path: Path) -> Path:
@@ -59,8 +90,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         for flag, value in (("--layout", args.layout), ("--set", args.overrides)):
             if value:
                 raise BadInput(f"{flag}: give it on node 0 only (this is --node-rank {nodes.node_rank})")
+        _need_inputs(args.run_dir, checkpoint=args.resume)
         return _launch(args.run_dir, _stop_args(args), nodes)
-    with own_run_dir(RunDir(_run_dir_to_write(args.run_dir))):  # from before --layout rewrites the plan
+    _run_dir_to_write(args.run_dir)
+    _need_inputs(args.run_dir, checkpoint=args.resume)
+    with own_run_dir(RunDir(args.run_dir)):  # from before --layout rewrites the plan
         return _train(args, nodes)
 
 
@@ -97,6 +131,7 @@ def _change_settings(run_dir: RunDir, items: list[str]) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     _run_dir_to_write(args.run_dir)
+    _need_inputs(args.run_dir, checkpoint=True)
     code = _launch(args.run_dir, ("--eval-only", *_lm_eval_args(args)))
     if code == 0:
         print((args.run_dir / "eval.json").read_text())
@@ -130,6 +165,7 @@ def _lm_eval_args(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    _need_inputs(args.run_dir, data=False, checkpoint=True)
     from appliance.eval.export import export_run
 
     print(export_run(RunDir(_need_run_dir(args.run_dir)), args.out, force=args.force))

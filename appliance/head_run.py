@@ -1,21 +1,29 @@
 """The head process's run: plan, then each stage in order, each skipped when already complete.
 
 hardware -> plan -> prep -> tokenizer -> data -> train (+ final eval) -> export -> summary.
-Every input is validated before anything is written, so bad input costs nothing and leaves nothing behind.
+Every input is validated before anything is written, so bad input costs nothing and leaves nothing behind. Input
+found bad only once a stage reads it (a corpus whose every record is refused), or any other failure before a data
+stage completes, leaves nothing either: the run directory this command made goes with it (discard_if_unprepared).
+A rerun of a run directory prints one line per skipped stage and the events of its own launch only (cli_run.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from appliance.atomic import write_atomic
 from appliance.errors import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, BadInput, Preempted
 from appliance.monitor.events import EventWriter
-from appliance.output_dirs import claim_run_dir, make_run_dir
+from appliance.output_dirs import claim_run_dir, make_run_dir, read_json_object
 from appliance.planner.runspec import RunSpec, load_spec
 from appliance.run_request import RunRequest, apply_request, check_inputs, default_run_dir, existing_plan, make_run_plan
 from appliance.rundir import RunDir, point_latest
@@ -24,9 +32,12 @@ from appliance.train.nodes import NodeGroup
 from appliance.train.runlock import own_run_dir
 
 PLAN_EVENT_KEYS = ("hardware", "model", "layout", "estimate", "run", "sizing", "vocabulary")
+# What prints a run's events while it runs: a context entered with the run directory before the run claims it.
+Follow = Callable[[RunDir], AbstractContextManager[Any]]
 
 
-def run(req: RunRequest, *, on_event_writer: Any = None) -> int:
+def run(req: RunRequest, *, follow: Follow | None = None) -> int:
+    """The whole run. `follow(run_dir)`: a context that prints the run's events while it runs (cli_run.py)."""
     if req.nodes is not None and not req.nodes.is_head:
         return run_on_other_node(req, req.nodes)
     check_inputs(req.corpus)
@@ -35,17 +46,54 @@ def run(req: RunRequest, *, on_event_writer: Any = None) -> int:
     if req.run_dir is not None:  # new, empty or a run's, and not holding the corpus (appliance/output_dirs.py)
         claim_run_dir(req.run_dir, inputs=inputs)
     spec = existing_plan(req) or make_run_plan(req)
-    run_dir, _ = make_run_dir(req.run_dir or default_run_dir(spec.model.name), inputs=inputs)
-    # One training per run directory: a rerun while a run (or its orphaned ranks) trains here is refused (exit 2,
-    # naming the owner) before it writes anything. The lock goes on to the ranks (appliance/train/runlock.py).
-    with own_run_dir(run_dir):
-        return _run_owned(req, spec, run_dir, on_event_writer)
+    path = req.run_dir or default_run_dir(spec.model.name)
+    made = folders_to_make(path)
+    run_dir, _ = make_run_dir(path, inputs=inputs)
+    try:
+        # The follower first, so that it sees every event of this launch, the lock's takeover warning included.
+        # One training per run directory: a rerun while a run (or its orphaned ranks) trains here is refused (exit
+        # 2, naming the owner) before it writes anything. The lock goes on to the ranks (appliance/train/runlock.py).
+        with follow(run_dir) if follow else contextlib.nullcontext(), own_run_dir(run_dir):
+            return _run_owned(req, spec, run_dir)
+    except Exception:
+        discard_if_unprepared(run_dir, made)  # after the follower has printed the last events
+        raise
 
 
-def _run_owned(req: RunRequest, spec: RunSpec, run_dir: RunDir, on_event_writer: Any) -> int:
+def folders_to_make(path: Path) -> list[Path]:
+    """`path` and those of its parents that do not exist yet, deepest first: the folders making `path` creates."""
+    made = []
+    for folder in (path, *path.parents):
+        if folder.exists() or folder.is_symlink():
+            break
+        made.append(folder)
+    return made
+
+
+# The stages whose outputs make a run directory worth keeping after a failure: the plan alone is made again in a
+# second, and a rerun without --run-dir starts a new directory anyway.
+DATA_STAGES = ("prep", "tokenizer", "data")
+
+
+def discard_if_unprepared(run_dir: RunDir, made: list[Path]) -> bool:
+    """After a failed run: remove the run directory when this command made it (`made`: folders_to_make's list, taken
+    before) and no data stage completed in it, then the parents it made for it (runs/) once empty. Everything in
+    such a directory is this command's own: a plan, the events of the failure, a stage's partial outputs. Such a
+    run was never runs/latest (point_latest follows the prep stage). True when removed."""
+    if not made or made[0] != run_dir.root:
+        return False
+    records = read_json_object(run_dir.manifest) or {}
+    if any(name in records for name in DATA_STAGES):
+        return False
+    shutil.rmtree(run_dir.root, ignore_errors=True)
+    for parent in made[1:]:
+        with contextlib.suppress(OSError):  # not empty: something else appeared in it meanwhile, and it stays
+            parent.rmdir()
+    return not run_dir.root.exists()
+
+
+def _run_owned(req: RunRequest, spec: RunSpec, run_dir: RunDir) -> int:
     events = EventWriter(run_dir.metrics)
-    if on_event_writer is not None:
-        on_event_writer(run_dir)
     started = time.time()
     events.emit("run", state="started", run_dir=str(run_dir.root), pid=os.getpid())
     stages = Stages(run_dir.manifest, events)

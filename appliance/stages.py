@@ -1,8 +1,9 @@
 """Idempotent stages: rerunning a run directory skips every stage whose outputs are complete and unchanged.
 
-stages.json records, per stage, a hash of what went in (input files and settings) and of what came out. A stage
-is skipped only when both still match, so an interrupted stage (no record), an edited input, or a damaged output
-runs again; a crashed or preempted run continues where it stopped.
+stages.json records, per stage, a hash of what went in (input files and settings) and of what came out, and when
+it was done (`done_t`, which a rerun's `skipped` event repeats). A stage is skipped only when both hashes still
+match, so an interrupted stage (no record), an edited input, or a damaged output runs again; a crashed or preempted
+run continues where it stopped.
 """
 
 from __future__ import annotations
@@ -65,7 +66,9 @@ class Stages:
     def run(self, name: str, *, key: str, outputs: list[Path], work: Callable[[Progress], Any]) -> bool:
         """Runs `work(progress)` unless the stage is complete. Returns True when it ran."""
         if self.is_complete(name, key, outputs):
-            self.events.emit("stage", name=name, state="skipped", progress=1.0)
+            # When it was done, for a rerun's "plan: done <date>, skipped" (records older than done_t have none).
+            done = self.records[name].get("done_t")
+            self.events.emit("stage", name=name, state="skipped", progress=1.0, **({"done_t": done} if done else {}))
             return False
         started = time.time()
         self.events.emit("stage", name=name, state="started", progress=0.0)
@@ -87,9 +90,10 @@ class Stages:
         except BaseException as e:
             self.events.emit("stage", name=name, state="failed", progress=last_fraction[0], error=str(e)[:500])
             raise
-        self.records[name] = {"key": key, "outputs": fingerprint(outputs), "seconds": time.time() - started}
+        done = time.time()
+        self.records[name] = {"key": key, "outputs": fingerprint(outputs), "seconds": done - started, "done_t": done}
         write_atomic(self.manifest, json.dumps(self.records, indent=1, sort_keys=True).encode())
-        self.events.emit("stage", name=name, state="done", progress=1.0, seconds=time.time() - started)
+        self.events.emit("stage", name=name, state="done", progress=1.0, seconds=done - started)
         return True
 
     def refix(self, name: str, *, key: str, outputs: list[Path]) -> None:

@@ -206,6 +206,11 @@ class HeadlessPrinter:
 
     def text_stage(self, e: dict[str, Any]) -> str | None:
         name, state = str(e.get("name")), str(e.get("state"))
+        if state == "skipped":  # a rerun's: when the stage was done, not the time since an earlier launch began it
+            self._stage_states[name] = state
+            done = finite(e.get("done_t"))
+            when = "earlier" if done is None else time.strftime("%Y-%m-%d %H:%M", time.localtime(done))
+            return f"{name}: done {when}, skipped"
         if self._stage_states.get(name) == state:
             return None  # progress within a state is not a change
         self._stage_states[name] = state

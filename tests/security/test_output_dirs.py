@@ -210,9 +210,15 @@ def weights() -> dict[str, torch.Tensor]:
 
 
 def test_export_refuses_a_project_folder_with_a_config_json(tmp_path: Path, capsys) -> None:
-    """From the command line, before any checkpoint is read (this run directory has none)."""
+    """From the command line, before any checkpoint is read (this one, committed as far as `export`'s first check
+    can tell, lists no files)."""
     run = tmp_path / "run"
-    folder_of(run, {"plan.json": "{}"})
+    run_files = {
+        "plan.json": "{}",
+        "tokenizer/tokenizer.json": "{}",
+        "checkpoints/step-00000001/manifest.json": '{"files": []}',
+    }
+    folder_of(run, run_files)
     out = tmp_path / "project"
     before = folder_of(out, PROJECT)
     err = refused(capsys, "export", "--run-dir", run, "--out", out)
@@ -222,7 +228,9 @@ def test_export_refuses_a_project_folder_with_a_config_json(tmp_path: Path, caps
                                                                                "--out", run)  # fmt: skip
     inside = run / "checkpoints" / "x"
     assert "lies inside --run-dir" in refused(capsys, "export", "--run-dir", run, "--out", inside)
-    assert tree(run) == {"plan.json": b"{}"}
+    assert {name: data for name, data in tree(run).items() if data is not None} == {
+        name: text.encode() for name, text in run_files.items()
+    }
 
 
 def test_export_rerun_replaces_only_its_files_and_force_never_overwrites(tmp_path: Path, weights) -> None:

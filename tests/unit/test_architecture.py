@@ -45,6 +45,7 @@ LAYERS = (
     "run_request",
     "head_run",
     "cli_parser",
+    "cli_presets",
     "cli_plan",
     "cli_data",
     "cli_train",

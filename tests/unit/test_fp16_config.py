@@ -127,19 +127,22 @@ def test_run_refuses_before_the_plan_is_fixed_and_takes_the_fix(
         run(request)
     run_dir = RunDir(tmp_path / "run")
     assert not run_dir.plan.exists() and not run_dir.corpus.exists()  # nothing planned, no corpus prepared
-    # The rerun with the fix the message names gets past the check (and stops at the next stage here).
+    # The rerun with the fix the message names gets past the check (and stops at the next stage here, with the plan
+    # written; failing there, before a data stage completed, it removes the run directory it made).
+    planned = []
+
+    def stop_at_prep(*args: object, **kwargs: object) -> None:
+        planned.append(json.loads(run_dir.plan.read_text())["train"]["dtype"])
+        raise PrepReached
+
     monkeypatch.setattr("appliance.data.prep.prepare_corpus", stop_at_prep)
     with pytest.raises(PrepReached):
         run(replace(request, overrides={"dtype": "fp32"}))
-    assert json.loads(run_dir.plan.read_text())["train"]["dtype"] == "fp32"
+    assert planned == ["fp32"]
 
 
 class PrepReached(Exception):
     pass
-
-
-def stop_at_prep(*args: object, **kwargs: object) -> None:
-    raise PrepReached
 
 
 def test_each_rank_refuses_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -45,6 +45,11 @@ def run_dir(tmp_path) -> RunDir:
         eval_interval=10,  # the recipe's; stated here so the checks below do not follow the planner's cadence rule
     )
     run.plan.write_bytes(replace(spec, train=train).dumps())
+    # Stand-ins for the tokenizer and the data, which `train` looks for before anything else (cli_train.py).
+    run.tokenizer.mkdir()
+    run.tokenizer_json.write_text("{}")
+    run.data.mkdir()
+    (run.data / "datasets.json").write_text("{}")
     step_dir = ckpt.prepare_step_dir(run.checkpoints, STEP)
     ckpt.commit(run.checkpoints, STEP, [], {"consumed_samples": CONSUMED})
     assert step_dir.is_dir()
