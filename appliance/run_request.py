@@ -90,7 +90,7 @@ def make_run_plan(req: RunRequest, hardware: Hardware | None = None) -> RunSpec:
     if not plan.feasible:
         reasons = "; ".join(plan.reasons) or "see `plan`"
         what = f"--layout {req.layout}: cannot run" if req.layout else f"--model {req.model}: does not fit"
-        raise BadInput(f"{what}: {reasons} (`plan` with the same flags shows the estimate)")
+        raise BadInput(f"{what}: {reasons} (`plan` with the same flags and --allow-infeasible shows the plan)")
     return apply_request(plan.spec(), req)
 
 
