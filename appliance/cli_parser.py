@@ -36,6 +36,11 @@ def layout_keys() -> list[str]:
 LAYOUT_METAVAR = "KEY=VALUE,..."
 LAYOUT_KEYS_HELP = f", e.g. tp=4,pp=12,dp=8,mbs=2; keys: {', '.join(layout_keys())}"
 DEBUG_HELP = "on an error, print the full traceback before the one-line message (exit codes stay the same)"
+NODES_HELP = "N nodes of --hardware's one-node profile (e.g. a100-80gb-x8-node; default: the profile's own count)"
+LAYOUT_HELP = (
+    "fix these layout fields, the planner chooses the others (all of them given: exactly that layout)"
+    + LAYOUT_KEYS_HELP
+)
 BUDGET_HELP = (
     "wall time, e.g. 45m, 6h or 2d: plan the largest model and token count that finish in it (default: a 10-minute"
     " smoke run for the sample corpus on GPUs; else 20 tokens per parameter, at most 4 epochs, within 120 days)"
@@ -83,6 +88,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run-dir", type=Path, help="run directory (default: runs/<time>-<model>)")
     p.add_argument("--model", help="model preset name or TOML file (default: the largest that fits the budget)" + NAMES)
     p.add_argument("--hardware", help="plan for a hardware profile instead of the detected machine" + NAMES)
+    p.add_argument("--nodes", type=int, metavar="N", help=NODES_HELP)
     p.add_argument("--headless", action="store_true", help="no dashboard: progress lines and events on stdout")
     p.add_argument(
         "--log-format", choices=["text", "json"], default=DEFAULT_LOG_FORMAT, help="headless progress lines or events"
@@ -90,11 +96,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-steps", type=int, help="stop after N optimizer steps")
     p.add_argument("--budget", help=BUDGET_HELP)
     p.add_argument("--prepare-only", action="store_true", help="stop after plan, prep, tokenizer and data")
-    p.add_argument(
-        "--layout",
-        metavar=LAYOUT_METAVAR,
-        help="train at this layout instead of the planner's choice" + LAYOUT_KEYS_HELP,
-    )
+    p.add_argument("--layout", metavar=LAYOUT_METAVAR, help=LAYOUT_HELP)
     _add_set(p, "override a training setting (e.g. lr=3e-4); unknown keys are an error; " + SET_RESUMED_HELP)
     _add_nodes(p)
 
@@ -188,10 +190,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="plan the parallel layout with the cost model")
     p.add_argument("--hardware", help="hardware profile name or TOML file (default: detect)" + NAMES)
+    p.add_argument("--nodes", type=int, metavar="N", help=NODES_HELP)
     p.add_argument("--model", help="model preset name or TOML file (default: the model ladder picks)" + NAMES)
     p.add_argument("--global-batch-size", type=int, help="samples per optimizer step (default: the model's recipe)")
     p.add_argument("--seq-len", type=int, help="tokens per sample (default: the model's)")
-    p.add_argument("--layout", metavar=LAYOUT_METAVAR, help="evaluate this layout" + LAYOUT_KEYS_HELP)
+    p.add_argument("--layout", metavar=LAYOUT_METAVAR, help=LAYOUT_HELP)
+    p.add_argument(
+        "--allow-infeasible",
+        action="store_true",
+        help="print a plan that cannot run (it does not fit memory) instead of exiting 2 with the reason",
+    )
     p.add_argument(
         "--precision",
         choices=DTYPES,
@@ -208,6 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
         " (default: %(default)s)",
     )
     p.add_argument("--json", action="store_true", help="one JSON object: layout, estimate, rejected alternatives")
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="the reasoning too: every note, memory and time term, 1D vs 2D TP, the rejected layouts, step-downs",
+    )
 
     p = sub.add_parser("prep", help="clean, filter, deduplicate and redact a corpus")
     p.add_argument("--input", type=Path, nargs="+", required=True, help="files or directories to prepare")
@@ -356,8 +369,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", type=Path, required=True, help="the run directory the job will use")
     p.add_argument("--hardware", help="hardware profile name or TOML file (default: detect)" + NAMES)
     p.add_argument("--model", help="model preset name or TOML file (default: the model ladder picks)" + NAMES)
-    (p.add_argument("--corpus", type=Path, nargs="+", help="input corpus (default: the embedded sample corpus)"),)
-    p.add_argument("--nodes", type=int, help="default: the plan's GPUs / GPUs per node")
+    p.add_argument("--corpus", type=Path, nargs="+", help="input corpus (default: the embedded sample corpus)")
+    p.add_argument("--nodes", type=int, metavar="N", help=NODES_HELP + "; the job asks SLURM for N nodes")
+    p.add_argument("--budget", help=BUDGET_HELP)
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="send the sample corpus's 10-minute smoke run to an allocation of several nodes (refused without it)",
+    )
     p.add_argument("--gpus-per-node", type=int, help="default: the hardware's")
     p.add_argument("--time", default="20:00:00", help="job time limit, [D-]HH:MM:SS; the job requeues itself")
     p.add_argument("--partition", help="SLURM partition (default: the cluster's)")

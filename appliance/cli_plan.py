@@ -17,33 +17,37 @@ def cmd_detect(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from appliance.hardware import detect, load_hardware
-    from appliance.planner import Budget, format_plan, load_model_shape, make_plan, parse_duration, parse_layout
+    from appliance.hardware.scaled import hardware_for
+    from appliance.planner import Budget, format_plan, load_model_shape, make_plan, parse_duration
+    from appliance.planner.layout import parse_layout_fields
 
     if args.corpus_tokens is not None and args.corpus_tokens < 1:
         raise BadInput(f"--corpus-tokens {args.corpus_tokens}: must be a positive token count")
-    hw = load_hardware(args.hardware) if args.hardware else detect()
+    if args.spares < 0:
+        raise BadInput(f"--spares {args.spares}: must be 0 or more")
+    hw = hardware_for(args.hardware, args.nodes)
     shape = load_model_shape(args.model) if args.model else None
-    layout = parse_layout(args.layout) if args.layout else None
+    fixed = parse_layout_fields(args.layout) if args.layout else None
     budget = Budget(seconds=parse_duration(args.budget) if args.budget else None, corpus_tokens=args.corpus_tokens)
     plan = make_plan(
         hw,
         shape,
         global_batch_size=args.global_batch_size,
         seq_len=args.seq_len,
-        layout=layout,
+        fixed=fixed,
         budget=budget,
         precision=args.precision,
     )
-    if args.spares < 0:
-        raise BadInput(f"--spares {args.spares}: must be 0 or more")
+    if not plan.feasible and not args.allow_infeasible:
+        what = f"--layout {args.layout}" if args.layout else f"{plan.model.name} on {hw.name or 'this machine'}"
+        raise BadInput(f"{what}: NOT FEASIBLE: {'; '.join(plan.reasons)} (--allow-infeasible prints the plan anyway)")
     if args.json:
         from appliance.planner.failures import plan_failure_cost
 
         failures = plan_failure_cost(plan, args.spares)
         print(json.dumps({**plan.to_json(), "failures": failures and failures.to_json()}, indent=1))
     else:
-        print(format_plan(plan, spares=args.spares))
+        print(format_plan(plan, spares=args.spares, verbose=args.verbose))
     return 0
 
 

@@ -37,6 +37,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         run_dir=args.run_dir,
         model=args.model,
         hardware=args.hardware,
+        hardware_nodes=args.nodes,
         max_steps=args.max_steps,
         overrides=parse_overrides(args.overrides),
         prepare_only=args.prepare_only,

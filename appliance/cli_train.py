@@ -187,7 +187,8 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
     from appliance.atomic import write_atomic
     from appliance.data.sample_corpus import SAMPLE_CORPUS_DIR
     from appliance.planner.runspec import load_spec
-    from appliance.run_request import RunRequest, check_inputs, make_run_plan
+    from appliance.planner.sizing import parse_duration
+    from appliance.run_request import RunRequest, check_inputs, make_sbatch_plan, sbatch_summary
     from appliance.train.slurm import job_for, sbatch_script
 
     corpus = args.corpus or [SAMPLE_CORPUS_DIR]
@@ -199,10 +200,15 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
         out, flag="--out", what="a script `sbatch` wrote for this run directory", ours=lambda p: _key(p) in scripts
     )
     plan_path = RunDir(args.run_dir).plan
-    if plan_path.exists():
-        spec = load_spec(plan_path)
-    else:
-        spec = make_run_plan(RunRequest(corpus=corpus, hardware=args.hardware, model=args.model))
+    req = RunRequest(
+        corpus=corpus,
+        hardware=args.hardware,
+        hardware_nodes=args.nodes,
+        model=args.model,
+        budget_s=parse_duration(args.budget) if args.budget else None,
+    )
+    plan_path_existed = plan_path.exists()  # a plan written before (an earlier sbatch or run) is the one that runs
+    spec = load_spec(plan_path) if plan_path_existed else make_sbatch_plan(req, smoke=args.smoke)
     job = job_for(
         spec,
         args.run_dir,
@@ -220,8 +226,8 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
     write_atomic(out, script.encode())
     out.chmod(0o750)  # 0750, not the 0640 of write_atomic: a script to run
     run_dir_out.mark(run_dir_out.owned, scripts=sorted(scripts | {_key(out)}))
-    lay = spec.layout
-    print(f"wrote {out}: {job.nodes} nodes x {job.gpus_per_node} GPUs, tp{lay.tp} pp{lay.pp} dp{lay.dp}")
+    print(f"wrote {out}:")
+    print("\n".join(f"  {line}" for line in sbatch_summary(spec, req, job, planned=not plan_path_existed)))
     print(f"submit with: sbatch {out}")
     return 0
 

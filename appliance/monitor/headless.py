@@ -86,16 +86,32 @@ def fmt_clock(t: float | None) -> str:
     return MISSING if t is None else time.strftime("%m-%d %H:%M:%S", time.localtime(t))
 
 
+def flops_per_device(state: RunState, tflops: float | None) -> tuple[str, str]:
+    """The label and value of a FLOP rate the step events send as TFLOP/s per device: on GPUs "TFLOPs/GPU" and
+    "150.2"; on CPU ranks (the plan says so, or no node lists a GPU) "FLOP/s/rank" and "190M", as a CPU rank does
+    far below a TFLOP/s."""
+    if state.has_gpus is False:
+        return "FLOP/s/rank", fmt_si(None if tflops is None else tflops * 1e12)
+    return "TFLOPs/GPU", fmt_float(tflops, ".4g")
+
+
+def shows_mfu(state: RunState) -> bool:
+    """MFU is against the GPU's dense peak; a CPU rank's peak is an assumed figure, not a measured one (hardware/
+    specs.py CPU_SPEC), so CPU runs show none."""
+    return state.has_gpus is not False
+
+
 def step_line(state: RunState) -> str:
     """step 120/1000 (12.0%) loss 3.214 lr 2.00e-04 tok/s 12.3k TFLOPs/GPU 150 MFU 48.1% ETA 1h02m
-    and, in fp16 runs, loss scale 2^12, 3 skipped"""
+    (CPU ranks: FLOP/s/rank 190M, no MFU) and, in fp16 runs, loss scale 2^12, 3 skipped"""
     total = f"/{state.total_steps}" if state.total_steps else ""
     share = f" ({fmt_pct(state.step / state.total_steps)})" if state.total_steps and state.step is not None else ""
     scale = f" loss scale {fmt_loss_scale(state.loss_scale, state.skipped_steps)}" if state.loss_scale else ""
+    label, rate = flops_per_device(state, state.tflops_per_gpu)
+    mfu = f"MFU {fmt_pct(state.mfu)} " if shows_mfu(state) else ""
     return (
         f"step {state.step}{total}{share} loss {fmt_float(state.loss)} lr {fmt_float(state.lr, '.2e')} "
-        f"tok/s {fmt_si(state.tokens_per_s)} TFLOPs/GPU {fmt_float(state.tflops_per_gpu, '.4g')} "
-        f"MFU {fmt_pct(state.mfu)} ETA {fmt_duration(state.training_eta_s)}{scale}"
+        f"tok/s {fmt_si(state.tokens_per_s)} {label} {rate} {mfu}ETA {fmt_duration(state.training_eta_s)}{scale}"
     )
 
 

@@ -25,8 +25,8 @@ def lost_to_cp(plain: Evaluated, best: Evaluated) -> str:
         mem = plain.memory
         activations = mem.breakdown_gb.get("activations", 0.0)
         return (
-            f"needs {mem.total_gb:.1f} GB per GPU > {mem.capacity_gb:.1f} GB available (activations"
-            f" {activations:.1f} GB): the leanest layout without context parallelism"
+            f"needs {mem.total_gb:.1f} GiB per GPU > {mem.capacity_gb:.1f} GiB available (activations"
+            f" {activations:.1f} GiB): the leanest layout without context parallelism"
         )
     slower = (plain.time.total_s / best.time.total_s - 1) * 100
     return (
@@ -69,11 +69,11 @@ def why_note(best: Evaluated, plain: Evaluated, seq_len: int) -> str:
     if not plain.feasible:
         mem = plain.memory
         return head + (
-            f"without CP no layout fits: the leanest, {plain.layout.describe()}, needs {mem.total_gb:.1f} GB per"
-            f" GPU > {mem.capacity_gb:.1f} GB (activations {mem.breakdown_gb.get('activations', 0.0):.1f} GB)"
+            f"without CP no layout fits: the leanest, {plain.layout.describe()}, needs {mem.total_gb:.1f} GiB per"
+            f" GPU > {mem.capacity_gb:.1f} GiB (activations {mem.breakdown_gb.get('activations', 0.0):.1f} GiB)"
         )
     slower = (plain.time.total_s / best.time.total_s - 1) * 100
     return head + (
         f"the fastest layout without CP, {plain.layout.describe()}, is predicted {slower:.1f}% slower"
-        f" ({plain.time.total_s:.3g} s vs {best.time.total_s:.3g} s per step, {plain.memory.total_gb:.1f} GB)"
+        f" ({plain.time.total_s:.3g} s vs {best.time.total_s:.3g} s per step, {plain.memory.total_gb:.1f} GiB)"
     )

@@ -175,6 +175,17 @@ class FailureCost:
             )
         return out + self._step_down_lines()
 
+    def summary(self) -> str:
+        """lines() in one line, for `plan` without --verbose: the losses, their cost without spares and with the
+        spares given (or suggested)."""
+        spares = self.spares or self.suggested_spares
+        flag = "suggested: --spares" if not self.spares and self._suggest() else "with --spares"
+        return (
+            f"{self.failures:.2g} node losses expected ({self.failures_per_week:.2g} a week); without spares"
+            f" ~{duration_text(self.lost_s(0))} lost ({self._share(0)} of the run), {flag} {spares}:"
+            f" ~{duration_text(self.lost_s(spares))} ({self._share(spares)})"
+        )
+
     def _suggest(self) -> bool:
         """Worth suggesting spares: no step-down, or one that gives up more than one node."""
         return self.step_down_nodes is None or self.step_down_nodes < self.nodes - 1
@@ -198,7 +209,7 @@ class FailureCost:
         out = ["step-downs once no spare is left (the planner's layouts that fit, tp and global batch kept):"]
         for s in shown:
             out.append(
-                f"  {s.nodes} nodes: {s.layout.describe()}, {s.memory_gb:.1f} of {s.capacity_gb:g} GB per GPU,"
+                f"  {s.nodes} nodes: {s.layout.describe()}, {s.memory_gb:.1f} of {s.capacity_gb:g} GiB per GPU,"
                 f" {s.step_s:.3g} s per step ({self.step_s / s.step_s:.0%} of the plan's speed), {s.tokens_per_s:,.0f}"
                 " tokens/s"
             )

@@ -85,7 +85,7 @@ def choose_model(
         result = search_layouts(hardware, model, gbs, precision)
         if result.best is None:
             least = min((e.memory.total_gb for e in result.evaluated), default=None)
-            need = f" (the leanest layout needs {least:.0f} GB per GPU)" if least is not None else ""
+            need = f" (the leanest layout needs {least:.0f} GiB per GPU)" if least is not None else ""
             lines.append(f"{name}: does not fit on {hardware.world_gpus} x {hardware.gpu}{need}")
             bound = MEMORY
             continue

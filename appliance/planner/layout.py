@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from appliance.errors import BadInput
 from appliance.planner.layout_rules import moe_problems, store_problems, tp2d_precision_problems
@@ -39,6 +41,21 @@ LAYOUT_KEYS = {
     "cp": "cp",
     "cp_mode": "cp_mode",
     "tp2d": "tp2d",
+    "ep": "ep",
+}
+# Each field's --layout key, in Layout.describe's order (layout_text writes them).
+SHORT_KEYS = {
+    "tp": "tp",
+    "pp": "pp",
+    "dp": "dp",
+    "micro_batch_size": "mbs",
+    "global_batch_size": "gbs",
+    "zero_stage": "zero",
+    "recompute": "recompute",
+    "sequence_parallel": "sp",
+    "tp2d": "tp2d",
+    "cp": "cp",
+    "cp_mode": "cp_mode",
     "ep": "ep",
 }
 # Keys a plan.json written before context parallelism lacks; reading one fills in these defaults (runspec.py).
@@ -279,7 +296,22 @@ def pipeline_partition(layers: int, pp: int) -> Partition:
 def parse_layout(text: str) -> Layout:
     """Parse "tp=4,pp=12,dp=8,mbs=2[,gbs=2048][,zero=1][,recompute=full][,sp=1][,cp=2][,cp_mode=ring][,ep=2]";
     BadInput naming the bad part. tp, pp and dp are required; mbs defaults to 1; zero, recompute and sp default to
-    BLOOM-176B's (1, full, 0); cp to 1 and cp_mode to ulysses; ep to 1."""
+    BLOOM-176B's (1, full, 0); cp to 1 and cp_mode to ulysses; ep to 1. The command line's --layout is
+    parse_layout_fields instead: the planner chooses what it leaves out."""
+    values = parse_layout_fields(text)
+    missing = [k for k in ("tp", "pp", "dp") if k not in values]
+    if missing:
+        raise BadInput(f"--layout {text!r}: missing {', '.join(missing)} (tp, pp and dp are required)")
+    try:
+        return Layout(**values)  # type: ignore[arg-type]
+    except BadInput as e:
+        raise BadInput(f"--layout {text!r}: {e}") from e
+
+
+def parse_layout_fields(text: str) -> dict[str, int | str | bool]:
+    """The fields --layout names, by Layout field name, each value checked on its own (parse_layout's syntax; none
+    is required): the planner keeps them and chooses the others (make_plan's `fixed`). Whether they go together
+    (and with the model and the hardware) is the planner's question."""
     values: dict[str, int | str | bool] = {}
     parts = [p for p in re.split(r"[,\s]+", text.strip()) if p]
     if not parts:
@@ -300,13 +332,40 @@ def parse_layout(text: str) -> Layout:
         values[name] = _layout_value(name, raw.strip(), part, text)
     if "tp2d" in values and "tp" not in values:
         values["tp"] = 1  # tp2d takes tp's place
-    missing = [k for k in ("tp", "pp", "dp") if k not in values]
-    if missing:
-        raise BadInput(f"--layout {text!r}: missing {', '.join(missing)} (tp, pp and dp are required)")
-    try:
-        return Layout(**values)  # type: ignore[arg-type]
-    except BadInput as e:
-        raise BadInput(f"--layout {text!r}: {e}") from e
+    for name, value in values.items():  # each alone; Layout checks them together once the rest is chosen
+        least = 0 if name == "global_batch_size" else 1  # gbs=0: the planner's batch
+        if name != "zero_stage" and isinstance(value, int) and not isinstance(value, bool) and value < least:
+            raise BadInput(f"--layout {text!r}: {name} must be a positive integer, got {value}")
+    if values.get("zero_stage", 0) not in ZERO_STAGES:
+        raise BadInput(f"--layout {text!r}: zero_stage must be 0, 1 or 2, got {values['zero_stage']}")
+    return values
+
+
+def completes_layout(fields: Mapping[str, Any], *, moe: bool) -> bool:
+    """Whether --layout's fields leave the search nothing to choose: tp, pp, dp, mbs, zero and recompute, sp where
+    tp > 1 could have it, cp_mode where cp > 1, ep for an MoE model. A missing cp is 1 and a missing tp2d 1 (the
+    search tries neither), so a layout written in full before partial layouts existed still means what it did."""
+    needed = {"tp", "pp", "dp", "micro_batch_size", "zero_stage", "recompute"}
+    if fields.get("tp", 1) > 1 and fields.get("tp2d", 1) == 1 and not moe:
+        needed.add("sequence_parallel")
+    if fields.get("cp", 1) > 1:
+        needed.add("cp_mode")
+    if moe:
+        needed.add("ep")
+    return needed <= fields.keys()
+
+
+def layout_text(fields: Mapping[str, Any]) -> str:
+    """A layout, whole (Layout.to_dict) or in part (a rejected tp/pp/dp combination), in --layout's syntax, so any
+    layout the planner prints can be given back to --layout: Layout.describe's keys and order, and what describe
+    leaves out left out (cp 1 and its mode, tp2d 1, ep 1, gbs 0). Keys that are not layout fields are dropped."""
+    shown = {name: fields[name] for name in SHORT_KEYS if name in fields}
+    for name, default in (("cp", 1), ("tp2d", 1), ("ep", 1), ("global_batch_size", 0)):
+        if shown.get(name) == default:
+            shown.pop(name)
+    if "cp" not in shown:
+        shown.pop("cp_mode", None)  # no exchange runs: its mode means nothing
+    return ",".join(f"{SHORT_KEYS[k]}={int(v) if isinstance(v, bool) else v}" for k, v in shown.items())
 
 
 def _layout_value(name: str, raw: str, part: str, text: str) -> int | str | bool:

@@ -9,15 +9,16 @@ from typing import Any
 from appliance.errors import BadInput
 from appliance.hardware.profile import Hardware
 from appliance.hardware.specs import GENERIC_GPU, gpu_spec
-from appliance.planner.cp_reasons import best_without_cp, exchange_note, lost_to_cp, why_note
+from appliance.planner.cp_reasons import best_without_cp, exchange_note, why_note
 from appliance.planner.device import Device, default_precision, make_device
 from appliance.planner.ladder import choose_model
-from appliance.planner.layout import Layout, pipeline_partition
+from appliance.planner.layout import Layout, completes_layout, layout_text, pipeline_partition
 from appliance.planner.memory import MemoryEstimate, stage_moe_blocks
 from appliance.planner.model_shape import ModelShape
 from appliance.planner.moe_costs import moe_plan_notes, moe_shape_for_model
 from appliance.planner.node_losses import planned_restarts
 from appliance.planner.recipe import default_global_batch_size, run_estimate, train_section
+from appliance.planner.rejections import rejections
 from appliance.planner.runspec import PlanDevice, PlanReport, RunSection, RunSpec
 from appliance.planner.search import Evaluated, SearchResult, evaluate, search_layouts
 from appliance.planner.sizing import (
@@ -35,8 +36,6 @@ from appliance.planner.timing import StepTime
 from appliance.planner.tp2d import TensorParallelComparison, tensor_parallel_comparison
 from appliance.planner.train_settings import TrainSettings
 from appliance.planner.vocabulary import sized_model
-
-MAX_REJECTED_PER_KIND = 6
 
 CONVENTIONS = {
     "model_flops": "6N + 6*L*s*h per token (Narayanan et al. 2021, causal attention counted as computed): N ="
@@ -61,7 +60,7 @@ class Plan:
     memory: MemoryEstimate
     time: StepTime
     device: Device
-    mode: str  # "searched" or "given"
+    mode: str  # "searched", "given" (--layout named every field) or "completed" (--layout named some)
     train: TrainSettings
     run: RunSection
     reasons: list[str] = field(default_factory=list)  # why it cannot run (empty when feasible)
@@ -75,6 +74,10 @@ class Plan:
     tensor_parallel: TensorParallelComparison | None = None
     candidates: int = 0
     search_seconds: float = 0.0
+    # The notes a reader must not miss (an unrated GPU, a given layout's costs, nothing fits): `plan` prints them
+    # without --verbose; they are among `notes` too.
+    warnings: list[str] = field(default_factory=list)
+    fixed: dict[str, Any] = field(default_factory=dict)  # the fields a partial --layout fixed (mode "completed")
 
     @property
     def estimate(self) -> dict[str, float]:
@@ -141,67 +144,16 @@ def _world_for(hardware: Hardware, layout: Layout) -> int:
     return hardware.world_gpus if hardware.has_gpus else layout.world_size
 
 
-def _resolve_batch(layout: Layout | None, requested: int | None, default: int) -> int:
-    if layout is not None and layout.global_batch_size:
-        if requested and requested != layout.global_batch_size:
-            raise BadInput(f"--global-batch-size {requested} contradicts gbs={layout.global_batch_size} in --layout")
-        return layout.global_batch_size
+def _resolve_batch(given: int, requested: int | None, default: int) -> int:
+    """The global batch: --layout's gbs (`given`, 0 when it names none), else --global-batch-size, else `default`."""
+    if given:
+        if requested and requested != given:
+            raise BadInput(f"--global-batch-size {requested} contradicts gbs={given} in --layout")
+        return given
     gbs = requested or default
     if gbs < 1:
         raise BadInput(f"--global-batch-size must be a positive integer, got {gbs}")
     return gbs
-
-
-def _rejections(result: SearchResult, best: Evaluated | None) -> tuple[list[dict[str, Any]], dict[str, int]]:
-    """The alternatives worth showing: hard-constraint failures, faster layouts that do not fit, and the best of
-    the layouts that fit but run slower (one per tp/pp/dp/cp/mbs/recompute combination); when the best splits
-    sequences (cp > 1), first the layout without CP it beat."""
-    out: list[dict[str, Any]] = [{"layout": w, "reason": r} for w, r in result.constraint_rejections]
-    out = out[:MAX_REJECTED_PER_KIND]
-    seen: set[tuple[Any, ...]] = set()
-    without_cp = best_without_cp(result) if best is not None and best.layout.cp > 1 else None
-    if without_cp is not None and best is not None:  # the layout CP beat, first: why the plan splits sequences
-        seen.add(_shown_key(without_cp.layout))
-        out.append({"layout": without_cp.layout.to_dict(), "reason": lost_to_cp(without_cp, best)})
-    infeasible = sorted((e for e in result.evaluated if not e.feasible), key=Evaluated.rank_key)
-    feasible = sorted((e for e in result.evaluated if e.feasible and e is not best), key=Evaluated.rank_key)
-    best_time = best.time.total_s if best else float("inf")
-    shown = 0
-    for e in infeasible:
-        if e.time.total_s >= best_time or shown >= MAX_REJECTED_PER_KIND:
-            break
-        key = _shown_key(e.layout)
-        if key not in seen:
-            seen.add(key)
-            shown += 1
-            out.append({"layout": e.layout.to_dict(), "reason": "; ".join(e.problems)})
-    shown = 0
-    for e in feasible:
-        key = _shown_key(e.layout)
-        if key in seen or shown >= MAX_REJECTED_PER_KIND:
-            continue
-        seen.add(key)
-        shown += 1
-        slower = (e.time.total_s / best_time - 1) * 100
-        out.append(
-            {
-                "layout": e.layout.to_dict(),
-                "reason": f"fits, but predicted {slower:.1f}% slower"
-                f" ({e.time.total_s:.3g} s vs {best_time:.3g} s per step)",
-            }
-        )
-    memory = sum(1 for e in infeasible if any(p.startswith("needs ") for p in e.problems))
-    counts = {
-        "constraint": len(result.constraint_rejections) + len(infeasible) - memory,
-        "memory": memory,
-        "slower": len(feasible),
-    }
-    return out, counts
-
-
-def _shown_key(layout: Layout) -> tuple[Any, ...]:
-    """One rejected alternative is shown per combination of these (the ZeRO stage and SP variants are left out)."""
-    return (layout.tp, layout.pp, layout.dp, layout.cp, layout.cp_mode, layout.micro_batch_size, layout.recompute)
 
 
 def make_plan(
@@ -215,13 +167,16 @@ def make_plan(
     budget: Budget | None = None,
     precision: str | None = None,
     vocab_size: int | None = None,
+    fixed: dict[str, Any] | None = None,
 ) -> Plan:
     """Plan a run: with `layout`, evaluate it (BadInput if it does not match the hardware or model; feasible=False
-    with reasons if it cannot run); without, search for the fastest feasible layout. With model=None, the ladder
-    picks the largest BLOOM shape the budget's time and data train compute-optimally; the budget then fixes the
-    token count (planner/sizing.py). `precision` (bf16, fp16, fp32; `--set precision=`) overrides the hardware's
-    default (device.default_precision). The model's vocabulary is sized to the budget's corpus
-    (planner/vocabulary.py) unless vocab_size fixes it (`--set vocab_size`, or a tokenizer already trained)."""
+    with reasons if it cannot run); without, search for the fastest feasible layout, among those with the `fixed`
+    fields when given (a partial --layout, parse_layout_fields; fields that leave nothing to choose are evaluated
+    as a given layout). With model=None, the ladder picks the largest BLOOM shape the budget's time and data train
+    compute-optimally; the budget then fixes the token count (planner/sizing.py). `precision` (bf16, fp16, fp32;
+    `--set precision=`) overrides the hardware's default (device.default_precision). The model's vocabulary is sized
+    to the budget's corpus (planner/vocabulary.py) unless vocab_size fixes it (`--set vocab_size`, or a tokenizer
+    already trained)."""
     started = time.perf_counter()
     budget = budget or Budget()
     if train_tokens is not None:
@@ -242,31 +197,44 @@ def make_plan(
         )
         model, choice_lines, model_bound = choice.model, choice.lines, choice.bound
         vocabulary = choice.vocabulary
-        search = choice.search if layout is None else None  # same model, batch and sequence: reuse it
+        search = choice.search if layout is None and not fixed else None  # same model, batch and sequence: reuse
     else:
         corpus = {"corpus_bytes": budget.corpus_bytes, "corpus_tokens": budget.corpus_tokens}
         model, vocabulary = sized_model(model, **corpus, user=vocab_size)
     model = model.with_seq_len(seq_len)
-    gbs = _resolve_batch(layout, global_batch_size, default_global_batch_size(model, hardware))
+    fixed = dict(fixed or {})
+    if layout is None and fixed and completes_layout(fixed, moe=bool(model.moe_num_experts)):
+        layout, fixed = Layout(**fixed), {}  # nothing left to choose
+    given_gbs = layout.global_batch_size if layout is not None else int(fixed.get("global_batch_size", 0))
+    gbs = _resolve_batch(given_gbs, global_batch_size, default_global_batch_size(model, hardware))
     notes: list[str] = []
     if hardware.has_gpus and gpu_spec(hardware.gpu) is None:
         notes.append(
             f"GPU {hardware.gpu!r} is not in the specs table: planned as a generic {GENERIC_GPU.peak_tflops:g}-TFLOPs,"
-            f" {GENERIC_GPU.memory_bw_gbs:g} GB/s GPU with {hardware.gpu_memory_gb:g} GB"
+            f" {GENERIC_GPU.memory_bw_gbs:g} GB/s GPU with {hardware.gpu_memory_gb:g} GiB"
         )
     if hardware.has_gpus and model.hidden % 128:
         notes.append(f"hidden({model.hidden}) is not a multiple of 128: tensor-core GEMMs lose some rate")
     smoke = not hardware.has_gpus  # CPU ranks run the model's smoke recipe unless data or a budget cut it
 
+    if fixed:
+        search = search_layouts(hardware, model, gbs, precision, fixed=fixed)
+        if not search.evaluated:
+            layout, fixed = _unbuildable(hardware, model, gbs, fixed, search), {}  # BadInput, or a given layout
     if layout is not None:
         chosen, device, rejected, counts = _evaluate_given(hardware, model, layout, gbs, notes, precision)
-        mode, candidates = "given", 1
+        mode, candidates, warnings = "given", 1, list(notes)
     else:
         search = search or search_layouts(hardware, model, gbs, precision)
-        if global_batch_size is None:
-            gbs, search = _batch_for_few_tokens(hardware, model, gbs, search, budget, smoke, notes, precision)
-        chosen, device, rejected, counts = _pick_searched(hardware, model, gbs, search, notes, precision)
-        mode, candidates = "searched", search.candidates
+        if global_batch_size is None and not given_gbs:
+            gbs, search = _batch_for_few_tokens(hardware, model, gbs, search, budget, smoke, notes, precision, fixed)
+        warnings = list(notes)
+        chosen, device, rejected, counts = _pick_searched(hardware, model, gbs, search, notes, precision, fixed)
+        mode, candidates = "completed" if fixed else "searched", search.candidates
+        warnings += [] if search.best is not None else notes[:1]  # "none of N layouts fits"
+        asked = _asked_for(hardware, chosen.layout) if fixed else []
+        notes += asked
+        warnings += asked
     layout = chosen.layout
     notes.extend(chosen.notes)
     if layout.cp > 1:
@@ -330,6 +298,8 @@ def make_plan(
         run=run,
         candidates=candidates,
         search_seconds=time.perf_counter() - started,
+        warnings=warnings,
+        fixed=fixed,
     )
 
 
@@ -377,6 +347,7 @@ def _batch_for_few_tokens(
     smoke: bool,
     notes: list[str],
     precision: str | None,
+    fixed: dict[str, Any],
 ) -> tuple[int, SearchResult]:
     """When the tokens make fewer than MIN_STEPS steps at the default batch, the largest power-of-two batch that
     gives MIN_STEPS (at least 1), if a layout fits it: a schedule needs steps to warm up and decay over. The time
@@ -390,7 +361,7 @@ def _batch_for_few_tokens(
     small = 1 << max(0, (samples // MIN_STEPS).bit_length() - 1) if samples >= MIN_STEPS else 1
     if small >= gbs:
         return gbs, search
-    retry = search_layouts(hardware, model, small, precision)
+    retry = search_layouts(hardware, model, small, precision, fixed=fixed)
     if retry.best is None:
         return gbs, search
     notes.append(
@@ -415,6 +386,14 @@ def _evaluate_given(
     device = make_device(hardware, world, precision)
     chosen = evaluate(layout, model, hardware, device)
     rejected = [] if chosen.feasible else [{"layout": layout.to_dict(), "reason": "; ".join(chosen.problems)}]
+    notes += _asked_for(hardware, layout)
+    return chosen, device, rejected, {"constraint": 0, "memory": 0, "slower": 0}
+
+
+def _asked_for(hardware: Hardware, layout: Layout) -> list[str]:
+    """What a layout --layout asked for costs that the search would not have chosen: groups over nodes, more CPU
+    ranks than cores."""
+    notes = []
     if hardware.has_gpus and layout.tp > hardware.gpus_per_node:
         notes.append(f"tp({layout.tp}) spans nodes: its all-reduces run over {hardware.inter_node}")
     if hardware.has_gpus and layout.cp > 1 and layout.tp * layout.cp > hardware.gpus_per_node:
@@ -425,32 +404,68 @@ def _evaluate_given(
     cores = hardware.cpu_cores * hardware.nodes
     if not hardware.has_gpus and layout.world_size > cores:
         notes.append(f"{layout.world_size} ranks share {cores} cores: they time-share")
-    return chosen, device, rejected, {"constraint": 0, "memory": 0, "slower": 0}
+    return notes
 
 
 def _pick_searched(
-    hardware: Hardware, model: ModelShape, gbs: int, search: SearchResult, notes: list[str], precision: str | None
+    hardware: Hardware,
+    model: ModelShape,
+    gbs: int,
+    search: SearchResult,
+    notes: list[str],
+    precision: str | None,
+    fixed: dict[str, Any],
 ) -> Outcome:
     """The search's best; when nothing fits, the leanest candidate, so the plan shows why."""
     if search.best is not None:
         chosen = search.best
-        notes.insert(0, _why(chosen, search))
+        notes.insert(0, _why(chosen, search, fixed))
         plain = best_without_cp(search) if chosen.layout.cp > 1 else None
         if plain is not None:
             notes.insert(1, why_note(chosen, plain, model.seq_len))
     elif search.evaluated:
         chosen = min(search.evaluated, key=lambda e: e.memory.total_gb)
-        notes.insert(0, f"none of {search.candidates} layouts fits; showing the leanest")
+        among = f" with {layout_text(fixed)}" if fixed else ""
+        notes.insert(0, f"none of {search.candidates} layouts{among} fits; showing the leanest")
     else:
         reasons = "; ".join(r for _, r in search.constraint_rejections) or "no candidate layouts"
-        raise BadInput(f"no layout can run {model.name} at global batch {gbs} on {hardware.name}: {reasons}")
-    rejected, counts = _rejections(search, search.best)
+        raise BadInput(
+            f"no layout can run {model.name} at global batch {gbs} on {hardware.name}: {reasons}"
+            + _batch_hint(search, gbs)
+        )
+    rejected, counts = rejections(search, search.best)
     return chosen, make_device(hardware, chosen.layout.world_size, precision), rejected, counts
 
 
-def _why(best: Evaluated, search: SearchResult) -> str:
+def _why(best: Evaluated, search: SearchResult, fixed: dict[str, Any]) -> str:
     fits = sum(1 for e in search.evaluated if e.feasible)
+    among = f" with {layout_text(fixed)} (--layout; the planner chose the rest)" if fixed else ""
     return (
-        f"fastest predicted of {fits} layouts that fit ({search.candidates} evaluated): {best.layout.describe()}"
-        f" at {best.time.total_s:.3g} s per step, {best.memory.total_gb:.1f} of {best.memory.capacity_gb:g} GB"
+        f"fastest predicted of {fits} layouts{among} that fit ({search.candidates} evaluated): {best.layout.describe()}"
+        f" at {best.time.total_s:.3g} s per step, {best.memory.total_gb:.1f} of {best.memory.capacity_gb:g} GiB"
+    )
+
+
+def _batch_hint(search: SearchResult, gbs: int) -> str:
+    """When the global batch is what no data-parallel degree divides (an odd node count, say): the nearest larger
+    batch one of them does, as --global-batch-size."""
+    dps = [where["dp"] for where, reason in search.constraint_rejections if reason.startswith("global batch(")]
+    if not dps:
+        return ""
+    batch, dp = min((-(-gbs // d) * d, d) for d in dps)
+    return f" (--global-batch-size {batch} divides over dp({dp}))"
+
+
+def _unbuildable(
+    hardware: Hardware, model: ModelShape, gbs: int, fixed: dict[str, Any], search: SearchResult
+) -> Layout:
+    """--layout's fields admit no layout at all here. With tp, pp and dp among them, they are evaluated as a given
+    layout (the rest at Layout's defaults), whose checks name the broken rule as the training ranks would; without,
+    BadInput with the search's reasons."""
+    if {"tp", "pp", "dp"} <= fixed.keys():
+        return Layout(**fixed)
+    reasons = "; ".join(dict.fromkeys(r for _, r in search.constraint_rejections)) or "no candidate layouts"
+    raise BadInput(
+        f"--layout {layout_text(fixed)}: no layout with these fields can train {model.name} at global batch {gbs}"
+        f" on {hardware.name or 'this machine'}: {reasons}"
     )

@@ -21,13 +21,17 @@ without CP.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
+from appliance.errors import BadInput
 from appliance.hardware.profile import Hardware
 from appliance.planner.device import Device, make_device
 from appliance.planner.kernel_path import KernelPath, kernels_for
-from appliance.planner.layout import CP_MODES, Layout, partition_error
+from appliance.planner.layout import CP_MODES, Layout, layout_text, partition_error
 from appliance.planner.memory import MemoryEstimate, memory_for_device
 from appliance.planner.model_shape import RECOMPUTE_MODES, ModelShape
 from appliance.planner.timing import FLASH_QUERY_BLOCK, StepTime, step_time_for_device
@@ -88,7 +92,8 @@ def evaluate(
     if not memory.fits:
         unit = "GPU" if device.kind == "gpu" else "rank"
         problems.append(
-            f"needs {memory.total_gb:.1f} GB per {unit} (stage {memory.stage}) > {memory.capacity_gb:.1f} GB available"
+            f"needs {memory.total_gb:.1f} GiB per {unit} (stage {memory.stage}) >"
+            f" {memory.capacity_gb:.1f} GiB available"
         )
     notes = [f"kernels: {kernels.describe()}"]
     if layout.recompute == "selective" and not kernels.selective_recompute_helps:
@@ -153,11 +158,15 @@ def search_layouts(
     precision: str | None = None,
     *,
     only_tp: int | None = None,
+    fixed: Mapping[str, Any] | None = None,
 ) -> SearchResult:
     """Every candidate layout for `model` at `global_batch_size` on `hardware` in `precision` (None: the hardware's
     default), the best feasible one first. `only_tp`: that TP degree alone, if the hardware allows it (the elastic
-    step-down keeps the plan's, planner/shrink.py); None: every one it allows."""
-    world = world_size_for(hardware)
+    step-down keeps the plan's, planner/shrink.py); None: every one it allows. `fixed`: Layout fields a partial
+    --layout gave (parse_layout_fields): each takes that one value, even one the search would not try, and a
+    combination that cannot run is a constraint rejection with its reason (Layout's own checks and validate's)."""
+    fixed = dict(fixed or {})
+    world = _world(hardware, fixed)
     device = make_device(hardware, world, precision)
     kernels = kernels_for(device, model)
     result = SearchResult(best=None)
@@ -175,6 +184,7 @@ def search_layouts(
         tps = [tp for tp in tps if tp == only_tp]
     # Selective recompute only where it drops [s, s] tensors: under flash it would be recompute=none by another name.
     recomputes = tuple(r for r in recomputes if r != "selective" or kernels.selective_recompute_helps)
+    q = int(fixed.get("tp2d", 1))  # 2D tensor parallelism only when --layout asks: q x q ranks in tp's place
     seen_reasons: set[str] = set()
 
     def reject(where: dict[str, int], reason: str) -> None:
@@ -182,40 +192,62 @@ def search_layouts(
             seen_reasons.add(reason)
             result.constraint_rejections.append((where, reason))
 
-    for tp in tps:
+    def pick(name: str, choices: Iterable[Any]) -> list[Any]:
+        return [fixed[name]] if name in fixed else list(choices)
+
+    for tp in pick("tp", tps):
         if model.heads % tp:
             reject({"tp": tp}, f"heads({model.heads}) is not divisible by tp({tp})")
             continue
-        pps = [p for p in range(1, world // tp + 1) if (world // tp) % p == 0] if hardware.has_gpus else [1]
-        for pp in pps:
-            if world % (tp * pp):
+        ranks = tp * q * q  # one tensor-parallel group
+        if world % ranks:
+            if "tp" in fixed:
+                group = f"tp({tp})" if q == 1 else f"tp2d({q})^2 = {ranks}"
+                reject({"tp": tp}, f"{group} does not divide the world size {world}")
+            continue
+        pps = [p for p in range(1, world // ranks + 1) if (world // ranks) % p == 0] if hardware.has_gpus else [1]
+        for pp in pick("pp", pps):
+            if world % (ranks * pp):
+                if "pp" in fixed:
+                    reject({"tp": tp, "pp": pp}, f"{ranks} x pp({pp}) ranks do not divide the world size {world}")
                 continue
             problem = partition_error(model.layers, pp)
             if problem:
                 reject({"tp": tp, "pp": pp}, problem)
                 continue
-            cps = _powers_of_two(world // (tp * pp)) if hardware.has_gpus else [1]
+            cps = _powers_of_two(world // (ranks * pp)) if hardware.has_gpus else [1]
             # BLOOM-MoE too: experts are replicated over cp like the dense weights (memory.py counts E/ep of them
             # per rank whatever cp, their ZeRO partitions over dp x cp / ep) and each CP rank routes its s/cp tokens.
-            for cp in (c for c in cps if (world // (tp * pp)) % c == 0):
-                dp = world // (tp * pp * cp)
+            for cp in (c for c in pick("cp", cps) if (world // (ranks * pp)) % c == 0):
+                dp = world // (ranks * pp * cp)
+                if "dp" in fixed and dp != fixed["dp"]:
+                    continue
                 where = {"tp": tp, "pp": pp, "dp": dp} | ({"cp": cp} if cp > 1 else {})
                 if gbs % dp:
                     reject(where, f"global batch({gbs}) is not divisible by dp({dp})")
                     continue
-                for cp_mode in _cp_modes(model, tp, cp, where, reject):
+                modes = [fixed["cp_mode"]] if "cp_mode" in fixed else _cp_modes(model, tp, cp, where, reject)
+                for cp_mode in modes:
                     # mbs >= cp: the same ranks as dp x cp DP ranks at mbs/cp do the same work without the exchange
-                    for mbs in (b for b in _powers_of_two(min(MAX_MICRO_BATCH, gbs // dp)) if cp == 1 or b < cp):
+                    mbss = (b for b in _powers_of_two(min(MAX_MICRO_BATCH, gbs // dp)) if cp == 1 or b < cp)
+                    for mbs in pick("micro_batch_size", mbss):
                         if gbs % (mbs * dp):
+                            if "micro_batch_size" in fixed:
+                                reject(where, f"global batch({gbs}) is not divisible by mbs({mbs}) * dp({dp})")
                             continue
-                        for recompute in recomputes:
+                        for recompute in pick("recompute", recomputes):
                             # Experts need the MoE block's input replicated over tp (DeepSpeed drops duplicates):
                             # no sequence parallelism with them (experts.parallel.check_moe_layout).
-                            for sp in (False, True) if tp > 1 and not model.moe_num_experts else (False,):
+                            sps = (False, True) if tp > 1 and q == 1 and not model.moe_num_experts else (False,)
+                            for sp in pick("sequence_parallel", sps):
                                 # DeepSpeed's pipeline engine stops at ZeRO-1: stage 2 only without a pipeline.
-                                for zero in (z for z in zeros if pp == 1 or z < 2) if dp * cp > 1 else (0,):
-                                    for ep in expert_parallel_degrees(model, dp):
-                                        layout = Layout(tp, pp, dp, mbs, gbs, zero, recompute, sp, cp, cp_mode, ep=ep)
+                                stages = (z for z in zeros if pp == 1 or z < 2) if dp * cp > 1 else (0,)
+                                for zero in pick("zero_stage", stages):
+                                    for ep in pick("ep", expert_parallel_degrees(model, dp)):
+                                        values = (tp, pp, dp, mbs, gbs, zero, recompute, sp, cp, cp_mode, q, ep)
+                                        layout = _candidate(values, model, world, device, fixed, where, reject)
+                                        if layout is None:
+                                            continue
                                         result.candidates += 1
                                         evaluated = evaluate(layout, model, hardware, device, kernels)
                                         result.evaluated.append(evaluated)
@@ -224,6 +256,42 @@ def search_layouts(
                                         # only saves memory, which this layout no longer needs.
                                         if evaluated.feasible:
                                             break
+    if fixed and not result.candidates:  # whatever else was refused, say that none had the fields
+        reject({}, f"no layout of {world} ranks has {layout_text(fixed)}")
     feasible = [e for e in result.evaluated if e.feasible]
     result.best = min(feasible, key=Evaluated.rank_key) if feasible else None
     return result
+
+
+def _world(hardware: Hardware, fixed: Mapping[str, Any]) -> int:
+    """The ranks to search over: the GPUs; on CPU, where ranks are processes, the product of the degrees --layout
+    fixed when it fixed dp (tp, pp, cp and tp2d taken as 1 where not given), else world_size_for's."""
+    if hardware.has_gpus or "dp" not in fixed:
+        return world_size_for(hardware)
+    degrees = [fixed.get(k, 1) for k in ("tp", "pp", "dp", "cp")] + [fixed.get("tp2d", 1)] * 2
+    return math.prod(int(d) for d in degrees)
+
+
+def _candidate(
+    values: tuple[Any, ...],
+    model: ModelShape,
+    world: int,
+    device: Device,
+    fixed: Mapping[str, Any],
+    where: dict[str, int],
+    reject: Callable[[dict[str, int], str], None],
+) -> Layout | None:
+    """The layout of these values. The search's own combinations are valid by construction; with fields --layout
+    fixed, each is checked as a given layout is (Layout, then validate) and a refusal becomes a rejection."""
+    tp, pp, dp, mbs, gbs, zero, recompute, sp, cp, cp_mode, q, ep = values
+    if not fixed:
+        return Layout(tp, pp, dp, mbs, gbs, zero, recompute, sp, cp, cp_mode, ep=ep)
+    try:
+        layout = Layout(tp, pp, dp, mbs, gbs, zero, recompute, sp, cp, cp_mode, tp2d=q, ep=ep)
+        layout.validate(
+            world, model.heads, model.layers, model.seq_len, moe_num_experts=model.moe_num_experts, dtype=device.dtype
+        )
+    except BadInput as e:
+        reject(where, re.sub(r"^layout [^:]*: ", "", str(e)))  # the broken rule, once for all its candidates
+        return None
+    return layout

@@ -8,8 +8,8 @@ schedules (counted in samples) stay too. Checkpoints are layout-independent (tra
 the newest one at whichever layout this returns.
 
 GPU plans: the step-down is planned, not only divided. Fewer data-parallel ranks share the ZeRO partitions, so dp
-refitted alone can need more memory than a GPU has: BLOOM-176B's tp4 pp12 dp8 ZeRO-1 plan (75.5 of 80 GB) needs
-81.9 GB at dp4 on 24 nodes and 120.3 GB at dp1 on 6. A world's layout is the planner's search (planner/search.py:
+refitted alone can need more memory than a GPU has: BLOOM-176B's tp4 pp12 dp8 ZeRO-1 plan (75.5 of 80 GiB) needs
+81.9 GiB at dp4 on 24 nodes and 120.3 GiB at dp1 on 6. A world's layout is the planner's search (planner/search.py:
 the memory and time models and the fit rule `plan` uses: the fullest stage, allocator margin and fixed overhead
 included, within the GPU's memory) over that world's nodes, with the plan's tp kept. Checkpoints reshard across pp,
 dp, micro-batch, ZeRO stage and recompute, but a new tp pads the vocabulary to other rows than the checkpoint's
@@ -17,7 +17,7 @@ dp, micro-batch, ZeRO stage and recompute, but a new tp pads the vocabulary to o
 does not propose, e.g. 2D TP). The fastest candidate that fits wins, as in `plan`; a world where none fits is not
 usable. `usable_node_counts` (what MIN may be, and how many nodes train) and `layout_for_world` (what they train
 with) ask the same question, so the ranks never step into a layout the planner has not fitted. BLOOM-176B on fewer
-than 48 nodes: 40 (tp4 pp10 dp8, 74.2 GB), 36, 35, 32, 28, 24 (tp4 pp24 dp2, 68.2 GB), ..., down to 9; 6 nodes, a
+than 48 nodes: 40 (tp4 pp10 dp8, 74.2 GiB), 36, 35, 32, 28, 24 (tp4 pp24 dp2, 68.2 GiB), ..., down to 9; 6 nodes, a
 single replica of the plan's pipeline, fit no layout.
 
 CPU ranks (the tests' loopback nodes, hardware without GPUs) have no device memory to prove: only dp changes,
@@ -205,9 +205,9 @@ def _planned_world(basis: _Basis, world: int) -> Evaluated | str:
     leanest = min(valid, key=lambda e: e.memory.total_gb)
     mem = leanest.memory
     return (
-        f"{where} that fits {mem.capacity_gb:g} GB per GPU: the leanest of {len(valid)} candidates (any pp, dp,"
+        f"{where} that fits {mem.capacity_gb:g} GiB per GPU: the leanest of {len(valid)} candidates (any pp, dp,"
         f" micro-batch, ZeRO stage and recompute), {leanest.layout.describe()} = {leanest.layout.factors}, needs"
-        f" {mem.total_gb:.1f} GB (stage {mem.stage})"
+        f" {mem.total_gb:.1f} GiB (stage {mem.stage})"
     )
 
 

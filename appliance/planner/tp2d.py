@@ -423,8 +423,9 @@ def tensor_parallel_comparison(
     )
 
 
-def comparison_lines(comparison: TensorParallelComparison) -> list[str]:
-    """The plan's "tensor parallel: 1D vs 2D" section as `plan` prints it: the table, the verdicts, the chosen tp."""
+def comparison_lines(comparison: TensorParallelComparison, tp2d: int = 1) -> list[str]:
+    """The plan's "tensor parallel: 1D vs 2D" section as `plan --verbose` prints it: the table, the verdicts, and
+    the chosen layout's group (`tp2d`: the plan's, > 1 when its group is a grid)."""
     c, s = comparison, comparison.seq_len
     cp = f" of which {s // c.cp:,} per rank at cp={c.cp}" if c.cp > 1 else ""
     out = [
@@ -450,15 +451,20 @@ def comparison_lines(comparison: TensorParallelComparison) -> list[str]:
                 f"  q={grid.q}, from b={grid.faster_from_micro_batch} ({grid.faster_from_tokens:,} tokens per"
                 f" micro-batch): {grid.reason_there}"
             )
-    out.append(_chosen_line(c.chosen))
+    out.append(_chosen_line(c.chosen, tp2d))
     return out
 
 
-def _chosen_line(chosen: ChosenAsGrid) -> str:
+def _chosen_line(chosen: ChosenAsGrid, tp2d: int) -> str:
+    """The plan's own group: a grid when it chose one (tp2d > 1); otherwise 1D, and what a grid of the same ranks
+    would change (a what-if: the search places 1D groups)."""
+    if tp2d > 1:
+        return f"  chosen: a {tp2d}x{tp2d} grid (tp2d={tp2d}, {tp2d * tp2d} ranks), as --layout gave it"
     if chosen.q is None or chosen.step_delta_s is None or chosen.memory_delta_mib is None:
-        return f"  chosen tp={chosen.tp} is not a square: no q x q grid replaces its group"
+        return f"  chosen: 1D tp={chosen.tp}, not a square: no q x q grid could replace its group"
     delta, q = chosen.step_delta_s, chosen.q
     return (
-        f"  chosen tp={chosen.tp} as a {q}x{q} grid: {'+' if delta >= 0 else '-'}{abs(delta):.3g} s per step,"
-        f" {chosen.memory_delta_mib:+.1f} MiB per rank on the fullest stage ({chosen.blocks} blocks) against its 1D+sp"
+        f"  chosen: 1D tp={chosen.tp}; a {q}x{q} grid in its place would take {'+' if delta >= 0 else '-'}"
+        f"{abs(delta):.3g} s per step and {chosen.memory_delta_mib:+.1f} MiB per rank on the fullest stage"
+        f" ({chosen.blocks} blocks) against its 1D+sp"
     )

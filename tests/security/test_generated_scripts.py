@@ -219,9 +219,10 @@ def test_train_script_passes_hostile_corpus_paths_intact(train_env: tuple[Stubs,
 
 @pytest.fixture(scope="module")
 def plan_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A plan.json for 48 nodes of 8 GPUs, as `sbatch` writes it."""
+    """A plan.json for 48 nodes of 8 GPUs, as `sbatch` writes it (the sample corpus's smoke run: --smoke)."""
     run_dir = tmp_path_factory.mktemp("plan") / "run"
-    assert main(["sbatch", "--run-dir", str(run_dir), "--hardware", "jean-zay-a100-48n", "--model", "bloom-176b"]) == 0
+    args = ["--run-dir", str(run_dir), "--hardware", "jean-zay-a100-48n", "--model", "bloom-176b", "--smoke"]
+    assert main(["sbatch", *args]) == 0
     return run_dir / "plan.json"
 
 

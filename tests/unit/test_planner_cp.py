@@ -184,7 +184,7 @@ def test_32k_plan_on_one_h100_node_splits_sequences_and_says_why(plan_32k) -> No
     beaten = plan_32k.rejected[0]
     assert beaten["layout"]["cp"] == 1 and beaten["reason"].endswith("the fastest layout without context parallelism")
     text = format_plan(plan_32k)
-    assert f"cp={lay.cp} ({lay.cp_mode}, {lay.sequence_chunks} pieces per sequence)" in text
+    assert f"cp={lay.cp},cp_mode={lay.cp_mode}" in text and f"{lay.sequence_chunks} pieces per sequence" in text
     doc = plan_32k.to_json()
     assert (doc["layout"]["cp"], doc["layout"]["cp_mode"]) == (lay.cp, lay.cp_mode)
     assert "cp_comm" in doc["time_breakdown_s"]
@@ -197,7 +197,7 @@ def test_cp_is_chosen_when_nothing_else_fits() -> None:
     plan = make_plan(hw, load_model_shape("bloom-560m"), seq_len=1 << 20, global_batch_size=64)
     assert plan.feasible and plan.layout.cp > 1
     why = plan.notes[1]
-    assert "without CP no layout fits" in why and "> 24.0 GB" in why and "activations" in why
+    assert "without CP no layout fits" in why and "> 24.0 GiB" in why and "activations" in why
     beaten = plan.rejected[0]
     assert beaten["layout"]["cp"] == 1 and "the leanest layout without context parallelism" in beaten["reason"]
 
@@ -277,12 +277,14 @@ def test_search_tries_cp_only_below_the_micro_batch_and_on_gpus() -> None:
 
 
 def test_plan_evaluates_a_given_cp_layout(capsys: pytest.CaptureFixture[str]) -> None:
-    """`plan --layout tp=2,pp=1,dp=2,cp=2,cp_mode=ring` evaluates that layout, in text and in --json."""
+    """`plan --layout tp=2,pp=1,dp=2,cp=2,cp_mode=ring,...` plans that layout (the micro-batch, which it leaves out,
+    the planner's: 1, below cp), in text and in --json."""
     args = ["plan", "--hardware", H100_NODE, "--model", "bloom-7b1", "--seq-len", "32768"]
     layout = ["--layout", "tp=2,pp=1,dp=2,cp=2,cp_mode=ring,zero=2,recompute=none,sp=1"]
-    assert cli.main([*args, *layout]) == 0
+    assert cli.main([*args, *layout, "--verbose"]) == 0
     text = capsys.readouterr().out
-    assert "Layout (given layout): tp=2 pp=1 dp=2 cp=2 (ring, 4 pieces per sequence)" in text
+    assert "Layout: tp=2,pp=1,dp=2,mbs=1," in text and "cp=2,cp_mode=ring" in text
+    assert "4 pieces per sequence (ring)" in text
     assert "cp_buffers" in text and "Verdict: FEASIBLE" in text
     assert cli.main([*args, *layout, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)

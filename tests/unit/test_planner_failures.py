@@ -49,6 +49,7 @@ def test_plan_shows_the_failure_cost_on_gpu_nodes_only() -> None:
     gpu = make_plan(load_hardware("jean-zay-a100-48n"), load_model_shape("bloom-176b"), layout=BLOOM)
     cost = plan_failure_cost(gpu, spares=4)
     assert cost is not None and (cost.nodes, cost.spares, cost.step_down_nodes) == (48, 4, 40)
-    assert "Failures (lost nodes" in format_plan(gpu, spares=4)
+    assert "Failures (lost nodes" in format_plan(gpu, spares=4, verbose=True)
+    assert "Failures: " in format_plan(gpu, spares=4)  # the short output's one line
     cpu = make_plan(load_hardware("cpu-laptop-2core"), load_model_shape("bloom-micro-test"))
     assert plan_failure_cost(cpu) is None and "Failures" not in format_plan(cpu)

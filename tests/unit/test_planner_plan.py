@@ -97,7 +97,7 @@ def test_given_layout_that_does_not_fit() -> None:
         layout=parse_layout("tp=4,pp=12,dp=8,mbs=2,recompute=none"),
     )
     assert not plan.feasible and plan.mode == "given"
-    assert plan.reasons[0].startswith("needs ") and "> 80.0 GB" in plan.reasons[0]
+    assert plan.reasons[0].startswith("needs ") and "> 80.0 GiB" in plan.reasons[0]
     assert plan.rejected == [{"layout": plan.layout.to_dict(), "reason": plan.reasons[0]}]
     assert "NOT FEASIBLE" in format_plan(plan)
 
@@ -133,9 +133,10 @@ def test_v100_trains_in_fp16() -> None:
 
 
 def test_format_plan_explains_the_choice() -> None:
-    text = format_plan(make_plan(load_hardware("a100-80gb-x8-node"), load_model_shape("bloom-1b7")))
+    text = format_plan(make_plan(load_hardware("a100-80gb-x8-node"), load_model_shape("bloom-1b7")), verbose=True)
     for part in (
-        "Layout (searched",
+        "Layout: tp=",
+        "fastest predicted of",
         "Memory per GPU",
         "Time per step",
         "Rejected alternatives",

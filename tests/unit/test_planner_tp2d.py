@@ -87,16 +87,17 @@ def test_verdicts_for_bloom_176b(hardware: str) -> None:
 
 
 def test_plan_prints_the_comparison() -> None:
-    """Pass: `plan` for BLOOM-176B on Jean Zay shows 1D, 1D+sp and 2D rows for 4, 16 and 64 ranks, a verdict per
-    grid and the chosen tp=4 as a 2 x 2 grid; a CPU plan shows none of it."""
-    text = format_plan(make_plan(load_hardware("jean-zay-a100-48n"), load_model_shape("bloom-176b")))
+    """Pass: `plan --verbose` for BLOOM-176B on Jean Zay shows 1D, 1D+sp and 2D rows for 4, 16 and 64 ranks, a
+    verdict per grid and what a 2 x 2 grid would change in place of the chosen 1D tp=4 (never that the chosen
+    layout is one); a CPU plan shows none of it."""
+    text = format_plan(make_plan(load_hardware("jean-zay-a100-48n"), load_model_shape("bloom-176b")), verbose=True)
     section = text.split("Tensor parallel: 1D vs 2D")[1]
     for row in ("1D tp=4", "1D+sp tp=4", "2D 2x2", "1D+sp tp=16", "2D 4x4", "1D+sp tp=64", "2D 8x8"):
         assert row in section
     assert "1D+sp is better because" in section and "2D wins because" in section
-    assert "as a 2x2 grid" in section
+    assert "chosen: 1D tp=4; a 2x2 grid in its place would take +" in section and "as a 2x2 grid" not in section
     cpu = make_plan(load_hardware("cpu-laptop-2core"), load_model_shape("bloom-micro-test"))
-    assert "Tensor parallel: 1D vs 2D" not in format_plan(cpu)
+    assert "Tensor parallel: 1D vs 2D" not in format_plan(cpu, verbose=True)
 
 
 def test_plan_json_holds_the_comparison_the_text_prints() -> None:
@@ -119,7 +120,8 @@ def test_plan_json_holds_the_comparison_the_text_prints() -> None:
     assert section["chosen"]["tp"] == 4 and section["chosen"]["q"] == 2 and section["chosen"]["step_delta_s"] > 0
     read = RunSpec.from_json(written, "plan.json").report.tensor_parallel
     assert read == plan.tensor_parallel and read is not None
-    text = format_plan(plan).split("Tensor parallel: 1D vs 2D (a comparison only: the search places 1D groups):\n")[1]
+    text = format_plan(plan, verbose=True)
+    text = text.split("Tensor parallel: 1D vs 2D (a comparison only: the search places 1D groups):\n")[1]
     lines = comparison_lines(read)
     assert text.splitlines()[: len(lines)] == [f"  {line}" for line in lines]
 

@@ -110,6 +110,7 @@ def test_cli_writes_a_script_for_the_bloom_cluster(tmp_path):
             "jean-zay-a100-48n",
             "--model",
             "bloom-176b",
+            "--smoke",  # the sample corpus's smoke run, which 48 nodes take only when asked
         ],
         cwd=tmp_path,
         capture_output=True,

@@ -83,7 +83,7 @@ def test_too_few_nodes_stop_resumable_naming_every_factor(bloom: Plan) -> None:
     with pytest.raises(BadInput) as stopped:
         spec_for_world(spec, 6 * 8, env=ELASTIC)  # one replica of the plan's pipeline: dp1 keeps all of ZeRO's states
     message = str(stopped.value)
-    for part in ("6 nodes x 8 GPUs", "tp(4) kept", "fits 80 GB per GPU", "pp=12,dp=1,mbs=1", "zero=", "recompute="):
+    for part in ("6 nodes x 8 GPUs", "tp(4) kept", "fits 80 GiB per GPU", "pp=12,dp=1,mbs=1", "zero=", "recompute="):
         assert part in message, part
     assert "resumable" in message and "on 9 or more nodes" in message
     # MIN cannot be 6, and --spares without MIN lets the agents carry on down to 9 nodes, not 6.
@@ -114,11 +114,11 @@ def test_plan_spares_shows_the_step_downs_and_both_costs(bloom: Plan, capsys: py
     again = make_plan(hardware, load_model_shape("bloom-176b"), layout=parse_layout(first["layout"]))
     assert again.feasible and again.memory.total_gb <= gpu_gb
     assert 0 < failures["expected_lost_s"] < failures["expected_lost_s_without_spares"]
-    assert main(args) == 0
+    assert main([*args, "--verbose"]) == 0
     text = capsys.readouterr().out
     assert "without spares: every loss steps the run down to 40 of 48 nodes" in text
     assert "with --spares 4: a spare takes a lost node's ranks" in text
-    assert f"{first['nodes']} nodes: {first['layout']}, {first['memory_gb_per_gpu']:.1f} of 80 GB per GPU" in text
+    assert f"{first['nodes']} nodes: {first['layout']}, {first['memory_gb_per_gpu']:.1f} of 80 GiB per GPU" in text
 
 
 def _cost(spares: int, repair_s: float, step_downs: list[StepDown]) -> FailureCost:
@@ -183,7 +183,7 @@ def test_the_restart_budget_follows_the_plan(bloom: Plan) -> None:
     # Every loss spends a restart: the budget covers the plan's losses but in 1% of runs, and the other failures.
     assert budget - RESTART_MARGIN >= max(math.ceil(cost.failures), cost.suggested_spares)
     assert at_least(budget - RESTART_MARGIN + 1, cost.failures) <= 0.01
-    assert f"restart budget: max_restarts {budget} (each loss spends one" in format_plan(bloom, spares=4)
+    assert f"restart budget: max_restarts {budget} (each loss spends one" in format_plan(bloom, spares=4, verbose=True)
     spec = bloom.spec()
     assert apply_request(spec, RunRequest(corpus=[], overrides={"max_restarts": 2})).run.max_restarts == 2
     # A plan written before keeps the budget it states (or the old default when it states none).

@@ -21,7 +21,7 @@ HELP_TEXT = """\
   [b]escape[/b]  close this help
 
 [b]Panels[/b]
-  throughput   tokens/s, samples/s, TFLOPs per GPU, MFU, step time; the plan's estimate beside
+  throughput   tokens/s, samples/s, TFLOPs per GPU and MFU (CPU ranks: FLOP/s, no MFU), step time; the plan's beside
   stages       progress of each stage, its ETA while it runs, its duration once over
   checkpoints  the last save, the interval between saves, when the next one is due
   curves       loss, learning rate, grad norm against step (min/max of the steps in a column)

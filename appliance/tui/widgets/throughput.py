@@ -1,4 +1,5 @@
-"""Throughput: tokens/s, samples/s, TFLOPs per GPU, MFU and step time, each beside the plan's estimate."""
+"""Throughput: tokens/s, samples/s, TFLOPs per GPU, MFU and step time, each beside the plan's estimate. CPU ranks:
+FLOP/s per rank and no MFU (their peak is assumed, not measured: monitor/headless.py shows_mfu)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,15 @@ from rich.table import Table
 from rich.text import Text
 from textual.app import RenderResult
 
-from appliance.monitor.headless import fmt_duration, fmt_float, fmt_pct, fmt_si, kernels_text
+from appliance.monitor.headless import (
+    flops_per_device,
+    fmt_duration,
+    fmt_float,
+    fmt_pct,
+    fmt_si,
+    kernels_text,
+    shows_mfu,
+)
 from appliance.monitor.state import RunState
 from appliance.monitor.state_fields import Series
 from appliance.tui.widgets.panel import Panel, kv_grid, waiting
@@ -53,6 +62,19 @@ def _startup_rows(startup: dict[str, Any] | None, largest: int = 3) -> list[tupl
     return [("start", fmt_duration(startup.get("total_s")), detail)]
 
 
+def _flops_row(state: RunState, est: dict[str, Any]) -> tuple[str, str, str]:
+    """TFLOPs per GPU, or FLOP/s per CPU rank (monitor/headless.py flops_per_device), beside the plan's."""
+    label, value = flops_per_device(state, state.tflops_per_gpu)
+    planned = est.get("tflops_per_gpu")
+    return label, value, _plan(flops_per_device(state, planned if isinstance(planned, (int, float)) else None)[1])
+
+
+def _mfu_row(state: RunState, est: dict[str, Any]) -> tuple[str, str, str]:
+    if not shows_mfu(state):
+        return ("MFU", "-", "no measured CPU peak")
+    return ("MFU", fmt_pct(state.mfu), _plan(fmt_pct(est.get("mfu"))))
+
+
 class ThroughputPanel(Panel):
     SECTIONS: ClassVar[frozenset[str]] = frozenset({"throughput", "plan"})
     TITLE = "throughput"
@@ -71,8 +93,8 @@ class ThroughputPanel(Panel):
                 *_budget_rows(state.budget),
                 ("tokens/s", fmt_si(state.tokens_per_s), _plan(fmt_si(est.get("tokens_per_s")))),
                 ("samples/s", fmt_float(state.samples_per_s, ".3g"), ""),
-                ("TFLOPs/GPU", fmt_float(state.tflops_per_gpu, ".4g"), _plan(fmt_float(est.get("tflops_per_gpu")))),
-                ("MFU", fmt_pct(state.mfu), _plan(fmt_pct(est.get("mfu")))),
+                _flops_row(state, est),
+                _mfu_row(state, est),
                 ("step time", fmt_duration(state.step_time_s), _plan(fmt_duration(est.get("step_time_s")))),
                 ("step", str(state.step), total),
                 ("samples", fmt_si(state.consumed_samples), "consumed"),
