@@ -311,3 +311,13 @@ def test_a_spare_that_died_between_two_starts_is_declared_as_the_next_start_begi
     lost = [json.loads(line) for line in run_dir.metrics.read_text().splitlines()]
     assert [(e["change"], e["node"]) for e in lost] == [("spare_lost", "h/node4")]
     assert [m["silent_s"] > 90 for m in lost_markers(run_dir).values()] == [True]
+
+
+def test_a_standing_by_node_checks_its_torch_in_a_process_of_its_own(tmp_path: Path) -> None:
+    """The check imports torch, which the standby must not hold: its refusal comes back from the other process."""
+    from appliance.train.launch import check_node_elsewhere
+
+    run_dir = RunDir(tmp_path).make()
+    run_dir.plan.write_text("{}")
+    with pytest.raises(BadInput, match=r"plan\.json"):
+        check_node_elsewhere(run_dir, 1)
