@@ -128,8 +128,9 @@ def _add_nodes(p: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         metavar="K",
-        help="K more machines (node ranks N..N+K-1, or the hostfile's last K lines) stand by, idle, and take a lost"
-        " node's ranks: the run goes on at the plan's layout (default: %(default)s)",
+        help="K more machines (node ranks N..N+K-1, or the hostfile's last K lines) stand by outside the rendezvous,"
+        " holding no torch, and the first in line takes a lost node's ranks: the run goes on at the plan's layout"
+        " and spends no restart (default: %(default)s)",
     )
     g.add_argument(
         "--store-elsewhere",

@@ -118,7 +118,7 @@ class RunDir:
 
     @property
     def compile_cache(self) -> Path:
-        """Triton's and torch.compile's caches, a directory per node (appliance/train/launch.py compile_cache_env)."""
+        """Triton's and torch.compile's caches, per user key and node (appliance/train/compile_cache.py)."""
         return self.root / "compile-cache"
 
     @property

@@ -183,7 +183,8 @@ class HeadlessPrinter:
         )
 
     def text_failure(self, e: dict[str, Any]) -> str:
-        return f"FAILURE rank {e.get('rank')}: {e.get('reason')}"
+        where = f"node {e.get('node')}" if e.get("rank") is None and e.get("node") else f"rank {e.get('rank')}"
+        return f"FAILURE {where}: {e.get('reason')}"
 
     def text_recovery(self, e: dict[str, Any]) -> str:
         nodes = f"; {e.get('reason')}" if e.get("lost_nodes") or e.get("joined_nodes") else ""
@@ -193,7 +194,18 @@ class HeadlessPrinter:
         )
 
     def text_nodes(self, e: dict[str, Any]) -> str:
-        return f"nodes: {len(e.get('nodes', []))} training, {len(e.get('spares', []))} standing by as spares"
+        spares = len(e.get("spares", []))
+        change, node = e.get("change"), e.get("node")
+        if change == "spare_lost":
+            return f"nodes: spare {node} stopped beating; {spares} spares left"
+        if change == "spare_joined":
+            return f"nodes: {node} stands by as a spare; {spares} spares"
+        if change == "taking_over":
+            return f"nodes: spare {node} takes the place of {e.get('replaces')}; {spares} spares left"
+        if change == "joining":
+            return f"nodes: {node} joins the training nodes; {spares} spares left"
+        left = f", {e['restarts_left']} restarts left" if e.get("restarts_left") is not None else ""
+        return f"nodes: {len(e.get('nodes', []))} training, {spares} standing by as spares{left}"
 
     def text_eval(self, e: dict[str, Any]) -> str:
         return eval_line(e)

@@ -163,7 +163,9 @@ def on_energy(run: RunFields, e: dict[str, Any], t: float) -> None:
 
 
 def on_failure(run: RunFields, e: dict[str, Any], t: float) -> None:
-    fail(run, t, f"rank {e.get('rank')}", str(e.get("reason", "")), rank=e.get("rank"))
+    # A node declared lost (train/peer_watch.py) names the node, not a rank.
+    where = f"node {e.get('node')}" if e.get("rank") is None and e.get("node") else f"rank {e.get('rank')}"
+    fail(run, t, where, str(e.get("reason", "")), rank=e.get("rank"))
 
 
 def fail(run: RunFields, t: float, where: str, reason: str, rank: Any = None) -> None:
@@ -175,11 +177,22 @@ def fail(run: RunFields, t: float, where: str, reason: str, rank: Any = None) ->
 def on_nodes(run: RunFields, e: dict[str, Any], t: float) -> None:
     run.training_nodes = [str(n) for n in e.get("nodes", [])]
     run.spare_nodes = [str(n) for n in e.get("spares", [])]
+    _restarts_left(run, e)
+    if e.get("change") == "spare_lost":  # a standby stopped beating: one spare fewer (train/spare_book.py)
+        reason = f"spare {e.get('node')} stopped beating: {len(run.spare_nodes)} spares left"
+        fail(run, t, f"node {e.get('node')}", reason)
     run.changed.add("timeline")
+
+
+def _restarts_left(run: RunFields, e: dict[str, Any]) -> None:
+    left = finite(e.get("restarts_left"))
+    if left is not None:
+        run.restarts_left = int(left)
 
 
 def on_recovery(run: RunFields, e: dict[str, Any], t: float) -> None:
     run.restarts += 1
+    _restarts_left(run, e)
     lost = finite(e.get("lost_seconds")) or 0.0
     run.lost_seconds += lost
     restart, resumed = finite(e.get("restart")), finite(e.get("resumed_step"))

@@ -209,6 +209,9 @@ class RunFields:
     # Elastic launches (--nnodes MIN:MAX, --spares K): the newest start's nodes that train and those standing by.
     training_nodes: list[str] = field(default_factory=list)
     spare_nodes: list[str] | None = None  # None: no `nodes` event, a launch without spares or elasticity
+    # The restarts the run may still spend (elastic launches: train/restart_budget.py; others: the agent's), once
+    # a `nodes` or `recovery` event said; None before.
+    restarts_left: int | None = None
     warnings: deque[tuple[float, str]] = field(default_factory=lambda: deque(maxlen=20))
     energy_by_node: dict[str, dict[str, Any]] = field(default_factory=dict)
     _energy_marks: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)  # node -> (t, kWh)

@@ -125,6 +125,7 @@ def summarize(run_dir: RunDir, *, state: str, wall_seconds: float, stage_seconds
         "recoveries": recoveries,
         "node_losses": node_losses(recoveries),
         "spares_left": None if state_of_run.spare_nodes is None else len(state_of_run.spare_nodes),
+        "restarts_left": state_of_run.restarts_left,
         "export": str(run_dir.export) if Path(run_dir.export).exists() else None,
     }
 
@@ -133,5 +134,5 @@ def node_losses(recoveries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """What each change of nodes cost (--nnodes MIN:MAX, --spares K): the nodes lost, the spare that took over, the
     time and steps lost, the layouts either side and the spares left (train/elastic.py)."""
     keys: tuple[str, ...] = ("lost_nodes", "joined_nodes", "took_over", "lost_seconds", "redone_steps")
-    keys += ("resumed_step", "layout_from", "layout_to", "spares_left")
+    keys += ("resumed_step", "layout_from", "layout_to", "spares_left", "detection_s", "restart_spent")
     return [{k: e.get(k) for k in keys} for e in recoveries if e.get("lost_nodes") or e.get("joined_nodes")]

@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +31,9 @@ from appliance.process_exit import exit_without_teardown
 from appliance.rundir import RunDir
 from appliance.tokenizer.vocab import tokenizer_vocab_size
 from appliance.train import checkpoint as ckpt
-from appliance.train import elastic, runlock
-from appliance.train.launch import fill_compile_cache_env
+from appliance.train import elastic, node_record, runlock
+from appliance.train.compile_cache import fill_compile_cache_env
+from appliance.train.restart_budget import Budget
 from appliance.train.settings import TrainSettings
 from appliance.train.startup import StartupClock
 from appliance.train.state import seed_everything
@@ -107,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     from appliance.parallel.topology import ParallelTopology
     from appliance.tokenizer.token_bytes import token_byte_lengths
     from appliance.train.budget_watch import BudgetWatch
+    from appliance.train.collective_timeout import collective_timeout_s, use_for_new_groups
     from appliance.train.faults import FaultInjector
     from appliance.train.from_spec import engine_for, kernels_for, model_config, reprice_plan
     from appliance.train.launch import check_plan_runs_here
@@ -121,9 +125,13 @@ def main(argv: list[str] | None = None) -> int:
         return elastic.stand_by(run_dir, place)
     os.environ["WORLD_SIZE"] = str(place.train_world)
     device = _device()
+    # Collectives wait for a peer as long as the plan's longest stretch of work allows, not torch's 10 to 30 minutes
+    # (train/collective_timeout.py); every group made later, DeepSpeed's too, gets the same.
+    timeout = timedelta(seconds=collective_timeout_s(spec))
+    use_for_new_groups(timeout)
     # The process group forms on a store rank 0 serves at MASTER_ADDR:MASTER_PORT (the agent's), listening on the one
     # address the launcher named (parallel/store.py): 127.0.0.1 on one node, the node's rendezvous address on several.
-    init_deepspeed_comm("nccl" if device.type == "cuda" else "gloo")
+    init_deepspeed_comm("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     events = writer_with_sinks(run_dir.metrics) if rank == 0 else None
     if events is not None:
@@ -172,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     # The first collective comes after every rank's own checks above, so a plan this node cannot run stops each rank
     # with its reason instead of leaving the others waiting in it.
     node_change = _note_nodes(run_dir, rank, layout.factors)
+    start = _account_start(run_dir, rank, spec, node_change, events)
+    if start is not None and start.budget.overspent:  # every rank learns it from rank 0: the run stops, resumable
+        dist.destroy_process_group()
+        return 0
     if rank == 0:
         # Ranks that start again are no longer preempted: the agent stops the workers with SIGTERM (they save and
         # leave this marker) when a node joins (the grow-back) and starts them again, in the same launch.
@@ -248,18 +260,33 @@ def main(argv: list[str] | None = None) -> int:
     if resume_from is not None:
         trainer.load(resume_from)
     clock.mark("checkpoint_load")  # the first evaluation and the first step: the clock reads their events
-    if events is not None and elastic.launched_elastic():
+    book = None
+    if events is not None and start is not None:
         # Which nodes train and stand by, and a change of nodes, are reported as the first step starts
-        # (train/elastic.py); an ordinary restart's recovery event too, after the same check.
+        # (train/node_record.py); an ordinary restart's recovery event too, after the same check. The spare book
+        # keeps the standbys' count while the start trains (train/spare_book.py).
+        from appliance.train.node_beats import timings
+        from appliance.train.spare_book import SpareBook
+
+        book = SpareBook(
+            run_dir,
+            events,
+            timings(),
+            idle=lambda: elastic.idle_of_start(run_dir),
+            by=elastic.this_node(),
+            expected=[] if node_change is None else node_change.before_spares,
+        )
         resumed = resume_from
-        trainer.on_step = elastic.report_at_first_step(
+        trainer.on_step = node_record.report_at_first_step(
             events,
             run_dir,
-            node_change,
-            resumed_step=trainer.pos.step,
-            spare_nodes=place.spare_nodes,
+            node_record.StartReport(node_change, trainer.pos.step, start.budget, start.spent),
+            idle=lambda: elastic.idle_of_start(run_dir),
+            standbys=book.start().standbys,
             then=watchdog.set_step,
-            otherwise=None if resumed is None else lambda: _emit_recovery(events, run_dir, resumed, trainer.pos.step),
+            otherwise=None
+            if resumed is None
+            else lambda: _emit_recovery(events, run_dir, resumed, trainer.pos.step, start.budget.left),
         )
     elif events is not None and resume_from is not None:
         _emit_recovery(events, run_dir, resume_from, trainer.pos.step)
@@ -297,25 +324,70 @@ def main(argv: list[str] | None = None) -> int:
     watchdog.stop()
     if sampler is not None:
         sampler.stop()  # takes a last sample, so the energy total covers the whole run
+    if book is not None:
+        book.stop()
     if rank == 0 and elastic.launched_elastic():
         elastic.release_spares(run_dir)  # this start's training ended (done, stopped or failed for good)
     dist.destroy_process_group()
     return 0
 
 
-def _note_nodes(run_dir: RunDir, rank: int, factors: str) -> elastic.NodeChange | None:
+def _note_nodes(run_dir: RunDir, rank: int, factors: str) -> node_record.NodeChange | None:
     """Every rank's node name to rank 0, which records them and compares them with the last start's
-    (train/elastic.py). Only an elastic launch reports a change: a job requeued on other nodes (SLURM) is no lost
+    (train/node_record.py). Only an elastic launch reports a change: a job requeued on other nodes (SLURM) is no lost
     node, and its recovery event keeps its own lost-time rule (train/watchdog.py lost_seconds)."""
     names: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(names, elastic.this_node())
     if rank != 0:
         return None
-    change = elastic.note_nodes(run_dir, [str(n) for n in names], factors)
+    change = node_record.note_nodes(run_dir, [str(n) for n in names], factors)
     if not elastic.launched_elastic():
         return None
     elastic.clear_old_starts(run_dir)
     return change
+
+
+@dataclass(frozen=True)
+class Start:
+    budget: Budget
+    spent: bool
+
+
+def _account_start(
+    run_dir: RunDir, rank: int, spec: RunSpec, change: node_record.NodeChange | None, events: EventWriter | None
+) -> Start | None:
+    """An elastic launch's restart budget (train/restart_budget.py): rank 0 counts this start, spends a restart
+    when it follows a failure no spare covered, and, past the budget, stops the run through the failed marker;
+    every rank gets its decision (None: not an elastic launch, whose agents keep torch's budget)."""
+    from appliance.train.restart_budget import StartFacts, account_start
+
+    if not elastic.launched_elastic():
+        return None
+    found: list[Any] = [None]
+    if rank == 0:
+        facts = None
+        if change is not None:
+            facts = StartFacts(
+                stopped_cleanly=run_dir.preempted_marker.exists(),
+                before_nodes=change.before_nodes,
+                nodes=change.nodes,
+                replacements=change.took_over,
+                layout_kept=change.old_layout == change.new_layout,
+            )
+        why = "a restart after a failure" if change is None or not change.lost else f"lost {', '.join(change.lost)}"
+        budget, spent = account_start(run_dir, spec.run.max_restarts, facts, why)
+        if budget.overspent and events is not None:
+            reason = (
+                f"restart budget spent: {budget.spent} failures against run.max_restarts {budget.budget} (the newest:"
+                f" {why}); spares' takeovers count none. Resume with the same command, or raise it with"
+                " --set max_restarts=N"
+            )
+            events.emit("failure", rank=rank, reason=reason, fatal=True)
+            run_dir.failed_marker.write_text(reason + "\n")
+            elastic.release_spares(run_dir)
+        found = [Start(budget, spent)]
+    dist.broadcast_object_list(found, src=0)
+    return found[0]
 
 
 def _start_watchdog(run_dir: RunDir, rank: int, settings: TrainSettings) -> Any:
@@ -337,18 +409,25 @@ def _start_watchdog(run_dir: RunDir, rank: int, settings: TrainSettings) -> Any:
     ).start()
 
 
-def _emit_recovery(events: EventWriter, run_dir: RunDir, resumed_from: Path, step: int) -> None:
+def _emit_recovery(
+    events: EventWriter, run_dir: RunDir, resumed_from: Path, step: int, restarts_left: int | None = None
+) -> None:
+    """`restarts_left`: the elastic launch's own count (train/restart_budget.py); else the agent's."""
     import time
 
     from appliance.train.watchdog import attempt_id, lost_seconds
 
     manifest = json.loads((resumed_from / ckpt.MANIFEST).read_text())
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restarts_left is None:
+        restarts_left = max(0, int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - restart)
     events.emit(
         "recovery",
-        restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        restart=restart,
         resumed_step=step,
         lost_seconds=lost_seconds(run_dir.heartbeats, attempt_id(), float(manifest["time"]), step, time.time()),
         checkpoint=str(resumed_from),
+        restarts_left=restarts_left,
     )
 
 

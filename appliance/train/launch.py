@@ -25,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
@@ -37,8 +37,8 @@ from appliance.parallel.store import LOOPBACK, STORE_BIND_ENV, loopback_interfac
 from appliance.planner.failures import RDZV_KEEP_ALIVE_ATTEMPTS, RDZV_KEEP_ALIVE_S, RDZV_LAST_CALL_S
 from appliance.planner.runspec import RunSpec, load_spec
 from appliance.rundir import RunDir
-from appliance.train.agent import HOST_RENDEZVOUS
-from appliance.train.cache_key import cache_tag
+from appliance.train.agent import HOST_RENDEZVOUS, NODE_WATCH
+from appliance.train.compile_cache import compile_cache_env
 from appliance.train.nodes import (
     ELASTIC_ENV,
     NODE_NAME_ENV,
@@ -49,6 +49,8 @@ from appliance.train.nodes import (
     store_host_command,
     wait_for_master,
 )
+from appliance.train.peer_watch import EXIT_REPLACED
+from appliance.train.restart_budget import AGENT_RESTARTS
 from appliance.train.runlock import LOCK_ENV, RunLock, own_run_dir
 from appliance.train.startup import LAUNCH_TIME_ENV
 
@@ -74,17 +76,21 @@ def agent_command(
     worker_args: tuple[str, ...] = (),
     store_hosted_elsewhere: bool = False,
     local_addr: str | None = None,
+    node_rank: int | None = None,
 ) -> list[str]:
     """The agent's command line. One node (no `rdzv_endpoint`): the agent hosts the rendezvous store itself, on
     loopback, and gives the ranks 127.0.0.1 as MASTER_ADDR. `store_hosted_elsewhere`: every agent joins the
     rendezvous store as a client (the launcher of node 0 hosts it, bound to the master address only;
     appliance/train/nodes.py). `nnodes` may be "MIN:MAX": the agents then re-form without a lost node (rendezvous
     timings: `rendezvous_conf`). `local_addr`: this node's address in the rendezvous, which torch gives every rank
-    as MASTER_ADDR when this node comes first (None: torch's own choice, this machine's FQDN)."""
+    as MASTER_ADDR when this node comes first (None: torch's own choice, this machine's FQDN). `node_rank`, for an
+    elastic launch's node: the agent beats for the node and watches the others' beats (train/peer_watch.py)."""
     one_node = nnodes == 1 and rdzv_endpoint is None
     # One node: torch's --standalone would host the rendezvous store on every interface. The agent hosts it instead
     # (train/agent.py), on loopback, and adds the --rdzv-endpoint; it joins as a client like the agents of nodes.
-    cmd = [python, "-m", AGENT_MODULE, *((HOST_RENDEZVOUS, LOOPBACK) if one_node else ())]
+    cmd = [python, "-m", AGENT_MODULE]
+    cmd += [] if node_rank is None else [NODE_WATCH, str(run_dir), str(node_rank)]
+    cmd += [HOST_RENDEZVOUS, LOOPBACK] if one_node else []
     cmd += [f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}"]
     if one_node:
         cmd += ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-id={rdzv_id}"]
@@ -140,41 +146,6 @@ FRESH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 # The interface gloo's connections use (torch reads it in every rank).
 GLOO_INTERFACE_ENV = "GLOO_SOCKET_IFNAME"
 NCCL_INTERFACE_ENV = "NCCL_SOCKET_IFNAME"
-
-
-# The compile caches torch and Triton read from the environment: Triton's kernels (ours and Inductor's), and
-# Inductor's FX graph, AOTAutograd and autotuning results (torch puts all of those under TORCHINDUCTOR_CACHE_DIR).
-COMPILE_CACHE_ENV = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor"}
-
-
-def compile_cache_env(run_dir: RunDir, node_rank: int = 0) -> dict[str, str]:
-    """Where a node's ranks keep what they compile: `<run>/compile-cache/<user tag>/node<R>/{triton,inductor}`.
-
-    In the run directory, because it is what outlives everything the cache must outlive: an agent restart, a requeue
-    onto other machines, a rerun of the command (the defaults, ~/.triton and /tmp/torchinductor_<user>, are lost with
-    a node's local disk, and /tmp with a reboot). One directory per node (by node rank, which a requeued node keeps),
-    because the run directory may sit on a file system every node mounts: each directory is written by one node's
-    ranks only, so the compile of the first start takes no lock and renames no file across nodes. The caches' keys
-    hold the GPU, the software versions and the source, so a node that lands on other hardware misses, never loads
-    a wrong kernel. A variable the user set is kept (e.g. one cache for every run of a machine).
-
-    Below compile-cache/, a folder named by this user's key (train/cache_key.py): the caches hold code that torch and
-    Triton load, and a run directory copied from someone else must not bring code into this user's ranks."""
-    root = run_dir.compile_cache / cache_tag() / f"node{node_rank}"
-    return {name: str(root / sub) for name, sub in COMPILE_CACHE_ENV.items()}
-
-
-# Which node a rank is on, where its launcher set no compile caches: SLURM's node index (what a requeued job's node
-# keeps), else torch's rendezvous rank of the node.
-NODE_INDEX_ENVS = ("SLURM_NODEID", "GROUP_RANK")
-
-
-def fill_compile_cache_env(run_dir: RunDir, env: MutableMapping[str, str]) -> None:
-    """compile_cache_env's variables for a rank whose launcher set none: the SLURM script's agents start from the
-    batch shell's environment, where one line cannot name each node's directory. Variables already set are kept."""
-    node = next((env[name] for name in NODE_INDEX_ENVS if env.get(name, "").isdigit()), "0")
-    for name, path in compile_cache_env(run_dir, int(node)).items():
-        env.setdefault(name, path)
 
 
 def worker_env(
@@ -247,6 +218,7 @@ class AgentLogWatcher:
 
     def poll(self) -> int:
         """Read what the agent wrote since the last call; returns how many failures it reported."""
+        from appliance.train.peer_watch import was_aborted
         from appliance.train.watchdog import was_killed_as_hung
 
         try:
@@ -264,8 +236,10 @@ class AgentLogWatcher:
             if match is None:
                 continue
             code, local_rank, pid = (int(g) for g in match.groups())
-            if was_killed_as_hung(self.run_dir.heartbeats, pid):
-                continue
+            if was_killed_as_hung(self.run_dir.heartbeats, pid) or (
+                self.node is not None and was_aborted(self.run_dir, self.node, pid)
+            ):
+                continue  # reported already, with the reason: a hang, or a silent peer node
             cause = f"killed by {signal.Signals(-code).name}" if code < 0 and -code in _SIGNALS else f"exit code {code}"
             where = {} if self.node is None else {"node": self.node}
             who = f"rank {local_rank}" if self.node is None else f"local rank {local_rank} on {self.node}"
@@ -306,6 +280,7 @@ def run_agent(
         rdzv_id=f"bloom-{run_dir.root.resolve().name}",
         store_hosted_elsewhere=nodes is not None,
         local_addr=None if nodes is None else local_address(nodes),
+        node_rank=nodes.node_rank if nodes is not None and nodes.elastic else None,
     )
     previous = _request_stop_on_signals(run_dir) if threading.current_thread() is threading.main_thread() else {}
     agent_log = run_dir.logs / ("agent.log" if nodes is None or nodes.is_head else f"agent-node{nodes.node_rank}.log")
@@ -388,7 +363,10 @@ def check_plan_runs_here(spec: RunSpec, source: str, *, ranks_here: int, in_rank
 
 def run_plan(run_dir: RunDir, *, worker_args: tuple[str, ...] = (), nodes: NodeGroup | None = None) -> int:
     """The ranks of the run directory's plan on this machine: tp x pp x dp processes, or that divided by the nodes
-    of `nodes`, with the plan's restart budget.
+    of `nodes`, with the plan's restart budget (an elastic launch's agents get one they cannot reach, and the run
+    counts its own: train/restart_budget.py). A node that stands by (a spare, or a node back to a run that trains
+    without it: train/standby.py) starts its agent only when it takes a place, and waits again when its agent
+    leaves because the node was declared lost and replaced.
 
     Preempted and failed markers left by an earlier launch are cleared first (by node 0, the only one that may),
     so they only ever describe this one. A plan the ranks could not read fails here, before any rank starts
@@ -397,8 +375,20 @@ def run_plan(run_dir: RunDir, *, worker_args: tuple[str, ...] = (), nodes: NodeG
     spec = load_spec(run_dir.plan)
     world = spec.layout.world_size
     ranks_here = world if nodes is None else nodes.ranks_per_node(world, str(run_dir.plan))
-    check_plan_runs_here(spec, str(run_dir.plan), ranks_here=ranks_here)
-    if nodes is not None and nodes.elastic:
+    elastic = nodes is not None and nodes.elastic
+    standing_by = False
+    if nodes is not None and elastic:
+        from appliance.train.node_beats import STANDBY, timings
+        from appliance.train.standby import node_role
+
+        standing_by = node_role(run_dir, nodes, timings()) == STANDBY
+    if standing_by:
+        # torch imported by a process that ends, not by the standby; a CPU plan outside fp16 has nothing to check
+        if spec.hardware.gpus_per_node > 0 or spec.train.dtype == "fp16":
+            check_node_elsewhere(run_dir, ranks_here)
+    else:
+        check_plan_runs_here(spec, str(run_dir.plan), ranks_here=ranks_here)
+    if nodes is not None and elastic:
         from appliance.train.elastic import check_node_range, min_agents
 
         # With spares and no MIN, the agents carry on down to the plan's smallest usable node count.
@@ -415,14 +405,44 @@ def run_plan(run_dir: RunDir, *, worker_args: tuple[str, ...] = (), nodes: NodeG
     if nodes is None or nodes.is_head:
         run_dir.preempted_marker.unlink(missing_ok=True)
         run_dir.failed_marker.unlink(missing_ok=True)
-    return run_agent(
-        run_dir,
-        nproc_per_node=ranks_here,
-        max_restarts=spec.run.max_restarts,
-        worker_args=worker_args,
-        nodes=nodes,
-        cpu_plan=spec.hardware.gpus_per_node == 0,
+        if elastic:
+            from appliance.train.restart_budget import open_launch
+
+            open_launch(run_dir, spec.run.max_restarts)
+    while True:
+        if nodes is not None and standing_by:
+            from appliance.train.node_beats import timings
+            from appliance.train.standby import OVER, TAKE_OVER, Standby
+
+            wait_for_master(nodes)
+            outcome = Standby(run_dir, nodes, timings()).wait()
+            if outcome != TAKE_OVER:
+                return 0 if outcome == OVER else 1  # over: the markers say how; else the run is gone
+        code = run_agent(
+            run_dir,
+            nproc_per_node=ranks_here,
+            max_restarts=AGENT_RESTARTS if elastic else spec.run.max_restarts,
+            worker_args=worker_args,
+            nodes=nodes,
+            cpu_plan=spec.hardware.gpus_per_node == 0,
+        )
+        if not (elastic and code == EXIT_REPLACED):
+            return code
+        print(f"{nodes.node_name() if nodes else 'this node'} was declared lost and replaced", file=sys.stderr)
+        standing_by = True
+
+
+def check_node_elsewhere(run_dir: RunDir, ranks_here: int, python: str = sys.executable) -> None:
+    """check_plan_runs_here in a process of its own (`python -m appliance.train.node_check`), for a node that stands
+    by: the check imports torch, which the standby must not hold. BadInput with the check's message."""
+    done = subprocess.run(
+        [python, "-m", "appliance.train.node_check", str(run_dir.root), str(ranks_here)],
+        capture_output=True,
+        text=True,
+        env=worker_env(),
     )
+    if done.returncode != 0:
+        raise BadInput((done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1])
 
 
 def last_rank_errors(run_dir: RunDir, max_lines: int = 30) -> str:

@@ -8,8 +8,9 @@ as few as MIN when a node is lost (the ranks re-plan dp: appliance/train/elastic
 line count.
 
 `--spares K`: K more nodes run the same command (node ranks N..N+K-1, or the hostfile's last K lines) and stand by
-inside the worker group: the agents meet as N + K, the ranks the plan needs train and the others idle until a
-node is lost, when the agents re-form and a spare takes the lost node's ranks (appliance/train/elastic.py).
+outside the rendezvous, in a process that imports no torch (appliance/train/standby.py): the agents meet as the N
+training nodes (`--nnodes MIN:N`), and when one is lost the first spare in line starts its agent, which joins them
+as they re-form, and takes the lost node's ranks.
 
 `--store-elsewhere`: the store runs on a machine that does not train (`python -m appliance.train.nodes --host-store
 HOST:PORT` there), every node's launcher, node 0's included, joins it as a client, and losing node 0 is then a
@@ -74,7 +75,9 @@ class NodeGroup:
     master_host: str
     master_port: int
     min_nodes: int | None = None  # MIN of --nnodes MIN:MAX: the agents carry on with as few (None: all of nnodes)
-    spares: int = 0  # --spares K: nodes beyond nnodes that stand by to take a lost node's ranks
+    spares: int = (
+        0  # --spares K: nodes beyond nnodes that stand by, outside the rendezvous, to take a lost node's ranks
+    )
     store_elsewhere: bool = False  # --store-elsewhere: the store at --master runs on a machine that does not train
 
     def __post_init__(self) -> None:
@@ -108,10 +111,11 @@ class NodeGroup:
 
     @property
     def agent_nnodes(self) -> str:
-        """torch.distributed.run's --nnodes: N, or MIN:MAX (with spares, MAX counts them)."""
+        """torch.distributed.run's --nnodes: N, or MIN:MAX; MAX is the training nodes' count (a spare is no member
+        of the rendezvous until it takes a lost node's place)."""
         if not self.elastic:
             return str(self.nnodes)
-        return f"{self.min_nodes or self.nnodes}:{self.total_nodes}"
+        return f"{self.min_nodes or self.nnodes}:{self.nnodes}"
 
     @property
     def is_head(self) -> bool:

@@ -1,8 +1,8 @@
 """A run directory copied from someone else brings no code into this user's ranks through its compile caches.
 
 torch's Inductor unpickles its cache entries and imports the modules it generated; Triton loads its launcher as a
-shared library. The ranks' caches live in the run directory (train/launch.py compile_cache_env), under a folder
-named by an HMAC of the user's own key (train/cache_key.py). These tests plant a cache where the ranks of the run's
+shared library. The ranks' caches live in the run directory (train/compile_cache.py compile_cache_env), under a folder
+named by an HMAC of the user's own key (train/compile_cache.py). These tests plant a cache where the ranks of the run's
 owner (another key) would look, and check that this user's ranks look elsewhere, while this user's own restarts
 keep finding theirs."""
 
@@ -11,8 +11,7 @@ import stat
 from pathlib import Path
 
 from appliance.rundir import RunDir
-from appliance.train.cache_key import cache_tag, key_path, read_or_make_key
-from appliance.train.launch import compile_cache_env
+from appliance.train.compile_cache import cache_tag, compile_cache_env, key_path, read_or_make_key
 
 
 def _env_of(home: Path) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """A restarted rank finds what the first start compiled: two processes with the environment the launcher gives the
-ranks (train/launch.py compile_cache_env) compile the same function, and the second loads Inductor's FX graph cache
-instead of compiling again."""
+ranks (train/compile_cache.py compile_cache_env) compile the same function, and the second loads Inductor's FX graph
+cache instead of compiling again."""
 
 import json
 import subprocess
@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from appliance.rundir import RunDir
-from appliance.train.cache_key import cache_tag
-from appliance.train.launch import compile_cache_env, fill_compile_cache_env, worker_env
+from appliance.train.compile_cache import cache_tag, compile_cache_env, fill_compile_cache_env
+from appliance.train.launch import worker_env
 
 pytestmark = pytest.mark.slow
 

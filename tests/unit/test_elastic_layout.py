@@ -13,16 +13,10 @@ from appliance.hardware import load_hardware
 from appliance.planner import RunSpec, load_model_shape, make_plan, parse_layout
 from appliance.planner.shrink import layout_for_world, usable_node_counts
 from appliance.rundir import RunDir
-from appliance.train.elastic import (
-    check_node_range,
-    min_agents,
-    note_nodes,
-    note_spares,
-    placement,
-    spec_for_world,
-    training_nodes,
-)
+from appliance.train.elastic import check_node_range, min_agents, placement, spec_for_world, training_nodes
 from appliance.train.launch import agent_command
+from appliance.train.node_beats import create_exclusive
+from appliance.train.node_record import note_nodes, update_nodes
 from appliance.train.nodes import NodeGroup, node_group, parse_nnodes
 from appliance.train.nodes import main as nodes_main
 
@@ -78,15 +72,21 @@ def test_the_node_record_names_lost_and_returned_nodes(tmp_path: Path) -> None:
 def test_the_node_record_names_the_spare_that_took_over(tmp_path: Path) -> None:
     run_dir = RunDir(tmp_path).make()
     assert note_nodes(run_dir, ["h/node0", "h/node1"], "tp(1) * pp(1) * dp(2)") is None
-    note_spares(run_dir, ["h/node2"])  # the first step of that start
-    change = note_nodes(run_dir, ["h/node0", "h/node2"], "tp(1) * pp(1) * dp(2)")  # node 1 lost, node 2 trains
+    # Node 1 declared lost; the standby of node 2 claims its place (train/standby.py), and trains in the next start.
+    claims = run_dir.control / "node-beats" / "claims"
+    assert create_exclusive(claims / "h_node1@x.json", {"spare": "h/node2", "replaces": "h/node1"})
+    assert not create_exclusive(claims / "h_node1@x.json", {"spare": "h/node3", "replaces": "h/node1"})  # taken
+    change = note_nodes(run_dir, ["h/node0", "h/node2"], "tp(1) * pp(1) * dp(2)")
     assert change is not None
-    took = change.resolve([])  # no spare left
+    took = change.resolve([])
     assert (took.lost, took.joined, took.took_over, took.changed) == (["h/node1"], [], ["h/node2"], True)
-    # A lost spare, the training nodes unchanged, is a change too (one spare fewer).
-    note_spares(run_dir, ["h/node3"])
-    spare_lost = note_nodes(run_dir, ["h/node0", "h/node2"], "tp(1) * pp(1) * dp(2)")
-    assert spare_lost is not None and spare_lost.resolve([]).lost == ["h/node3"]
+    # The claim was seen by that start: node 2 trains on in the next one, and took over nothing more.
+    again = note_nodes(run_dir, ["h/node0", "h/node2"], "tp(1) * pp(1) * dp(2)")
+    assert again is not None and again.took_over == [] and not again.resolve([]).changed
+    # A node that joins without a claim (a grow-back) joined; an idle node of a step-down that trains took over.
+    update_nodes(run_dir, idle=["h/node3"])
+    grown = note_nodes(run_dir, ["h/node0", "h/node2", "h/node3", "h/node4"], "tp(1) * pp(1) * dp(4)")
+    assert grown is not None and (grown.took_over, grown.joined) == (["h/node3"], ["h/node4"])
 
 
 def test_placement_trains_the_plans_nodes_and_the_rest_stand_by() -> None:
@@ -173,7 +173,9 @@ def test_only_elastic_launches_re_plan_and_min_must_hold_a_layout() -> None:
 def test_spares_flags(tmp_path: Path) -> None:
     group = node_group(nnodes=2, node_rank=2, master="127.0.0.1:29611", hostfile=None, spares=1)
     assert group is not None and group.elastic and (group.nnodes, group.total_nodes) == (2, 3)
-    assert group.agent_nnodes == "2:3"  # MIN defaults to the plan's smallest usable count at launch (min_agents)
+    # The rendezvous holds the training nodes only: a spare joins it when it takes a lost node's place. MIN defaults
+    # to the plan's smallest usable count at launch (min_agents).
+    assert group.agent_nnodes == "2:2"
     with pytest.raises(BadInput, match=r"--node-rank 3: out of range for --nnodes 2 --spares 1 \(0\.\.2\)"):
         node_group(nnodes=2, node_rank=3, master="127.0.0.1:29611", hostfile=None, spares=1)
     with pytest.raises(BadInput, match=r"--spares 1: needs --nnodes and --master"):

@@ -154,7 +154,7 @@ def test_each_rank_refuses_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     fp16_cpu_plan(run_dir)
     monkeypatch.setattr(worker.runlock, "join", lambda rd: None)
     monkeypatch.setattr(worker, "tokenizer_vocab_size", lambda path: 512)
-    monkeypatch.setattr("appliance.parallel.step.deepspeed_comm.init_deepspeed_comm", lambda backend: None)
+    monkeypatch.setattr("appliance.parallel.step.deepspeed_comm.init_deepspeed_comm", lambda backend, **kw: None)
     monkeypatch.setattr(worker.dist, "get_rank", lambda: 0)
     monkeypatch.setattr(worker.dist, "get_world_size", lambda: 2)
     with pytest.raises(SystemExit, match="the plan trains in fp16"):

@@ -7,7 +7,7 @@ import appliance.train.launch as launch
 from appliance.hardware import load_hardware
 from appliance.planner import load_model_shape, make_plan, parse_layout
 from appliance.rundir import RunDir
-from appliance.train.cache_key import cache_tag
+from appliance.train.compile_cache import cache_tag, compile_cache_env
 
 
 def test_run_plan_starts_tp_pp_dp_ranks_and_clears_a_stale_preempted_marker(tmp_path, monkeypatch):
@@ -38,7 +38,7 @@ def test_agent_command_single_node_hosts_its_rendezvous_on_loopback(tmp_path):
 
 def test_ranks_keep_their_compile_caches_in_the_run_directory_per_node(tmp_path):
     run_dir = RunDir(tmp_path / "run")
-    caches = launch.compile_cache_env(run_dir, node_rank=3)
+    caches = compile_cache_env(run_dir, node_rank=3)
     env = launch.worker_env({"PATH": "/bin"}, compile_cache=caches)
     assert env["TRITON_CACHE_DIR"] == str(tmp_path / "run" / "compile-cache" / cache_tag() / "node3" / "triton")
     assert env["TORCHINDUCTOR_CACHE_DIR"] == str(

@@ -3,6 +3,8 @@ launch, on a new one whose store listens where the launcher said (parallel/store
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from appliance.parallel.store import ranks_init_method
 
 # DeepSpeed's CPU accelerator compiles a shared-memory all-reduce (C++, about a minute on 2 cores) the first time its
@@ -12,10 +14,12 @@ from appliance.parallel.store import ranks_init_method
 SHM_COMM_OP = "deepspeed_shm_comm"
 
 
-def init_deepspeed_comm(backend: str) -> None:
+def init_deepspeed_comm(backend: str, timeout: timedelta | None = None) -> None:
+    """`timeout`: how long the world's collectives wait (None: DeepSpeed's default)."""
     import deepspeed
     import deepspeed.ops
 
     if backend == "gloo":
         deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
-    deepspeed.init_distributed(dist_backend=backend, init_method=ranks_init_method())
+    given = {} if timeout is None else {"timeout": timeout}
+    deepspeed.init_distributed(dist_backend=backend, init_method=ranks_init_method(), **given)

@@ -22,8 +22,10 @@ class TimelinePanel(Panel):
 
     def show(self, state: RunState) -> None:
         spares = "" if state.spare_nodes is None else f" · spares {len(state.spare_nodes)}"
+        left = "" if state.restarts_left is None else f" ({state.restarts_left} left)"
         self.border_title = (
-            f"failures {state.failures} · restarts {state.restarts} · lost {fmt_duration(state.lost_seconds)}{spares}"
+            f"failures {state.failures} · restarts {state.restarts}{left} · lost {fmt_duration(state.lost_seconds)}"
+            f"{spares}"
         )
         parts: list[RenderableType] = []
         if not state.timeline:
