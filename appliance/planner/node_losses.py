@@ -8,13 +8,13 @@ over GPUs and time, so the count over a run is Poisson with mean
 
 (BLOOM-176B's 384 GPUs over the plan's 120 days: 21.8). planner/failures.py prices them; this module counts them.
 
-The restart budget (plan.json `run.max_restarts`, the elastic agent's --max-restarts): every node loss spends one
-restart of the worker group, whether a spare takes the lost node's ranks or the run steps down (torch's agent
-counts failed worker groups; a node joining spends none). A flat budget of 3 ended such a run at its 4th loss with
-spares still waiting. The plan's budget is the losses it expects at the 99th percentile (LOSS_QUANTILE), at least
-the spares it suggests for a week of losses, plus RESTART_MARGIN for the failures that are not node losses (a
-rank's crash, a hang): BLOOM-176B's 21.8 expected give 33 + 3 = 36. `--set max_restarts=N` still sets it, and a
-plan written before keeps the budget it states.
+The restart budget (plan.json `run.max_restarts`): the run counts failures, not replacements
+(train/restart_budget.py): a node loss that a spare absorbs spends nothing, one that leaves the run to step down
+spends one, as do a rank's crash and a hang. A flat budget of 3 ended a run at its 4th such failure. The plan does
+not know how many spares the launch will bring (`--spares K` is a launch flag), so its budget covers the losses it
+expects at the 99th percentile (LOSS_QUANTILE) as if none found a spare, at least the spares it suggests for a
+week of losses, plus RESTART_MARGIN for the failures that are not node losses: BLOOM-176B's 21.8 expected give
+33 + 3 = 36. `--set max_restarts=N` still sets it, and a plan written before keeps the budget it states.
 """
 
 from __future__ import annotations
