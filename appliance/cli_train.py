@@ -33,14 +33,12 @@ TRAIN = "./bloom_appliance.py train --run-dir {run_dir}"
 def _need_inputs(path: Path, *, data: bool = True, checkpoint: bool = False) -> None:
     """BadInput, before any process starts, unless the run directory holds what the command reads: a plan, the
     tokenizer, the indexed data (`data`) and a committed checkpoint (`checkpoint`), naming the first missing one and
-    the command that makes it. No torch here: the check answers in the time Python takes to start."""
-    from appliance.data.blend import DATASETS_JSON  # numpy, no torch
+    the command that makes it. No torch or numpy here: the check answers in the time Python takes to start, and a
+    spare's standby, which runs it too, stays small."""
     from appliance.train.checkpoint import find_latest
 
     run_dir = RunDir(_need_run_dir(path))
-    needed = [("tokenizer", run_dir.tokenizer_json)] + (
-        [("indexed data", run_dir.data / DATASETS_JSON)] if data else []
-    )
+    needed = [("tokenizer", run_dir.tokenizer_json)] + ([("indexed data", run_dir.datasets_json)] if data else [])
     for what, file in needed:
         if not file.is_file():
             raise BadInput(

@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+DATASETS_JSON = "datasets.json"  # beside the .bin/.idx files of a run's data/ and of `tokenize --out`
+
 # control/'s files steer the run (stop, checkpoint) and its lock names the owner: only the run's user may plant them.
 CONTROL_DIR_MODE = 0o700
 
@@ -43,6 +45,11 @@ class RunDir:
     @property
     def data(self) -> Path:
         return self.root / "data"
+
+    @property
+    def datasets_json(self) -> Path:
+        """What the data stage built: a dataset per language, with its prefix, documents and tokens."""
+        return self.data / DATASETS_JSON
 
     @property
     def checkpoints(self) -> Path:

@@ -21,11 +21,11 @@ import numpy as np
 from appliance.data.gpt_dataset import GPTDataset, train_valid_split
 from appliance.data.indexed import IndexedDataset
 from appliance.errors import BadInput
+from appliance.rundir import DATASETS_JSON
 
 SMOOTHING_ALPHA = 0.3
 # Megatron asks each blended dataset for 0.5% more samples than its share, so rounding never runs it dry.
 SAMPLE_HEADROOM = 1.005
-DATASETS_JSON = "datasets.json"
 
 
 class SampleSource(Protocol):

@@ -144,3 +144,26 @@ def test_a_prepared_run_directory_passes_the_check(tmp_path, command, monkeypatc
     extra = ["--out", str(tmp_path / "exported")] if command == ["export"] else []
     cli.main([*command, "--run-dir", str(root), *extra])
     assert len(launched) == 1
+
+
+def test_the_check_imports_neither_torch_nor_numpy(tmp_path):
+    """A spare's standby runs this check too, before it stands by holding nothing: a heavy import here would sit in
+    every spare's memory for the life of the run."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from appliance.cli_train import _need_inputs\n"
+        "from appliance.errors import BadInput\n"
+        f"try:\n    _need_inputs(Path({str(tmp_path)!r}), checkpoint=True)\n"
+        "except BadInput:\n    pass\n"
+        "print(sorted(m for m in ('torch', 'numpy', 'deepspeed') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "[]", done.stdout
+    # Control: the same probe sees numpy once something imports it.
+    control = code.replace("import sys\n", "import sys\nimport numpy\n", 1)
+    done = subprocess.run([sys.executable, "-c", control], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "['numpy']", done.stdout
