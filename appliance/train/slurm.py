@@ -32,7 +32,8 @@ from appliance.hardware.slurm import (
     slurm_file_name,
 )
 from appliance.planner.runspec import RunSpec
-from appliance.train.launch import FRESH_STORE_ENV, REPO_ROOT, agent_command
+from appliance.train.agent import SLURM_RENDEZVOUS
+from appliance.train.launch import AGENT_MODULE, FRESH_STORE_ENV, REPO_ROOT, agent_command
 from appliance.train.runlock import LOCK_ENV
 from appliance.train.startup import LAUNCH_TIME_ENV
 
@@ -40,7 +41,11 @@ RDZV_PORT = 29500
 # What agent_command is given for the rendezvous endpoint and id, which only the running job knows: each becomes
 # the quoted variable of the script's own that holds it. The control character keeps them apart from any word
 # that came from the user (those are refused when they hold one), so nothing else is ever replaced.
-_JOB_VALUES = {"\x1fRDZV_ENDPOINT\x1f": '"$RDZV_ENDPOINT"', "\x1fRDZV_ID\x1f": '"$RDZV_ID"'}
+_JOB_VALUES = {
+    "\x1fRDZV_ENDPOINT\x1f": '"$RDZV_ENDPOINT"',
+    "\x1fRDZV_ID\x1f": '"$RDZV_ID"',
+    "\x1fMASTER_ADDR\x1f": '"$MASTER_ADDR"',
+}
 
 
 @dataclass(frozen=True)
@@ -119,7 +124,7 @@ def sbatch_script(job: SlurmJob, *, corpus: list[Path], python: str = ".venv/bin
         check_script_text(path, "--corpus")
     check_script_text(python, "the python interpreter")
     check_script_text(REPO_ROOT, "the appliance's directory")
-    endpoint, rdzv_id = _JOB_VALUES
+    endpoint, rdzv_id, master = _JOB_VALUES
     agent = agent_command(
         run_dir,
         nproc_per_node=job.gpus_per_node,
@@ -128,7 +133,11 @@ def sbatch_script(job: SlurmJob, *, corpus: list[Path], python: str = ".venv/bin
         rdzv_endpoint=endpoint,
         rdzv_id=rdzv_id,
         python=python,
+        store_hosted_elsewhere=True,  # the first node's agent wrapper hosts it, on the first node's address only
     )
+    # The stores on the allocation's network only (train/agent.py slurm_stores), not on every interface.
+    module_at = agent.index(AGENT_MODULE) + 1
+    agent[module_at:module_at] = [SLURM_RENDEZVOUS, master, str(RDZV_PORT)]
     directives = [
         f"--job-name={job.job_name}",
         f"--nodes={job.nodes}",

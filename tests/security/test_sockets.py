@@ -133,3 +133,52 @@ def test_several_nodes_meet_on_the_network_of_the_master() -> None:
         Path("/r"), nproc_per_node=1, max_restarts=0, nnodes=2, rdzv_endpoint="h:1", local_addr="10.0.0.2"
     )
     assert "--local-addr=10.0.0.2" in cmd and "--rdzv-endpoint=h:1" in cmd
+
+
+def test_under_slurm_the_first_node_hosts_the_rendezvous_on_the_allocations_address_only(tmp_path: Path) -> None:
+    """The batch script's agent words (train/slurm.py): `--slurm-rendezvous "$MASTER_ADDR" 29500` and is_host=false
+    on every node. Here one node of such a job, SLURM_NODEID 0, its first node's name resolving to loopback: the
+    rendezvous store on that address and port, rank 0's store on the node's address toward it, nothing elsewhere."""
+    from appliance.train.agent import SLURM_RENDEZVOUS
+    from appliance.train.launch import AGENT_MODULE, FRESH_STORE_ENV
+    from appliance.train.slurm import SlurmJob, sbatch_script
+
+    script = sbatch_script(SlurmJob(run_dir=tmp_path / "run", nodes=2, gpus_per_node=1, cpus_per_task=1), corpus=[])
+    (srun,) = [line for line in script.splitlines() if line.startswith("srun ")]
+    assert f'{SLURM_RENDEZVOUS} "$MASTER_ADDR" 29500' in srun and "--rdzv-conf=is_host=false" in srun
+    with _listening(LOOPBACK) as probe:
+        port = probe.getsockname()[1]
+    rank = tmp_path / "rank.py"
+    rank.write_text(RANK)
+    cmd = agent_command(
+        tmp_path,
+        nproc_per_node=1,
+        max_restarts=0,
+        nnodes=1,
+        rdzv_endpoint=f"localhost:{port}",
+        store_hosted_elsewhere=True,
+    )
+    at = cmd.index(AGENT_MODULE) + 1
+    cmd[at:at] = [SLURM_RENDEZVOUS, "localhost", str(port)]
+    cmd = [*cmd[: cmd.index(WORKER_MODULE) - 1], str(rank), str(tmp_path)]
+    env = {k: v for k, v in os.environ.items() if k != STORE_BIND_ENV} | {"SLURM_NODEID": "0", "OMP_NUM_THREADS": "1"}
+    env[GLOO_INTERFACE_ENV] = "lo"
+    env[FRESH_STORE_ENV] = "1"  # as the batch script exports it
+    agent = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "formed").exists():
+            assert agent.poll() is None, agent.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "the rank did not form its process group"
+            time.sleep(0.1)
+        found = listeners([agent.pid])
+        (tmp_path / "done").touch()
+        assert agent.wait(timeout=60) == 0, agent.communicate()[0][-3000:]
+    finally:
+        agent.kill()
+    master_addr, master_port = (tmp_path / "formed").read_text().split()
+    assert master_addr == LOOPBACK  # the node's own address toward the first node, given to the ranks
+    described = sorted(map(str, found))
+    assert any(s.port == port and "appliance.train.agent" in s.command for s in found), described
+    assert any(s.port == int(master_port) and str(rank) in s.command for s in found), described
+    assert all(s.loopback for s in found), f"listening beyond the first node's address: {described}"
