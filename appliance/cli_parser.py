@@ -167,6 +167,8 @@ FORCE_HELP = (
     "write into a non-empty --out that is not an earlier {what}, beside its files: they are kept, and a name"
     " the command writes that is taken is still refused"
 )
+# The data commands print a short summary for a person; scripts that parse their output ask for it as JSON.
+JSON_HELP = "one JSON object on stdout ({what}) instead of the summary; progress stays on stderr"
 
 
 def _add_set(p: argparse.ArgumentParser, help: str) -> None:
@@ -244,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--account", help="with --sbatch")
     p.add_argument("--script-dir", type=Path, help="with --sbatch: where to write (default: <out>.prep-slurm)")
     p.add_argument("--force", action="store_true", help=FORCE_HELP.format(what="prep output"))
+    p.add_argument("--json", action="store_true", help=JSON_HELP.format(what="prep_report.json's totals"))
 
     p = sub.add_parser("tokenize", help="Megatron .bin/.idx datasets from a prepared corpus, outside `run`")
     p.add_argument("--corpus", type=Path, required=True, help="a directory `prep` wrote (shard-*.jsonl)")
@@ -260,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help=FORCE_HELP.format(what="tokenize output") + "; or over an earlier one of other inputs",
     )
+    p.add_argument("--json", action="store_true", help=JSON_HELP.format(what="state and datasets.json"))
 
     p = sub.add_parser("tokenizer", help="train BLOOM's byte-level BPE tokenizer on a prepared corpus")
     p.add_argument("--corpus", type=Path, required=True, help="a directory `prep` wrote")
@@ -272,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tp", type=int, default=1, help="pad the vocabulary to a multiple of 128 x TP")
     p.add_argument("--force", action="store_true", help=FORCE_HELP.format(what="tokenizer output"))
+    p.add_argument(
+        "--json", action="store_true", help=JSON_HELP.format(what="tokenizer.json's path, sizes and fertility verdict")
+    )
 
     p = sub.add_parser("train", help="train (or resume) the run in a run directory")
     p.add_argument("--run-dir", type=Path, required=True, help="a run directory with a plan.json")

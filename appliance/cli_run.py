@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from appliance.cli_parser import nodes_from_args
-from appliance.errors import BadInput
+from appliance.errors import EXIT_OK, EXIT_PREEMPTED, BadInput
 from appliance.output_dirs import listing, make_run_dir
 from appliance.rundir import RunDir
 from appliance.train.runlock import refuse_if_live
@@ -20,9 +20,6 @@ from appliance.train.runlock import refuse_if_live
 if TYPE_CHECKING:
     from appliance.monitor.headless import HeadlessPrinter
     from appliance.run_request import RunRequest
-
-# In the run directory: the output of the headless run a dashboard started in the background.
-HEAD_LOG = "head.log"
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -64,9 +61,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run_headless(req: RunRequest, log_format: str, run: Callable[..., int]) -> int:
+    from appliance.monitor.closing import closing_lines
     from appliance.monitor.headless import HeadlessPrinter
 
-    printer = HeadlessPrinter(stream=sys.stdout, log_format=log_format)
+    printer = HeadlessPrinter(stream=sys.stdout, log_format=log_format, closing=closing_lines)
     return run(req, follow=lambda run_dir: _printing_new_events(run_dir, printer))
 
 
@@ -98,9 +96,11 @@ def _printing_new_events(run_dir: RunDir, printer: HeadlessPrinter) -> Iterator[
 
 def _run_with_dashboard(run_dir: Path, made: list[Path]) -> int:
     """The run headless in a child process, its output in head.log; the dashboard here. `made`: the folders this
-    command made for the run directory, removed again when the run fails before a data stage completes."""
+    command made for the run directory, removed again when the run fails before a data stage completes. Once the
+    user leaves the dashboard: the closing summary, of a run that ended or of one that goes on in the background."""
     from appliance.head_run import discard_if_unprepared
-    from appliance.tui.app import run_tui
+    from appliance.monitor.closing import HEAD_LOG, closing_summary
+    from appliance.tui.app import show_dashboard
 
     run_dir.mkdir(parents=True, exist_ok=True)
     argv = [a for a in sys.argv[1:] if a != "run"]
@@ -113,17 +113,18 @@ def _run_with_dashboard(run_dir: Path, made: list[Path]) -> int:
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    code = run_tui(run_dir)
+    app = show_dashboard(run_dir)
     if child.poll() is None:
-        print(
-            f"The run goes on in the background (pid {child.pid}); log: {log_path}.\n"
-            f"Attach again with: ./bloom_appliance.py tui --run-dir {run_dir}"
-        )
-        return code
+        print("\n".join(app.closing()))
+        print(f"It runs in the background (pid {child.pid}); its log: {log_path}")
+        return app.return_code or 0
     if child.returncode != 0:
         print(*log_path.read_text(errors="replace").strip().splitlines()[-1:], file=sys.stderr)  # the error line
-        if not discard_if_unprepared(RunDir(run_dir), made):
-            print(f"log: {log_path}", file=sys.stderr)
+        if discard_if_unprepared(RunDir(run_dir), made):
+            return child.returncode
+    # The child has ended: its outcome is its exit code (summary.json may be an earlier launch's when it crashed).
+    outcome = {EXIT_OK: None, EXIT_PREEMPTED: "preempted"}.get(child.returncode, "failed")
+    print("\n".join(closing_summary(RunDir(run_dir), state=outcome)))
     return child.returncode
 
 

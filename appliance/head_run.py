@@ -5,6 +5,8 @@ Every input is validated before anything is written, so bad input costs nothing 
 found bad only once a stage reads it (a corpus whose every record is refused), or any other failure before a data
 stage completes, leaves nothing either: the run directory this command made goes with it (discard_if_unprepared).
 A rerun of a run directory prints one line per skipped stage and the events of its own launch only (cli_run.py).
+The run's last event (`run` done, prepared, preempted, or failed in a directory that stays) carries the closing
+summary's facts: what each stage produced, the final figures, and the commands to run next (monitor/closing.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 from appliance.atomic import write_atomic
 from appliance.errors import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, BadInput, Preempted
+from appliance.monitor.closing import closing_facts
 from appliance.monitor.events import EventWriter
 from appliance.output_dirs import claim_run_dir, make_run_dir, read_json_object
 from appliance.planner.runspec import RunSpec, load_spec
@@ -54,7 +57,7 @@ def run(req: RunRequest, *, follow: Follow | None = None) -> int:
         # One training per run directory: a rerun while a run (or its orphaned ranks) trains here is refused (exit
         # 2, naming the owner) before it writes anything. The lock goes on to the ranks (appliance/train/runlock.py).
         with follow(run_dir) if follow else contextlib.nullcontext(), own_run_dir(run_dir):
-            return _run_owned(req, spec, run_dir)
+            return _run_owned(req, spec, run_dir, made)
     except Exception:
         discard_if_unprepared(run_dir, made)  # after the follower has printed the last events
         raise
@@ -80,10 +83,7 @@ def discard_if_unprepared(run_dir: RunDir, made: list[Path]) -> bool:
     before) and no data stage completed in it, then the parents it made for it (runs/) once empty. Everything in
     such a directory is this command's own: a plan, the events of the failure, a stage's partial outputs. Such a
     run was never runs/latest (point_latest follows the prep stage). True when removed."""
-    if not made or made[0] != run_dir.root:
-        return False
-    records = read_json_object(run_dir.manifest) or {}
-    if any(name in records for name in DATA_STAGES):
+    if not removed_on_failure(run_dir, made):
         return False
     shutil.rmtree(run_dir.root, ignore_errors=True)
     for parent in made[1:]:
@@ -92,7 +92,14 @@ def discard_if_unprepared(run_dir: RunDir, made: list[Path]) -> bool:
     return not run_dir.root.exists()
 
 
-def _run_owned(req: RunRequest, spec: RunSpec, run_dir: RunDir) -> int:
+def removed_on_failure(run_dir: RunDir, made: list[Path]) -> bool:
+    """Whether a failure removes the run directory (discard_if_unprepared): this command made it, and no data stage
+    completed in it."""
+    records = read_json_object(run_dir.manifest) or {}
+    return bool(made) and made[0] == run_dir.root and not any(name in records for name in DATA_STAGES)
+
+
+def _run_owned(req: RunRequest, spec: RunSpec, run_dir: RunDir, made: list[Path]) -> int:
     events = EventWriter(run_dir.metrics)
     started = time.time()
     events.emit("run", state="started", run_dir=str(run_dir.root), pid=os.getpid())
@@ -103,11 +110,16 @@ def _run_owned(req: RunRequest, spec: RunSpec, run_dir: RunDir) -> int:
         events.emit("run", state="failed", reason="bad input")
         raise
     except Exception as e:
-        events.emit("run", state="failed", reason=str(e)[:500])
         write_summary(run_dir, stages, started, state="failed")
+        # The closing summary (where the logs are, how to resume), unless the run directory goes with the failure.
+        kept = not removed_on_failure(run_dir, made)
+        closing = {"closing": closing_facts(run_dir, state="failed")} if kept else {}
+        events.emit("run", state="failed", reason=str(e)[:500], **closing)
         raise
     write_summary(run_dir, stages, started, state=outcome)
-    events.emit("run", state=outcome, seconds=time.time() - started)
+    # The last event carries the closing summary's facts: what the run produced and the commands to run next.
+    facts = closing_facts(run_dir, state=outcome)
+    events.emit("run", state=outcome, seconds=time.time() - started, closing=facts)
     return {"done": EXIT_OK, "prepared": EXIT_OK, "preempted": EXIT_PREEMPTED}.get(outcome, EXIT_FAILED)
 
 

@@ -70,7 +70,7 @@ REPORT_MD = "prep_report.md"
 SHARD_GLOB = "shard-*.jsonl"
 OUTPUT_NAMES = (SHARD_GLOB, REPORT_JSON, REPORT_MD)  # everything prep writes into --out
 
-Progress = Callable[[float], None]
+Progress = Callable[[float, str], None]  # (share done, what is being done)
 
 
 def prepare_corpus(
@@ -95,26 +95,28 @@ def prepare_corpus(
     Without `strict`, bad records and files are skipped and counted, and control characters removed and counted
     (prep_files.py, unicode_fix.py): one bad file never stops the corpus. Symlinks that leave the inputs are
     skipped and counted unless `follow_symlinks` (walk.py). `out_dir` is checked first (`claim_output`; `force`:
-    write beside files prep did not write).
+    write beside files prep did not write). `on_progress(fraction, message)` hears of each unit read and filtered
+    (files or parts of files, and bytes) and of the finish's dedup and writing.
     """
     paths, units, plan_skips = _plan(inputs, strict, follow_symlinks)
     out = claim_output(paths, out_dir, force=force)
-    progress = on_progress or (lambda fraction: None)
+    progress = on_progress or (lambda fraction, message: None)
     work = open_work_dir(work_dir or default_work_dir(out.root.resolve()), out.root)
     everything = list(range(len(units)))
     sizes = [_unit_size(u) for u in units]
     try:
         # Progress: read covers 0-45 %, filter 45-90 %, both weighing units by size; finishing the rest.
         with _mapper(workers, len(units)) as run_map:
-            _read_units(units, everything, work, strict, run_map, _span(progress, sizes, 0.0, 0.45))
+            _read_units(units, everything, work, strict, run_map, _span(progress, units, sizes, 0.0, 0.45, "read"))
             _make_templates(units, work)
-            _filter_units(units, everything, work, perplexity, run_map, _span(progress, sizes, 0.45, 0.9))
+            filtered = _span(progress, units, sizes, 0.45, 0.9, "filtered")
+            _filter_units(units, everything, work, perplexity, run_map, filtered)
         report = _finish(paths, units, plan_skips, work, out, perplexity, progress)
     except BadInput:
         shutil.rmtree(work.root, ignore_errors=True)
         raise
     shutil.rmtree(work.root, ignore_errors=True)
-    progress(1.0)
+    progress(1.0, f"{report['totals']['docs_out']:,} documents kept in {out.root}")
     return report
 
 
@@ -161,7 +163,7 @@ def run_step(
         kept, screened = _make_templates(units, work)
         skipped = [str(p) for p in screened.not_utf8]
         return {"step": step, "units": len(units), "template_lines": kept, "files_skipped": skipped}
-    report = _finish(paths, units, plan_skips, work, out, perplexity, lambda fraction: None)
+    report = _finish(paths, units, plan_skips, work, out, perplexity, lambda fraction, message: None)
     shutil.rmtree(work.root, ignore_errors=True)
     return {"step": step, **report["totals"]}
 
@@ -226,13 +228,19 @@ def _mapper(workers: int, units: int) -> Iterator[Callable]:
         yield pool.imap
 
 
-def _span(progress: Progress, sizes: list[int], lo: float, hi: float) -> Callable[[int], None]:
-    """A per-unit callback that moves `progress` from lo to hi as units finish, weighted by their size."""
-    done, total = [0], max(sum(sizes), 1)
+def _span(
+    progress: Progress, units: list[Unit], sizes: list[int], lo: float, hi: float, step: str
+) -> Callable[[int], None]:
+    """A per-unit callback that moves `progress` from lo to hi as units finish, weighted by their size, saying
+    how many files (or parts of big files) and bytes the step has done."""
+    done, count, total = [0], [0], max(sum(sizes), 1)
+    what = "files" if len({u.path for u in units}) == len(units) else "work units"
 
     def unit_done(index: int) -> None:
         done[0] += sizes[index]
-        progress(lo + (hi - lo) * done[0] / total)
+        count[0] += 1
+        message = f"{step} {count[0]}/{len(units)} {what}, {done[0] / 1e6:.1f} of {total / 1e6:.1f} MB"
+        progress(min(hi, lo + (hi - lo) * done[0] / total), message)  # min: 0.45 + 0.45 is 0.9000000000000001
 
     return unit_done
 
@@ -363,8 +371,9 @@ def _finish(
         filtered.append(UnitResult.from_json(marker["result"]))
     for result in [*(results[i] for i in screened.kept), *filtered]:  # read, then filter results, in unit order
         stats.merge(result.stats)
+    progress(0.9, "finding exact and near duplicates")
     dups = _deduplicate(work, screened.kept)
-    progress(0.92)
+    progress(0.92, "writing the shards")
     shutil.rmtree(work.corpus, ignore_errors=True)  # a finish killed halfway
     shards = _write_shards(work, screened.kept, dups, stats)
     no_docs = skipped_files(units, results, plan_skips, screened)

@@ -156,10 +156,12 @@ def tokenize_corpus_dir(
     force: bool = False,
     say: SayFn = print,
     progress_every_s: float = PROGRESS_EVERY_S,
+    on_progress: Callable[[float, str], None] | None = None,
 ) -> dict[str, Any]:
     """Build out_dir's datasets from corpus's shards; return {"state": "built" | "up to date", "datasets": ...}.
 
-    Every input is checked (exit 2 naming the file) before out_dir is touched.
+    Every input is checked (exit 2 naming the file) before out_dir is touched. Progress goes to `on_progress`
+    (fraction, message) when given, else to `say`, a line every `progress_every_s` at most.
     """
     corpus, out_dir = Path(corpus), Path(out_dir)
     if workers < 1:
@@ -199,7 +201,7 @@ def tokenize_corpus_dir(
             tokenizer_json,
             out_dir,
             workers=workers,
-            on_progress=_progress_printer(say, progress_every_s),
+            on_progress=on_progress or _progress_printer(say, progress_every_s),
         )
     except BaseException:
         # A bad shard line or a Ctrl-C: an --out that was empty is left empty (the writers removed their
@@ -211,6 +213,4 @@ def tokenize_corpus_dir(
     prefixes = sorted(entry["prefix"] for entry in summary.values())
     _write_manifest(out_dir, {**manifest, "state": "done", "prefixes": prefixes})
     out.mark([MANIFEST, DATASETS_JSON, *(f"{prefix}{suffix}" for prefix in prefixes for suffix in (".bin", ".idx"))])
-    for lang, entry in summary.items():
-        say(f"tokenize: {lang}: {entry['documents']} documents, {entry['tokens']} tokens ({entry['dtype']})")
     return {"state": "built", "datasets": summary}

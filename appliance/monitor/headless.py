@@ -118,14 +118,24 @@ def step_line(state: RunState) -> str:
 # ---- the printer --------------------------------------------------------------------------------------------
 class HeadlessPrinter:
     """Turns events into log lines. Text: a line per stage change, every `every_steps` steps, and per
-    checkpoint, failure, recovery, eval, warning and run state. JSON: every event, one object per line."""
+    checkpoint, failure, recovery, eval, warning and run state. JSON: every event, one object per line.
 
-    def __init__(self, stream: TextIO = sys.stdout, log_format: str = "text", every_steps: int = 10) -> None:
+    `closing(facts)`: the lines of the closing summary (monitor/closing.py) the run's last `run` event carries, printed
+    as a block under its line in text mode (`run` gives it; a printer without it prints the run line alone)."""
+
+    def __init__(
+        self,
+        stream: TextIO = sys.stdout,
+        log_format: str = "text",
+        every_steps: int = 10,
+        closing: Callable[[dict[str, Any]], list[str]] | None = None,
+    ) -> None:
         if log_format not in LOG_FORMATS:
             raise BadInput(f"--log-format must be one of {', '.join(LOG_FORMATS)}, got {log_format!r}")
         if every_steps < 1:
             raise BadInput(f"the step print interval must be >= 1, got {every_steps}")
         self.stream, self.log_format, self.every_steps = stream, log_format, every_steps
+        self.closing = closing
         self.state = RunState()
         self._printed_step: int | None = None
         self._stage_states: dict[str, str] = {}
@@ -153,18 +163,22 @@ class HeadlessPrinter:
             return
         text = self._text(event)
         if text:
-            self._write(f"[{fmt_clock(event.get('t'))}] {text}")
+            # Several lines: the log line, then a block printed as it is (the closing summary, under `run done`).
+            first, *block = [text] if isinstance(text, str) else text
+            self._write(f"[{fmt_clock(event.get('t'))}] {first}")
+            for line in block:
+                self._write(line)
 
     def _write(self, line: str) -> None:
         self.stream.write(line + "\n")
         self.stream.flush()  # a batch log is read while the job runs
 
-    def _text(self, e: dict[str, Any]) -> str | None:
+    def _text(self, e: dict[str, Any]) -> str | list[str] | None:
         kind = e.get("kind")
         declared = EVENT_KINDS.get(kind) if isinstance(kind, str) else None
         if declared is None or declared.line is None:
             return None  # gpu and energy events are dashboard material; json mode carries them
-        text: str | None = getattr(self, declared.line)(e)
+        text: str | list[str] | None = getattr(self, declared.line)(e)
         return text
 
     # ---- each kind's line, named by its declaration (event_kinds.py) --------------------------------------------
@@ -213,8 +227,15 @@ class HeadlessPrinter:
     def text_warning(self, e: dict[str, Any]) -> str:
         return f"warning: {e.get('message')}"
 
-    def text_run(self, e: dict[str, Any]) -> str:
-        return f"run {e.get('state')}"
+    def text_run(self, e: dict[str, Any]) -> str | list[str]:
+        line = f"run {e.get('state')}"
+        facts = e.get("closing")
+        if self.closing is None or not isinstance(facts, dict):
+            return line
+        try:
+            return [line, *self.closing(facts)]
+        except (TypeError, ValueError, KeyError, AttributeError):
+            return line  # facts of another version or a hand-edited file: the log goes on without them
 
     def text_plan(self, e: dict[str, Any]) -> str:
         return plan_line(e)

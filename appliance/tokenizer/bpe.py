@@ -13,13 +13,15 @@ import json
 import os
 import random
 import statistics
-from collections.abc import Callable, Iterable
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from appliance.data.tokenize_corpus import iter_corpus
+from appliance.data.tokenize_corpus import iter_corpus, list_shards
 from appliance.errors import BadInput
 from appliance.output_dirs import OutputDir, claim_dir, matching, read_json_object
 from appliance.tokenizer.fertility import fertility_report, reference_rule
@@ -41,6 +43,17 @@ HELD_OUT_CAP_BYTES = 256 * 1024
 DEFAULT_CAP_CEILING_BYTES = 64 * 1024 * 1024
 BYTE_ALPHABET = 256
 FERTILITY_JSON = "fertility.json"
+# The stage's progress, part by part. The shares follow the sample corpus's times on a 2-core VM (12 languages,
+# 9,728 entries, 13 s in all): the two passes that draw the sample 0.2 s, the trainer reading the sample 1.1-1.8 s,
+# learning the merges 5-8 s, the 12 reference tokenizers 4.5 s, the fertility check 1.4 s. A large corpus spends
+# longer in the passes (the sample is capped, the corpus is not): its first share then moves slower than the rest.
+SAMPLING_SPAN = (0.0, 0.05)
+READING_SPAN = (0.05, 0.15)  # the trainer reading the sample; learning the merges takes it to REFERENCES_SPAN[0]
+REFERENCES_SPAN = (0.55, 0.9)  # the monolingual reference tokenizers; then the fertility check, then done
+REPORT_EVERY_BYTES = 1 << 20  # progress while reading text: once per MiB, not per document
+# While the trainer learns its merges, the tokenizers library says nothing (its own progress bar writes to the
+# terminal); a beat this often says the stage is alive and for how long it has been merging.
+MERGE_BEAT_S = 0.5
 OUTPUT_NAMES = ("tokenizer.json", "tokenizer_config.json", FERTILITY_JSON)  # everything a tokenizer writes into --out
 
 
@@ -58,8 +71,13 @@ def bloom_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, placeholders: int) -> Tokenizer:
-    """Train BLOOM's pipeline to vocab_size entries, counting the 4 special tokens and the placeholders."""
+def train_bpe(
+    texts: Iterable[str], vocab_size: int, placeholders: int, *, merging: Callable[[float], None] | None = None
+) -> Tokenizer:
+    """Train BLOOM's pipeline to vocab_size entries, counting the 4 special tokens and the placeholders.
+
+    merging(seconds) is called every MERGE_BEAT_S once the trainer has read all of `texts` and learns its merges,
+    from a thread of its own (the library releases the GIL there); never while `texts` is still being read."""
     tokenizer = bloom_tokenizer()
     specials = [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
     specials += [AddedToken(placeholder(i), special=True, normalized=False) for i in range(placeholders)]
@@ -69,8 +87,53 @@ def train_bpe(texts: Iterable[str], vocab_size: int, placeholders: int) -> Token
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(texts, trainer=trainer)
+    beat = _Beat(merging)
+    try:
+        tokenizer.train_from_iterator(beat.after(texts), trainer=trainer)
+    finally:
+        beat.stop()
     return tokenizer
+
+
+class _Beat:
+    """Calls `beat(seconds since it began)` every MERGE_BEAT_S from a thread, from the end of an iterable on."""
+
+    def __init__(self, beat: Callable[[float], None] | None) -> None:
+        self.beat = beat
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def after(self, items: Iterable[str]) -> Iterator[str]:
+        yield from items
+        if self.beat is not None:
+            self._thread = threading.Thread(target=self._run, args=(self.beat, time.monotonic()), daemon=True)
+            self._thread.start()
+
+    def _run(self, beat: Callable[[float], None], began: float) -> None:
+        while not self._stop.wait(MERGE_BEAT_S):
+            beat(time.monotonic() - began)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+def _reporting_bytes(texts: Iterable[str], report: Callable[[int], None]) -> Iterator[str]:
+    """`texts` as they are, calling report(UTF-8 bytes so far) once per REPORT_EVERY_BYTES and at the end."""
+    done = reported = 0
+    for text in texts:
+        done += len(text.encode("utf-8"))
+        if done - reported >= REPORT_EVERY_BYTES:
+            reported = done
+            report(done)
+        yield text
+    report(done)
+
+
+def _in_span(span: tuple[float, float], part: float) -> float:
+    """The stage's fraction `part` (0 to 1) of the way through `span`."""
+    return span[0] + (span[1] - span[0]) * min(max(part, 0.0), 1.0)
 
 
 @dataclass
@@ -84,18 +147,32 @@ class LanguageSample:
     held_out_bytes: int = 0
 
 
-def language_sample(corpus_dir: Path, cap_bytes_per_lang: int | None, seed: int) -> dict[str, LanguageSample]:
+def language_sample(
+    corpus_dir: Path, cap_bytes_per_lang: int | None, seed: int, on_progress: ProgressFn | None = None
+) -> dict[str, LanguageSample]:
     """A language-balanced, deterministic sample: at most ~cap UTF-8 bytes of training text per language.
 
     Two streaming passes: the first counts each language's bytes, the second keeps each document with
     probability cap / language bytes (a seeded draw per document, in corpus order), so large languages are
     thinned evenly across all shards instead of cut after their first shard. cap=None caps every language at
     the median language's size (at most 64 MiB): small languages keep everything, large ones come down to the
-    middle.
+    middle. on_progress(fraction of the two passes, message) hears of every MiB of shard lines read.
     """
+    shard_bytes = sum(shard.stat().st_size for shard in list_shards(corpus_dir)) or 1
+    done = [0, 0]  # shard bytes read, and as of the last report
+
+    def read(pass_no: int, size: int, what: str) -> None:
+        done[0] += size
+        if on_progress is not None and done[0] - done[1] >= REPORT_EVERY_BYTES:
+            done[1] = done[0]
+            of_pass = min(done[0] - (pass_no - 1) * shard_bytes, shard_bytes)
+            fraction = (pass_no - 1 + of_pass / shard_bytes) / 2
+            on_progress(fraction, f"{what}: {of_pass / 1e6:.1f} of {shard_bytes / 1e6:.1f} MB")
+
     samples: dict[str, LanguageSample] = {}
-    for lang, text, _ in iter_corpus(corpus_dir):
+    for lang, text, size in iter_corpus(corpus_dir):
         samples.setdefault(lang, LanguageSample()).corpus_bytes += len(text.encode("utf-8"))
+        read(1, size, "counting each language's bytes")
     if not samples:
         raise BadInput(f"{corpus_dir}: the corpus holds no documents to train a tokenizer on")
     cap = cap_bytes_per_lang
@@ -107,7 +184,8 @@ def language_sample(corpus_dir: Path, cap_bytes_per_lang: int | None, seed: int)
     keep = {lang: min(1.0, cap / max(1, s.corpus_bytes)) for lang, s in samples.items()}
 
     rng = random.Random(seed)
-    for lang, text, _ in iter_corpus(corpus_dir):
+    for lang, text, size in iter_corpus(corpus_dir):
+        read(2, size, "drawing the sample")
         sample, nbytes = samples[lang], len(text.encode("utf-8"))
         held_draw, keep_draw = rng.random(), rng.random()  # two draws per document, always, for determinism
         if held_draw < HELD_OUT_SHARE and sample.held_out_bytes < HELD_OUT_CAP_BYTES:
@@ -176,8 +254,10 @@ def train_tokenizer(
     the embedding's row count (also when the corpus is too small to learn vocab_size entries, so the model
     shape follows from the arguments alone). vocab_reasons (the plan's, planner/vocabulary.py) say why vocab_size;
     fertility.json records them. placeholder_tokens=None takes BLOOM's share (200 of 250,680, at least 8).
-    on_progress(fraction, message) reports the stages. Returns the tokenizer.json path. out_dir must be new, empty
-    or an earlier tokenizer output (appliance/output_dirs.py; `force`: write beside files it did not write).
+    on_progress(fraction, message) reports each part as it goes (the spans above): the passes over the corpus and
+    the trainer's reading by bytes, the merges by a beat every MERGE_BEAT_S, the references by language. Returns the
+    tokenizer.json path. out_dir must be new, empty or an earlier tokenizer output (appliance/output_dirs.py;
+    `force`: write beside files it did not write).
     """
     corpus_dir, out_dir = Path(corpus_dir), Path(out_dir)
     out = claim_output(corpus_dir, out_dir, force=force)
@@ -198,9 +278,25 @@ def train_tokenizer(
             on_progress(fraction, message)
 
     progress(0.0, "sampling the corpus per language")
-    samples = language_sample(corpus_dir, sample_bytes_per_lang, seed)
-    progress(0.1, f"training a {vocab_size}-entry BPE on {len(samples)} languages")
-    tokenizer = train_bpe((t for s in samples.values() for t in s.train), vocab_size, placeholders)
+    samples = language_sample(
+        corpus_dir, sample_bytes_per_lang, seed, lambda part, what: progress(_in_span(SAMPLING_SPAN, part), what)
+    )
+    sample_bytes = sum(s.train_bytes for s in samples.values())
+    learned = f"{vocab_size:,}-entry BPE"
+    progress(READING_SPAN[0], f"training a {learned} on {len(samples)} languages ({sample_bytes / 1e6:.1f} MB)")
+
+    def reading(done: int) -> None:
+        progress(
+            _in_span(READING_SPAN, done / max(sample_bytes, 1)),
+            f"the {learned} reading its sample: {done / 1e6:.1f} of {sample_bytes / 1e6:.1f} MB",
+        )
+
+    tokenizer = train_bpe(
+        _reporting_bytes((t for s in samples.values() for t in s.train), reading),
+        vocab_size,
+        placeholders,
+        merging=lambda seconds: progress(READING_SPAN[1], f"the {learned} learning its merges ({seconds:.0f} s)"),
+    )
     trained = tokenizer.get_vocab_size(with_added_tokens=True)
     padded = pad_with_placeholders(tokenizer, tp_size, at_least=vocab_size)
 
@@ -209,8 +305,9 @@ def train_tokenizer(
     reference = reference_rule(trained, placeholders, len(samples))
     monolingual: dict[str, Tokenizer] = {}
     for i, (lang, sample) in enumerate(samples.items()):
-        progress(0.4 + 0.55 * i / len(samples), f"training the {lang}-only reference tokenizer")
+        progress(_in_span(REFERENCES_SPAN, i / len(samples)), f"training the {lang}-only reference tokenizer")
         monolingual[lang] = train_bpe(sample.train, reference["vocab_size"], 0)
+    progress(REFERENCES_SPAN[1], f"checking the fertility of {len(samples)} languages")
     held_out = {lang: s.held_out or s.train for lang, s in samples.items()}
     in_sample = {lang for lang, s in samples.items() if not s.held_out}
     report = fertility_report(tokenizer, monolingual, held_out, in_sample=in_sample, reference=reference)

@@ -27,6 +27,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
 from textual.widgets import Footer, Static
 
+from appliance.monitor.closing import COMMAND, ENDED_STATES, closing_summary, live_facts
 from appliance.monitor.events import EventTail
 from appliance.monitor.headless import fmt_loss_scale
 from appliance.monitor.snapshot import SnapshotSaver, attach
@@ -238,6 +239,18 @@ class DashboardApp(App[int]):
             if self.state.started and not self.state.finished:
                 self._header.show(self.state, live=True)
 
+    # ---- leaving --------------------------------------------------------------------------------------------
+    def closing(self) -> list[str]:
+        """What the dashboard prints as the user leaves it: the run's closing summary from its files
+        (monitor/closing.py) and, while the run goes on, what is still running and how to come back."""
+        with self.state_lock:
+            started, run_state = self.state.started, self.state.run_state
+            live = None if run_state in ENDED_STATES else live_facts(self.state)
+        if not started:
+            return [f"No run has started in {self.run_dir.root} yet; wait for one with: {COMMAND} tui --run-dir "
+                    f"{self.run_dir.root} --wait"]  # fmt: skip
+        return closing_summary(self.run_dir, state=run_state, live=live)
+
     # ---- keys -----------------------------------------------------------------------------------------------
     def action_quit_dashboard(self) -> None:
         self.exit(0)
@@ -296,8 +309,17 @@ def make_app(run_dir: Path, *, follow: bool = True, poll_interval: float = 0.5) 
     return DashboardApp(Path(run_dir), follow=follow, poll_interval=poll_interval)
 
 
-def run_tui(run_dir: Path) -> int:
-    """Run the dashboard in this terminal until the user quits; the run itself is not affected."""
+def show_dashboard(run_dir: Path) -> DashboardApp:
+    """The dashboard in this terminal until the user quits; the run itself is not affected. Returns the app, which
+    holds what it read last (its closing())."""
     app = make_app(run_dir)
     app.run()
+    return app
+
+
+def run_tui(run_dir: Path) -> int:
+    """The dashboard until the user quits, then the closing summary: the run's results and the commands to run next,
+    or, when it goes on, what is running and how to attach again."""
+    app = show_dashboard(run_dir)
+    print("\n".join(app.closing()))
     return app.return_code or 0

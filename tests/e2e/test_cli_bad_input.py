@@ -101,7 +101,7 @@ def test_prep_goes_past_a_nul_file_and_a_binary_file_and_strict_names_the_byte(t
     good = "".join(json.dumps({"text": p, "lang": "en"}) + "\n" for p in PARAGRAPHS[1:]) + "{not json\n"
     (root / "c_good.jsonl").write_text(good)
 
-    result = run_cli(["prep", "--input", "in", "--out", "corpus"], tmp_path)
+    result = run_cli(["prep", "--input", "in", "--out", "corpus", "--json"], tmp_path)
     assert result.returncode == 0, result.stderr
     totals = json.loads(result.stdout)
     assert (totals["docs_out"], totals["files_skipped"], totals["chars_removed"]) == (4, 1, 64)

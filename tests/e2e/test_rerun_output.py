@@ -79,6 +79,21 @@ def test_a_rerun_in_json_prints_only_its_own_events(prepared):
     assert [e.get("state") for e in events if e["kind"] == "stage"] == ["skipped"] * 4
 
 
+def test_a_prepared_run_closes_with_how_to_train_it(prepared):
+    """`--prepare-only` ends with the run folder, what it prepared, and the commands that train it (with the corpus
+    the run was prepared from: another one would be prepared instead of trained on)."""
+    cwd, _ = prepared
+    args = ("run", "--headless", "--prepare-only", "--corpus", "in.jsonl", "--run-dir", "runs/r", *SMALL)
+    result = run_appliance(*args, cwd=cwd, timeout=300)
+    assert result.returncode == 0, result.stderr
+    block = result.stdout.split("] run prepared\n")[1].splitlines()
+    assert block[0].startswith("Run prepared") and block[0].endswith(": runs/r")
+    rows = {line.split()[0]: line for line in block[1:] if line.startswith("  ")}
+    assert "of 30 documents kept" in rows["corpus"] and "tokens in 1 language" in rows["data"], block
+    assert "./bloom_appliance.py train --run-dir runs/r" in result.stdout
+    assert "./bloom_appliance.py run --run-dir runs/r --corpus in.jsonl" in result.stdout
+
+
 def refused_corpus(cwd: Path) -> Path:
     """A corpus of which `prep` keeps no record: found bad only once the prep stage reads it."""
     path = cwd / "bad.jsonl.gz"

@@ -86,5 +86,6 @@ def test_tui_on_a_finished_run_in_tmux(tmux: list[str], finished_run: RunDir) ->
     wait_for(tmux, ("GPUs: 384 on 48 nodes",), absent="request a checkpoint now")
 
     subprocess.run([*tmux, "send-keys", "-t", "tui", "q"], check=True)
-    wait_for(tmux, ("TUI_EXIT=0",))
+    # The closing summary stays in the terminal once the dashboard has gone: the run's state and what to run next.
+    wait_for(tmux, ("TUI_EXIT=0", f"Run done: {root}", f"./bloom_appliance.py tui --run-dir {root}"))
     assert not finished_run.request_checkpoint.exists() and not finished_run.request_stop.exists()

@@ -40,7 +40,7 @@ def test_two_runs_and_any_worker_count_give_identical_bytes(tmp_path: Path) -> N
 
 def test_output_format_order_and_report(tmp_path: Path) -> None:
     progress: list[float] = []
-    report = prepare_corpus(_inputs(tmp_path / "in"), tmp_path / "corpus", on_progress=progress.append)
+    report = prepare_corpus(_inputs(tmp_path / "in"), tmp_path / "corpus", on_progress=lambda f, _m: progress.append(f))
     docs = list(iter_corpus(tmp_path / "corpus"))
     assert all(set(d) == {"text", "lang", "source"} for d in docs)
     # Input order, then position; the overlap (seeds 25-29) is dropped from b as exact duplicates.

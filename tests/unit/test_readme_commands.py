@@ -135,7 +135,7 @@ def test_the_set_table_check_sees_a_missing_key_and_a_wrong_column():
 
 def run_dir_entries() -> set[str]:
     """The top-level names of a run directory: RunDir's paths, the head's log and the dashboard's snapshot."""
-    from appliance.cli_run import HEAD_LOG
+    from appliance.monitor.closing import HEAD_LOG
 
     run = RunDir(Path("D"))
     paths = [getattr(run, name) for name, value in vars(RunDir).items() if isinstance(value, property)]

@@ -53,6 +53,7 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def tokenize(corpus: Path, tokenizer: Path, out: Path, *extra: str) -> int:
+    """The command as a script runs it: --json, for the object these tests read."""
     return cli.main(
         [
             "tokenize",
@@ -64,6 +65,7 @@ def tokenize(corpus: Path, tokenizer: Path, out: Path, *extra: str) -> int:
             str(out),
             "--workers",
             "1",
+            "--json",
             *extra,
         ]
     )
