@@ -33,7 +33,6 @@ RUN_STAGES = ("plan", "prep", "tokenizer", "data", "train", "export")
 # What `eval --tasks` is shown with: lm-evaluation-harness names a user would try first.
 EXAMPLE_TASKS = "hellaswag,arc_easy"
 LIVE = "running"  # the state of a run the dashboard leaves while it goes on
-ENDED_STATES = ("done", "prepared", "preempted", "failed")  # the last `run` event's states: nothing goes on
 
 
 def closing_facts(run_dir: RunDir, *, state: str | None = None, live: dict[str, Any] | None = None) -> dict[str, Any]:

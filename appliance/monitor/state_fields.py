@@ -18,7 +18,7 @@ from appliance.monitor.gpu import NodeGpus
 SECTIONS = (
     "run", "throughput", "curves", "gpus", "stages", "checkpoints", "timeline", "energy", "eval", "plan", "experts",
 )  # fmt: skip
-TERMINAL_RUN_STATES = ("done", "failed", "preempted")
+TERMINAL_RUN_STATES = ("done", "prepared", "failed", "preempted")  # the last `run` event says nothing goes on
 TRAINING_STAGES = ("training", "train")
 STEP_WINDOW = 100  # step events kept for rates: with BLOOM's ~100 s steps, the last few hours
 EVAL_BOOKKEEPING = ("t", "kind", "step", "consumed_samples", "final")  # when, not what was measured

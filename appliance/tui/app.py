@@ -27,12 +27,12 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
 from textual.widgets import Footer, Static
 
-from appliance.monitor.closing import COMMAND, ENDED_STATES, closing_summary, live_facts
+from appliance.monitor.closing import COMMAND, closing_summary, live_facts
 from appliance.monitor.events import EventTail
 from appliance.monitor.headless import fmt_loss_scale
 from appliance.monitor.snapshot import SnapshotSaver, attach
 from appliance.monitor.state import RunState, reduce
-from appliance.monitor.state_fields import SECTIONS
+from appliance.monitor.state_fields import SECTIONS, TERMINAL_RUN_STATES
 from appliance.rundir import RunDir
 from appliance.tui.screens.confirm import ConfirmScreen
 from appliance.tui.screens.help import HelpScreen
@@ -245,7 +245,7 @@ class DashboardApp(App[int]):
         (monitor/closing.py) and, while the run goes on, what is still running and how to come back."""
         with self.state_lock:
             started, run_state = self.state.started, self.state.run_state
-            live = None if run_state in ENDED_STATES else live_facts(self.state)
+            live = None if run_state in TERMINAL_RUN_STATES else live_facts(self.state)
         if not started:
             return [f"No run has started in {self.run_dir.root} yet; wait for one with: {COMMAND} tui --run-dir "
                     f"{self.run_dir.root} --wait"]  # fmt: skip
