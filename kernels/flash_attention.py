@@ -5,7 +5,7 @@ Layers: `_flash_fwd_kernel` (kernels/flash_attention_fwd.py), `_flash_bwd_prepro
 `flash_fwd` / `flash_bwd` launchers -> the custom ops bloom::flash_alibi_attention and
 bloom::flash_alibi_attention_backward, the first differentiated through the second (kernels.custom_ops) ->
 `flash_alibi_attention` / `flash_alibi_attention_backward`. The torch twin is
-`kernels.reference.flash_alibi_attention`.
+`kernels.reference.flash_alibi_attention`. The tiles each launch takes: kernels/flash_attention_tiles.py.
 
 Scores never exist as an [s, s] matrix: each program streams key/value blocks past a block of queries with an
 online softmax (running max m, running sum l, rescaled accumulator). The ALiBi bias of query i (sitting at key
@@ -24,7 +24,6 @@ logsumexp and delta = rowsum(O * dO) of the final output.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -33,112 +32,17 @@ import triton
 from kernels.custom_ops import kernel_op, on_device
 from kernels.flash_attention_bwd import _flash_bwd_dkdv_kernel, _flash_bwd_dq_kernel, _flash_bwd_preprocess_kernel
 from kernels.flash_attention_fwd import _flash_fwd_kernel
+from kernels.flash_attention_tiles import TUNED_TILES as TUNED_TILES  # the tiles, also reached from here
+from kernels.flash_attention_tiles import FlashConfig as FlashConfig
+from kernels.flash_attention_tiles import launch_config as launch_config
+from kernels.flash_attention_tiles import tile_candidates as tile_candidates
+from kernels.flash_attention_tiles import tiles
 from kernels.launch import compute_capability, launch
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 # BLOOM's heads are 64 (560m), 80 (3b), 96 (1b1) or 128 (1b7, 7b1, 176b) wide; 80 and 96 run in 128-wide tiles.
 MAX_HEAD_DIM = 128
-
-
-@dataclass(frozen=True)
-class FlashConfig:
-    """Tile sizes per kernel (queries x keys): fwd_m x fwd_n forward, dkdv_m x dkdv_n and dq_m x dq_n backward."""
-
-    fwd_m: int
-    fwd_n: int
-    dkdv_m: int
-    dkdv_n: int
-    dq_m: int
-    dq_n: int
-    block_d: int
-    warps: int
-    stages: int  # forward; the backward kernels pipeline at most 2 stages (see bwd_stages)
-    dot_fp32: bool  # dots on fp32 copies of the tiles (the interpreter's dot has no bf16)
-    precision: str | None  # tl.dot input_precision: "ieee" for fp32 inputs (exact, not tf32), else the default
-
-    @property
-    def bwd_stages(self) -> int:
-        return min(self.stages, 2)
-
-
-def launch_config(head_dim: int, dtype: torch.dtype, capability: int | None, documents: bool = False) -> FlashConfig:
-    """The tiles the launchers use for this head dim and dtype on a GPU of this compute capability (None: the
-    CPU interpreter).
-
-    GPU, bf16/fp16: FA2-style 128 x 64 forward, 64 x 64 backward, narrowed where ptxas spills. Measured with
-    `python -m bench.kernels_compile` (docs/PERFORMANCE.md; 255 registers per thread at most): dk/dv at 64 x 64
-    spills 24 bytes per thread at head dim 64 on sm_80 (4 warps), so before sm_90 its query block is 32 (242
-    registers). At head dim 128 (8 warps) the blocks narrowed to 32 (forward and dk/dv before sm_90, dq) were
-    expected to spill at full size; compiled with real-launch specialisations they do not (forward 128 x 64:
-    220 registers on sm_80; dk/dv 64 x 64: 238; dq 64 x 64: 170 on sm_80, 156 on sm_90). They stay narrow until
-    timings on the GPUs decide.
-    fp32 (exact ieee dots, no tensor cores): 64 x 32 forward tiles spilled on both targets (16 to 648 bytes per
-    thread), 32 x 16 do not; the backward's 32 x 32 tiles do not; two stages.
-    Interpreter: 16 queries x 8 keys, so tiny test shapes still cross block borders and ragged tails.
-    With document ids (`documents`) every key block is masked and loads its ids: on sm_80 at head dim 64 the
-    forward (128 x 64) spilled 40 bytes per thread and dq (64 x 64) 16 bytes, so there their key blocks are 32
-    (no spill); every other documents build compiled without spills at the tiles above (2026-11-24).
-    """
-    # fp32 inputs use exact ieee dots, not tf32; other dtypes keep Triton's default.
-    precision = "ieee" if dtype == torch.float32 else None
-    if capability is None:
-        # The interpreter's dot mishandles bf16 (numpy has no bf16), so there tiles go through fp32, which is
-        # exact for bf16 inputs and matches the GPU's fp32 accumulation.
-        return FlashConfig(16, 8, 16, 8, 16, 8, triton.next_power_of_2(head_dim), 1, 1, True, precision)
-    block_d = max(16, triton.next_power_of_2(head_dim))  # tensor-core dots need K >= 16
-    warps = 4 if block_d <= 64 else 8
-    if dtype == torch.float32:
-        return FlashConfig(32, 16, 32, 32, 32, 32, block_d, warps, 2, False, precision)
-    wide = block_d > 64
-    before_hopper = capability < 90
-    narrow_keys = wide or (documents and before_hopper)
-    return FlashConfig(
-        fwd_m=128, fwd_n=32 if narrow_keys and before_hopper else 64, dkdv_m=32 if before_hopper else 64,
-        dkdv_n=64, dq_m=64, dq_n=32 if narrow_keys else 64, block_d=block_d, warps=warps, stages=3,
-        dot_fp32=False, precision=precision,
-    )  # fmt: skip
-
-
-# (head dim, dtype, compute capability, documents, q_len, k_len) -> the tiles measured fastest at that shape on this
-# GPU, filled by the measured kernel selection (kernels/selection.py tune_flash_tiles); launch_config elsewhere.
-TUNED_TILES: dict[tuple[int, torch.dtype, int, bool, int, int], FlashConfig] = {}
-
-
-def tiles(
-    head_dim: int, dtype: torch.dtype, capability: int | None, documents: bool, q_len: int, k_len: int
-) -> FlashConfig:
-    """The tiles a launch uses: the tuned ones for this shape where the selection measured some, else
-    launch_config's (always on the interpreter)."""
-    if capability is not None:
-        tuned = TUNED_TILES.get((head_dim, dtype, capability, documents, q_len, k_len))
-        if tuned is not None:
-            return tuned
-    return launch_config(head_dim, dtype, capability, documents)
-
-
-def tile_candidates(
-    head_dim: int, dtype: torch.dtype, capability: int | None, documents: bool = False
-) -> tuple[FlashConfig, ...]:
-    """The tiles the measured selection times at a run's shape, launch_config's first. Only for 16-bit inputs on a
-    GPU (fp32's tiles are bounded by spills, the interpreter's by test shapes). Each variation compiles without
-    spills for every head dim it is offered at, with and without documents, on sm_80 and sm_90
-    (`python -m bench.kernels_compile --tile-candidates`, tests/kernels/test_kernel_compile.py); those that
-    spilled there are left out: FA2's 128 x 128 forward at head dim 64 (64-392 bytes per thread), Triton's tutorial
-    dk/dv tile 32 x 128 (80-1072 bytes), 16 warps at head dim 128 (8-216 bytes), and 4 stages at head dim 64 with
-    documents (16 bytes on sm_90)."""
-    default = launch_config(head_dim, dtype, capability, documents)
-    if capability is None or dtype == torch.float32:
-        return (default,)
-    variants = [
-        replace(default, fwd_m=64),  # half the forward's query block: twice the programs to fill 132 SMs
-        replace(default, dq_m=128, dq_n=32),  # dq over wide query blocks and narrow key blocks (the tutorial's)
-    ]
-    if default.block_d <= 64:
-        variants.append(replace(default, warps=8))  # more warps on the same tiles
-    if default.block_d > 64 or not documents:
-        variants.append(replace(default, stages=4))  # a deeper software pipeline for the forward's K/V loads
-    return tuple(dict.fromkeys([default, *variants]))
 
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
@@ -149,15 +53,35 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _docs(q_doc: torch.Tensor | None, k_doc: torch.Tensor | None, fallback: torch.Tensor) -> tuple[Any, Any, bool]:
-    """The document-id pointers the kernels take ([b, len], dense) and HAS_DOCS; without documents both pointers
-    are `fallback`, never read."""
+def _docs(q_doc: torch.Tensor | None, k_doc: torch.Tensor | None, fallback: torch.Tensor) -> tuple[Any, Any]:
+    """The document-id pointers the kernels take ([b, len], dense); without documents both pointers are
+    `fallback`, never read."""
     if (q_doc is None) != (k_doc is None):
         raise ValueError("flash_alibi_attention: q_doc and k_doc go together (both or neither)")
     if q_doc is None or k_doc is None:
-        return fallback, fallback, False
+        return fallback, fallback
     # int32 ids: half the registers of int64 ones in the masked blocks (a sequence holds far fewer documents)
-    return q_doc.to(torch.int32).contiguous(), k_doc.to(torch.int32).contiguous(), True
+    q_ids = q_doc.to(torch.int32).contiguous()
+    # one tensor for both (self-attention over packed documents, as the model passes them): converted once
+    return q_ids, q_ids if k_doc is q_doc else k_doc.to(torch.int32).contiguous()
+
+
+# Launch plans: per launch shape (tiles, sizes, strides, offsets, flags), each kernel's grid, the scalar arguments
+# after its tensors and its options, built on a shape's first call. A training step calls flash attention twice per
+# block at one shape, so the per-call work left is the lookup, the outputs' allocation and the launches
+# (bench/flash_host_cost.py measures it). The key holds the tiles, so tiles installed later take effect.
+_Plan = tuple[tuple[int, int], tuple[Any, ...], dict[str, Any]]
+_PLANS: dict[tuple[Any, ...], Any] = {}
+_MAX_PLANS = 4096  # evaluation and scoring see varying lengths: beyond this many the plans start afresh
+
+
+def _plan(key: tuple[Any, ...], build: Any) -> Any:
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[key] = build()
+    return plan
 
 
 def flash_fwd(
@@ -174,20 +98,26 @@ def flash_fwd(
     """Output [b, h, q_len, d] (contiguous, q's dtype) and base-2 logsumexp [b, h, q_len] (fp32, +inf for a row
     that sees no key). shift: query i sits at key index i + shift (None: k_len - q_len, right-aligned); q_doc
     [b, q_len], k_doc [b, k_len]: document ids, keys of another document are hidden."""
-    b, h, q_len, d = q.shape
+    b, h, q_len, d = shape = q.shape
     k_len = k.shape[2]
-    shift = k_len - q_len if shift is None else shift
-    cfg = tiles(d, q.dtype, compute_capability(q), q_doc is not None, q_len, k_len)
-    o = torch.empty((b, h, q_len, d), dtype=q.dtype, device=q.device)
+    has_docs = q_doc is not None
+    cfg = tiles(d, q.dtype, compute_capability(q), has_docs, q_len, k_len)
+    key = ("fwd", cfg, shape, k_len, q.stride(), k.stride(), v.stride(), causal, scale, shift, has_docs)
+
+    def build() -> _Plan:
+        realign = 0 if shift is None else shift - (k_len - q_len)  # beyond right-alignment (see _flash_fwd_kernel)
+        scalars = (*_strides(q), *_strides(k), *_strides(v), h, q_len, k_len, realign, d, scale * LOG2E)
+        options = dict(
+            CAUSAL=causal, HAS_DOCS=has_docs, DOT_FP32=cfg.dot_fp32, PRECISION=cfg.precision, BLOCK_M=cfg.fwd_m,
+            BLOCK_N=cfg.fwd_n, BLOCK_D=cfg.block_d, num_warps=cfg.warps, num_stages=cfg.stages,
+        )  # fmt: skip
+        return (triton.cdiv(q_len, cfg.fwd_m), b * h), scalars, options
+
+    grid, scalars, options = _plan(key, build)
+    o = torch.empty(shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, q_len), dtype=torch.float32, device=q.device)
-    q_doc_ptr, k_doc_ptr, has_docs = _docs(q_doc, k_doc, slopes)
-    launch(
-        _flash_fwd_kernel, (triton.cdiv(q_len, cfg.fwd_m), b * h),
-        q, k, v, slopes, o, lse, q_doc_ptr, k_doc_ptr, *_strides(q), *_strides(k), *_strides(v),
-        h, q_len, k_len, shift - (k_len - q_len), d, scale * LOG2E,
-        CAUSAL=causal, HAS_DOCS=has_docs, DOT_FP32=cfg.dot_fp32, PRECISION=cfg.precision,
-        BLOCK_M=cfg.fwd_m, BLOCK_N=cfg.fwd_n, BLOCK_D=cfg.block_d, num_warps=cfg.warps, num_stages=cfg.stages,
-    )  # fmt: skip
+    q_doc_ptr, k_doc_ptr = _docs(q_doc, k_doc, slopes)
+    launch(_flash_fwd_kernel, grid, q, k, v, slopes, o, lse, q_doc_ptr, k_doc_ptr, *scalars, **options)
     return o, lse
 
 
@@ -208,43 +138,48 @@ def flash_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv, each contiguous in its input's dtype. lse: base-2 as flash_fwd stores it; delta [b, h, q_len]
     fp32 = rowsum(O * dO), computed here from o when None (o may be None when delta is given)."""
-    b, h, q_len, d = q.shape
+    b, h, q_len, d = shape = q.shape
     k_len = k.shape[2]
-    shift = k_len - q_len if shift is None else shift
-    cfg = tiles(d, q.dtype, compute_capability(q), q_doc is not None, q_len, k_len)
+    has_docs = q_doc is not None
+    cfg = tiles(d, q.dtype, compute_capability(q), has_docs, q_len, k_len)
+    key = ("bwd", cfg, shape, k_len, q.stride(), k.stride(), v.stride(), causal, scale, shift, has_docs)
+
+    def build() -> tuple[_Plan, _Plan, _Plan]:
+        common = dict(
+            CAUSAL=causal, HAS_DOCS=has_docs, DOT_FP32=cfg.dot_fp32, PRECISION=cfg.precision,
+            BLOCK_D=cfg.block_d, num_warps=cfg.warps, num_stages=cfg.bwd_stages,
+        )  # fmt: skip
+        realign = 0 if shift is None else shift - (k_len - q_len)  # beyond right-alignment (see _flash_fwd_kernel)
+        scalars = (*_strides(q), *_strides(k), *_strides(v), h, q_len, k_len, realign, d, scale, scale * LOG2E)
+        preprocess = dict(BLOCK_M=cfg.dq_m, BLOCK_D=cfg.block_d, num_warps=cfg.warps)
+        return (
+            ((triton.cdiv(q_len, cfg.dq_m), b * h), (q_len, d), preprocess),
+            ((triton.cdiv(k_len, cfg.dkdv_n), b * h), scalars, common | dict(BLOCK_M=cfg.dkdv_m, BLOCK_N=cfg.dkdv_n)),
+            ((triton.cdiv(q_len, cfg.dq_m), b * h), scalars, common | dict(BLOCK_M=cfg.dq_m, BLOCK_N=cfg.dq_n)),
+        )
+
+    preprocess, dkdv, dq_plan = _plan(key, build)
     do = do.contiguous()  # the kernels index dO like O: dense [b, h, q_len, d]
     lse = lse.contiguous()
     if delta is None:
         if o is None:
             raise ValueError("flash_bwd needs the output o or delta")
         delta = torch.empty_like(lse)
-        launch(
-            _flash_bwd_preprocess_kernel, (triton.cdiv(q_len, cfg.dq_m), b * h),
-            o, do, delta, q_len, d, BLOCK_M=cfg.dq_m, BLOCK_D=cfg.block_d, num_warps=cfg.warps,
-        )  # fmt: skip
+        grid, scalars, options = preprocess
+        launch(_flash_bwd_preprocess_kernel, grid, o, do, delta, *scalars, **options)
     else:
         delta = delta.to(torch.float32).contiguous()
-    dq = torch.empty((b, h, q_len, d), dtype=q.dtype, device=q.device)
+    dq = torch.empty(shape, dtype=q.dtype, device=q.device)
     dk = torch.empty((b, h, k_len, d), dtype=k.dtype, device=k.device)
     dv = torch.empty((b, h, k_len, d), dtype=v.dtype, device=v.device)
-    q_doc_ptr, k_doc_ptr, has_docs = _docs(q_doc, k_doc, slopes)
-    common = dict(
-        CAUSAL=causal, HAS_DOCS=has_docs, DOT_FP32=cfg.dot_fp32, PRECISION=cfg.precision, BLOCK_D=cfg.block_d,
-        num_warps=cfg.warps, num_stages=cfg.bwd_stages,
-    )  # fmt: skip
-    realign = shift - (k_len - q_len)  # the kernels take the shift beyond right-alignment (see _flash_fwd_kernel)
-    args = (
-        q_doc_ptr, k_doc_ptr, *_strides(q), *_strides(k), *_strides(v), h, q_len, k_len, realign, d, scale,
-        scale * LOG2E,
-    )  # fmt: skip
+    q_doc_ptr, k_doc_ptr = _docs(q_doc, k_doc, slopes)
+    grid, scalars, options = dkdv
     launch(
-        _flash_bwd_dkdv_kernel, (triton.cdiv(k_len, cfg.dkdv_n), b * h),
-        q, k, v, slopes, do, lse, delta, dk, dv, *args, BLOCK_M=cfg.dkdv_m, BLOCK_N=cfg.dkdv_n, **common,
+        _flash_bwd_dkdv_kernel, grid, q, k, v, slopes, do, lse, delta, dk, dv, q_doc_ptr, k_doc_ptr, *scalars,
+        **options,
     )  # fmt: skip
-    launch(
-        _flash_bwd_dq_kernel, (triton.cdiv(q_len, cfg.dq_m), b * h),
-        q, k, v, slopes, do, lse, delta, dq, *args, BLOCK_M=cfg.dq_m, BLOCK_N=cfg.dq_n, **common,
-    )  # fmt: skip
+    grid, scalars, options = dq_plan
+    launch(_flash_bwd_dq_kernel, grid, q, k, v, slopes, do, lse, delta, dq, q_doc_ptr, k_doc_ptr, *scalars, **options)
     return dq, dk, dv
 
 

@@ -13,9 +13,15 @@ For each op of `kernels.backend_env.SELECTABLE`, at the shapes one rank of the r
 The timer is injectable (`Timer`); on CUDA it is `cuda_event_timer`: warm-up calls first (they also absorb
 torch.compile's compilation and Triton's first builds), then back-to-back calls between one pair of CUDA events.
 
+Each op's measurement (its choice, every candidate's time, the rejections, flash attention's tiles) is kept in a
+`SelectionCache` (kernels.json, kernels/selection_cache.py) under the GPU, the software versions, the op and the
+sizes that op is fed; `select` measures only the ops the cache has no entry for. Ops timed alone may rank otherwise
+inside a compiled block, where inductor fuses the torch twins with their neighbours: kernels/selection_block.py
+times the block with the chosen ops against the block with the twins and keeps the faster.
+
 The result, a `Selection`, carries its key (device name, compute capability, torch, triton and project versions,
-the shapes): a cached selection applies only where every field of the key is equal. `Selection.apply()` installs it
-(the tiles, then `registry.use(choices)`). Nothing here imports `appliance`; the engine's side is
+the rank's shapes), which the ranks compare. `Selection.apply()` installs it (the tiles, then
+`registry.use(choices)`). Nothing here imports `appliance`; the engine's side is
 appliance/parallel/step/kernel_choice.py.
 """
 
@@ -30,6 +36,7 @@ import torch
 
 from kernels import backend_env, op_backends, registry
 from kernels.reference import alibi_slopes
+from kernels.selection_cache import SelectionCache, entry_key
 
 # Timer(op, backend, step) -> milliseconds per call of step() (one forward + backward).
 Timer = Callable[[str, str, Callable[[], object]], float]
@@ -120,7 +127,10 @@ class Selection:
     times_ms: dict[str, dict[str, float]]
     rejected: dict[str, dict[str, str]] = field(default_factory=dict)
     flash_tiles: dict[str, Any] | None = None  # {"chosen": FlashConfig fields, "times_ms": {...}, "rejected": {...}}
-    source: str = "measured"  # or "cache": read back from where a measurement was kept for this key
+    source: str = "measured"  # "cache" when every op (and the block check) was read from kernels.json
+    cached: list[str] = field(default_factory=list)  # the ops (and "block") read from kernels.json
+    # the block-level check (kernels/selection_block.py): {"choices", "chosen", "times_ms", "rejected", "per_op"}
+    block: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -140,27 +150,47 @@ class Selection:
             rejected={op: dict(r) for op, r in data["rejected"].items()},
             flash_tiles=data["flash_tiles"],
             source=data["source"],
+            cached=list(data["cached"]),
+            block=data["block"],
         )
+
+    def take(self, op: str, record: Mapping[str, Any]) -> None:
+        """One op's measurement (`measure_op`'s record, or kernels.json's entry for it) into this selection."""
+        self.times_ms[op] = dict(record["times_ms"])
+        if record["choice"] is not None:
+            self.choices[op] = record["choice"]
+        if record["rejected"]:
+            self.rejected[op] = dict(record["rejected"])
+        if record["flash_tiles"] is not None:
+            self.flash_tiles = record["flash_tiles"]
 
     def apply(self) -> None:
         """Run with this selection from now on: flash attention's tuned tiles for the key's shape, then the
         registry's choices (which apply to CUDA tensors under BLOOM_KERNELS=auto)."""
+        self.install_tiles()
+        registry.use(self.choices)
+
+    def install_tiles(self) -> None:
+        """Flash attention's tuned tiles for the key's shape (none where no tiles were timed)."""
         if self.flash_tiles is not None:
             from kernels import flash_attention
 
             config = flash_attention.FlashConfig(**self.flash_tiles["chosen"])
             flash_attention.TUNED_TILES[_tile_key(self.key)] = config
-        registry.use(self.choices)
 
     def summary(self) -> str:
-        """One line per op: the choice and its time, then the others' times and the rejected candidates."""
+        """One line per op: the choice and its time, then the others' times and the rejected candidates; then the
+        block-level check's combinations, where it ran."""
         lines = []
         for op, times in self.times_ms.items():
             choice = self.choices.get(op)
             others = ", ".join(f"{b} {ms:.3g}" for b, ms in sorted(times.items(), key=lambda kv: kv[1]) if b != choice)
-            head = f"{op}: {choice} {times[choice]:.3g} ms" if choice else f"{op}: no candidate ran"
+            head = f"{op}: {choice} {times[choice]:.3g} ms" if choice in times else f"{op}: {choice or 'none ran'}"
             rejected = ", ".join(self.rejected.get(op, {}))
             lines.append(head + (f" (then {others})" if others else "") + (f"; rejected {rejected}" * bool(rejected)))
+        if self.block is not None:
+            ranked = sorted(self.block["times_ms"].items(), key=lambda kv: kv[1])
+            lines.append("block: " + ", ".join(f"{label} {ms:.3g} ms" for label, ms in ranked))
         return "\n".join(lines)
 
 
@@ -194,6 +224,11 @@ def cuda_event_timer(warmup: int = 3, repeats: int = 10, trials: int = 5) -> Tim
         return sorted(per_call)[trials // 2]
 
     return timer
+
+
+def default_timer(device: torch.device) -> Timer:
+    """CUDA events on a GPU, the host's clock elsewhere."""
+    return cuda_event_timer() if torch.device(device).type == "cuda" else wall_clock_timer()
 
 
 def wall_clock_timer(warmup: int = 1, repeats: int = 3) -> Timer:
@@ -300,7 +335,7 @@ def op_case(op: str, shapes: RankShapes, device: torch.device, seed: int = 0) ->
     raise ValueError(f"kernel selection: no inputs for op {op!r}")
 
 
-def _reason(error: BaseException) -> str:
+def failure_reason(error: BaseException) -> str:
     text = f"{type(error).__name__}: {error}".strip().splitlines()[0]
     return text[:REASON_CHARS]
 
@@ -358,7 +393,7 @@ def tune_flash_tiles(
                 continue
             times[label] = timer("flash_alibi_attention", f"triton {label}", case.step(triton_attention))
         except Exception as error:  # a launch that fails to build or run leaves the other tiles to compete
-            rejected[label] = _reason(error)
+            rejected[label] = failure_reason(error)
             _free_cuda(case.leaves[0].device)
     if not times:
         del flash_attention.TUNED_TILES[tile_key]  # launch_config's tiles, as without a selection
@@ -377,49 +412,68 @@ def select(
     timer: Timer | None = None,
     implementations: Implementations | None = None,
     ops: tuple[str, ...] | None = None,
+    cache: SelectionCache | None = None,
 ) -> Selection:
-    """Measure every candidate of each op (default: backend_env.SELECTABLE) at `shapes` on `device` and keep the
-    fastest that matches the fp32 twin. Leaves the chosen tiles installed; call .apply() to route the ops."""
+    """For each op (default: backend_env.SELECTABLE): `cache`'s entry for this GPU, software, op and shape where it
+    has one, else every candidate measured at `shapes` on `device` (`measure_op`) and the record added to `cache`.
+    Leaves measured tiles installed; call .apply() to route the ops (and install tiles read from the cache)."""
     device = torch.device(device)
     key = current_key(shapes, device, project_version)
-    timer = timer or (cuda_event_timer() if device.type == "cuda" else wall_clock_timer())
+    timer = timer or default_timer(device)
     offered = implementations or op_backends.implementations
     selection = Selection(key=key, choices={}, times_ms={}, rejected={})
-    for op in ops or backend_env.SELECTABLE:
-        case = op_case(op, shapes, device)
-        expected = case.expected()
-        passing, rejected = {}, {}
-        for backend, fn in offered(op, device).items():
-            try:
-                wrong = case.mismatch(fn, expected)
-            except Exception as error:  # a candidate that cannot run here (a compile error, no backward on CPU)
-                wrong = _reason(error)
-                _free_cuda(device)
-            if wrong is None:
-                passing[backend] = fn
-            else:
-                rejected[backend] = wrong
-        if op == "flash_alibi_attention" and "triton" in passing and key.capability:
-            selection.flash_tiles = tune_flash_tiles(case, passing["triton"], expected, key, timer)
-        del expected
-        times: dict[str, float] = {}
-        # Two passes, the second in reverse order, each candidate keeping its faster figure: on an H200 one
-        # candidate timed at different points of one selection read 0.66 and 1.09 ms (flash attention, the same
-        # tiles), so a single timing, in one fixed order, can pick by when rather than by what.
-        for backend in [*passing, *reversed(passing)]:
-            if backend in rejected:
-                continue
-            try:
-                ms = timer(op, backend, case.step(passing[backend]))
-            except Exception as error:  # e.g. out of memory at repeated calls: the others still compete
-                rejected[backend] = _reason(error)
-                times.pop(backend, None)
-                _free_cuda(device)
-                continue
-            times[backend] = min(ms, times.get(backend, ms))
-        selection.times_ms[op] = times
-        if rejected:
-            selection.rejected[op] = rejected
-        if times:
-            selection.choices[op] = min(times, key=lambda backend: times[backend])
+    wanted = ops or backend_env.SELECTABLE
+    for op in wanted:
+        where = entry_key(asdict(key), op, asdict(shapes))
+        record = None if cache is None else cache.get(where)
+        if record is not None:
+            selection.cached.append(op)
+        else:
+            record = measure_op(op, key, device, offered(op, device), timer)
+            if cache is not None and record["choice"] is not None:  # a failure of every candidate is not kept
+                cache.put(where, record)
+        selection.take(op, record)
+    if len(selection.cached) == len(wanted):
+        selection.source = "cache"
     return selection
+
+
+def measure_op(
+    op: str, key: SelectionKey, device: torch.device, offered: Mapping[str, Callable[..., Any]], timer: Timer
+) -> dict[str, Any]:
+    """Check every candidate `offered` against the fp32 twin at the key's shapes, tune flash attention's tiles, then
+    time those that passed: {"choice" (None when none passed), "times_ms", "rejected", "flash_tiles"}."""
+    case = op_case(op, key.shapes, device)
+    expected = case.expected()
+    passing, rejected = {}, {}
+    for backend, fn in offered.items():
+        try:
+            wrong = case.mismatch(fn, expected)
+        except Exception as error:  # a candidate that cannot run here (a compile error, no backward on CPU)
+            wrong = failure_reason(error)
+            _free_cuda(device)
+        if wrong is None:
+            passing[backend] = fn
+        else:
+            rejected[backend] = wrong
+    tiles = None
+    if op == "flash_alibi_attention" and "triton" in passing and key.capability:
+        tiles = tune_flash_tiles(case, passing["triton"], expected, key, timer)
+    del expected
+    times: dict[str, float] = {}
+    # Two passes, the second in reverse order, each candidate keeping its faster figure: on an H200 one
+    # candidate timed at different points of one selection read 0.66 and 1.09 ms (flash attention, the same
+    # tiles), so a single timing, in one fixed order, can pick by when rather than by what.
+    for backend in [*passing, *reversed(passing)]:
+        if backend in rejected:
+            continue
+        try:
+            ms = timer(op, backend, case.step(passing[backend]))
+        except Exception as error:  # e.g. out of memory at repeated calls: the others still compete
+            rejected[backend] = failure_reason(error)
+            times.pop(backend, None)
+            _free_cuda(device)
+            continue
+        times[backend] = min(ms, times.get(backend, ms))
+    choice = min(times, key=lambda backend: times[backend]) if times else None
+    return {"choice": choice, "times_ms": times, "rejected": rejected, "flash_tiles": tiles}

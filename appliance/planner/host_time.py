@@ -34,18 +34,22 @@ from appliance.planner.kernel_path import KernelPath, loss_chunks
 from appliance.planner.layout import Layout
 from appliance.planner.model_shape import ModelShape
 
-# Per compiled dense block, forward + backward, one micro-batch. From the bloom-560m profile at micro-batch 2
-# (bench/results/2026-11-26-h200-bloom-560m-mb2-trainer.json): 291 GEMM launches a step (aten::mm 801 and
-# aten::addmm 72 over 3 steps) = 24 blocks x 12 + the loss's 3; the flash kernels 24 each of _flash_fwd_kernel,
-# _flash_bwd_dkdv_kernel and _flash_bwd_dq_kernel. The trace's summary gives the rest only as a total, so the
-# fused kernels inductor generates for a block are the remainder after the edges' count below (an estimate from the
-# code): (1381 - 291 - 72 - 1 loss row kernel - 293 gradient adds (AccumulateGrad's, one per parameter: 879 over
-# 3 steps; removed since) - 2 of the old fold (a cast and a zero) - 28 AdamW - 22 step - 24 edges) / 24 = 27.
+# Per compiled dense block, forward + backward, one micro-batch. Counted from the code: the block's GEMMs (the
+# aten::mm/addmm a BloomBlock's forward and backward dispatch) and the flash attention launches (what
+# kernels/flash_attention.py's launchers issue for one forward and its backward, the backward's preprocess of
+# delta = rowsum(O * dO) included), both checked against the code by tests/unit/test_planner_host_time.py. Only
+# inductor's fused kernels are fitted: the bloom-560m profile at micro-batch 2 (bench/results/2026-11-26-h200-
+# bloom-560m-mb2-trainer.json) gives them only inside its total of 1,381 launches a step, so they are the remainder
+# after everything counted: (1381 - 24 x 12 GEMMs - the loss's 3 GEMMs - 24 x 4 flash - 1 loss row kernel - 293
+# gradient adds (AccumulateGrad's, one per parameter: 879 over 3 steps; removed since) - 2 of the old fold (a cast
+# and a zero) - 28 AdamW - 22 step - 24 edges) / 24 = 26. The profile agrees where it itemises: 801 aten::mm and 72
+# aten::addmm over 3 steps = 24 x 12 + 3 a step; 24 launches each of the forward, dK/dV and dQ kernels (the
+# preprocess, too short for the profile's top kernels, is not listed).
 GEMMS_PER_BLOCK = 12  # QKV, dense, h -> 4h, 4h -> h forward; the input and weight gradients of each backward
-FLASH_LAUNCHES_PER_BLOCK = 3  # forward; backward dK/dV and dQ
-FUSED_LAUNCHES_PER_COMPILED_BLOCK = 27  # inductor's kernels, forward and backward (the remainder above)
+FLASH_LAUNCHES_PER_BLOCK = 4  # forward; backward: the preprocess (delta), dK/dV and dQ
+FUSED_LAUNCHES_PER_COMPILED_BLOCK = 26  # inductor's kernels, forward and backward (the remainder above: fitted)
 LAUNCHES_PER_COMPILED_BLOCK = GEMMS_PER_BLOCK + FLASH_LAUNCHES_PER_BLOCK + FUSED_LAUNCHES_PER_COMPILED_BLOCK
-# A forward repeated under full recompute: its 4 of the 12 GEMMs and 1 of the 3 flash kernels, so about a third.
+# A forward repeated under full recompute: its 4 of the 12 GEMMs and 1 of the 4 flash kernels, so about a third.
 RECOMPUTED_FORWARD_SHARE = 1 / 3
 # Per micro-batch outside the blocks, forward + backward: the embedding gather and its LayerNorm, ln_f, the loss's
 # reductions and scaling, the LayerNorms' backwards, the embedding's backward (its index sort and scatter) and the

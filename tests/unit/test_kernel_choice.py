@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import json
-from dataclasses import fields, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -56,26 +55,39 @@ def test_nothing_is_measured_on_cpu_or_when_a_backend_is_forced(monkeypatch: pyt
     assert record["backend_env"] == "BLOOM_KERNELS=reference"
 
 
-def test_the_cache_serves_only_its_own_key(tmp_path: Path) -> None:
-    cache = tmp_path / "kernels.json"
-    assert kernel_choice.read_cache(cache, KEY) is None  # no file yet
-    kernel_choice.write_cache(cache, SELECTION)
-    assert not list(tmp_path.glob(".kernels.json.tmp*"))
-    hit = kernel_choice.read_cache(cache, KEY)
-    assert hit == replace(SELECTION, source="cache")
-    changed = [
-        replace(KEY, device="NVIDIA H200"), replace(KEY, capability="8.0"), replace(KEY, torch="2.12.0"),
-        replace(KEY, triton="3.7.0"), replace(KEY, project="0.2.0"),
-    ] + [
-        replace(KEY, shapes=replace(SHAPES, **{f.name: (not value if isinstance(value, bool) else value * 2
-                                                          if isinstance(value, int) else "float16")}))
-        for f in fields(SHAPES) for value in [getattr(SHAPES, f.name)]
-    ]  # fmt: skip
-    assert len(changed) == 5 + len(fields(SHAPES))
-    for other in changed:  # any one field off: measured again
-        assert kernel_choice.read_cache(cache, other) is None, other
-    cache.write_text("{not json")  # a damaged file is measured again too
-    assert kernel_choice.read_cache(cache, KEY) is None
+def test_a_new_micro_batch_keeps_the_earlier_ones_measurement(tmp_path: Path) -> None:
+    """kernels.json after launches at micro-batches 2, 4 and 2 again on one gloo rank: the third reads what the first
+    measured (the file held one selection, keyed with the micro-batch, which the second replaced)."""
+    from dataclasses import replace
+
+    import torch.distributed as dist
+
+    from kernels import reference
+
+    small = RankShapes(2, 24, 32, 2, 16, 128, 96, "float32", False)
+    timed: list[tuple[int, str]] = []
+
+    def timer(op: str, backend: str, step: Any) -> float:
+        step()
+        timed.append((len(launches), op))
+        return {"reference": 2.0, "compiled": 1.0}[backend]
+
+    def offered(op: str, device: torch.device) -> dict[str, Any]:
+        return dict.fromkeys(("reference", "compiled"), getattr(reference, op))
+
+    cache, launches = tmp_path / "kernels.json", []
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for micro_batch in (2, 4, 2):
+            launches.append(micro_batch)
+            shapes = replace(small, micro_batch_size=micro_batch)
+            picked = kernel_choice.agree(shapes, torch.device("cpu"), cache_file=cache, timer=timer,
+                                         implementations=offered)  # fmt: skip
+            assert picked.choices == dict.fromkeys(picked.times_ms, "compiled")
+    finally:
+        dist.destroy_process_group()
+    assert {launch for launch, _ in timed} == {1, 2}, "the third launch measured again"
+    assert picked.source == "cache"
 
 
 def test_engine_for_records_the_kernels_in_ds_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,10 +1,14 @@
-"""The planner's step time against bloom-560m's steps measured on one H200 (bench/results/2026-11-26-h200-*), and
-BLOOM-176B's A100 calibration left where it was.
+"""The planner's step time judged on GPU steps it was not fitted on (bench/results/*-trainer.json), and BLOOM-176B's
+A100 calibration left where it was.
 
 The H100/H200 constants (calibration.py: the GEMM efficiency curve, the attention factor, the host's seconds per
-launch) were fitted on micro-batches 2 and 16 only; micro-batch 8 is the held-out check. Each JSON is priced as the
-bench ran it: bloom-560m, bf16, its sequence, one micro-batch a step on one device (the single-replica step), no
-recompute, ZeRO 0, compiled blocks (compile=auto on CUDA ranks).
+launch) were fitted on bloom-560m at micro-batches 2 and 16 on one H200 (`FITTED`): the planner reproduces those
+by construction, so they are no evidence and are not tested here. Every other trainer result of an H100 or H200 in
+bench/results is a held-out point and must be within 10%: bloom-560m at micro-batch 8 today; the GPU campaign
+(bench/gpu_campaign.py) adds bloom-560m at micro-batch 2 measured on today's code and bloom-1b7, a model the fit
+never saw, and each is tested as soon as its JSON is there. Each JSON is priced as the bench ran it: its model,
+bf16, its sequence, one micro-batch a step on one device (the single-replica step), its recompute and ZeRO stage,
+compiled blocks (compile=auto on CUDA ranks).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from appliance.hardware import load_hardware
-from appliance.planner import load_model_shape, load_reference, parse_layout
+from appliance.planner import calibration, load_model_shape, load_reference, parse_layout
 from appliance.planner.calibration import A100_EFFICIENCY, EFFICIENCY, Efficiency
 from appliance.planner.device import make_device
 from appliance.planner.kernel_path import kernels_for
@@ -24,13 +28,24 @@ from appliance.planner.timing import step_time
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 TRAINER = "trainer (the run's engine)"
-HARDWARE_FOR_DEVICE = {"NVIDIA H200": "h200-x1"}  # presets/hardware/h200-x1.toml: the bench's one GPU
-FITTED_ON = (2, 16)
-HELD_OUT = 8
+# presets/hardware: one GPU of the kind the bench ran on
+HARDWARE_FOR_DEVICE = {"NVIDIA H200": "h200-x1", "NVIDIA H100 80GB HBM3": "h100-sxm5-x1"}
+# The files calibration.py's H100/H200 constants were fitted on: the planner is not judged on them.
+FITTED = ("2026-11-26-h200-bloom-560m-mb2-trainer.json", "2026-11-26-h200-bloom-560m-mb16-trainer.json")
 
 
-def _bench(micro_batch: int) -> dict:
-    return json.loads((RESULTS / f"2026-11-26-h200-bloom-560m-mb{micro_batch}-trainer.json").read_text())
+def _trainer_results() -> dict[str, dict]:
+    """file name -> bench JSON, for every trainer measurement on a GPU the planner prices."""
+    found = {}
+    for path in sorted(RESULTS.glob("*.json")):
+        bench = json.loads(path.read_text())
+        contender = bench.get("contenders", {}).get(TRAINER, {})
+        if contender.get("status") == "ok" and bench.get("device") in HARDWARE_FOR_DEVICE:
+            found[path.name] = bench
+    return found
+
+
+HELD_OUT = sorted(set(_trainer_results()) - set(FITTED))
 
 
 def _planned_step_s(bench: dict) -> float:
@@ -44,13 +59,29 @@ def _planned_step_s(bench: dict) -> float:
     return step_time(layout, model, hardware, seq_len=work["seq_len"], precision=work["dtype"]).total_s
 
 
-@pytest.mark.parametrize("micro_batch", [*FITTED_ON, HELD_OUT])
-def test_h200_step_within_ten_percent_of_the_bench(micro_batch: int) -> None:
-    """79.3, 147.7 and 274.6 ms measured at micro-batches 2, 8 and 16; fitted on 2 and 16, micro-batch 8 held out.
-    Before the host term and the H100/H200 refit the planner gave 47.8, 175.3 and 344.9 ms."""
-    bench = _bench(micro_batch)
-    measured = bench["contenders"][TRAINER]["median_step_s"]
-    assert _planned_step_s(bench) == pytest.approx(measured, rel=0.10)
+def _off_by(name: str) -> float:
+    bench = _trainer_results()[name]
+    return _planned_step_s(bench) / bench["contenders"][TRAINER]["median_step_s"] - 1
+
+
+def test_the_fit_and_the_held_out_points_are_both_there() -> None:
+    assert set(FITTED) <= set(_trainer_results())  # the fit's inputs are kept
+    assert "2026-11-26-h200-bloom-560m-mb8-trainer.json" in HELD_OUT
+
+
+@pytest.mark.parametrize("name", HELD_OUT)
+def test_held_out_step_within_ten_percent_of_the_bench(name: str) -> None:
+    """bloom-560m at micro-batch 8: 147.7 ms measured, 140.1 ms planned (-5.2%); before the host term and the
+    H100/H200 refit the planner gave 175.3 ms (+19%)."""
+    assert abs(_off_by(name)) <= 0.10, f"{name}: planned {_off_by(name):+.1%} off the measured step"
+
+
+def test_the_check_fails_with_the_constants_before_the_refit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The positive control: the H100/H200 GEMM curve before the refit (0.65 x n / (n + 384), attention 0.60) puts
+    micro-batch 8 outside the 10% the held-out check allows."""
+    old = Efficiency(gemm=0.65, gemm_half_width=384.0, attention=0.60, memory=0.80)
+    monkeypatch.setitem(calibration.EFFICIENCY, "H200", old)
+    assert _off_by("2026-11-26-h200-bloom-560m-mb8-trainer.json") > 0.10
 
 
 def test_the_plan_prices_the_benchs_compiled_blocks() -> None:

@@ -1,10 +1,13 @@
 """The kernels a run uses, chosen by measurement on its GPU at its shapes, the same on every rank.
 
 Under BLOOM_KERNELS=auto on CUDA, before the engine is built (train/from_spec.py engine_for):
-1. rank 0 reads the cache file (`<run dir>/kernels.json`) and uses it when its key equals this run's exactly
-   (device name, compute capability, torch, triton and project versions, the rank's shapes); otherwise it measures
-   (kernels/selection.py: each op's candidates checked against the fp32 twin, then timed) and writes the file,
-   atomically;
+1. rank 0 reads the cache file (`<run dir>/kernels.json`, kernels/selection_cache.py): every measurement made
+   there, one entry per GPU, software, op and shape. Each op whose entry's key equals this run's exactly (device
+   name, compute capability, torch, triton and project versions, the op, the sizes the op is fed) takes it; the
+   others are measured (kernels/selection.py: each op's candidates checked against the fp32 twin, then timed,
+   flash attention's tiles tuned). Where the run compiles its blocks, the block with the chosen ops is timed
+   against the block with the twins of the ops inductor fuses (kernels/selection_block.py). New entries are added
+   to the file, never in place of others, which is rewritten whole, atomically;
 2. rank 0 broadcasts the selection to every rank over the world group;
 3. every rank compares its own key with rank 0's: a rank on another GPU model or software stack would run kernels
    measured elsewhere, so any difference stops every rank with an error naming both; else every rank installs it
@@ -18,9 +21,8 @@ Ulysses' attention sees the whole sequence over cp heads, measured at the chunk'
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import replace
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +32,18 @@ import torch.distributed as dist
 from appliance.model.config import BloomConfig
 from appliance.parallel.topology import ParallelTopology
 from kernels import backend_env, registry
-from kernels.selection import Implementations, RankShapes, Selection, SelectionKey, Timer, current_key, select
+from kernels.selection import (
+    Implementations,
+    RankShapes,
+    Selection,
+    Timer,
+    current_key,
+    default_timer,
+    document_ids,
+    select,
+)
+from kernels.selection_block import BlockStep, check_block
+from kernels.selection_cache import SelectionCache
 
 # plan.json's train.dtype -> RankShapes.dtype
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -82,15 +95,19 @@ def choose_kernels(
     cache_file: Path | None,
     timer: Timer | None = None,
     documents: bool = False,
+    compiled_blocks: bool = True,
 ) -> Selection | None:
     """The measured selection every rank now runs with (collective over the world group), or None on CPU under
-    auto and when BLOOM_KERNELS forces a backend (nothing measured; see kernel_record)."""
+    auto and when BLOOM_KERNELS forces a backend (nothing measured; see kernel_record). `compiled_blocks`: whether
+    the run compiles its blocks (compile=auto does on CUDA), where the block-level check applies."""
     if forced_backend() is not None or backend_env.given() or torch.device(device).type != "cuda":
         return None
     shapes = rank_shapes(
         config, topology, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype, documents=documents
     )
-    return agree(shapes, torch.device(device), cache_file=cache_file, timer=timer)
+    device = torch.device(device)
+    block = block_step_for(config, topology, shapes, device) if compiled_blocks else None
+    return agree(shapes, device, cache_file=cache_file, timer=timer, block_step=block)
 
 
 def agree(
@@ -100,21 +117,27 @@ def agree(
     cache_file: Path | None,
     timer: Timer | None = None,
     implementations: Implementations | None = None,
+    block_step: BlockStep | None = None,
 ) -> Selection:
-    """Rank 0's selection for `shapes` (from the cache when its key matches, else measured and cached), on every
-    rank and installed there; KernelChoiceError on every rank when any rank's key differs from rank 0's."""
+    """Rank 0's selection for `shapes` (each op from the cache where it holds an entry for this GPU, software, op
+    and shape, else measured and added to it; then the block-level check where `block_step` builds the run's
+    compiled block), on every rank and installed there; KernelChoiceError on every rank when any rank's key differs
+    from rank 0's."""
     from appliance import __version__
 
     key = current_key(shapes, device, __version__)
     payload: list[Any] = [None]
     if dist.get_rank() == 0:
-        selection = read_cache(cache_file, key)
-        if selection is None:
-            selection = select(
-                shapes, device, project_version=__version__, timer=timer, implementations=implementations
-            )
-            if cache_file is not None:
-                write_cache(cache_file, selection)
+        timer = timer or default_timer(device)
+        cache = SelectionCache.load(cache_file)
+        selection = select(
+            shapes, device, project_version=__version__, timer=timer, implementations=implementations, cache=cache
+        )
+        if block_step is not None:
+            check_block(selection, block_step, timer, cache)
+            torch._dynamo.reset()  # the engine compiles its blocks afresh, not after the check's graphs
+        if cache_file is not None and cache.added:
+            cache.save(cache_file)
         payload = [selection.to_json()]
     # NCCL moves the pickled object through a tensor on the current CUDA device; gloo through a CPU one.
     dist.broadcast_object_list(payload, src=0, device=device if device.type == "cuda" else None)
@@ -132,23 +155,32 @@ def agree(
     return selection
 
 
-def read_cache(cache_file: Path | None, key: SelectionKey) -> Selection | None:
-    """The cached selection when the file exists, parses, and its key equals `key` in every field; else None (a
-    stale or damaged cache is measured again and replaced)."""
-    if cache_file is None or not cache_file.exists():
-        return None
-    try:
-        cached = Selection.from_json(json.loads(cache_file.read_text()))
-    except (ValueError, KeyError, TypeError):
-        return None
-    return None if cached.key.differences(key) else replace(cached, source="cache")
+def block_step_for(
+    config: BloomConfig, topology: ParallelTopology, shapes: RankShapes, device: torch.device, backend: str = "inductor"
+) -> BlockStep | None:
+    """The block-level check's block (kernels/selection_block.py): one of the run's dense blocks in its dtype on
+    `device`, compiled as parallelize.compile_blocks compiles it (fullgraph, `backend`) anew under the registry's
+    current choices, and one forward + backward of it on a micro-batch of random hidden states. None where a rank's
+    block is not that one-rank block: tp, cp or tp2d > 1 (their blocks hold collectives) or MoE models."""
+    from appliance.model.bloom import BloomBlock
 
+    if topology.tp > 1 or topology.cp > 1 or topology.tp2d > 1 or config.moe_num_experts:
+        return None
+    block = BloomBlock(config).to(device=device, dtype=shapes.torch_dtype)
+    block.alibi.slopes(device)  # cached before the trace, as compile_blocks does
+    gen = torch.Generator().manual_seed(0)
+    size = (shapes.micro_batch_size, shapes.seq_len, shapes.hidden)
+    hidden = torch.randn(*size, generator=gen).to(device, shapes.torch_dtype).requires_grad_()
+    grad = torch.randn(*size, generator=gen).to(device, shapes.torch_dtype)
+    docs = document_ids(shapes.micro_batch_size, shapes.seq_len, device) if shapes.documents else None
+    leaves = [hidden, *block.parameters()]
 
-def write_cache(cache_file: Path, selection: Selection) -> None:
-    """kernels.json, written to a temporary name and renamed: a reader sees the old file or the new one."""
-    temporary = cache_file.with_name(f".{cache_file.name}.tmp.{os.getpid()}")
-    temporary.write_text(json.dumps(selection.to_json(), indent=1, sort_keys=True) + "\n")
-    os.replace(temporary, cache_file)
+    def build() -> Callable[[], object]:
+        torch._dynamo.reset()  # each combination traced afresh, never counted against dynamo's recompile limit
+        forward = torch.compile(block.forward, fullgraph=True, backend=backend)
+        return lambda: torch.autograd.grad(forward(hidden, None, docs), leaves, grad)
+
+    return build
 
 
 def kernel_record(selection: Selection | None, device: torch.device) -> dict[str, Any]:
@@ -163,6 +195,8 @@ def kernel_record(selection: Selection | None, device: torch.device) -> dict[str
             "times_ms": {op: dict(times) for op, times in selection.times_ms.items()},
             "rejected": {op: dict(found) for op, found in selection.rejected.items()},
             "flash_tiles": None if selection.flash_tiles is None else selection.flash_tiles["chosen"],
+            "cached": list(selection.cached),
+            "block": None if selection.block is None else {k: selection.block[k] for k in ("chosen", "times_ms")},
             "device": selection.key.device,
             "shapes": vars(selection.key.shapes),
         }
