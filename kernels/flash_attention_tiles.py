@@ -119,11 +119,8 @@ def tile_candidates(
     if not narrow_head or not documents:
         variants.append(replace(default, stages=4))  # a deeper software pipeline for the forward's K/V loads
     if capability >= 90:
-        wide_keys = replace(default, fwd_n=128, **({"warps": 8} if narrow_head else {"stages": 2}))
-        tutorial_dkdv = {"dkdv_m": 32, "dkdv_n": 128}
-        variants += [
-            wide_keys,
-            replace(default, **tutorial_dkdv, **({"warps": 8} if narrow_head else {})),
-            replace(wide_keys, **tutorial_dkdv, dq_m=128, dq_n=32),
-        ]
+        # Two warp groups at head dim 64 (4 warps spilled); two stages above it (shared memory).
+        wide_keys = replace(default, fwd_n=128, warps=8) if narrow_head else replace(default, fwd_n=128, stages=2)
+        tutorial_dkdv = replace(default, dkdv_m=32, dkdv_n=128, warps=8 if narrow_head else default.warps)
+        variants += [wide_keys, tutorial_dkdv, replace(wide_keys, dkdv_m=32, dkdv_n=128, dq_m=128, dq_n=32)]
     return tuple(dict.fromkeys([default, *variants]))

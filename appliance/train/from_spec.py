@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from appliance.atomic import write_atomic
 from appliance.model.config import BloomConfig, config_for_shape
+from appliance.parallel.parallelize import compiles_blocks
 from appliance.parallel.step.build import build_engine
 from appliance.parallel.step.engine import ParallelEngine
 from appliance.parallel.step.kernel_choice import choose_kernels, kernel_record
@@ -64,6 +65,8 @@ def kernels_for(
         device=device,
         cache_file=cache_file if cache_file is not None else None if run_dir is None else run_dir.kernels,
         documents=spec.train.reset_attention_mask,
+        # The block-level check times the compiled block: only where the run compiles its blocks (`compile`).
+        compiled_blocks=compiles_blocks(spec.train.compile, device),
     )
     return kernel_record(selection, device)
 
