@@ -13,6 +13,7 @@ kernel uses that relative form because its magnitudes stay small.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -231,3 +232,83 @@ def vocab_scores(
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Target log-probabilities and greedy tokens of hidden @ weight.T (torch twin of kernels.cross_entropy)."""
     return apply_vocab_scores(hidden, weight, targets, chunk_size, tp_group, ce_row_stats)
+
+
+# ----- the flat optimizer's twins (kernels/flat_adamw.py) -------------------------------------------------------------
+
+# Every tensor's first element sits at a multiple of this many elements in the flat buffers (64 bytes of fp32), so
+# the kernels' loads of the state are whole vectors; the optimizer pads its layout to it (kernels/flat_adamw.py).
+FLAT_ALIGNMENT = 16
+FLAT_NORM_ROW = 1024  # elements per partial sum of flat_sum_of_squares
+
+
+def flat_gradient_(
+    flat: torch.Tensor,
+    views: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    grad_sum: torch.Tensor | None,
+) -> torch.Tensor:
+    """`flat` (fp32, laid out like the flat buffers; `views`: its slice for each tensor, shaped like the tensor's
+    gradient) becomes the step's gradient, in place: `grad_sum` (the earlier micro-batches' fp32 sum; `flat` itself
+    when it accumulates) plus each tensor's gradient, zero where a tensor has none. The padding between the tensors
+    is not written (it stays zero). One multi-tensor copy or add, whatever the number of tensors."""
+    present = [(view, grad) for view, grad in zip(views, grads, strict=True) if grad is not None]
+    targets, values = [view for view, _ in present], [grad for _, grad in present]
+    if grad_sum is None:
+        if len(present) < len(views):
+            flat.zero_()
+        if present:
+            torch._foreach_copy_(targets, values)
+    else:
+        if grad_sum is not flat:
+            flat.copy_(grad_sum)
+        if present:
+            torch._foreach_add_(targets, values)  # fp32 + fp32(grad): DeepSpeed's accumulation
+    return flat
+
+
+def flat_sum_of_squares(flat_grad: torch.Tensor, spans: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Sum of squares of `flat_grad` over the [start, end) spans, 0-d fp32: per row of FLAT_NORM_ROW elements, then
+    over the rows. A blocked reduction: no temporary the gradient's size, and fp32's error stays near one rounding
+    where a single running sum over millions of squares (torch's CPU 2-norm and dot of a long vector) loses digits:
+    2e-4 relative over 3M elements, against 1e-8 by rows."""
+    parts = []
+    for start, end in spans:
+        whole = start + (end - start) // FLAT_NORM_ROW * FLAT_NORM_ROW
+        rows = flat_grad[start:whole].view(-1, FLAT_NORM_ROW)
+        tail = flat_grad[whole:end]
+        parts += [torch.linalg.vecdot(rows, rows).sum(), torch.dot(tail, tail)]
+    if not parts:
+        return torch.zeros((), dtype=torch.float32, device=flat_grad.device)
+    return torch.stack(parts).sum()
+
+
+def flat_adamw_(
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    weights: torch.Tensor | None,
+    flat_grad: torch.Tensor,
+    groups: Sequence[tuple[int, int, float]],
+    *,
+    lr: torch.Tensor,
+    step: torch.Tensor,
+    clip: torch.Tensor,
+    skip: torch.Tensor,
+    betas: tuple[float, float],
+    eps: float,
+) -> None:
+    """DeepSpeed's bf16 step on flat fp32 state: the gradient multiplied by `clip` (min(1, max_norm / (norm + 1e-6)):
+    DeepSpeed's factor where it clips, exactly 1 where it does not), torch's fused AdamW per (start, end, weight decay)
+    group at lr[group] (`step` already counting this step; `skip` = 1 leaves everything as it was), then the bf16
+    `weights` rounded from the masters (None: fp32 weights, which are the masters). `flat_grad` is scaled in place."""
+    flat_grad.mul_(clip)
+    beta1, beta2 = betas
+    for i, (start, end, weight_decay) in enumerate(groups):
+        torch._fused_adamw_(
+            [master[start:end]], [flat_grad[start:end]], [exp_avg[start:end]], [exp_avg_sq[start:end]], [], [step],
+            lr=lr[i], beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
+            grad_scale=None, found_inf=skip,
+        )  # fmt: skip
+    if weights is not None:
+        weights.copy_(master)

@@ -2,8 +2,9 @@
 
 On a GPU the host queues kernels and runs ahead; it waits only when it reads a value the device computes: a
 scalar (`.item()`, `float(t)`, `bool(t)`, `if t:` all end in `aten._local_scalar_dense`), a data-dependent shape
-(`nonzero`, boolean-mask indexing), a comparison answered on the host (`aten.equal`, `is_nonzero`), or a copy to host
-memory. The same ops run on CPU tensors, so counting them in a CPU test shows the syncs a GPU step would have.
+(`nonzero`, `masked_select`, indexing by a boolean mask), a comparison answered on the host (`aten.equal`,
+`is_nonzero`), or a copy to host memory. The same ops run on CPU tensors, so counting them in a CPU test shows the
+syncs a GPU step would have (tests/unit/test_host_reads.py has a positive control for each).
 `Tensor.tolist()` reads without going through the dispatcher and is counted apart (`tolist` in the counts).
 """
 
@@ -18,8 +19,17 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # Ops whose result the host must wait for, by the name of their schema.
-HOST_READ_OPS = frozenset({"aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero", "aten::equal"})
+HOST_READ_OPS = frozenset(
+    {"aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero", "aten::equal", "aten::masked_select"}
+)
 _COPIES = frozenset({"aten::_to_copy", "aten::copy_"})
+# Indexing by a boolean mask sizes its result from the mask's values (on a GPU a nonzero inside the op, which the
+# dispatcher does not show on CPU): counted as "boolean_index".
+_INDEXING = frozenset({"aten::index", "aten::index_put_", "aten::index_put"})
+
+
+def _is_mask(index: Any) -> bool:
+    return isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8)
 
 
 def _device_of(value: Any) -> torch.device | None:
@@ -38,6 +48,8 @@ class HostReadCounter(TorchDispatchMode):
         name = func._schema.name
         if name in HOST_READ_OPS:
             self.counts[name] += 1
+        elif name in _INDEXING and len(args) > 1 and any(_is_mask(i) for i in args[1]):
+            self.counts["boolean_index"] += 1
         out = func(*args, **kwargs)
         if name in _COPIES:
             source = _device_of(args[1]) if name == "aten::copy_" and len(args) > 1 else _device_of(args[0])

@@ -4,10 +4,11 @@ optimizer and nothing else between them.
 At one replica DeepSpeed has nothing to distribute: no gradient to reduce, no optimizer state to partition, no
 pipeline to schedule. Its engine would still wrap every micro-batch in hooks, loop over the parameters to fold,
 norm, clip and zero their gradients, and read its verdicts on the host. This engine runs the same arithmetic
-(gradients scaled by 1 / micro-batches, fp32 accumulation in bf16, DeepSpeed's clipping, torch's fused AdamW) with
-flat buffers (step/flat_optimizer.py) and leaves every figure on the device, so a step queues its work without waiting.
-Tensor parallelism is unaffected: it lives inside the layers, and the gradient norm is summed over the replica's
-model-parallel group.
+(gradients scaled by 1 / micro-batches, fp32 accumulation in bf16, DeepSpeed's clipping, torch's fused AdamW's
+update) with flat buffers and one pass over the optimizer's state (step/flat_optimizer.py, kernels/flat_adamw.py), and
+leaves every figure on the device, so a step queues its work without waiting (and is what a CUDA graph could capture:
+tests/distributed/test_capturable_step.py). Tensor parallelism is unaffected: it lives inside the layers, and the
+gradient norm is summed over the replica's model-parallel group.
 
 It answers the part of DeepSpeed's engine interface that ParallelEngine uses (forward, backward, step, the
 accumulation boundary, train/eval, the module, the device, the optimizer, the config), so the rest of the engine
@@ -64,10 +65,12 @@ class SingleReplicaEngine:
         self._boundary = boundary
 
     def backward(self, loss: torch.Tensor) -> None:
-        """The micro-batch's gradient, scaled by 1 / micro-batches as DeepSpeed scales it, folded into the step's
-        fp32 sum."""
+        """The micro-batch's gradient, scaled by 1 / micro-batches as DeepSpeed scales it. Before the accumulation
+        boundary it is folded into the step's fp32 sum; the last micro-batch's stays where autograd left it, for the
+        step to read in place."""
         (loss / self._accumulation).backward()
-        self.optimizer.fold_micro_batch()
+        if not self._boundary:
+            self.optimizer.fold_micro_batch()
 
     def step(self, loss: torch.Tensor | None = None) -> None:
         """The update at the accumulation boundary (a no-op before it, as DeepSpeed's). `loss`: the step's loss,
