@@ -104,6 +104,7 @@ class SelectionCache:
     def save(self, path: Path) -> None:
         """Every entry, written to a temporary name and renamed: a reader sees the old file or the new one."""
         data = {"format": FORMAT, "entries": [{"key": k.to_json(), "record": r} for k, r in self._entries.items()]}
+        path.parent.mkdir(parents=True, exist_ok=True)  # bench's runs/bench/ on a fresh checkout
         temporary = path.with_name(f".{path.name}.tmp.{os.getpid()}")
         temporary.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
         os.replace(temporary, path)
