@@ -128,9 +128,10 @@ def _change_settings(run_dir: RunDir, items: list[str]) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    worker_args = _lm_eval_args(args)  # the flags first: a wrong flag is named whatever the folder holds
     _run_dir_to_write(args.run_dir)
     _need_inputs(args.run_dir, checkpoint=True)
-    code = _launch(args.run_dir, ("--eval-only", *_lm_eval_args(args)))
+    code = _launch(args.run_dir, ("--eval-only", *worker_args))
     if code == 0:
         print((args.run_dir / "eval.json").read_text())
     return code

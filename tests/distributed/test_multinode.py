@@ -145,11 +145,19 @@ def test_each_node_names_its_samples(runs: dict[str, Any]) -> None:
     assert {f"{host}/node0", f"{host}/node1"} <= nodes, nodes
 
 
-def _bad(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def _bad_run_dir(tmp: Path) -> RunDir:
+    """A run directory that passes the checks made before any process (a plan, a tokenizer and indexed data to
+    stat), so what refuses the run is the node flag under test."""
     run_dir = RunDir(tmp / "bad").make()
-    if not run_dir.plan.exists():
-        plan = prepare_plan_json()
-        run_dir.plan.write_text(json.dumps(plan))
+    run_dir.plan.write_text(json.dumps(prepare_plan_json()))
+    for stand_in in (run_dir.tokenizer_json, run_dir.datasets_json):
+        stand_in.parent.mkdir(parents=True, exist_ok=True)
+        stand_in.write_text("{}")
+    return run_dir
+
+
+def _bad(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    run_dir = _bad_run_dir(tmp)
     return subprocess.run(
         _train_cmd(run_dir, *args), cwd=ROOT, capture_output=True, text=True, timeout=120, env=cpu_only_env()
     )
@@ -181,8 +189,7 @@ def test_bad_node_flags_exit_2_naming_the_flag(tmp_path: Path, args: tuple[str, 
 
 def test_unreachable_master_exits_2(tmp_path: Path) -> None:
     env = {**cpu_only_env(), "BLOOM_MASTER_WAIT_S": "2"}
-    run_dir = RunDir(tmp_path / "bad").make()
-    run_dir.plan.write_text(json.dumps(prepare_plan_json()))
+    run_dir = _bad_run_dir(tmp_path)
     cmd = _train_cmd(run_dir, "--nnodes", "2", "--node-rank", "1", "--master", f"127.0.0.1:{_free_port()}")
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 2, explain(result)
