@@ -1,0 +1,193 @@
+"""preflight: each role of a plan built and stepped in one process, its figures beside the planner's.
+
+The tiny model (bloom-micro-test) on cpu-laptop-2core at tp=2, pp=2, dp=2: the first and last stage are built as
+ranks 0 and 4 of an 8-rank emulated world, each in about a second."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from appliance.cli import main
+from appliance.hardware.scaled import hardware_for
+from appliance.model.bloom import BloomForCausalLM
+from appliance.model.config import config_for_shape
+from appliance.parallel.tensor.param_splits import role_of_parameter, shard_from_full
+from appliance.parallel.testing import build_test_engine, run_distributed
+from appliance.parallel.topology import ParallelTopology
+from appliance.planner import load_model_shape, make_plan
+from appliance.planner.layout import Layout, parse_layout_fields, pipeline_partition
+from appliance.preflight.measure import ActivationMeter, StateMeter
+from appliance.preflight.report import RoleReport
+from appliance.preflight.roles import roles
+from appliance.preflight.run import preflight
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL, HARDWARE, LAYOUT = "bloom-micro-test", "cpu-laptop-2core", "tp=2,pp=2,dp=2"
+ACTIVATION_TOLERANCE = 0.25
+
+
+def _plan() -> Any:
+    return make_plan(hardware_for(HARDWARE), load_model_shape(MODEL), fixed=parse_layout_fields(LAYOUT))
+
+
+@pytest.fixture(scope="module")
+def plan() -> Any:
+    return _plan()
+
+
+@pytest.fixture(scope="module")
+def reports(plan: Any) -> list[RoleReport]:
+    return preflight(plan)
+
+
+def test_roles_are_the_pipeline_ends_and_the_middle_with_the_ranks_they_stand_for() -> None:
+    assert [(r.name, r.stages, r.ranks) for r in roles(Layout(tp=2, pp=1, dp=2))] == [("whole", (0,), (0, 1, 2, 3))]
+    assert [(r.name, r.stage, r.rank, r.ranks) for r in roles(Layout(tp=2, pp=2, dp=2))] == [
+        ("first", 0, 0, (0, 1, 2, 3)),
+        ("last", 1, 4, (4, 5, 6, 7)),
+    ]
+    four = roles(Layout(tp=1, pp=4, dp=2))
+    assert [(r.name, r.stages, r.rank) for r in four] == [("first", (0,), 0), ("middle", (1, 2), 2), ("last", (3,), 6)]
+    assert four[1].ranks == (2, 3, 4, 5)
+
+
+def _stage_names(names: list[str], stage: int, pp: int, layers: int) -> set[str]:
+    """The single-process parameter names one pipeline stage holds (the tied embedding on both ends)."""
+    partition = pipeline_partition(layers, pp)
+    first = sum(partition.layers_per_stage[:stage])
+    blocks = {f"transformer.h.{i}." for i in range(first, first + partition.layers_per_stage[stage])}
+    held = {n for n in names if any(n.startswith(b) for b in blocks)}
+    if stage == 0:
+        held |= {n for n in names if n.startswith("transformer.word_embeddings")}
+    if stage == pp - 1:
+        held |= {n for n in names if n.startswith("transformer.ln_f")} | {"transformer.word_embeddings.weight"}
+    return held
+
+
+def test_every_role_holds_the_tp_shards_one_process_would_cut(plan: Any, reports: list[RoleReport]) -> None:
+    config = config_for_shape(plan.model, plan.model.padded_vocab(plan.layout.tp))
+    whole = dict(BloomForCausalLM(config, seed=0).named_parameters())
+    assert [r.role.name for r in reports] == ["first", "last"]
+    for report in reports:
+        expected = {
+            name: _shard_shape(whole[name], name, plan.layout.tp)
+            for name in _stage_names(list(whole), report.role.stage, plan.layout.pp, config.n_layer)
+        }
+        assert report.shapes == expected, report.role.name
+    # the split is real: the QKV weight is half of the whole one's rows
+    qkv = "transformer.h.0.self_attention.query_key_value.weight"
+    assert reports[0].shapes[qkv][0] * 2 == whole[qkv].shape[0]
+
+
+def _shard_shape(full: torch.Tensor, name: str, tp: int) -> tuple[int, ...]:
+    role, is_bias = role_of_parameter(name)
+    return tuple(shard_from_full(full, role, 0, tp, is_bias=is_bias).shape)
+
+
+def _launched_shapes(topology: ParallelTopology, config: Any) -> dict[str, tuple[int, ...]]:
+    engine = build_test_engine(config, topology, micro_batch_size=1, global_batch_size=topology.dp)
+    return {name: tuple(p.shape) for name, p in engine.named_parameters()}
+
+
+@pytest.mark.distributed
+def test_shard_shapes_equal_a_real_two_rank_launch_at_tp2(plan: Any, reports: list[RoleReport]) -> None:
+    """Two gloo ranks at tp=2 build the whole model: every tensor of each role has the shape of rank 0's."""
+    config = config_for_shape(plan.model, plan.model.padded_vocab(2))
+    launched = run_distributed(_launched_shapes, 2, config, tp=2, timeout_s=240)[0]
+    held = {name: shape for report in reports for name, shape in report.shapes.items()}
+    assert held == launched
+
+
+def test_state_bytes_equal_the_planners_and_activations_are_near_them(plan: Any, reports: list[RoleReport]) -> None:
+    """fp32 at ZeRO 0: weights 4, gradients 4, Adam's moments 8 bytes per parameter, exactly (planner/memory.py
+    state_bytes of stage_parameters). The activation peak (what autograd keeps, over the micro-batches 1F1B holds) is
+    within 25% of the planner's once the planner is given what it leaves out on CPU: our GeLU runs there as its
+    torch twin (model/ops.py bias_gelu), which keeps 7 tensors of the fc1 output's size for backward where the fused
+    kernel, and the planner, keep 1 (plus the fc2 input both count)."""
+    layout, model = plan.layout, plan.model
+    partition = pipeline_partition(model.layers, layout.pp)
+    for report in reports:
+        for figure in (report.parameters, report.gradients, report.optimizer):
+            assert figure.measured == figure.planned > 0, report.role.name
+        assert report.optimizer.measured == 2 * report.parameters.measured
+        in_flight = min(layout.pp - report.role.stage, layout.micro_batches)
+        fc1_output = layout.micro_batch_size * plan.train.seq_len * model.ffn_hidden // layout.tp * 4
+        twin = 6 * fc1_output * partition.layers_per_stage[report.role.stage] * in_flight
+        ratio = report.activations.measured / (report.activations.planned + twin)
+        assert 1 - ACTIVATION_TOLERANCE <= ratio <= 1 + ACTIVATION_TOLERANCE, (report.role.name, ratio)
+        assert report.ms_per_micro_batch.measured > 0 and report.ms_per_micro_batch.planned > 0
+
+
+def test_the_activation_meter_counts_saved_tensors_once_and_releases_them() -> None:
+    """Control: a product saves both of its operands; the parameter is left out, a view counts with its base, and
+    backward frees them all."""
+    weight = torch.nn.Parameter(torch.ones(256))
+    meter = ActivationMeter([weight])
+    x = torch.randn(256, requires_grad=True)
+    with meter.hooks():
+        y = x.exp()  # saves its output: 1 KiB
+        z = (y * weight).sum() + (y.view(16, 16) * y.view(16, 16)).sum()  # y again, twice, as views
+    assert meter.live == meter.peak == 1024
+    z.backward()
+    del y
+    assert meter.live == 0 and meter.peak == 1024
+    with meter.hooks():
+        (x.exp() * x.exp().exp()).sum().backward()  # three 1 KiB tensors saved at once
+    assert meter.peak == 3 * 1024 and meter.live == 0
+
+
+def test_the_state_meter_counts_weights_gradients_and_adam_moments() -> None:
+    """Control: one Linear under torch's AdamW: its moments are twice its weights, counted after a step; its
+    gradients at the step."""
+    layer = torch.nn.Linear(16, 8)
+    optimizer = torch.optim.AdamW(layer.parameters())
+    meter = StateMeter(layer, optimizer)
+    assert meter.count().optimizer == 0
+    layer(torch.randn(4, 16)).sum().backward()
+    optimizer.step()
+    counted = meter.count()
+    assert counted.parameters == (16 * 8 + 8) * 4 == counted.gradients
+    assert counted.optimizer == 2 * counted.parameters
+
+
+def _hardware_file(tmp_path: Path, ram_gb: float) -> Path:
+    text = (ROOT / "presets" / "hardware" / f"{HARDWARE}.toml").read_text()
+    lines = [f"ram_gb = {ram_gb}" if line.startswith("ram_gb") else line for line in text.splitlines()]
+    lines = [f'name = "{HARDWARE}-small"' if line.startswith("name") else line for line in lines]
+    path = tmp_path / "small.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_a_role_that_does_not_fit_the_device_exits_2_naming_it_and_its_figures(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """4 GB of RAM for 8 CPU ranks: 410 MiB a rank, under the 600 MiB every rank's interpreter and libraries take.
+    The positive control (the preset's 8 GB: 820 MiB a rank) is the test below, which exits 0."""
+    small = _hardware_file(tmp_path, 4)
+    assert main(["preflight", "--hardware", str(small), "--model", MODEL, "--layout", LAYOUT]) == 2
+    out, err = capsys.readouterr()
+    message = err.strip().splitlines()[-1]
+    assert message.startswith("error: preflight: does not fit the device's memory: role first (stage 0")
+    assert "role last (stage 1" in message and "MiB of 409.6 MiB" in message
+    assert "DOES NOT FIT" in out
+
+
+def test_preflight_json_is_printed_and_written_to_the_run_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    argv = ["preflight", "--hardware", HARDWARE, "--model", MODEL, "--layout", LAYOUT, "--json", "--run-dir"]
+    assert main([*argv, str(run_dir)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    written = json.loads((run_dir / "preflight.json").read_text())
+    assert printed == written
+    assert written["layout"].startswith(LAYOUT) and [r["role"] for r in written["roles"]] == ["first", "last"]
+    for role in written["roles"]:
+        assert role["fits"] and role["margin_bytes"] > 0
+        assert role["parameters"]["measured"] == role["parameters"]["planned"] > 0
