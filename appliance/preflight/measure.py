@@ -3,7 +3,8 @@ autograd keeps for backward. Every count is of distinct storages, so a tensor an
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,24 +28,62 @@ def addresses(tensors: Iterable[torch.Tensor]) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in tensors}
 
 
-def torch_optimizer(optimizer: Any, depth: int = 3) -> torch.optim.Optimizer | None:
-    """The torch optimizer that steps the parameters: ``optimizer`` itself, or the one DeepSpeed's wrappers (its
-    bf16, ZeRO and fp16 optimizers) hold as ``.optimizer``; None when there is none within ``depth`` wrappers (the
-    single-replica engine's flat AdamW keeps its own buffers: see ``StateBytes``)."""
-    for _ in range(depth + 1):
-        if isinstance(optimizer, torch.optim.Optimizer):
-            return optimizer
-        optimizer = getattr(optimizer, "optimizer", None)
-    return None
+# Where the optimizers keep their buffers: torch's, DeepSpeed's wrappers (bf16, ZeRO, fp16) and ours (FlatAdamW).
+OPTIMIZER_PACKAGES = ("torch.optim", "deepspeed", "appliance")
+WALK_DEPTH = 5  # DeepSpeed's wrapper, its torch optimizer, its state dict, a parameter's state, the tensor
+
+
+def optimizer_tensors(optimizer: Any) -> list[tuple[str, torch.Tensor]]:
+    """(attribute path, tensor) for every tensor an optimizer holds: in its attributes, lists, tuples and dicts
+    (torch's per-parameter state included), through the optimizers it wraps, with the gradient each tensor carries
+    (path ending ".grad"). The walk stays inside optimizer objects: never into a module, an engine's other parts or a
+    process group, whose tensors are the model's or nobody's."""
+    found: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+
+    def walk(value: Any, path: str, depth: int) -> None:
+        if id(value) in seen or depth > WALK_DEPTH:
+            return
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            if value.device.type == "meta":  # a shape without memory (ZeRO's round-robin bookkeeping)
+                return
+            found.append((path, value))
+            if value.grad is not None:
+                found.append((path + ".grad", value.grad))
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{path}[{key if isinstance(key, str | int) else '.'}]", depth + 1)
+        elif isinstance(value, list | tuple):
+            for i, item in enumerate(value):
+                walk(item, f"{path}[{i}]", depth + 1)
+        elif not isinstance(value, torch.nn.Module) and type(value).__module__.startswith(OPTIMIZER_PACKAGES):
+            for name, item in vars(value).items() if hasattr(value, "__dict__") else ():
+                walk(item, f"{path}.{name}", depth + 1)
+
+    walk(optimizer, "optimizer", 0)
+    return found
+
+
+# FlatAdamW's torch twin (the CPU path) gathers the gradients into a flat buffer of its own, and its views.
+TWIN_GRADIENT_BUFFERS = ("_twin_flat", "_twin_views")
+
+
+def is_gradient(path: str) -> bool:
+    """A gradient buffer by its name: ``.grad`` itself, and the optimizers' accumulation and reduction buffers
+    (bf16's fp32_groups_gradients, ZeRO's averaged_gradients and grads_in_partition, FlatAdamW's grad_sum and its
+    twin's flat gradient)."""
+    name = path.rsplit(".", 1)[-1].split("[", 1)[0]
+    return "grad" in name.lower() or name in TWIN_GRADIENT_BUFFERS
 
 
 @dataclass
 class StateBytes:
     """Model-state bytes of one rank. ``parameters``: the module's parameters. ``gradients``: every gradient alive
-    when the optimizer steps (the module's, and those of the optimizer's own fp32 copies: bf16's accumulation
-    buffer, ZeRO's partitions). ``optimizer``: the optimizer's per-parameter state (Adam's moments; the 0-d step
-    counters, 4 bytes per tensor, are left out as the planner leaves them out) and its parameters that are not the
-    module's (fp32 master weights)."""
+    when the optimizer steps (the module's, and the optimizer's gradient buffers: bf16's fp32 accumulation, ZeRO's
+    partitions, FlatAdamW's fp32 sum). ``optimizer``: every other tensor the optimizer holds that is not a parameter
+    of the module: Adam's moments, fp32 master weights (the 0-d step counters and learning rates are left out, as
+    the planner leaves them out)."""
 
     parameters: int = 0
     gradients: int = 0
@@ -52,37 +91,48 @@ class StateBytes:
 
 
 class StateMeter:
-    """Counts ``StateBytes`` of a module and its optimizer: the gradients at the moment the torch optimizer steps
-    (a step pre-hook), the rest whenever ``count`` is called (after a step, when the optimizer's state exists)."""
+    """Counts ``StateBytes`` of a module and its optimizer: the gradients when the optimizer's step begins and, while
+    ``watching_backward``, after each parameter's gradient is accumulated (ZeRO reduces and frees the module's
+    gradients during backward, so their peak lies there); the largest count seen. The rest whenever ``count`` is
+    called (after a step, when the optimizer's state exists)."""
 
     def __init__(self, module: torch.nn.Module, optimizer: Any) -> None:
         self.module = module
-        self.optimizer = torch_optimizer(optimizer)
+        self.optimizer = optimizer
         self.gradients = 0
-        if self.optimizer is not None:
-            self.optimizer.register_step_pre_hook(self._at_step)
+        step = optimizer.step
 
-    def _params(self) -> list[torch.Tensor]:
-        return [p for p in self.module.parameters()]
+        def counted_step(*args: Any, **kwargs: Any) -> Any:
+            self.gradients = max(self.gradients, self._gradient_bytes())
+            return step(*args, **kwargs)
 
-    def _optimizer_params(self) -> list[torch.Tensor]:
-        if self.optimizer is None:
-            return []
-        return [p for group in self.optimizer.param_groups for p in group["params"]]
+        optimizer.step = counted_step
 
-    def _at_step(self, *_: Any) -> None:
-        grads = [p.grad for p in (*self._params(), *self._optimizer_params()) if p.grad is not None]
-        self.gradients = storage_bytes(grads)
+    @contextlib.contextmanager
+    def watching_backward(self) -> Iterator[None]:
+        """The gradients counted after every accumulation into a parameter's .grad, for the block (a walk of the
+        optimizer's tensors each time: for an untimed step)."""
+
+        def counted(_: torch.Tensor) -> None:
+            self.gradients = max(self.gradients, self._gradient_bytes())
+
+        handles = [p.register_post_accumulate_grad_hook(counted) for p in self.module.parameters() if p.requires_grad]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _gradient_bytes(self) -> int:
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        grads += [t for path, t in optimizer_tensors(self.optimizer) if is_gradient(path) and t.dim() > 0]
+        return storage_bytes(grads)
 
     def count(self) -> StateBytes:
-        params = self._params()
+        params = list(self.module.parameters())
         module = addresses(params)
-        states: list[torch.Tensor] = []
-        if self.optimizer is not None:
-            for state in self.optimizer.state.values():
-                states += [v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
-        master = [p for p in self._optimizer_params() if p.untyped_storage().data_ptr() not in module]
-        return StateBytes(storage_bytes(params), self.gradients, storage_bytes([*states, *master], module))
+        held = [t for path, t in optimizer_tensors(self.optimizer) if not is_gradient(path) and t.dim() > 0]
+        return StateBytes(storage_bytes(params), self.gradients, storage_bytes(held, module))
 
 
 class _Saved:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -50,10 +51,12 @@ def _role_report(plan: Plan, config: BloomConfig, role: Role, handoff: StageHand
             states = StateMeter(engine.engine.module, engine.engine.optimizer)
             activations = ActivationMeter(engine.engine.module.parameters())
             seconds = []
-            for _ in range(steps):
+            for step in range(steps):
                 batches = random_batches(config, layout.micro_batch_size, plan.train.seq_len, layout.micro_batches)
+                # The gradients' peak is watched on the untimed first step only: the watch walks the optimizer.
+                watch = states.watching_backward() if step == 0 else contextlib.nullcontext()
                 start = time.perf_counter()
-                with activations.hooks():
+                with activations.hooks(), watch:
                     engine.train_batch(batches)
                 seconds.append(time.perf_counter() - start)
             held = states.count()

@@ -21,7 +21,7 @@ from appliance.parallel.testing import build_test_engine, run_distributed
 from appliance.parallel.topology import ParallelTopology
 from appliance.planner import load_model_shape, make_plan
 from appliance.planner.layout import Layout, parse_layout_fields, pipeline_partition
-from appliance.preflight.measure import ActivationMeter, StateMeter
+from appliance.preflight.measure import ActivationMeter, StateMeter, is_gradient, optimizer_tensors
 from appliance.preflight.report import RoleReport
 from appliance.preflight.roles import roles
 from appliance.preflight.run import preflight
@@ -153,6 +153,30 @@ def test_the_state_meter_counts_weights_gradients_and_adam_moments() -> None:
     counted = meter.count()
     assert counted.parameters == (16 * 8 + 8) * 4 == counted.gradients
     assert counted.optimizer == 2 * counted.parameters
+
+
+def test_optimizer_buffers_are_told_apart_by_name_and_shapes_without_memory_are_skipped() -> None:
+    """Control: DeepSpeed's and FlatAdamW's gradient buffers count as gradients, Adam's moments and the master
+    weights as optimizer state; a meta tensor (ZeRO's bookkeeping) holds no memory and is not listed."""
+    for path in (
+        "optimizer.averaged_gradients[0]",
+        "optimizer.fp32_groups_gradients_flat[1]",
+        "optimizer._twin_flat",
+        "optimizer._twin_views[3]",
+        "optimizer.single_partition_of_fp32_groups[0].grad",
+        "optimizer.grad_sum",
+    ):
+        assert is_gradient(path), path
+    for path in (
+        "optimizer.optimizer.state[.][exp_avg]",
+        "optimizer.single_partition_of_fp32_groups[0]",
+        "optimizer.master",
+    ):
+        assert not is_gradient(path), path
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.ones(4))])
+    optimizer.state["bookkeeping"] = {"shape": torch.empty(1024, device="meta"), "kept": torch.zeros(3)}
+    paths = [path for path, _ in optimizer_tensors(optimizer)]
+    assert "optimizer.state[bookkeeping][kept]" in paths and not any("shape" in path for path in paths)
 
 
 def _hardware_file(tmp_path: Path, ram_gb: float) -> Path:
