@@ -1,4 +1,5 @@
-"""Build each role of a plan in the emulated world, step it, and set what it holds beside the planner's figures."""
+"""Build each role of a plan in the emulated world, step it, and set what it holds beside the planner's figures.
+The plan is read as the run spec (planner/runspec.py): what `plan` makes, and what a run directory's plan.json holds."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ from appliance.model.config import BloomConfig, config_for_shape
 from appliance.parallel.step.build import build_engine
 from appliance.parallel.topology import ParallelTopology
 from appliance.planner import calibration as cal
+from appliance.planner.device import Device, make_device
 from appliance.planner.kernel_path import kernels_for
 from appliance.planner.layout import pipeline_partition
 from appliance.planner.memory import stage_bytes
-from appliance.planner.plan import Plan
+from appliance.planner.runspec import RunSpec
 from appliance.planner.timing import stage_microbatch_seconds
 from appliance.preflight.measure import ActivationMeter, StateMeter
 from appliance.preflight.report import Figure, RoleReport
@@ -29,22 +31,25 @@ COMMUNICATION = ("tp_comm", "cp_comm", "pp_p2p")
 UNMEASURED = ("pipe_buffers", "workspace", "cp_buffers")
 
 
-def preflight(plan: Plan, *, steps: int = STEPS) -> list[RoleReport]:
-    """Every role of ``plan``'s layout built and stepped ``steps`` times in this process, first stage first (the
+def preflight(spec: RunSpec, *, steps: int = STEPS) -> list[RoleReport]:
+    """Every role of ``spec``'s layout built and stepped ``steps`` times in this process, first stage first (the
     later stages receive buffers shaped as it sends)."""
     if steps < 2:
         raise ValueError("preflight needs a warm-up step and at least one timed step")
-    config = config_for_shape(plan.model, plan.model.padded_vocab(plan.layout.tp))
+    config = config_for_shape(spec.model, spec.model.padded_vocab(spec.layout.tp))
+    device = make_device(spec.hardware, spec.layout.world_size, spec.train.dtype)  # the planner's, for its figures
     handoff = StageHandoff()
     with stdout_to_stderr():
-        return [_role_report(plan, config, role, handoff, steps) for role in roles(plan.layout)]
+        return [_role_report(spec, device, config, role, handoff, steps) for role in roles(spec.layout)]
 
 
-def _role_report(plan: Plan, config: BloomConfig, role: Role, handoff: StageHandoff, steps: int) -> RoleReport:
-    layout = plan.layout
+def _role_report(
+    spec: RunSpec, device: Device, config: BloomConfig, role: Role, handoff: StageHandoff, steps: int
+) -> RoleReport:
+    layout = spec.layout
     with emulated_world(role.rank, layout.world_size):
         topology = ParallelTopology.from_layout(layout, world_size=layout.world_size)
-        engine = build_engine(config, topology, layout, plan.train, hardware=plan.hardware)
+        engine = build_engine(config, topology, layout, spec.train, hardware=spec.hardware)
         try:
             if engine.pipelined:
                 (handoff.feed if role.stage > 0 else handoff.record)(engine.engine)
@@ -52,7 +57,7 @@ def _role_report(plan: Plan, config: BloomConfig, role: Role, handoff: StageHand
             activations = ActivationMeter(engine.engine.module.parameters())
             seconds = []
             for step in range(steps):
-                batches = random_batches(config, layout.micro_batch_size, plan.train.seq_len, layout.micro_batches)
+                batches = random_batches(config, layout.micro_batch_size, spec.train.seq_len, layout.micro_batches)
                 # The gradients' peak is watched on the untimed first step only: the watch walks the optimizer.
                 watch = states.watching_backward() if step == 0 else contextlib.nullcontext()
                 start = time.perf_counter()
@@ -63,7 +68,7 @@ def _role_report(plan: Plan, config: BloomConfig, role: Role, handoff: StageHand
             shapes = {name: tuple(p.shape) for name, p in engine.named_parameters()}
         finally:
             engine.close()
-    planned = _planned(plan, role)
+    planned = _planned(spec, device, role)
     measured_ms = 1e3 * sum(seconds[1:]) / (len(seconds) - 1) / layout.micro_batches
     return RoleReport(
         role=role,
@@ -74,8 +79,8 @@ def _role_report(plan: Plan, config: BloomConfig, role: Role, handoff: StageHand
         ms_per_micro_batch=Figure(measured_ms, planned["ms_per_micro_batch"]),
         unmeasured_bytes=sum(planned[key] for key in UNMEASURED),
         margin_fraction=cal.ALLOCATOR_MARGIN,
-        fixed_overhead_bytes=plan.device.fixed_overhead_gb * 2**30,
-        capacity_bytes=plan.device.capacity_gb * 2**30,
+        fixed_overhead_bytes=device.fixed_overhead_gb * 2**30,
+        capacity_bytes=device.capacity_gb * 2**30,
         shapes=shapes,
     )
 
@@ -91,14 +96,14 @@ def random_batches(
     ]
 
 
-def _planned(plan: Plan, role: Role) -> dict[str, float]:
+def _planned(spec: RunSpec, device: Device, role: Role) -> dict[str, float]:
     """The planner's bytes by memory term for the role's stage (planner/memory.py stage_bytes), and its compute time
     per micro-batch there in ms: the stage's terms of planner/timing.py less the communication."""
-    layout, model, device = plan.layout, plan.model, plan.device
+    layout, model = spec.layout, spec.model
     kernels = kernels_for(device, model)
-    seq_len = plan.train.seq_len
+    seq_len = spec.train.seq_len
     _, planned = stage_bytes(layout, model, device, role.stage, seq_len, kernels)
     layers = pipeline_partition(model.layers, layout.pp).layers_per_stage[role.stage]
-    terms = stage_microbatch_seconds(model, layout, device, plan.hardware, role.stage, layers, seq_len, kernels)
+    terms = stage_microbatch_seconds(model, layout, device, spec.hardware, role.stage, layers, seq_len, kernels)
     planned["ms_per_micro_batch"] = 1e3 * sum(v for k, v in terms.items() if k not in COMMUNICATION)
     return planned

@@ -21,6 +21,7 @@ from appliance.parallel.testing import build_test_engine, run_distributed
 from appliance.parallel.topology import ParallelTopology
 from appliance.planner import load_model_shape, make_plan
 from appliance.planner.layout import Layout, parse_layout_fields, pipeline_partition
+from appliance.planner.runspec import RunSpec
 from appliance.preflight.measure import ActivationMeter, StateMeter, is_gradient, optimizer_tensors
 from appliance.preflight.report import RoleReport
 from appliance.preflight.roles import roles
@@ -31,17 +32,14 @@ MODEL, HARDWARE, LAYOUT = "bloom-micro-test", "cpu-laptop-2core", "tp=2,pp=2,dp=
 ACTIVATION_TOLERANCE = 0.25
 
 
-def _plan() -> Any:
-    return make_plan(hardware_for(HARDWARE), load_model_shape(MODEL), fixed=parse_layout_fields(LAYOUT))
+@pytest.fixture(scope="module")
+def plan() -> RunSpec:
+    """The plan `plan` makes for the layout, as the run spec a run directory's plan.json holds."""
+    return make_plan(hardware_for(HARDWARE), load_model_shape(MODEL), fixed=parse_layout_fields(LAYOUT)).spec()
 
 
 @pytest.fixture(scope="module")
-def plan() -> Any:
-    return _plan()
-
-
-@pytest.fixture(scope="module")
-def reports(plan: Any) -> list[RoleReport]:
+def reports(plan: RunSpec) -> list[RoleReport]:
     return preflight(plan)
 
 
@@ -69,7 +67,7 @@ def _stage_names(names: list[str], stage: int, pp: int, layers: int) -> set[str]
     return held
 
 
-def test_every_role_holds_the_tp_shards_one_process_would_cut(plan: Any, reports: list[RoleReport]) -> None:
+def test_every_role_holds_the_tp_shards_one_process_would_cut(plan: RunSpec, reports: list[RoleReport]) -> None:
     config = config_for_shape(plan.model, plan.model.padded_vocab(plan.layout.tp))
     whole = dict(BloomForCausalLM(config, seed=0).named_parameters())
     assert [r.role.name for r in reports] == ["first", "last"]
@@ -95,7 +93,7 @@ def _launched_shapes(topology: ParallelTopology, config: Any) -> dict[str, tuple
 
 
 @pytest.mark.distributed
-def test_shard_shapes_equal_a_real_two_rank_launch_at_tp2(plan: Any, reports: list[RoleReport]) -> None:
+def test_shard_shapes_equal_a_real_two_rank_launch_at_tp2(plan: RunSpec, reports: list[RoleReport]) -> None:
     """Two gloo ranks at tp=2 build the whole model: every tensor of each role has the shape of rank 0's."""
     config = config_for_shape(plan.model, plan.model.padded_vocab(2))
     launched = run_distributed(_launched_shapes, 2, config, tp=2, timeout_s=240)[0]
@@ -103,7 +101,7 @@ def test_shard_shapes_equal_a_real_two_rank_launch_at_tp2(plan: Any, reports: li
     assert held == launched
 
 
-def test_state_bytes_equal_the_planners_and_activations_are_near_them(plan: Any, reports: list[RoleReport]) -> None:
+def test_state_bytes_equal_the_planners_and_activations_are_near_them(plan: RunSpec, reports: list[RoleReport]) -> None:
     """fp32 at ZeRO 0: weights 4, gradients 4, Adam's moments 8 bytes per parameter, exactly (planner/memory.py
     state_bytes of stage_parameters). The activation peak (what autograd keeps, over the micro-batches 1F1B holds) is
     within 25% of the planner's once the planner is given what it leaves out on CPU: our GeLU runs there as its
@@ -202,16 +200,18 @@ def test_a_role_that_does_not_fit_the_device_exits_2_naming_it_and_its_figures(
     assert "DOES NOT FIT" in out
 
 
-def test_preflight_json_is_printed_and_written_to_the_run_directory(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_a_run_directorys_plan_is_preflighted_and_the_json_printed_and_written_there(
+    plan: RunSpec, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """--run-dir alone: the plan.json there (the one sbatch's job trains), its JSON printed and written beside it."""
     run_dir = tmp_path / "run"
-    argv = ["preflight", "--hardware", HARDWARE, "--model", MODEL, "--layout", LAYOUT, "--json", "--run-dir"]
-    assert main([*argv, str(run_dir)]) == 0
+    run_dir.mkdir()
+    (run_dir / "plan.json").write_bytes(plan.dumps())
+    assert main(["preflight", "--run-dir", str(run_dir), "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     written = json.loads((run_dir / "preflight.json").read_text())
     assert printed == written
-    assert written["layout"].startswith(LAYOUT) and [r["role"] for r in written["roles"]] == ["first", "last"]
+    assert written["layout"] == plan.layout.describe() and [r["role"] for r in written["roles"]] == ["first", "last"]
     for role in written["roles"]:
         assert role["fits"] and role["margin_bytes"] > 0
         assert role["parameters"]["measured"] == role["parameters"]["planned"] > 0
