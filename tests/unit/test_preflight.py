@@ -40,7 +40,7 @@ def plan() -> RunSpec:
 
 @pytest.fixture(scope="module")
 def reports(plan: RunSpec) -> list[RoleReport]:
-    return preflight(plan)
+    return preflight(plan, steps=2)
 
 
 def test_roles_are_the_pipeline_ends_and_the_middle_with_the_ranks_they_stand_for() -> None:
@@ -119,6 +119,24 @@ def test_state_bytes_equal_the_planners_and_activations_are_near_them(plan: RunS
         ratio = report.activations.measured / (report.activations.planned + twin)
         assert 1 - ACTIVATION_TOLERANCE <= ratio <= 1 + ACTIVATION_TOLERANCE, (report.role.name, ratio)
         assert report.ms_per_micro_batch.measured > 0 and report.ms_per_micro_batch.planned > 0
+
+
+def test_a_middle_stage_receives_and_sends_and_holds_the_planners_bytes(tmp_path: Path) -> None:
+    """pp=3 of a 4-block variant of the tiny model (4 blocks and the two ends balance over 3 stages): the middle
+    stage, which both receives activations and sends gradients, is built and stepped like the ends."""
+    text = (ROOT / "presets" / "models" / f"{MODEL}.toml").read_text()
+    model = tmp_path / "micro4.toml"
+    model.write_text("\n".join("layers = 4" if line.startswith("layers") else line for line in text.splitlines()))
+    fixed = parse_layout_fields("tp=1,pp=3,dp=1,mbs=2,gbs=4")  # 2 micro-batches: the stages overlap in 1F1B
+    spec = make_plan(hardware_for(HARDWARE), load_model_shape(str(model)), fixed=fixed).spec()
+    three = preflight(spec, steps=2)
+    assert [(r.role.name, r.role.stage) for r in three] == [("first", 0), ("middle", 1), ("last", 2)]
+    for report in three:
+        for figure in (report.parameters, report.gradients, report.optimizer):
+            assert figure.measured == figure.planned > 0, report.role.name
+    # the middle holds its two blocks and neither end's embedding or LayerNorm
+    assert all(name.startswith("transformer.h.") for name in three[1].shapes)
+    assert {name.split(".")[2] for name in three[1].shapes} == {"1", "2"}
 
 
 def test_the_activation_meter_counts_saved_tensors_once_and_releases_them() -> None:
