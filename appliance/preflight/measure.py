@@ -49,7 +49,7 @@ def optimizer_tensors(optimizer: Any) -> list[tuple[str, torch.Tensor]]:
             if value.device.type == "meta":  # a shape without memory (ZeRO's round-robin bookkeeping)
                 return
             found.append((path, value))
-            if value.grad is not None:
+            if value.is_leaf and value.grad is not None:  # a non-leaf tensor keeps no gradient (torch warns)
                 found.append((path + ".grad", value.grad))
         elif isinstance(value, dict):
             for key, item in value.items():

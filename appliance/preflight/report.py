@@ -97,7 +97,7 @@ def format_reports(reports: list[RoleReport]) -> str:
     rows = [header]
     for r in reports:
         verdict = f"{'fits' if r.fits else 'DOES NOT FIT'} ({_need(r)}, margin {r.margin_bytes / MIB:.1f})"
-        ms = f"{r.ms_per_micro_batch.measured:.2f} / {r.ms_per_micro_batch.planned:.2f}"
+        ms = f"{r.ms_per_micro_batch.measured:.3g} / {r.ms_per_micro_batch.planned:.3g}"
         rows.append((r.role.describe(), _mib(r.parameters), _mib(r.gradients), _mib(r.optimizer),
                      _mib(r.activations), ms, verdict))  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
