@@ -14,7 +14,7 @@ PREFLIGHT_NAME = "preflight.json"
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:
-    from appliance.atomic import make_dir, write_atomic
+    from appliance.atomic import write_atomic
     from appliance.preflight.report import format_reports, refuse_what_does_not_fit
     from appliance.preflight.world import stdout_to_stderr
 
@@ -22,6 +22,10 @@ def cmd_preflight(args: argparse.Namespace) -> int:
         from appliance.preflight.run import preflight
 
     spec = _spec(args)
+    if args.run_dir is not None:  # before the build: a folder that is not a run's is refused, its files left alone
+        from appliance.output_dirs import make_run_dir
+
+        make_run_dir(args.run_dir)
     reports = preflight(spec)
     record = {
         "model": spec.model.name,
@@ -31,8 +35,6 @@ def cmd_preflight(args: argparse.Namespace) -> int:
         "roles": [report.to_json() for report in reports],
     }
     if args.run_dir is not None:
-        if not args.run_dir.exists():
-            make_dir(args.run_dir)
         write_atomic(args.run_dir / PREFLIGHT_NAME, json.dumps(record, indent=1).encode())
     print(json.dumps(record, indent=1) if args.json else f"Preflight: {spec.model.name} at {spec.layout.describe()}"
           f" on {spec.hardware.name or 'this machine'}\n{format_reports(reports)}")  # fmt: skip

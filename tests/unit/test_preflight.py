@@ -233,3 +233,17 @@ def test_a_run_directorys_plan_is_preflighted_and_the_json_printed_and_written_t
     for role in written["roles"]:
         assert role["fits"] and role["margin_bytes"] > 0
         assert role["parameters"]["measured"] == role["parameters"]["planned"] > 0
+
+
+def test_a_folder_that_is_not_a_runs_is_refused_before_the_build_and_keeps_its_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """preflight.json is written only into a run directory (or a new folder): a folder of the user's own is refused
+    with exit 2 before anything is built, and nothing is added to it."""
+    folder = tmp_path / "thesis"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    args = ["preflight", "--hardware", HARDWARE, "--model", MODEL, "--layout", LAYOUT, "--run-dir", str(folder)]
+    assert main(args) == 2
+    assert "not an earlier `run` output" in capsys.readouterr().err
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
