@@ -10,6 +10,7 @@ from collections.abc import Callable
 from appliance.cli_data import cmd_prep, cmd_tokenize, cmd_tokenizer
 from appliance.cli_parser import build_parser
 from appliance.cli_plan import cmd_bench, cmd_detect, cmd_plan
+from appliance.cli_preflight import cmd_preflight
 from appliance.cli_presets import cmd_presets
 from appliance.cli_run import cmd_run, cmd_tui
 from appliance.cli_train import cmd_eval, cmd_export, cmd_import, cmd_sbatch, cmd_train
@@ -23,6 +24,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "run": cmd_run,
     "detect": cmd_detect,
     "plan": cmd_plan,
+    "preflight": cmd_preflight,
     "prep": cmd_prep,
     "tokenizer": cmd_tokenizer,
     "tokenize": cmd_tokenize,

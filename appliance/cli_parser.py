@@ -348,6 +348,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hardware", help="plan for a hardware profile instead of the detected machine" + NAMES)
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sample for the continued training")
 
+    p = sub.add_parser("preflight", help="build and step every role of the plan in one process; measured vs planned")
+    p.add_argument("--hardware", help="hardware profile name or TOML file (default: detect)" + NAMES)
+    p.add_argument("--model", help="model preset name or TOML file (default: the model ladder picks)" + NAMES)
+    p.add_argument("--layout", metavar=LAYOUT_METAVAR, help=LAYOUT_HELP)
+    p.add_argument("--json", action="store_true", help="one JSON object: every role's figures and verdict")
+    p.add_argument(
+        "--run-dir",
+        type=Path,
+        help="also write preflight.json there (made if missing); without --hardware, --model and --layout, preflight"
+        " the plan.json it holds",
+    )
+
     p = sub.add_parser("bench", help="tokens/s and MFU of the trainer against transformers eager and compiled; kernels")
     p.add_argument(
         "--model", help="model preset name or TOML file (default: what the plan picks for this machine)" + NAMES

@@ -235,6 +235,26 @@ def memory_for_device(
     buffers of its mode, and whole weights; ZeRO partitions the optimizer over dp x cp (context_parallel.py)."""
     kernels = kernels or kernels_for(device, model)
     s = model.seq_len if seq_len is None else seq_len
+    p = layout.pp
+    best: MemoryEstimate | None = None
+    for stage in sorted({0, min(1, p - 1), p - 1}):  # middle stages hold less in flight than stage 1
+        in_flight, allocated = stage_bytes(layout, model, device, stage, s, kernels)
+        breakdown = {k: v / GIB for k, v in allocated.items()}
+        breakdown["allocator_margin"] = sum(allocated.values()) * cal.ALLOCATOR_MARGIN / GIB
+        breakdown["fixed_overhead"] = device.fixed_overhead_gb
+        total = sum(breakdown.values())
+        if best is None or total > best.total_gb:
+            best = MemoryEstimate(total, device.capacity_gb, stage, in_flight, breakdown)
+    assert best is not None
+    return best
+
+
+def stage_bytes(
+    layout: Layout, model: ModelShape, device: Device, stage: int, s: int, kernels: KernelPath
+) -> tuple[int, dict[str, float]]:
+    """(micro-batches in flight, bytes by term) of one rank of pipeline stage ``stage``, before the allocator margin
+    and the fixed overhead: what memory_for_device sums for each stage it compares (and preflight/ compares with
+    what a built rank holds). ``s``: the sequence length."""
     partition = pipeline_partition(model.layers, layout.pp)
     p, b, h, t = layout.pp, layout.micro_batch_size, model.hidden, layout.tp
     act = device.act_bytes
@@ -244,44 +264,31 @@ def memory_for_device(
     )
     per_layer += context_parallel.stored_bytes_per_layer(model, layout, s, act)
     sp_div = t if layout.sequence_parallel else 1
-    workspace = _block_workspace(model, layout, act, s, kernels)
-    cp_buffers = context_parallel.buffer_bytes(model, layout, s, act)
     s_local = local_tokens(s, layout.cp)
     mask = 1 if kernels.dropout_masks else 0
-    best: MemoryEstimate | None = None
-    for stage in sorted({0, min(1, p - 1), p - 1}):  # middle stages hold less in flight than stage 1
-        in_flight = min(p - stage, m) if p > 1 else 1  # 1F1B: stage i holds p - i micro-batches
-        experts, dense_change = stage_expert_parameters(model, layout, stage, partition)
-        dense = stage_parameters(model, layout, stage, partition) + dense_change
-        states = state_bytes(dense, layout.zero_stage, layout.dp_cp, device.dtype)
-        if experts:  # BLOOM-MoE: E/ep experts per MoE block, ZeRO-sharded over the dp x cp / ep ranks sharing them
-            expert_states = state_bytes(experts, layout.zero_stage, max(1, layout.dp_cp // layout.ep), device.dtype)
-            states = {key: value + expert_states[key] for key, value in states.items()}
-        stored = partition.layers_per_stage[stage] * per_layer
-        if stage == 0:
-            stored += (act + mask) * s_local * b * h / sp_div  # embedding LayerNorm input (and dropout mask)
-        if stage == p - 1:
-            stored += act * s_local * b * h / sp_div  # final LayerNorm input
-        # DeepSpeed keeps each stage's output for every micro-batch in flight
-        pipe_buffers = act * s_local * b * h * in_flight if stage < p - 1 else 0.0
-        logits = logits_bytes(model, layout, act, s_local, kernels) if stage == p - 1 else 0.0
-        breakdown = {
-            **states,
-            "activations": stored * in_flight,
-            "pipe_buffers": pipe_buffers,
-            "workspace": workspace,
-            "cp_buffers": cp_buffers,
-            "logits": logits,
-        }
-        allocated = sum(breakdown.values())
-        breakdown = {k: v / GIB for k, v in breakdown.items()}
-        breakdown["allocator_margin"] = allocated * cal.ALLOCATOR_MARGIN / GIB
-        breakdown["fixed_overhead"] = device.fixed_overhead_gb
-        total = sum(breakdown.values())
-        if best is None or total > best.total_gb:
-            best = MemoryEstimate(total, device.capacity_gb, stage, in_flight, breakdown)
-    assert best is not None
-    return best
+    in_flight = min(p - stage, m) if p > 1 else 1  # 1F1B: stage i holds p - i micro-batches
+    experts, dense_change = stage_expert_parameters(model, layout, stage, partition)
+    dense = stage_parameters(model, layout, stage, partition) + dense_change
+    states = state_bytes(dense, layout.zero_stage, layout.dp_cp, device.dtype)
+    if experts:  # BLOOM-MoE: E/ep experts per MoE block, ZeRO-sharded over the dp x cp / ep ranks sharing them
+        expert_states = state_bytes(experts, layout.zero_stage, max(1, layout.dp_cp // layout.ep), device.dtype)
+        states = {key: value + expert_states[key] for key, value in states.items()}
+    stored = partition.layers_per_stage[stage] * per_layer
+    if stage == 0:
+        stored += (act + mask) * s_local * b * h / sp_div  # embedding LayerNorm input (and dropout mask)
+    if stage == p - 1:
+        stored += act * s_local * b * h / sp_div  # final LayerNorm input
+    # DeepSpeed keeps each stage's output for every micro-batch in flight
+    pipe_buffers = act * s_local * b * h * in_flight if stage < p - 1 else 0.0
+    logits = logits_bytes(model, layout, act, s_local, kernels) if stage == p - 1 else 0.0
+    return in_flight, {
+        **states,
+        "activations": stored * in_flight,
+        "pipe_buffers": pipe_buffers,
+        "workspace": _block_workspace(model, layout, act, s, kernels),
+        "cp_buffers": context_parallel.buffer_bytes(model, layout, s, act),
+        "logits": logits,
+    }
 
 
 def memory_per_gpu(

@@ -241,7 +241,7 @@ def _cp_exchange(
     )
 
 
-def _stage_microbatch(
+def stage_microbatch_seconds(
     model: ModelShape,
     layout: Layout,
     device: Device,
@@ -252,7 +252,8 @@ def _stage_microbatch(
     kernels: KernelPath,
     measured: MeasuredKernels | None = None,
 ) -> dict[str, float]:
-    """Seconds one micro-batch costs on one stage, by component."""
+    """Seconds one micro-batch costs on one stage, by component (the step sums them; preflight/ sets the compute
+    terms beside what a built rank of the stage takes)."""
     b, h, t, p = layout.micro_batch_size, model.hidden, layout.tp, layout.pp
     act = device.act_bytes
     tokens = b * local_tokens(s, layout.cp)
@@ -361,7 +362,9 @@ def step_time_for_device(
     m = max(1, layout.micro_batches)
     stages = sorted({0, min(1, p - 1), p - 1})
     per_stage = {
-        st: _stage_microbatch(model, layout, device, hw, st, partition.layers_per_stage[st], s, kernels, measured)
+        st: stage_microbatch_seconds(
+            model, layout, device, hw, st, partition.layers_per_stage[st], s, kernels, measured
+        )
         for st in stages
     }
     slowest = max(per_stage, key=lambda st: sum(per_stage[st].values()))

@@ -1,6 +1,10 @@
 """A SLURM batch script for a plan: srun starts one elastic agent per node, the agents meet at a c10d rendezvous
 on the first node of the allocation, and the same worker as on one machine runs on every GPU.
 
+Before training, the batch shell (on the allocation's first node) runs `preflight` on the run's plan.json: every role of
+the layout built and stepped there, so a plan whose ranks would not fit their GPUs fails in minutes on one node
+instead of on all of them.
+
 Preemption: `--signal=B:USR1@300` warns the batch shell five minutes before the time limit; its trap creates the
 save-and-exit control file, every rank stops at the same step with a checkpoint, and the job requeues itself
 (`--requeue`), resuming from that checkpoint. A SIGTERM from scancel or a preempting job takes the same path.
@@ -167,6 +171,10 @@ def sbatch_script(job: SlurmJob, *, corpus: list[Path], python: str = ".venv/bin
         "# Plan, corpus, tokenizer and indexed data, once, on this node (complete stages are skipped on requeue).",
         f'{py} bloom_appliance.py run --headless --prepare-only --run-dir "$RUN_DIR" '
         f"--corpus {' '.join(shlex.quote(str(p)) for p in corpus)}",
+        "# Preflight (appliance/preflight/): one rank of each role of plan.json (first, middle, last pipeline stage)",
+        "# built and stepped on this node, one after the other, in an emulated world; a role that does not fit its",
+        "# GPU's memory stops the job here (exit 2, the figures in preflight.json) before any node trains.",
+        f'{py} bloom_appliance.py preflight --run-dir "$RUN_DIR"',
         "",
         "# One training per run directory (appliance/train/runlock.py): this shell opens the lock file and keeps it",
         "# open, with srun, for the job's life; the hook locks it (exit 2 if a live run owns the directory). Every",

@@ -193,8 +193,9 @@ def test_train_script_passes_a_hostile_run_dir_intact(train_env: tuple[Stubs, Pa
     run = str(run_dir)
     assert srun[srun.index("--run-dir") + 1] == run and f"--log-dir={run}/logs" in srun
     assert "--rdzv-endpoint=node001:29500" in srun and "--rdzv-id=42" in srun  # the job's values, computed there
-    prepare, lock, export = stubs.calls("python")
+    prepare, preflight, lock, export = stubs.calls("python")
     assert prepare[prepare.index("--run-dir") + 1] == run and prepare[-2:] == ["--corpus", str(root / "corpus")]
+    assert preflight[-3:] == ["preflight", "--run-dir", run]  # the plan.json the job trains, checked first
     assert lock[lock.index("--run-dir") + 1] == run and export[-2:] == ["--out", f"{run}/export"]
     output = f"--output={run.replace('%', '%%')}/logs/slurm-%j.out"
     assert output in sbatch_directives(script_text(root))

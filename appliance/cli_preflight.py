@@ -1,0 +1,60 @@
+"""`preflight`: the plan `plan` prints (or a run directory's plan.json), each of its roles built and stepped in this
+process (appliance/preflight/)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from appliance.planner.runspec import RunSpec
+
+PREFLIGHT_NAME = "preflight.json"
+
+
+def cmd_preflight(args: argparse.Namespace) -> int:
+    from appliance.atomic import write_atomic
+    from appliance.preflight.report import format_reports, refuse_what_does_not_fit
+    from appliance.preflight.world import stdout_to_stderr
+
+    with stdout_to_stderr():  # DeepSpeed announces its accelerator on stdout when it is imported
+        from appliance.preflight.run import preflight
+
+    spec = _spec(args)
+    if args.run_dir is not None:  # before the build: a folder that is not a run's is refused, its files left alone
+        from appliance.output_dirs import make_run_dir
+
+        make_run_dir(args.run_dir)
+    reports = preflight(spec)
+    record = {
+        "model": spec.model.name,
+        "hardware": spec.hardware.name,
+        "layout": spec.layout.describe(),
+        "plan_feasible": spec.report.feasible,
+        "roles": [report.to_json() for report in reports],
+    }
+    if args.run_dir is not None:
+        write_atomic(args.run_dir / PREFLIGHT_NAME, json.dumps(record, indent=1).encode())
+    print(json.dumps(record, indent=1) if args.json else f"Preflight: {spec.model.name} at {spec.layout.describe()}"
+          f" on {spec.hardware.name or 'this machine'}\n{format_reports(reports)}")  # fmt: skip
+    refuse_what_does_not_fit(reports)
+    return 0
+
+
+def _spec(args: argparse.Namespace) -> RunSpec:
+    """The run directory's plan.json when --run-dir holds one and no --hardware, --model or --layout is given (the
+    plan that run trains: sbatch's job preflights it); else the plan `plan` makes of them. Built whatever the plan's
+    verdict: preflight measures what the planner predicts, infeasible plans included."""
+    from appliance.hardware.scaled import hardware_for
+    from appliance.planner import load_model_shape, make_plan
+    from appliance.planner.layout import parse_layout_fields
+    from appliance.planner.runspec import load_spec
+    from appliance.rundir import RunDir
+
+    planned = RunDir(args.run_dir).plan if args.run_dir is not None else None
+    if planned is not None and planned.is_file() and not (args.hardware or args.model or args.layout):
+        return load_spec(planned)
+    shape = load_model_shape(args.model) if args.model else None
+    fixed = parse_layout_fields(args.layout) if args.layout else None
+    return make_plan(hardware_for(args.hardware), shape, fixed=fixed).spec()

@@ -1,0 +1,108 @@
+"""The emulated world one role's rank is built in: torch's fake process group, whose collectives and point-to-point
+calls return at once without sending, so one process can be any rank of a world of any size. Nothing listens: the
+group's store is an in-process fake.
+
+A pipeline stage's first receive asks the previous stage for the shapes and types of what it will send, which no
+peer answers here: ``StageHandoff`` records what the first stage sends and hands later stages buffers of that
+description instead."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from appliance.parallel.step.deepspeed_comm import SHM_COMM_OP
+
+FAKE_BACKEND = "fake"  # registered by importing torch's fake_pg module
+
+
+@contextlib.contextmanager
+def emulated_world(rank: int, world_size: int) -> Iterator[None]:
+    """torch.distributed initialised as rank ``rank`` of ``world_size`` on the fake backend for the block, and torn
+    down after it. LOCAL_RANK is set for the block as a launcher would set it (DeepSpeed's PipelineModule reads it):
+    0, the one device of this process."""
+    if dist.is_initialized():
+        raise RuntimeError("preflight builds its ranks in a process of its own: torch.distributed is already running")
+    import deepspeed.ops
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    # The fake group is no gloo group, so deepspeed_comm.init_deepspeed_comm would leave DeepSpeed free to compile
+    # its CPU shared-memory all-reduce (a minute of C++, which nothing here uses): keep it off.
+    deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
+    before = os.environ.get("LOCAL_RANK")
+    os.environ["LOCAL_RANK"] = "0"
+    dist.init_process_group(FAKE_BACKEND, store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        if before is None:
+            os.environ.pop("LOCAL_RANK", None)
+        else:
+            os.environ["LOCAL_RANK"] = before
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Standard output sent to standard error for the block, file descriptor 1 and sys.stdout both: DeepSpeed's builders
+    print their topology and the layers of each stage, and its logger writes to the stdout it found at import, while
+    `preflight --json` owns stdout."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # print() to a sys.stdout that is not file descriptor 1
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+Description = list[tuple[torch.Size, torch.dtype]]
+
+
+class StageHandoff:
+    """What a pipeline stage sends the next one, as (shape, dtype) per tensor: recorded from the first stage's
+    DeepSpeed PipelineEngine, handed to the later stages' engines in place of the description a peer would send."""
+
+    def __init__(self) -> None:
+        self.sent: Description | None = None
+        self.single = False  # one tensor rather than a tuple
+
+    def record(self, pipe_engine: Any) -> None:
+        """Note what ``pipe_engine`` sends downstream (its _send_tensor_meta, called on its first send)."""
+        original = pipe_engine._send_tensor_meta
+
+        def send_tensor_meta(buffer: Any, recv_stage: int) -> Any:
+            tensors = (buffer,) if isinstance(buffer, torch.Tensor) else tuple(buffer)
+            self.single = isinstance(buffer, torch.Tensor)
+            self.sent = [(t.shape, t.dtype) for t in tensors]
+            return original(buffer, recv_stage)
+
+        pipe_engine._send_tensor_meta = send_tensor_meta
+
+    def feed(self, pipe_engine: Any) -> None:
+        """Make ``pipe_engine`` allocate its receive buffers from the recorded description: floating tensors drawn
+        from N(0, 1) (the fake receive leaves them as they are), integer ones zero."""
+        if self.sent is None:
+            raise RuntimeError("the first stage has not sent yet: build and step it before the stages after it")
+        device = pipe_engine.device
+
+        def recv_tensor_meta(recv_stage: int) -> Any:
+            assert self.sent is not None
+            buffers = tuple(
+                torch.randn(shape, dtype=dtype, device=device)
+                if dtype.is_floating_point
+                else torch.zeros(shape, dtype=dtype, device=device)
+                for shape, dtype in self.sent
+            )
+            return buffers[0] if self.single else buffers
+
+        pipe_engine._recv_tensor_meta = recv_tensor_meta
