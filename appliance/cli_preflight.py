@@ -10,8 +10,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from appliance.planner.runspec import RunSpec
 
-PREFLIGHT_NAME = "preflight.json"
-
 
 def cmd_preflight(args: argparse.Namespace) -> int:
     from appliance.atomic import write_atomic
@@ -22,10 +20,11 @@ def cmd_preflight(args: argparse.Namespace) -> int:
         from appliance.preflight.run import preflight
 
     spec = _spec(args)
+    run_dir = None
     if args.run_dir is not None:  # before the build: a folder that is not a run's is refused, its files left alone
         from appliance.output_dirs import make_run_dir
 
-        make_run_dir(args.run_dir)
+        run_dir, _ = make_run_dir(args.run_dir)
     reports = preflight(spec)
     record = {
         "model": spec.model.name,
@@ -34,8 +33,8 @@ def cmd_preflight(args: argparse.Namespace) -> int:
         "plan_feasible": spec.report.feasible,
         "roles": [report.to_json() for report in reports],
     }
-    if args.run_dir is not None:
-        write_atomic(args.run_dir / PREFLIGHT_NAME, json.dumps(record, indent=1).encode())
+    if run_dir is not None:
+        write_atomic(run_dir.preflight, json.dumps(record, indent=1).encode())
     print(json.dumps(record, indent=1) if args.json else f"Preflight: {spec.model.name} at {spec.layout.describe()}"
           f" on {spec.hardware.name or 'this machine'}\n{format_reports(reports)}")  # fmt: skip
     refuse_what_does_not_fit(reports)

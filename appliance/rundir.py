@@ -68,6 +68,11 @@ class RunDir:
         return self.root / "summary.json"
 
     @property
+    def preflight(self) -> Path:
+        """Each role of the plan built and stepped beside the planner's figures (`preflight --run-dir`)."""
+        return self.root / "preflight.json"
+
+    @property
     def export(self) -> Path:
         return self.root / "export"
 
