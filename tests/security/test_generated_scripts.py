@@ -49,6 +49,8 @@ name = os.path.basename(sys.argv[0])
 log = os.path.join(os.environ["STUB_LOG"], name + ".jsonl")
 with open(log, "a") as out:
     out.write(json.dumps(sys.argv[1:]) + "\\n")
+if "preflight" in sys.argv[1:] and os.environ.get("STUB_PREFLIGHT_EXIT"):
+    sys.exit(int(os.environ["STUB_PREFLIGHT_EXIT"]))
 if name == "scontrol" and sys.argv[1:2] == ["show"]:
     print("node001")
 if name == "sbatch":
@@ -175,6 +177,22 @@ def _run_train_script(job: SlurmJob, corpus: list[Path], stubs: Stubs, repo: Pat
     stubs.run(script, cwd=repo.parent, env={"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node[001-002]"})
     (srun,) = stubs.calls("srun")
     return srun
+
+
+def test_a_plan_that_fails_preflight_stops_the_job_before_any_node_trains(train_env: tuple[Stubs, Path]) -> None:
+    """preflight exits 2 when a role does not fit: the job ends there with its code, srun never starts the agents.
+    The positive control is every other train-script test here, where preflight exits 0 and srun is called."""
+    stubs, repo = train_env
+    job = SlurmJob(run_dir=repo.parent / "run", nodes=2, gpus_per_node=8, cpus_per_task=8, job_name="bloom-1b7")
+    script = repo.parent / "train.sbatch"
+    script.write_text(sbatch_script(job, corpus=[repo.parent / "corpus"], python=str(stubs.python)))
+    env = {"PATH": f"{stubs.bin}:/usr/bin:/bin", "STUB_LOG": str(stubs.log), "STUB_PREFLIGHT_EXIT": "2",
+           "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node[001-002]"}  # fmt: skip
+    done = subprocess.run(["bash", str(script)], cwd=repo.parent, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    prepare, preflight = stubs.calls("python")  # nothing after the preflight: no lock, no export
+    assert "--prepare-only" in prepare and preflight[-3:] == ["preflight", "--run-dir", str(job.run_dir)]
+    assert stubs.calls("srun") == []
 
 
 def script_text(root: Path) -> str:
