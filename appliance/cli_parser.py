@@ -224,6 +224,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the reasoning too: every note, memory and time term, 1D vs 2D TP, the rejected layouts, step-downs",
     )
+    p.add_argument(
+        "--preflight",
+        action="store_true",
+        help="also build and step one rank of each role here (as `preflight` does): the estimate with its measured"
+        " memory and time beside the model's, and exit 2 when a role does not fit",
+    )
 
     p = sub.add_parser("prep", help="clean, filter, deduplicate and redact a corpus")
     p.add_argument("--input", type=Path, nargs="+", required=True, help="files or directories to prepare")

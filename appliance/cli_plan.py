@@ -41,13 +41,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if not plan.feasible and not args.allow_infeasible:
         what = f"--layout {args.layout}" if args.layout else f"{plan.model.name} on {hw.name or 'this machine'}"
         raise BadInput(f"{what}: NOT FEASIBLE: {'; '.join(plan.reasons)} (--allow-infeasible prints the plan anyway)")
+    checked = None
+    if args.preflight:  # every role built and stepped here; its figures in place of the model's, side by side
+        from appliance.preflight import run_preflight
+
+        checked = run_preflight(plan.spec())
     if args.json:
         from appliance.planner.failures import plan_failure_cost
 
         failures = plan_failure_cost(plan, args.spares)
-        print(json.dumps({**plan.to_json(), "failures": failures and failures.to_json()}, indent=1))
+        record = {**plan.to_json(), "failures": failures and failures.to_json()}
+        print(json.dumps(record | ({"preflight": checked.to_json()} if checked else {}), indent=1))
     else:
         print(format_plan(plan, spares=args.spares, verbose=args.verbose))
+    if checked is not None:
+        from appliance.preflight.report import format_preflight, refuse_what_does_not_fit
+
+        if not args.json:
+            print(f"\nPreflight (built on {checked.device}):\n{format_preflight(checked)}")
+        refuse_what_does_not_fit(checked.reports)
     return 0
 
 

@@ -13,11 +13,8 @@ if TYPE_CHECKING:
 
 def cmd_preflight(args: argparse.Namespace) -> int:
     from appliance.atomic import write_atomic
-    from appliance.preflight.report import format_reports, refuse_what_does_not_fit
-    from appliance.preflight.world import stdout_to_stderr
-
-    with stdout_to_stderr():  # DeepSpeed announces its accelerator on stdout when it is imported
-        from appliance.preflight.run import preflight
+    from appliance.preflight import run_preflight
+    from appliance.preflight.report import format_preflight, refuse_what_does_not_fit
 
     spec = _spec(args)
     run_dir = None
@@ -25,19 +22,20 @@ def cmd_preflight(args: argparse.Namespace) -> int:
         from appliance.output_dirs import make_run_dir
 
         run_dir, _ = make_run_dir(args.run_dir)
-    reports = preflight(spec)
+    result = run_preflight(spec)
     record = {
         "model": spec.model.name,
         "hardware": spec.hardware.name,
         "layout": spec.layout.describe(),
         "plan_feasible": spec.report.feasible,
-        "roles": [report.to_json() for report in reports],
+        **result.to_json(),
     }
     if run_dir is not None:
         write_atomic(run_dir.preflight, json.dumps(record, indent=1).encode())
-    print(json.dumps(record, indent=1) if args.json else f"Preflight: {spec.model.name} at {spec.layout.describe()}"
-          f" on {spec.hardware.name or 'this machine'}\n{format_reports(reports)}")  # fmt: skip
-    refuse_what_does_not_fit(reports)
+    where = f"on {spec.hardware.name or 'this machine'}, built on {result.device}"
+    title = f"Preflight: {spec.model.name} at {spec.layout.describe()} {where}"
+    print(json.dumps(record, indent=1) if args.json else f"{title}\n{format_preflight(result)}")
+    refuse_what_does_not_fit(result.reports)
     return 0
 
 

@@ -17,6 +17,7 @@ work (host_time.py: the step is max(device - optimizer, host) + optimizer).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -58,6 +59,10 @@ BREAKDOWN_KEYS = (
     "host",
 )
 
+
+# A stage's per-micro-batch terms that move data between ranks; the others are its compute, which preflight measures
+# on a built rank (appliance/preflight/) and step_time_for_device takes in place of the estimate (stage_compute).
+COMMUNICATION_KEYS = ("tp_comm", "cp_comm", "pp_p2p")
 
 FLASH_QUERY_BLOCK = 128  # kernels/flash_attention.py forward tiles: key blocks past a query block's diagonal skip
 FLASH_BACKWARD_FACTOR = 2.5  # FlashAttention-2's backward: QK^T again, dV, dP, dQ, dK: 5 products against 2
@@ -351,10 +356,15 @@ def step_time_for_device(
     seq_len: int | None = None,
     kernels: KernelPath | None = None,
     measured: MeasuredKernels | None = None,
+    stage_compute: Mapping[int, float] | None = None,
+    optimizer_s: float | None = None,
 ) -> StepTime:
     """step_time with the device already built (the search calls this in its loop). `kernels`: what the run
     executes (default: what our appliance runs on this device, kernel_path.kernels_for); `measured`: fused-op
-    times measured on the run's GPU, in place of their estimates (block_seconds)."""
+    times measured on the run's GPU, in place of their estimates (block_seconds). `stage_compute`: seconds of
+    compute per micro-batch measured on a built rank of a stage (preflight), by stage: that stage's compute terms
+    are scaled to sum to it, keeping their proportions (its communication terms stay as estimated); `optimizer_s`:
+    the optimizer step measured there, in place of its estimate."""
     kernels = kernels or kernels_for(device, model)
     s = model.seq_len if seq_len is None else seq_len
     partition = pipeline_partition(model.layers, layout.pp)
@@ -367,13 +377,15 @@ def step_time_for_device(
         )
         for st in stages
     }
+    for st, seconds in (stage_compute or {}).items():
+        if st in per_stage:
+            per_stage[st] = _with_compute(per_stage[st], seconds)
     slowest = max(per_stage, key=lambda st: sum(per_stage[st].values()))
     slot = sum(per_stage[slowest].values())
     breakdown = {k: m * v for k, v in per_stage[slowest].items()}
     breakdown["bubble"] = (p - 1) * slot
 
     grad_bytes = device.grad_comm_bytes
-    mem_rate = device.memory_bw * device.efficiency.memory
     link = dp_link(hw, device, t, d)
     overlap = p == 1 and layout.zero_stage >= 1 and overlap_comm_configured(layout, device.dtype)
     blk = block_seconds(model, layout, device, hw, s, kernels, measured)
@@ -400,10 +412,22 @@ def step_time_for_device(
         size = grad_bytes * model.padded_vocab(t) * model.hidden / t
         tied = _ring_time(allreduce_sent(size, 2), 2, tied_link(hw, device, t, d, p))
     breakdown["tied_embedding"] = tied
-    breakdown["optimizer"] = _optimizer_bytes(params, layout, device.dtype) / mem_rate
+    breakdown["optimizer"] = optimizer_seconds(params, layout, device) if optimizer_s is None else optimizer_s
     breakdown["host"] = _exposed_host(model, layout, device, kernels, partition, stages, s, breakdown)
     total = sum(breakdown.values())
     return StepTime(total, slowest, {k: breakdown[k] for k in BREAKDOWN_KEYS})
+
+
+def stage_compute_seconds(terms: Mapping[str, float]) -> float:
+    """The compute of a stage's per-micro-batch terms: all but the communication."""
+    return sum(v for k, v in terms.items() if k not in COMMUNICATION_KEYS)
+
+
+def _with_compute(terms: dict[str, float], seconds: float) -> dict[str, float]:
+    """``terms`` with the compute ones scaled to sum to ``seconds``."""
+    estimated = stage_compute_seconds(terms)
+    scale = seconds / estimated if estimated > 0 else 0.0
+    return {k: v if k in COMMUNICATION_KEYS else v * scale for k, v in terms.items()}
 
 
 def _exposed_host(
@@ -436,6 +460,11 @@ def _exposed_host(
     )
     host_s = host_time.host_seconds(launches, device)
     return host_time.exposed_host_seconds(sum(breakdown.values()), breakdown["optimizer"], host_s)
+
+
+def optimizer_seconds(params: float, layout: Layout, device: Device) -> float:
+    """The optimizer step of a rank holding ``params`` parameters, at the memory rate."""
+    return _optimizer_bytes(params, layout, device.dtype) / (device.memory_bw * device.efficiency.memory)
 
 
 def _optimizer_bytes(params: float, layout: Layout, dtype: str) -> float:

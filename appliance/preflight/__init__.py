@@ -13,3 +13,21 @@ Pipeline stages run under DeepSpeed's own PipelineEngine: the stage that would r
 the shape the first stage sends (world.py ``StageHandoff``), filled with random values, and the gradients a stage
 would receive stay the zeros the fake group leaves in its buffers; the arithmetic of every stage is the real one.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from appliance.planner.runspec import RunSpec
+    from appliance.preflight.report import Preflight
+
+
+def run_preflight(spec: RunSpec) -> Preflight:
+    """``spec``'s roles built and stepped here (run.py), standard output kept for the command's own."""
+    from appliance.preflight.world import stdout_to_stderr
+
+    with stdout_to_stderr():  # DeepSpeed announces its accelerator on stdout when it is imported
+        from appliance.preflight.run import preflight
+
+    return preflight(spec)

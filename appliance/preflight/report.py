@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from appliance.errors import BadInput
+from appliance.hardware.specs import GIB
 from appliance.preflight.roles import Role
 
 MIB = 2**20
@@ -26,25 +27,38 @@ class Figure:
 
 
 @dataclass(frozen=True)
+class DevicePeak:
+    """A GPU's allocator peaks over one role's build and steps (torch.cuda.max_memory_allocated / _reserved): what
+    the rank really took, pipe buffers, workspace and fragmentation included. None on the CPU, whose allocator keeps
+    no such counts."""
+
+    allocated: float
+    reserved: float
+
+
+@dataclass(frozen=True)
 class RoleReport:
     """One role: bytes and ms measured on its built rank beside the planner's, and whether it fits.
 
     The verdict's total is what the built rank held (model states and the activation peak), the planner's terms not
     measured here (``unmeasured_bytes``: pipe buffers, backward workspace, cp exchange buffers), the planner's
     allocator margin on all of that, and its fixed per-process overhead (CUDA context or interpreter and libraries),
-    which one process emulating many ranks cannot measure for each."""
+    which one process emulating many ranks cannot measure for each. On a GPU the allocator's reserved peak
+    (``device_peak``) stands in for the first three: it holds all of them, fragmentation included."""
 
     role: Role
     parameters: Figure  # bytes
     gradients: Figure
     optimizer: Figure
     activations: Figure  # peak bytes kept for backward
-    ms_per_micro_batch: Figure
+    ms_per_micro_batch: Figure  # compute: the step's time less its optimizer step, over its micro-batches
+    optimizer_ms: Figure  # the optimizer step (planner: the step's optimizer term)
     unmeasured_bytes: float
     margin_fraction: float
     fixed_overhead_bytes: float
     capacity_bytes: float
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # the built parameters, by Hugging Face name
+    device_peak: DevicePeak | None = None
 
     @property
     def measured_bytes(self) -> float:
@@ -52,7 +66,15 @@ class RoleReport:
         return held + self.unmeasured_bytes
 
     @property
+    def planned_bytes(self) -> float:
+        """The planner's bytes for the rank before margin and overhead: the figure the allocated peak compares to."""
+        held = sum(f.planned for f in (self.parameters, self.gradients, self.optimizer, self.activations))
+        return held + self.unmeasured_bytes
+
+    @property
     def total_bytes(self) -> float:
+        if self.device_peak is not None:
+            return self.device_peak.reserved + self.fixed_overhead_bytes
         return self.measured_bytes * (1 + self.margin_fraction) + self.fixed_overhead_bytes
 
     @property
@@ -72,8 +94,19 @@ class RoleReport:
             "ranks": list(role.ranks),
             **{
                 name: getattr(self, name).to_json()
-                for name in ("parameters", "gradients", "optimizer", "activations", "ms_per_micro_batch")
+                for name in (
+                    "parameters",
+                    "gradients",
+                    "optimizer",
+                    "activations",
+                    "ms_per_micro_batch",
+                    "optimizer_ms",
+                )
             },
+            "peak_allocated": None
+            if self.device_peak is None
+            else Figure(self.device_peak.allocated, self.planned_bytes).to_json(),
+            "peak_reserved_bytes": None if self.device_peak is None else self.device_peak.reserved,
             "unmeasured_bytes": self.unmeasured_bytes,
             "fixed_overhead_bytes": self.fixed_overhead_bytes,
             "total_bytes": self.total_bytes,
@@ -93,16 +126,22 @@ def _need(report: RoleReport) -> str:
 
 def format_reports(reports: list[RoleReport]) -> str:
     """The table: one row per role, measured / planned."""
-    header = ("role", "params MiB", "grads MiB", "optimizer MiB", "act peak MiB", "ms/micro-batch", "verdict")
+    header = ("role", "params MiB", "grads MiB", "optimizer MiB", "act peak MiB", "ms/micro-batch", "optimizer ms",
+              "verdict")  # fmt: skip
     rows = [header]
     for r in reports:
         verdict = f"{'fits' if r.fits else 'DOES NOT FIT'} ({_need(r)}, margin {r.margin_bytes / MIB:.1f})"
-        ms = f"{r.ms_per_micro_batch.measured:.3g} / {r.ms_per_micro_batch.planned:.3g}"
+        if r.device_peak is not None:
+            verdict += f", allocated peak {r.device_peak.allocated / MIB:.1f} / {r.planned_bytes / MIB:.1f} MiB"
         rows.append((r.role.describe(), _mib(r.parameters), _mib(r.gradients), _mib(r.optimizer),
-                     _mib(r.activations), ms, verdict))  # fmt: skip
+                     _mib(r.activations), _ms(r.ms_per_micro_batch), _ms(r.optimizer_ms), verdict))  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     return "\n".join([*lines, "(measured / planned; verdict: held + planned unmeasured terms, margin, overhead)"])
+
+
+def _ms(figure: Figure) -> str:
+    return f"{figure.measured:.3g} / {figure.planned:.3g}"
 
 
 def refuse_what_does_not_fit(reports: list[RoleReport]) -> None:
@@ -117,3 +156,71 @@ def refuse_what_does_not_fit(reports: list[RoleReport]) -> None:
                 for r in over
             )
         )
+
+
+@dataclass(frozen=True)
+class Unchecked:
+    """A role not built here: its planned bytes (allocator margin included) exceed what this device has free."""
+
+    role: Role
+    planned_bytes: float
+    free_bytes: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"role": self.role.name, "stages": list(self.role.stages), "rank": self.role.rank,
+                "planned_bytes": self.planned_bytes, "free_bytes": self.free_bytes}  # fmt: skip
+
+    def describe(self) -> str:
+        return (
+            f"role {self.role.describe()}: not built here, it needs {self.planned_bytes / GIB:.2f} GiB by the plan"
+            f" and this device has {self.free_bytes / GIB:.2f} GiB free"
+        )
+
+
+# The estimate's figures set side by side, planned and with what preflight measured in place of the model's.
+ESTIMATE_KEYS = ("step_time_s", "tokens_per_s", "mfu", "memory_gb_per_gpu")
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """Every role of a plan: the built ones' reports, the unchecked ones, where they were built, and the plan's
+    estimate before and after the measured figures replace the model's (planner/reprice.py reprice_preflight).
+    ``same_device``: whether the built ranks ran on the plan's kind of device, so that their time is the plan's."""
+
+    reports: list[RoleReport]
+    unchecked: list[Unchecked]
+    device: str
+    same_device: bool
+    planned: dict[str, float]
+    measured: dict[str, float]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "same_device": self.same_device,
+            "roles": [report.to_json() for report in self.reports],
+            "unchecked": [u.to_json() for u in self.unchecked],
+            "estimate": {"planned": self.planned, "measured": self.measured},
+        }
+
+
+def format_estimate(result: Preflight) -> str:
+    """The plan's estimate, planned -> with the measured figures, a line per figure."""
+    units = {"step_time_s": ("step time", "{:.4g} s"), "tokens_per_s": ("tokens/s", "{:,.0f}"),
+             "mfu": ("MFU", "{:.1%}"), "memory_gb_per_gpu": ("memory per rank", "{:.2f} GiB")}  # fmt: skip
+    lines = []
+    for key in ESTIMATE_KEYS:
+        if key in result.planned and key in result.measured:
+            name, form = units[key]
+            lines.append(f"  {name}: {form.format(result.planned[key])} planned, {form.format(result.measured[key])}"
+                         " with the measured figures")  # fmt: skip
+    if not result.same_device:
+        lines.append(f"  (times measured on {result.device}, not the plan's device: the estimate keeps its times)")
+    return "\n".join(["Estimate:", *lines])
+
+
+def format_preflight(result: Preflight) -> str:
+    """The table, the roles not built here, and the estimate."""
+    parts = [format_reports(result.reports)] if result.reports else []
+    parts += [u.describe() for u in result.unchecked]
+    return "\n".join([*parts, format_estimate(result)])

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -12,41 +14,64 @@ from appliance.model.config import BloomConfig, config_for_shape
 from appliance.parallel.step.build import build_engine
 from appliance.parallel.topology import ParallelTopology
 from appliance.planner import calibration as cal
-from appliance.planner.device import Device, make_device
+from appliance.planner.device import Device
 from appliance.planner.kernel_path import kernels_for
 from appliance.planner.layout import pipeline_partition
-from appliance.planner.memory import stage_bytes
+from appliance.planner.memory import stage_bytes, stage_parameters
+from appliance.planner.reprice import plan_device, reprice_preflight
 from appliance.planner.runspec import RunSpec
-from appliance.planner.timing import stage_microbatch_seconds
+from appliance.planner.timing import optimizer_seconds, stage_compute_seconds, stage_microbatch_seconds
+from appliance.preflight.local import LocalDevice, check_kind, local_device
 from appliance.preflight.measure import ActivationMeter, StateMeter
-from appliance.preflight.report import Figure, RoleReport
+from appliance.preflight.report import GIB, DevicePeak, Figure, Preflight, RoleReport, Unchecked
 from appliance.preflight.roles import Role, roles
 from appliance.preflight.world import StageHandoff, emulated_world, stdout_to_stderr
 
 STEPS = 3  # the first warms up (allocations, DeepSpeed's first-step setup) and is not timed
-# The planner's step terms a rank of the emulated world does not spend: its collectives return at once.
-COMMUNICATION = ("tp_comm", "cp_comm", "pp_p2p")
 # The planner's memory terms a built rank is not measured for here: DeepSpeed's pipe buffers, the backward's
 # transient workspace and context parallelism's exchange buffers. They enter the verdict as planned.
 UNMEASURED = ("pipe_buffers", "workspace", "cp_buffers")
 
 
-def preflight(spec: RunSpec, *, steps: int = STEPS) -> list[RoleReport]:
+def preflight(spec: RunSpec, *, steps: int = STEPS, local: LocalDevice | None = None) -> Preflight:
     """Every role of ``spec``'s layout built and stepped ``steps`` times in this process, first stage first (the
-    later stages receive buffers shaped as it sends)."""
+    later stages receive buffers shaped as it sends), on ``local`` (default: this process's device), skipping the
+    roles whose planned bytes exceed what it has free; and the plan's estimate with the measured figures."""
     if steps < 2:
         raise ValueError("preflight needs a warm-up step and at least one timed step")
+    local = local or local_device()
+    check_kind(spec, local)
     config = config_for_shape(spec.model, spec.model.padded_vocab(spec.layout.tp))
-    device = make_device(spec.hardware, spec.layout.world_size, spec.train.dtype)  # the planner's, for its figures
+    device = plan_device(spec)  # the planner's, for its figures
     handoff = StageHandoff()
-    with stdout_to_stderr():
-        return [_role_report(spec, device, config, role, handoff, steps) for role in roles(spec.layout)]
+    reports: list[RoleReport] = []
+    unchecked: list[Unchecked] = []
+    with stdout_to_stderr(), rank_threads(device):
+        for role in roles(spec.layout):
+            planned = _planned(spec, device, role)
+            need = _planned_total(planned)
+            # The later stages are fed what the first one sends: without it built, they cannot be either.
+            if need > local.free_bytes or (role.stage > 0 and spec.layout.pp > 1 and handoff.sent is None):
+                unchecked.append(Unchecked(role, need, local.free_bytes))
+                continue
+            reports.append(_role_report(spec, device, config, role, handoff, steps, planned))
+    return _with_estimate(spec, device, local, reports, unchecked)
 
 
 def _role_report(
-    spec: RunSpec, device: Device, config: BloomConfig, role: Role, handoff: StageHandoff, steps: int
+    spec: RunSpec,
+    device: Device,
+    config: BloomConfig,
+    role: Role,
+    handoff: StageHandoff,
+    steps: int,
+    planned: dict[str, float],
 ) -> RoleReport:
     layout = spec.layout
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        torch.cuda.empty_cache()  # the previous role's blocks go back, so this role's reserved peak is its own
+        torch.cuda.reset_peak_memory_stats()
     with emulated_world(role.rank, layout.world_size):
         topology = ParallelTopology.from_layout(layout, world_size=layout.world_size)
         engine = build_engine(config, topology, layout, spec.train, hardware=spec.hardware)
@@ -54,35 +79,95 @@ def _role_report(
             if engine.pipelined:
                 (handoff.feed if role.stage > 0 else handoff.record)(engine.engine)
             states = StateMeter(engine.engine.module, engine.engine.optimizer)
+            optimizer = OptimizerTimer(engine.engine.optimizer, on_gpu)
             activations = ActivationMeter(engine.engine.module.parameters())
-            seconds = []
+            seconds, optimizer_seconds = [], []
             for step in range(steps):
                 batches = random_batches(config, layout.micro_batch_size, spec.train.seq_len, layout.micro_batches)
                 # The gradients' peak is watched on the untimed first step only: the watch walks the optimizer.
                 watch = states.watching_backward() if step == 0 else contextlib.nullcontext()
+                optimizer.seconds = 0.0
+                _synchronize(on_gpu)
                 start = time.perf_counter()
                 with activations.hooks(), watch:
                     engine.train_batch(batches)
+                _synchronize(on_gpu)
                 seconds.append(time.perf_counter() - start)
+                optimizer_seconds.append(optimizer.seconds)
             held = states.count()
             shapes = {name: tuple(p.shape) for name, p in engine.named_parameters()}
         finally:
             engine.close()
-    planned = _planned(spec, device, role)
-    measured_ms = 1e3 * sum(seconds[1:]) / (len(seconds) - 1) / layout.micro_batches
+    compute_ms, optimizer_ms = _planned_ms(spec, device, role)
+    peak = None
+    if on_gpu:
+        peak = DevicePeak(float(torch.cuda.max_memory_allocated()), float(torch.cuda.max_memory_reserved()))
+    share = time_share(spec, device)
+    step_s = sum(seconds[1:]) / (len(seconds) - 1) / share
+    optimizer_s = sum(optimizer_seconds[1:]) / (len(optimizer_seconds) - 1) / share
     return RoleReport(
         role=role,
         parameters=Figure(held.parameters, planned["weights"]),
         gradients=Figure(held.gradients, planned["gradients"] + planned["grad_accumulation"]),
         optimizer=Figure(held.optimizer, planned["optimizer"]),
         activations=Figure(activations.peak, planned["activations"] + planned["logits"]),
-        ms_per_micro_batch=Figure(measured_ms, planned["ms_per_micro_batch"]),
+        ms_per_micro_batch=Figure(1e3 * (step_s - optimizer_s) / layout.micro_batches, compute_ms),
+        optimizer_ms=Figure(1e3 * optimizer_s, optimizer_ms),
         unmeasured_bytes=sum(planned[key] for key in UNMEASURED),
         margin_fraction=cal.ALLOCATOR_MARGIN,
-        fixed_overhead_bytes=device.fixed_overhead_gb * 2**30,
-        capacity_bytes=device.capacity_gb * 2**30,
+        fixed_overhead_bytes=device.fixed_overhead_gb * GIB,
+        capacity_bytes=device.capacity_gb * GIB,
         shapes=shapes,
+        device_peak=peak,
     )
+
+
+class OptimizerTimer:
+    """Seconds the engine's optimizer steps take, summed into ``seconds`` (the optimizer's step wrapped on the
+    instance, as the engine calls it; on a GPU the queued work is waited for on both sides of it)."""
+
+    def __init__(self, optimizer: Any, on_gpu: bool) -> None:
+        self.seconds = 0.0
+        step = optimizer.step
+
+        def timed_step(*args: Any, **kwargs: Any) -> Any:
+            _synchronize(on_gpu)
+            start = time.perf_counter()
+            try:
+                return step(*args, **kwargs)
+            finally:
+                _synchronize(on_gpu)
+                self.seconds += time.perf_counter() - start
+
+        optimizer.step = timed_step
+
+
+def _synchronize(on_gpu: bool) -> None:
+    if on_gpu:
+        torch.cuda.synchronize()
+
+
+def time_share(spec: RunSpec, device: Device) -> float:
+    """The share of a core a CPU rank of the plan gets: its ranks run one thread each (train/launch.py sets
+    OMP_NUM_THREADS=1, and rank_threads does here), and where they outnumber the node's cores they take turns, so a
+    rank's time is what one thread takes over its share. 1 on GPUs, whose ranks each own a device."""
+    if device.kind != "cpu":
+        return 1.0
+    return min(1.0, spec.hardware.cpu_cores / device.ranks_per_node)
+
+
+@contextlib.contextmanager
+def rank_threads(device: Device) -> Iterator[None]:
+    """torch's intra-op threads set to a CPU rank's one for the block (GPU plans: left as they are)."""
+    if device.kind != "cpu":
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def random_batches(
@@ -97,13 +182,43 @@ def random_batches(
 
 
 def _planned(spec: RunSpec, device: Device, role: Role) -> dict[str, float]:
-    """The planner's bytes by memory term for the role's stage (planner/memory.py stage_bytes), and its compute time
-    per micro-batch there in ms: the stage's terms of planner/timing.py less the communication."""
+    """The planner's bytes by memory term for a rank of the role's stage (planner/memory.py stage_bytes)."""
+    kernels = kernels_for(device, spec.model)
+    return stage_bytes(spec.layout, spec.model, device, role.stage, spec.train.seq_len, kernels)[1]
+
+
+def _planned_ms(spec: RunSpec, device: Device, role: Role) -> tuple[float, float]:
+    """The planner's compute per micro-batch on the role's stage (its terms of planner/timing.py less the
+    communication) and its optimizer step there, in ms."""
     layout, model = spec.layout, spec.model
     kernels = kernels_for(device, model)
-    seq_len = spec.train.seq_len
-    _, planned = stage_bytes(layout, model, device, role.stage, seq_len, kernels)
     layers = pipeline_partition(model.layers, layout.pp).layers_per_stage[role.stage]
-    terms = stage_microbatch_seconds(model, layout, device, spec.hardware, role.stage, layers, seq_len, kernels)
-    planned["ms_per_micro_batch"] = 1e3 * sum(v for k, v in terms.items() if k not in COMMUNICATION)
-    return planned
+    terms = stage_microbatch_seconds(model, layout, device, spec.hardware, role.stage, layers, spec.train.seq_len,
+                                     kernels)  # fmt: skip
+    optimizer_s = optimizer_seconds(stage_parameters(model, layout, role.stage), layout, device)
+    return 1e3 * stage_compute_seconds(terms), 1e3 * optimizer_s
+
+
+def _planned_total(planned: dict[str, float]) -> float:
+    """The planner's bytes for a rank of the stage with its allocator margin: what building it here would take (the
+    fixed per-process overhead is this process's, already paid)."""
+    return sum(planned.values()) * (1 + cal.ALLOCATOR_MARGIN)
+
+
+def _with_estimate(
+    spec: RunSpec, device: Device, local: LocalDevice, reports: list[RoleReport], unchecked: list[Unchecked]
+) -> Preflight:
+    """The result, with the plan's estimate priced again: the built roles' memory in place of the model's for their
+    stages, and, measured on the plan's kind of device, their compute and optimizer times."""
+    same = local.runs_like(spec)
+    stage_compute = {r.role.stage: r.ms_per_micro_batch.measured / 1e3 for r in reports} if same else {}
+    optimizer_s = max((r.optimizer_ms.measured / 1e3 for r in reports), default=None) if same else None
+    overhead = device.fixed_overhead_gb * GIB
+    totals = [r.total_bytes for r in reports] + [u.planned_bytes + overhead for u in unchecked]
+    priced = reprice_preflight(spec, stage_compute, optimizer_s, max(totals) / GIB)
+    planned, measured = dict(spec.report.estimate), dict(priced.report.estimate)
+    if spec.device.kind == "cpu":  # the planner gives CPU ranks no measured peak, so no utilisation (render.py)
+        for estimate in (planned, measured):
+            estimate.pop("mfu", None)
+            estimate.pop("hfu", None)
+    return Preflight(reports, unchecked, local.name, same, planned, measured)

@@ -40,7 +40,7 @@ def plan() -> RunSpec:
 
 @pytest.fixture(scope="module")
 def reports(plan: RunSpec) -> list[RoleReport]:
-    return preflight(plan, steps=2)
+    return preflight(plan, steps=2).reports
 
 
 def test_roles_are_the_pipeline_ends_and_the_middle_with_the_ranks_they_stand_for() -> None:
@@ -129,7 +129,7 @@ def test_a_middle_stage_receives_and_sends_and_holds_the_planners_bytes(tmp_path
     model.write_text("\n".join("layers = 4" if line.startswith("layers") else line for line in text.splitlines()))
     fixed = parse_layout_fields("tp=1,pp=3,dp=1,mbs=2,gbs=4")  # 2 micro-batches: the stages overlap in 1F1B
     spec = make_plan(hardware_for(HARDWARE), load_model_shape(str(model)), fixed=fixed).spec()
-    three = preflight(spec, steps=2)
+    three = preflight(spec, steps=2).reports
     assert [(r.role.name, r.role.stage) for r in three] == [("first", 0), ("middle", 1), ("last", 2)]
     for report in three:
         for figure in (report.parameters, report.gradients, report.optimizer):

@@ -1,0 +1,158 @@
+"""preflight's figures in the plan's estimate (`plan --preflight`), the roles a small device cannot hold, and the
+device a plan may be preflighted on.
+
+The estimate's arithmetic is checked where it is independent of the time model: at tp = pp = dp = 1 there is no
+communication, no bubble and no gradient reduce, so a step is its micro-batches' compute and the optimizer step, and
+the repriced step time must be m x the measured compute per micro-batch + the measured optimizer step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from appliance.cli import main
+from appliance.errors import BadInput
+from appliance.hardware.scaled import hardware_for
+from appliance.planner import load_model_shape, make_plan
+from appliance.planner.layout import parse_layout_fields
+from appliance.planner.reprice import plan_device
+from appliance.planner.runspec import RunSpec
+from appliance.preflight.local import LocalDevice, available_ram_bytes
+from appliance.preflight.report import DevicePeak, Figure, RoleReport
+from appliance.preflight.roles import roles
+from appliance.preflight.run import preflight, time_share
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL, HARDWARE = "bloom-micro-test", "cpu-laptop-2core"
+ONE_RANK = "tp=1,pp=1,dp=1,mbs=2,gbs=8"  # 4 micro-batches on one rank
+PIPELINE = "tp=2,pp=2,dp=2"
+CPU = LocalDevice("cpu", "CPU", 2**40)  # as much free memory as any role here could want
+
+
+def _spec(layout: str, hardware: str = HARDWARE) -> RunSpec:
+    return make_plan(hardware_for(hardware), load_model_shape(MODEL), fixed=parse_layout_fields(layout)).spec()
+
+
+def test_plan_preflight_prices_one_rank_with_its_measured_compute_and_optimizer_step(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`plan --preflight --json`: the planned estimate is the plan's own, and the measured one's step time is
+    m x the measured ms per micro-batch + the measured optimizer ms (a rank with nothing to communicate); the rates
+    follow the step time."""
+    args = ["plan", "--hardware", HARDWARE, "--model", MODEL, "--layout", ONE_RANK, "--preflight", "--json"]
+    assert main(args) == 0
+    record = json.loads(capsys.readouterr().out)
+    checked = record["preflight"]
+    assert checked["estimate"]["planned"]["step_time_s"] == record["estimate"]["step_time_s"]
+    (role,) = checked["roles"]
+    micro_batches = 4
+    expected = (micro_batches * role["ms_per_micro_batch"]["measured"] + role["optimizer_ms"]["measured"]) / 1e3
+    measured = checked["estimate"]["measured"]
+    assert measured["step_time_s"] == pytest.approx(expected, rel=1e-9)
+    assert measured["tokens_per_s"] == pytest.approx(8 * 32 / expected, rel=1e-9)
+    # control: the measured figures are not the planned ones, so an estimate left as planned would fail above
+    assert abs(measured["step_time_s"] / checked["estimate"]["planned"]["step_time_s"] - 1) > 0.01
+    assert checked["same_device"] and checked["unchecked"] == []
+
+
+def test_plan_preflight_prints_planned_and_measured_side_by_side(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--hardware", HARDWARE, "--model", MODEL, "--layout", PIPELINE, "--preflight"]) == 0
+    out = capsys.readouterr().out
+    assert out.index("Verdict: FEASIBLE") < out.index("Preflight (built on CPU)")
+    assert "first (stage 0" in out and "last (stage 1" in out
+    assert "step time:" in out and "planned," in out and "with the measured figures" in out
+    assert "MFU" not in out.split("Preflight")[1]  # CPU ranks have no measured peak: no utilisation
+
+
+def _small_hardware(tmp_path: Path, ram_gb: float) -> Path:
+    text = (ROOT / "presets" / "hardware" / f"{HARDWARE}.toml").read_text()
+    lines = [f"ram_gb = {ram_gb}" if line.startswith("ram_gb") else line for line in text.splitlines()]
+    lines = [f'name = "{HARDWARE}-small"' if line.startswith("name") else line for line in lines]
+    path = tmp_path / "small.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_plan_preflight_refuses_a_layout_whose_built_ranks_do_not_fit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """4 GB for 8 CPU ranks: 410 MiB a rank, under what a rank process takes. `plan --allow-infeasible` prints it;
+    with --preflight the built ranks' figures refuse it, exit 2, naming each role."""
+    small = str(_small_hardware(tmp_path, 4))
+    args = ["plan", "--hardware", small, "--model", MODEL, "--layout", PIPELINE, "--allow-infeasible"]
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main([*args, "--preflight"]) == 2
+    out, err = capsys.readouterr()
+    assert "DOES NOT FIT" in out
+    assert "does not fit the device's memory: role first (stage 0" in err and "MiB of 409.6 MiB" in err
+
+
+def test_roles_this_device_cannot_hold_are_listed_and_the_rest_built() -> None:
+    """A device with room for the first stage only: it is built; the last, whose planned bytes exceed what is free,
+    is listed with both figures, and the estimate keeps the planner's memory for it. Control: nothing free, nothing
+    built; everything free, everything built."""
+    spec = _spec(PIPELINE)
+    first, last = roles(spec.layout)
+    nothing = preflight(spec, steps=2, local=LocalDevice("cpu", "CPU", 1.0))
+    assert nothing.reports == [] and [u.role for u in nothing.unchecked] == [first, last]
+    needs = {u.role.name: u.planned_bytes for u in nothing.unchecked}
+    assert needs["first"] < needs["last"]  # the last stage adds the logits and the final LayerNorm input
+    room = (needs["first"] + needs["last"]) / 2
+    half = preflight(spec, steps=2, local=LocalDevice("cpu", "CPU", room))
+    assert [r.role for r in half.reports] == [first] and [u.role for u in half.unchecked] == [last]
+    assert "not built here, it needs" in half.unchecked[0].describe() and half.unchecked[0].free_bytes == room
+    overhead = plan_device(spec).fixed_overhead_gb * 2**30
+    assert half.measured["memory_gb_per_gpu"] * 2**30 >= needs["last"] + overhead
+    everything = preflight(spec, steps=2, local=CPU)
+    assert [r.role for r in everything.reports] == [first, last] and everything.unchecked == []
+
+
+def test_a_gpu_plan_is_not_built_on_a_machine_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(BadInput, match="the plan is for A100-SXM4-80GB GPUs and this machine has no GPU"):
+        preflight(_spec("tp=1,pp=1,dp=1", "a100-80gb-x1"), local=CPU)
+    # and the CLI's exit 2, before anything is built
+    assert main(["preflight", "--hardware", "a100-80gb-x1", "--model", MODEL]) == 2
+    assert "this machine has no GPU" in capsys.readouterr().err
+
+
+def test_times_count_as_the_plans_only_on_its_gpu_model() -> None:
+    a100 = _spec("tp=1,pp=1,dp=1", "a100-80gb-x1")
+    assert LocalDevice("gpu", "NVIDIA A100-SXM4-80GB", 8e10).runs_like(a100)
+    assert not LocalDevice("gpu", "NVIDIA H200", 1.4e11).runs_like(a100)
+    h100 = _spec("tp=1,pp=1,dp=1", "h100-sxm5-x1")
+    assert LocalDevice("gpu", "NVIDIA H100 80GB HBM3", 8e10).runs_like(h100)
+    assert not LocalDevice("gpu", "NVIDIA H100 80GB HBM3", 8e10).runs_like(a100)
+    assert not CPU.runs_like(a100) and CPU.runs_like(_spec(ONE_RANK))
+
+
+def test_available_memory_is_read_from_meminfo(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:         1000000 kB\nMemAvailable:   12345678 kB\n")
+    assert available_ram_bytes(str(meminfo)) == 12345678 * 1024
+
+
+def test_a_cpu_rank_that_time_shares_a_core_takes_longer_by_its_share() -> None:
+    """8 ranks of cpu-laptop-2core take turns on 2 cores: each gets a quarter of one; a lone rank a whole one."""
+    assert time_share(_spec(PIPELINE), plan_device(_spec(PIPELINE))) == 0.25
+    assert time_share(_spec(ONE_RANK), plan_device(_spec(ONE_RANK))) == 1.0
+
+
+def test_on_a_gpu_the_verdict_is_the_allocators_reserved_peak() -> None:
+    """The reserved peak holds every term (pipe buffers, workspace, fragmentation): with it the verdict is it plus
+    the CUDA context, whatever the tensors counted; without it, the counted bytes with the planner's margin."""
+    (role,) = roles(_spec(ONE_RANK).layout)
+    mib = 2**20
+    figures = dict(parameters=Figure(10 * mib, 10 * mib), gradients=Figure(10 * mib, 10 * mib),
+                   optimizer=Figure(20 * mib, 20 * mib), activations=Figure(40 * mib, 50 * mib),
+                   ms_per_micro_batch=Figure(1, 1), optimizer_ms=Figure(1, 1))  # fmt: skip
+    common = dict(role=role, unmeasured_bytes=4 * mib, margin_fraction=0.15, fixed_overhead_bytes=100 * mib,
+                  capacity_bytes=300 * mib)  # fmt: skip
+    counted = RoleReport(**figures, **common)  # type: ignore[arg-type]
+    assert counted.total_bytes == pytest.approx(84 * mib * 1.15 + 100 * mib)
+    on_gpu = RoleReport(**figures, **common, device_peak=DevicePeak(150 * mib, 210 * mib))  # type: ignore[arg-type]
+    assert on_gpu.total_bytes == 310 * mib and not on_gpu.fits and counted.fits
+    assert on_gpu.planned_bytes == 94 * mib
+    assert on_gpu.to_json()["peak_allocated"] == {"measured": 150 * mib, "planned": 94 * mib, "ratio": 150 / 94}
