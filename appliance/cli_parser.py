@@ -365,6 +365,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="also write preflight.json there (made if missing); without --hardware, --model and --layout, preflight"
         " the plan.json it holds",
     )
+    p.add_argument(
+        "--step-downs",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also the layouts of the first N step-downs a GPU run takes after losing nodes beyond its spares (`plan"
+        " --verbose` lists them), each role built and stepped the same way (default: %(default)s)",
+    )
 
     p = sub.add_parser("bench", help="tokens/s and MFU of the trainer against transformers eager and compiled; kernels")
     p.add_argument(

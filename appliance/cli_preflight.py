@@ -7,6 +7,8 @@ import argparse
 import json
 from typing import TYPE_CHECKING
 
+from appliance.errors import BadInput
+
 if TYPE_CHECKING:
     from appliance.planner.runspec import RunSpec
 
@@ -15,7 +17,10 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     from appliance.atomic import write_atomic
     from appliance.preflight import run_preflight
     from appliance.preflight.report import format_preflight, refuse_what_does_not_fit
+    from appliance.preflight.step_downs import step_down_specs
 
+    if args.step_downs < 0:
+        raise BadInput(f"--step-downs {args.step_downs}: must be 0 or more")
     spec = _spec(args)
     run_dir = None
     if args.run_dir is not None:  # before the build: a folder that is not a run's is refused, its files left alone
@@ -23,19 +28,30 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 
         run_dir, _ = make_run_dir(args.run_dir)
     result = run_preflight(spec)
+    downs = [(down, run_preflight(down.spec)) for down in step_down_specs(spec, args.step_downs)]
     record = {
         "model": spec.model.name,
         "hardware": spec.hardware.name,
         "layout": spec.layout.describe(),
         "plan_feasible": spec.report.feasible,
         **result.to_json(),
+        "step_downs": [
+            {"nodes": down.step_down.nodes, "layout": down.spec.layout.describe(), **checked.to_json()}
+            for down, checked in downs
+        ],
     }
     if run_dir is not None:
         write_atomic(run_dir.preflight, json.dumps(record, indent=1).encode())
     where = f"on {spec.hardware.name or 'this machine'}, built on {result.device}"
-    title = f"Preflight: {spec.model.name} at {spec.layout.describe()} {where}"
-    print(json.dumps(record, indent=1) if args.json else f"{title}\n{format_preflight(result)}")
-    refuse_what_does_not_fit(result.reports)
+    lines = [f"Preflight: {spec.model.name} at {spec.layout.describe()} {where}", format_preflight(result)]
+    for down, checked in downs:
+        lines += [f"\nStep-down after a loss: {down.spec.layout.describe()} on {down.step_down.nodes} nodes",
+                  format_preflight(checked)]  # fmt: skip
+    print(json.dumps(record, indent=1) if args.json else "\n".join(lines))
+    refuse_what_does_not_fit(
+        (result.reports, ""),
+        *((checked.reports, f"the step-down to {down.step_down.nodes} nodes: ") for down, checked in downs),
+    )
     return 0
 
 

@@ -144,18 +144,24 @@ def _ms(figure: Figure) -> str:
     return f"{figure.measured:.3g} / {figure.planned:.3g}"
 
 
-def refuse_what_does_not_fit(reports: list[RoleReport]) -> None:
-    """BadInput naming every role whose built rank does not fit the device, with its figures."""
+def refusal(reports: list[RoleReport], layout: str = "") -> str | None:
+    """The roles whose built rank does not fit the device, with their figures, or None (``layout``: which of the
+    layouts checked, when not the plan's)."""
     over = [r for r in reports if not r.fits]
-    if over:
-        raise BadInput(
-            "preflight: does not fit the device's memory: "
-            + "; ".join(
-                f"role {r.role.describe()} needs {_need(r)} (of which measured"
-                f" {(r.measured_bytes - r.unmeasured_bytes) / MIB:.3f} MiB of states and activations)"
-                for r in over
-            )
-        )
+    if not over:
+        return None
+    return f"{layout}does not fit the device's memory: " + "; ".join(
+        f"role {r.role.describe()} needs {_need(r)} (of which measured"
+        f" {(r.measured_bytes - r.unmeasured_bytes) / MIB:.3f} MiB of states and activations)"
+        for r in over
+    )
+
+
+def refuse_what_does_not_fit(*checked: tuple[list[RoleReport], str]) -> None:
+    """BadInput naming every role of every layout checked (reports, which layout) that does not fit the device."""
+    found = [text for reports, layout in checked if (text := refusal(reports, layout))]
+    if found:
+        raise BadInput("preflight: " + "; and ".join(found))
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,12 @@ from appliance.planner import load_model_shape, make_plan
 from appliance.planner.layout import parse_layout_fields
 from appliance.planner.reprice import plan_device
 from appliance.planner.runspec import RunSpec
+from appliance.planner.shrink import StepDown, step_downs
 from appliance.preflight.local import LocalDevice, available_ram_bytes
 from appliance.preflight.report import DevicePeak, Figure, RoleReport
 from appliance.preflight.roles import roles
 from appliance.preflight.run import preflight, time_share
+from appliance.preflight.step_downs import StepDownSpec, step_down_specs
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL, HARDWARE = "bloom-micro-test", "cpu-laptop-2core"
@@ -156,3 +158,46 @@ def test_on_a_gpu_the_verdict_is_the_allocators_reserved_peak() -> None:
     assert on_gpu.total_bytes == 310 * mib and not on_gpu.fits and counted.fits
     assert on_gpu.planned_bytes == 94 * mib
     assert on_gpu.to_json()["peak_allocated"] == {"measured": 150 * mib, "planned": 94 * mib, "ratio": 150 / 94}
+
+
+def test_the_step_downs_are_the_planners_layouts_on_their_node_counts() -> None:
+    """BLOOM-176B on 48 nodes: the first step-downs (planner/shrink.py) as plans of their own, the layout, node
+    count and estimate equal to what the elastic re-plan fits; a CPU plan, which only refits dp, has none."""
+    spec = make_plan(hardware_for("jean-zay-a100-48n"), load_model_shape("bloom-176b")).spec()
+    downs = step_down_specs(spec, 2)
+    expected = step_downs(spec, 48)[:2]
+    assert [d.step_down for d in downs] == expected and [d.step_down.nodes for d in downs] == [40, 36]
+    for down in downs:
+        assert down.spec.layout == down.step_down.layout and down.spec.hardware.nodes == down.step_down.nodes
+        assert down.spec.report.feasible
+        assert down.spec.report.estimate["memory_gb_per_gpu"] == pytest.approx(down.step_down.memory_gb, rel=1e-12)
+        assert down.spec.report.estimate["step_time_s"] == pytest.approx(down.step_down.step_s, rel=1e-12)
+    assert step_down_specs(_spec(PIPELINE), 2) == []
+
+
+def test_preflight_step_downs_builds_each_and_refuses_one_that_does_not_fit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The command's handling of step-downs, on CPU plans standing in for a GPU run's (a CPU run has none): each is
+    preflighted, printed and recorded; one that does not fit exits 2 naming it, even when the plan itself fits."""
+    import appliance.preflight.step_downs as module
+
+    fits = _spec("tp=2,pp=1,dp=1")
+    tight = make_plan(hardware_for(str(_small_hardware(tmp_path, 4))), load_model_shape(MODEL),
+                      fixed=parse_layout_fields("tp=2,pp=2,dp=2")).spec()  # fmt: skip
+    fake = {1: [StepDownSpec(_down(fits, 1), fits)], 2: [StepDownSpec(_down(fits, 1), fits),
+                                                         StepDownSpec(_down(tight, 3), tight)]}  # fmt: skip
+    monkeypatch.setattr(module, "step_down_specs", lambda spec, count: fake[count])
+    args = ["preflight", "--hardware", HARDWARE, "--model", MODEL, "--layout", ONE_RANK, "--json"]
+    assert main([*args, "--step-downs", "1"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    (down,) = record["step_downs"]
+    assert down["nodes"] == 1 and down["layout"] == fits.layout.describe() and down["roles"][0]["fits"]
+    assert main([*args, "--step-downs", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "preflight: the step-down to 3 nodes: does not fit the device's memory: role first (stage 0" in err
+    assert main([*args, "--step-downs", "-1"]) == 2
+
+
+def _down(spec: RunSpec, nodes: int) -> StepDown:
+    return StepDown(nodes, spec.layout, 1.0, 2.0, 3.0, 4.0)
