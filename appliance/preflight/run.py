@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from appliance.parallel.topology import ParallelTopology
 from appliance.planner import calibration as cal
 from appliance.planner.device import Device
 from appliance.planner.kernel_path import kernels_for
-from appliance.planner.layout import pipeline_partition
+from appliance.planner.layout import Layout, pipeline_partition
 from appliance.planner.memory import stage_bytes, stage_parameters
 from appliance.planner.reprice import plan_device, reprice_preflight
 from appliance.planner.runspec import RunSpec
@@ -31,6 +32,9 @@ STEPS = 3  # the first warms up (allocations, DeepSpeed's first-step setup) and 
 # The planner's memory terms a built rank is not measured for here: DeepSpeed's pipe buffers, the backward's
 # transient workspace and context parallelism's exchange buffers. They enter the verdict as planned.
 UNMEASURED = ("pipe_buffers", "workspace", "cp_buffers")
+# Micro-batches a built rank runs per step, at least: enough to time over several of them. A plan's step can hold far
+# more (BLOOM-176B: 128 at gbs 2048, mbs 2, dp 8), which would cost minutes per role and measure nothing new.
+TIMED_MICRO_BATCHES = 4
 
 
 def preflight(spec: RunSpec, *, steps: int = STEPS, local: LocalDevice | None = None) -> Preflight:
@@ -58,6 +62,17 @@ def preflight(spec: RunSpec, *, steps: int = STEPS, local: LocalDevice | None = 
     return _with_estimate(spec, device, local, reports, unchecked)
 
 
+def built_layout(layout: Layout) -> Layout:
+    """The layout a role is built at: the plan's, with its micro-batches per step cut to max(pp, 4) where it has
+    more. What is measured does not change: 1F1B keeps min(pp - stage, m) micro-batches in flight, which is the
+    plan's while m >= pp; the shards, ZeRO partitions and buffers do not depend on m; the time is per micro-batch,
+    and the optimizer step is one whatever m."""
+    kept = max(layout.pp, TIMED_MICRO_BATCHES)
+    if layout.micro_batches <= kept:
+        return layout
+    return replace(layout, global_batch_size=kept * layout.micro_batch_size * layout.dp)
+
+
 def _role_report(
     spec: RunSpec,
     device: Device,
@@ -67,14 +82,15 @@ def _role_report(
     steps: int,
     planned: dict[str, float],
 ) -> RoleReport:
-    layout = spec.layout
+    layout = built_layout(spec.layout)
     on_gpu = torch.cuda.is_available()
     if on_gpu:
         torch.cuda.empty_cache()  # the previous role's blocks go back, so this role's reserved peak is its own
         torch.cuda.reset_peak_memory_stats()
     with emulated_world(role.rank, layout.world_size):
         topology = ParallelTopology.from_layout(layout, world_size=layout.world_size)
-        engine = build_engine(config, topology, layout, spec.train, hardware=spec.hardware)
+        engine = build_engine(config, topology, layout, replace(spec.train, global_batch_size=layout.global_batch_size),
+                              hardware=spec.hardware)  # fmt: skip
         try:
             if engine.pipelined:
                 (handoff.feed if role.stage > 0 else handoff.record)(engine.engine)

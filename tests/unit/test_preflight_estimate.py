@@ -23,7 +23,7 @@ from appliance.planner.shrink import StepDown, step_downs
 from appliance.preflight.local import LocalDevice, available_ram_bytes
 from appliance.preflight.report import DevicePeak, Figure, RoleReport
 from appliance.preflight.roles import roles
-from appliance.preflight.run import preflight, time_share
+from appliance.preflight.run import built_layout, preflight, time_share
 from appliance.preflight.step_downs import StepDownSpec, step_down_specs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -201,3 +201,25 @@ def test_preflight_step_downs_builds_each_and_refuses_one_that_does_not_fit(
 
 def _down(spec: RunSpec, nodes: int) -> StepDown:
     return StepDown(nodes, spec.layout, 1.0, 2.0, 3.0, 4.0)
+
+
+def test_a_step_of_many_micro_batches_is_built_with_as_many_as_the_pipeline_holds() -> None:
+    """BLOOM-176B's 128 micro-batches a step (gbs 2048, mbs 2, dp 8) are built as 12, the pipeline's depth; a plan
+    with no more than max(pp, 4) is built as it is."""
+    bloom = make_plan(hardware_for("jean-zay-a100-48n"), load_model_shape("bloom-176b")).spec().layout
+    assert bloom.micro_batches == 128 and built_layout(bloom).micro_batches == 12
+    assert built_layout(bloom).global_batch_size == 12 * 2 * 8
+    small = _spec(PIPELINE).layout
+    assert built_layout(small) == small
+
+
+def test_cutting_the_micro_batches_changes_no_byte_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """16 micro-batches at pp = 2, built as 4 and as all 16: every state and the activation peak are the same bytes
+    (1F1B keeps 2 in flight either way); the time per micro-batch is measured in both."""
+    spec = _spec("tp=1,pp=2,dp=1,mbs=1,gbs=16")
+    cut = preflight(spec, steps=2, local=CPU).reports
+    monkeypatch.setattr("appliance.preflight.run.TIMED_MICRO_BATCHES", 16)
+    whole = preflight(spec, steps=2, local=CPU).reports
+    for a, b in zip(cut, whole, strict=True):
+        for name in ("parameters", "gradients", "optimizer", "activations"):
+            assert getattr(a, name).measured == getattr(b, name).measured > 0, (a.role.name, name)
