@@ -3,12 +3,13 @@
     python bench/gpu_campaign.py --out DIR [--wheels DIR] [--deadline SECONDS] [--kernels-cache FILE]
                                  [--only NAMES] [--dry-run]
 
-In order: the GPU kernel tests (`pytest -m gpu tests/kernels`), flash attention's host time per call
-(`python -m bench.flash_host_cost --cuda`), then `./bloom_appliance.py bench` for the trainer against transformers
-+ torch.compile at bloom-560m micro-batches 2 (with `--profile`) and 8, and bloom-1b7 micro-batches 8, 2 and 16
-(`runs`). Every output lands in DIR: one JSON per bench, its log, the kernel tests' log, flash-host-cost.json,
-kernels.json (every kernel measurement the benches made: each op's candidates and flash attention's tiles, timed
-at each shape), attention.json (flash attention's TFLOP/s forward + backward per tile configuration, from those
+In order: the GPU kernel tests (`pytest -m gpu tests/kernels`), `./bloom_appliance.py preflight` of bloom-7b1's
+plan for an 8 x H100 node, flash attention's host time per call (`python -m bench.flash_host_cost --cuda`), then
+`./bloom_appliance.py bench` for the trainer against transformers + torch.compile at bloom-560m micro-batches 2 (with
+`--profile`) and 8 and bloom-1b7 micro-batch 8, `preflight` of BLOOM-176B's layout on 48 A100 nodes and its first
+step-down, and bloom-1b7 micro-batches 2 and 16 (`runs`). Every output lands in DIR: one JSON per bench, its log,
+the kernel tests' log, preflight-<model>/preflight.json, flash-host-cost.json, kernels.json (every kernel
+measurement the benches made: each op's candidates and flash attention's tiles, timed at each shape), attention.json (flash attention's TFLOP/s forward + backward per tile configuration, from those
 timings) and campaign.json (each run's status, seconds and timeout, the GPU, the deadline).
 
 The deadline (default 480 s, counted from the start, wheel installation included) bounds everything: a run starts
@@ -101,13 +102,30 @@ def runs(python: str, out: Path, kernels_cached: bool = False) -> list[Run]:
     select = 0.0 if kernels_cached else SELECTION_S
     return [
         Run("kernels-gpu", tests, 90.0, 40.0, "the GPU kernel tests: training shapes against the fp32 twins"),
+        preflight_run(python, out, "bloom-7b1", "h100-sxm5-x8-node", 120.0, "the one role of an 8 x H100 node's plan"),
         Run("flash-host-cost", host_cost, 45.0, 30.0, "flash attention's host time per call, its launches included"),
         bench_run(python, out, "bloom-560m", 2, 8, 120.0, selection_s=select, profile=True),
         bench_run(python, out, "bloom-560m", 8, 5, 90.0, selection_s=select),
         bench_run(python, out, "bloom-1b7", 8, 3, 120.0, selection_s=select),
+        preflight_run(python, out, "bloom-176b", "jean-zay-a100-48n", 240.0, BLOOM_ROLES, "--step-downs", "1"),
         bench_run(python, out, "bloom-1b7", 2, 5, 90.0, selection_s=select),
         bench_run(python, out, "bloom-1b7", 16, 3, 120.0, selection_s=select),
     ]
+
+
+BLOOM_ROLES = "BigScience's tp4 pp12 dp8 ZeRO-1 layout and its first step-down (memory; the times are an A100 plan's)"
+
+
+def preflight_run(python: str, out: Path, model: str, hardware: str, estimate_s: float, what: str,
+                  *extra: str) -> Run:  # fmt: skip
+    """`preflight` of the plan for ``model`` on ``hardware``: each role built and stepped on this GPU, its figures
+    beside the planner's, to DIR/preflight-<model>/preflight.json (its exit 2 when a role does not fit is a result,
+    recorded there, not a failure of the campaign's machinery)."""
+    command = (
+        python, "bloom_appliance.py", "preflight", "--hardware", hardware, "--model", model, "--run-dir",
+        str(out / f"preflight-{model}"), *extra,
+    )  # fmt: skip
+    return Run(f"preflight-{model}", command, estimate_s, floor_s=min(estimate_s, 90.0), what=f"preflight: {what}")
 
 
 def install_run(python: str, wheels: Path, site: Path) -> Run:

@@ -34,8 +34,9 @@ def test_the_dry_run_prints_every_run_with_its_estimate_and_runs_nothing(tmp_pat
     lines = done.stdout.splitlines()
     assert lines[0] == "GPU campaign, deadline 480 s (5 s kept for the summary):"
     names = [line.split()[0] for line in lines[1:-1:2]]
-    assert names == ["install-wheels", "kernels-gpu", "flash-host-cost", "bloom-560m-mb2", "bloom-560m-mb8",
-                     "bloom-1b7-mb8", "bloom-1b7-mb2", "bloom-1b7-mb16"]  # fmt: skip
+    assert names == ["install-wheels", "kernels-gpu", "preflight-bloom-7b1", "flash-host-cost", "bloom-560m-mb2",
+                     "bloom-560m-mb8", "bloom-1b7-mb8", "preflight-bloom-176b", "bloom-1b7-mb2",
+                     "bloom-1b7-mb16"]  # fmt: skip
     commands = lines[2:-1:2]
     benches = [c for c in commands if " bloom_appliance.py bench " in c]
     assert {(c.split("--model ")[1].split()[0], int(c.split("--micro-batch ")[1].split()[0])) for c in benches} == (
