@@ -3,14 +3,15 @@
     python bench/gpu_campaign.py --out DIR [--wheels DIR] [--deadline SECONDS] [--kernels-cache FILE]
                                  [--only NAMES] [--dry-run]
 
-In order: the GPU kernel tests (`pytest -m gpu tests/kernels`), `./bloom_appliance.py preflight` of bloom-7b1's
-plan for an 8 x H100 node, flash attention's host time per call (`python -m bench.flash_host_cost --cuda`), then
-`./bloom_appliance.py bench` for the trainer against transformers + torch.compile at bloom-560m micro-batches 2 (with
-`--profile`) and 8 and bloom-1b7 micro-batch 8, `preflight` of BLOOM-176B's layout on 48 A100 nodes and its first
-step-down, and bloom-1b7 micro-batches 2 and 16 (`runs`). Every output lands in DIR: one JSON per bench, its log,
-the kernel tests' log, preflight-<model>/preflight.json, flash-host-cost.json, kernels.json (every kernel
-measurement the benches made: each op's candidates and flash attention's tiles, timed at each shape), attention.json (flash attention's TFLOP/s forward + backward per tile configuration, from those
-timings) and campaign.json (each run's status, seconds and timeout, the GPU, the deadline).
+In order: the GPU kernel tests (`pytest -m gpu tests/kernels`), `./bloom_appliance.py preflight` of bloom-7b1's plan
+for an 8 x H100 node, flash attention's host time per call (`python -m bench.flash_host_cost --cuda`), then
+`./bloom_appliance.py bench` for the trainer against transformers + torch.compile at bloom-560m micro-batches 2
+(with `--profile`) and 8 and bloom-1b7 micro-batch 8, `preflight` of BLOOM-176B's layout on 48 A100 nodes and its
+first step-down, and bloom-1b7 micro-batches 2 and 16 (`runs`). Every output lands in DIR: one JSON per bench, its
+log, the kernel tests' log, preflight-<model>/preflight.json, flash-host-cost.json, kernels.json (every kernel
+measurement the benches made: each op's candidates and flash attention's tiles, timed at each shape), attention.json
+(flash attention's TFLOP/s forward + backward per tile configuration, from those timings) and campaign.json (each
+run's status, seconds and timeout, the GPU, the deadline).
 
 The deadline (default 480 s, counted from the start, wheel installation included) bounds everything: a run starts
 only when the time left is at least its floor (the least in which it can finish anything), and gets at most its
