@@ -98,10 +98,10 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prepare-only", action="store_true", help="stop after plan, prep, tokenizer and data")
     p.add_argument("--layout", metavar=LAYOUT_METAVAR, help=LAYOUT_HELP)
     _add_set(p, "override a training setting (e.g. lr=3e-4); unknown keys are an error; " + SET_RESUMED_HELP)
-    _add_nodes(p)
+    _add_nodes(p, preflight=True)
 
 
-def _add_nodes(p: argparse.ArgumentParser) -> None:
+def _add_nodes(p: argparse.ArgumentParser, *, preflight: bool = False) -> None:
     """Several machines without SLURM (appliance/train/nodes.py): the same command on every node."""
     g = p.add_argument_group("several nodes without SLURM (the run directory on a shared file system)")
     g.add_argument(
@@ -138,6 +138,16 @@ def _add_nodes(p: argparse.ArgumentParser) -> None:
         help="the rendezvous store at --master runs on a machine that does not train (`python -m"
         " appliance.train.nodes --host-store HOST:PORT` there): node 0's loss then does not end the run",
     )
+    if preflight:  # `run` only: its node 0 runs the stages (head_run.py)
+        g.add_argument(
+            "--preflight",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="node 0 builds and steps one rank of each role of the final plan (`preflight`) before any node"
+            " trains, and a role that does not fit ends the run on every node with exit 2 (default: with --nnodes,"
+            " unless --prepare-only; --preflight: also on one machine or with --prepare-only, as an sbatch job's"
+            " first step; --no-preflight: never, given on every node)",
+        )
 
 
 def nodes_from_args(args: argparse.Namespace) -> NodeGroup | None:

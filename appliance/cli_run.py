@@ -41,6 +41,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         budget_s=parse_duration(args.budget) if args.budget else None,
         nodes=nodes_from_args(args),
         layout=args.layout,
+        preflight=args.preflight,
     )
     headless = args.headless or not sys.stdout.isatty() or (req.nodes is not None and not req.nodes.is_head)
     if not headless:

@@ -1,6 +1,8 @@
 """The head process's run: plan, then each stage in order, each skipped when already complete.
 
-hardware -> plan -> prep -> tokenizer -> data -> train (+ final eval) -> export -> summary.
+hardware -> plan -> prep -> tokenizer -> data -> [preflight] -> train (+ final eval) -> export -> summary.
+The preflight stage (train/preflight_check.py) runs on node 0 of `run --nnodes` unless --no-preflight, and with
+--preflight (an sbatch job's first step, --prepare-only); the other nodes wait for it as for the data stages.
 Every input is validated before anything is written, so bad input costs nothing and leaves nothing behind. Input
 found bad only once a stage reads it (a corpus whose every record is refused), or any other failure before a data
 stage completes, leaves nothing either: the run directory this command made goes with it (discard_if_unprepared).
@@ -137,6 +139,7 @@ def _run_stages(req: RunRequest, spec: RunSpec, run_dir: RunDir, stages: Stages,
     from appliance.data.tokenize_corpus import build_indexed_datasets
     from appliance.tokenizer.bpe import train_tokenizer
     from appliance.train.launch import check_plan_runs_here, run_plan
+    from appliance.train.preflight_check import run_preflight
 
     # The plan is fixed once written: a rerun of the same run directory keeps its plan and resumes. Its --set may
     # change only the keys that may change mid-run (train/live_settings.py), each recorded as a `settings` event.
@@ -225,6 +228,13 @@ def _run_stages(req: RunRequest, spec: RunSpec, run_dir: RunDir, stages: Stages,
         if spec.init is None:
             stages.refix("tokenizer", key=_tokenizer_key(run_dir, spec), outputs=[run_dir.tokenizer])
 
+    if req.preflights and "train" not in stages.records:  # a run that has trained has nothing left to check
+        stages.run(
+            "preflight",
+            key=preflight_key(run_dir),
+            outputs=[run_dir.preflight],
+            work=lambda progress: run_preflight(run_dir, events),
+        )
     if req.prepare_only:
         return "prepared"
 
@@ -265,16 +275,22 @@ STAGES_WAIT_S = 24 * 3600.0
 
 def run_on_other_node(req: RunRequest, nodes: NodeGroup, *, wait_s: float = STAGES_WAIT_S) -> int:
     """`run` on a node other than 0: no stage runs here. Node 0 plans and prepares the data in the same run
-    directory, on a file system both mount; this node waits until stages.json records the data stage, then starts
-    its share of the ranks. A run directory this node does not see fills never: the wait ends with BadInput."""
+    directory, on a file system both mount; this node waits until stages.json records the data stage (and node 0's
+    preflight of the plan, unless --no-preflight), then starts its share of the ranks. A run directory this node does
+    not see fills never: the wait ends with BadInput; so does a preflight that found a role that does not fit."""
     from appliance.train.launch import run_plan
 
     if req.run_dir is None:
         raise BadInput(f"--run-dir: needed on --node-rank {nodes.node_rank} (node 0's, on a shared file system)")
     run_dir = RunDir(req.run_dir)
     deadline = time.monotonic() + wait_s
-    while not _data_ready(run_dir):
+    while not _ready_to_train(run_dir, preflight=req.preflights):
         if time.monotonic() > deadline:
+            if _ready_to_train(run_dir, preflight=False):
+                raise BadInput(
+                    f"--run-dir {run_dir.root}: node 0's preflight did not end in {wait_s:.0f} s; give --no-preflight"
+                    " on every node or on none"
+                )
             raise BadInput(
                 f"--run-dir {run_dir.root}: node 0's data stages did not appear in {wait_s:.0f} s; it must be node"
                 " 0's run directory, on a file system every node mounts"
@@ -289,12 +305,28 @@ def run_on_other_node(req: RunRequest, nodes: NodeGroup, *, wait_s: float = STAG
     return EXIT_OK
 
 
-def _data_ready(run_dir: RunDir) -> bool:
+def _ready_to_train(run_dir: RunDir, *, preflight: bool) -> bool:
+    """Node 0's data stages are recorded and, when `preflight`, its preflight of the plan.json there now; BadInput
+    with node 0's verdict when that preflight found a role that does not fit (node 0 ends its run with it)."""
+    from appliance.train.preflight_check import current_refusal
+
     try:
         records = json.loads(run_dir.manifest.read_text())
     except (OSError, ValueError):
         return False
-    return "data" in records and run_dir.plan.exists()
+    if "data" not in records or not run_dir.plan.exists():
+        return False
+    if not preflight or "train" in records or records.get("preflight", {}).get("key") == preflight_key(run_dir):
+        return True
+    refused = current_refusal(run_dir)
+    if refused is not None:
+        raise BadInput(refused)
+    return False
+
+
+def preflight_key(run_dir: RunDir) -> str:
+    """The preflight stage's key: plan.json as written (node 0 records it; the other nodes compare it)."""
+    return settings_key(plan=fingerprint([run_dir.plan]))
 
 
 def check_resumed_settings(req: RunRequest) -> None:

@@ -38,6 +38,15 @@ class RunRequest:
     budget_s: float | None = None  # --budget: wall time for the whole run; None: default_budget_s
     nodes: NodeGroup | None = None  # --nnodes/--node-rank/--master: this node's share (appliance/train/nodes.py)
     layout: str | None = None  # --layout: these layout fields; the planner's search chooses the others
+    # --preflight / --no-preflight; None: node 0 preflights a run of several nodes (--nnodes) that trains now
+    preflight: bool | None = None
+
+    @property
+    def preflights(self) -> bool:
+        """Whether node 0 runs the preflight stage before training (head_run.py; train/preflight_check.py)."""
+        if self.preflight is not None:
+            return self.preflight
+        return self.nodes is not None and not self.prepare_only
 
 
 def default_run_dir(model_name: str) -> Path:

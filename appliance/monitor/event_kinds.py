@@ -63,4 +63,7 @@ EVENT_KINDS: dict[str, EventKind] = {
     "nodes": EventKind(("nodes", "spares"), reducer="on_nodes", line="text_nodes"),
     # a launch's time from the head's launch to the first step's end, {phase: seconds} (train/startup.py)
     "startup": EventKind(("phases", "total_s"), reducer="on_startup", line="text_startup", scalars="startup_scalars"),
+    # node 0's preflight of the plan before the nodes train: preflight.json's record (model, hardware, layout, and
+    # per role its verdict, total/capacity bytes, measured vs planned ms per micro-batch; train/preflight_check.py)
+    "preflight": EventKind(("roles",), reducer="on_preflight", line="text_preflight"),
 }

@@ -253,6 +253,10 @@ class HeadlessPrinter:
         """Where the launch's start went (train/startup.py)."""
         return startup_text(e)
 
+    def text_preflight(self, e: dict[str, Any]) -> list[str]:
+        """Node 0's preflight of the plan (train/preflight_check.py): a line, then one per role."""
+        return preflight_lines(e)
+
     def text_stage(self, e: dict[str, Any]) -> str | None:
         name, state = str(e.get("name")), str(e.get("state"))
         if state == "skipped":  # a rerun's: when the stage was done, not the time since an earlier launch began it
@@ -299,6 +303,25 @@ def startup_text(e: dict[str, Any]) -> str:
     return (
         f"startup {fmt_duration(finite(e.get('total_s')))} to the end of step {e.get('step')} (from {origin}): {parts}"
     )
+
+
+def preflight_lines(e: dict[str, Any]) -> list[str]:
+    """`preflight bloom-micro-test at tp1 pp1 dp2 ...: every role fits`, then per role
+    `  whole (stages [0]): fits, 512.0 MB of 1.1 GB, 3.1 ms per micro-batch (planned 2.9 ms)`."""
+    roles = [r for r in e.get("roles") or [] if isinstance(r, dict)]
+    over = [str(r.get("role")) for r in roles if r.get("fits") is False]
+    verdict = f"DOES NOT FIT: {', '.join(over)}" if over else "every role fits"
+    lines = [f"preflight {e.get('model', 'the plan')} at {e.get('layout', '-')}: {verdict}"]
+    for r in roles:
+        ms = r.get("ms_per_micro_batch")
+        ms = ms if isinstance(ms, dict) else {}
+        measured, planned = finite(ms.get("measured")), finite(ms.get("planned"))
+        lines.append(
+            f"  {r.get('role')} (stages {r.get('stages')}): {'fits' if r.get('fits') else 'DOES NOT FIT'},"
+            f" {fmt_bytes(finite(r.get('total_bytes')))} of {fmt_bytes(finite(r.get('capacity_bytes')))},"
+            f" {fmt_float(measured, '.3g')} ms per micro-batch (planned {fmt_float(planned, '.3g')} ms)"
+        )
+    return lines
 
 
 def plan_line(e: dict[str, Any]) -> str:

@@ -24,6 +24,9 @@ Optional keys this reader understands beyond the required ones of events.py (all
   run:         state (started, done, failed, preempted), name, reason
   kernels:     source, choices, times_ms (and backend when nothing was chosen per op): the newest is kept
   startup:     phases ({phase: seconds}), total_s, from, restart, step: the newest launch's start is kept
+  preflight:   roles (preflight.json's: role, stages, fits, total_bytes, capacity_bytes, ms_per_micro_batch
+               {measured, planned}, ...), model, hardware, layout: the newest is kept (the dashboard also reads
+               preflight.json itself, as this kind)
   step (MoE):  moe_aux_loss (the load-balancing loss), expert_load (per MoE layer, each expert's fraction of the
                tokens), expert_tier (the tiered expert store's counters: parallel/experts/store.py
                expert_tier_event); any of them makes `experts` non-None and shows the experts panel
@@ -228,6 +231,14 @@ def on_startup(run: RunFields, e: dict[str, Any], t: float) -> None:
     phases = {str(k): float(v) for k, v in dict(e["phases"]).items()}
     run.startup = {k: v for k, v in e.items() if k not in ("t", "kind")} | {"phases": phases}
     run.changed.add("throughput")
+
+
+def on_preflight(run: RunFields, e: dict[str, Any], t: float) -> None:
+    if not isinstance(e.get("roles"), list):
+        raise TypeError("a preflight event's roles are a list")
+    roles = [dict(r) for r in e["roles"] if isinstance(r, dict)]
+    run.preflight = {k: v for k, v in e.items() if k not in ("t", "kind", "roles")} | {"roles": roles}
+    run.changed.add("preflight")
 
 
 def on_eval(run: RunFields, e: dict[str, Any], t: float) -> None:

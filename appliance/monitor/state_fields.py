@@ -17,6 +17,7 @@ from appliance.monitor.gpu import NodeGpus
 # Panels refresh only when their section changed; the reducers record which ones an event touched.
 SECTIONS = (
     "run", "throughput", "curves", "gpus", "stages", "checkpoints", "timeline", "energy", "eval", "plan", "experts",
+    "preflight",
 )  # fmt: skip
 TERMINAL_RUN_STATES = ("done", "prepared", "failed", "preempted")  # the last `run` event says nothing goes on
 TRAINING_STAGES = ("training", "train")
@@ -224,6 +225,9 @@ class RunFields:
     kernels: dict[str, Any] | None = None  # the newest `kernels` event: what the fused ops run, and measured ms
     startup: dict[str, Any] | None = None  # the newest `startup` event: where the launch's start went, by phase
     experts: ExpertsInfo | None = None  # None until a step event carries an MoE field
+    # The newest preflight of the plan (a `preflight` event, or preflight.json as the dashboard reads it): model,
+    # hardware, layout and roles as preflight.json has them; None when the run has none
+    preflight: dict[str, Any] | None = None
     # Control requests still waiting for the trainer (the file exists); set by the reader, not by events.
     checkpoint_requested: bool = False
     stop_requested: bool = False

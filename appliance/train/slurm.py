@@ -1,9 +1,12 @@
 """A SLURM batch script for a plan: srun starts one elastic agent per node, the agents meet at a c10d rendezvous
 on the first node of the allocation, and the same worker as on one machine runs on every GPU.
 
-Before training, the batch shell (on the allocation's first node) runs `preflight` on the run's plan.json: every role of
-the layout built and stepped there, so a plan whose ranks would not fit their GPUs fails in minutes on one node
-instead of on all of them.
+Before training, the batch shell (on the allocation's first node) runs `preflight` on the run's final plan.json, as
+the `preflight` stage of `run --prepare-only --preflight` (head_run.py, train/preflight_check.py): every role of the
+layout built and stepped there, so a plan whose ranks would not fit their GPUs fails in minutes on one node instead
+of on all of them. A stage, keyed on plan.json: a requeued job whose stages.json records it for the same plan skips
+it (a refusal records nothing, so a resubmitted job checks again). srun starts the agents directly, not `run`, so
+nothing preflights twice.
 
 Preemption: `--signal=B:USR1@300` warns the batch shell five minutes before the time limit; its trap creates the
 save-and-exit control file, every rank stops at the same step with a checkpoint, and the job requeues itself
@@ -168,13 +171,13 @@ def sbatch_script(job: SlurmJob, *, corpus: list[Path], python: str = ".venv/bin
         "# Workers of each restart get a fresh store (see appliance/train/launch.py, worker_env).",
         f"export {FRESH_STORE_ENV}=1",
         "",
-        "# Plan, corpus, tokenizer and indexed data, once, on this node (complete stages are skipped on requeue).",
-        f'{py} bloom_appliance.py run --headless --prepare-only --run-dir "$RUN_DIR" '
+        "# Plan, corpus, tokenizer, indexed data and preflight, once, on this node (complete stages are skipped on",
+        "# requeue). Preflight (appliance/preflight/): one rank of each role of the final plan.json (first, middle,",
+        "# last pipeline stage) built and stepped here, one after the other, in an emulated world; a role that does",
+        "# not fit its GPU's memory stops the job here (exit 2, the figures in preflight.json) before any node",
+        "# trains. The agents srun starts below do not preflight again.",
+        f'{py} bloom_appliance.py run --headless --prepare-only --preflight --run-dir "$RUN_DIR" '
         f"--corpus {' '.join(shlex.quote(str(p)) for p in corpus)}",
-        "# Preflight (appliance/preflight/): one rank of each role of plan.json (first, middle, last pipeline stage)",
-        "# built and stepped on this node, one after the other, in an emulated world; a role that does not fit its",
-        "# GPU's memory stops the job here (exit 2, the figures in preflight.json) before any node trains.",
-        f'{py} bloom_appliance.py preflight --run-dir "$RUN_DIR"',
         "",
         "# One training per run directory (appliance/train/runlock.py): this shell opens the lock file and keeps it",
         "# open, with srun, for the job's life; the hook locks it (exit 2 if a live run owns the directory). Every",

@@ -45,6 +45,7 @@ from appliance.tui.widgets.gpus import GpuTable
 from appliance.tui.widgets.header import RunHeader
 from appliance.tui.widgets.panel import Panel
 from appliance.tui.widgets.plot import LinePlot
+from appliance.tui.widgets.preflight import PreflightPanel
 from appliance.tui.widgets.stages import StagesPanel
 from appliance.tui.widgets.throughput import ThroughputPanel
 from appliance.tui.widgets.timeline import TimelinePanel
@@ -117,6 +118,7 @@ class DashboardApp(App[int]):
                 yield EnergyPanel(id="energy")
                 yield TimelinePanel(id="timeline")
             yield ExpertsPanel(id="experts")  # MoE runs only (hidden until a step event carries MoE fields)
+            yield PreflightPanel(id="preflight")  # hidden until the run directory has a preflight.json
             with Horizontal(id="eval"):
                 yield LanguageScores(id="eval-languages")
                 yield TaskScores(id="eval-tasks")
@@ -155,9 +157,8 @@ class DashboardApp(App[int]):
         self.post_message(StateChanged(frozenset(sections), self.run_dir.metrics.exists()))
 
     def _read_once(self) -> set[str]:
-        files = [
-            e for e in (self._json_event(self.run_dir.plan, "plan"), self._json_event(self.run_dir.eval, "eval")) if e
-        ]
+        read = (("plan", self.run_dir.plan), ("eval", self.run_dir.eval), ("preflight", self.run_dir.preflight))
+        files = [e for e in (self._json_event(path, kind) for kind, path in read) if e]
         if not self._attached:
             state, self._tail, loaded = attach(self.run_dir.metrics)
             self.attach_note = loaded.reason
@@ -183,7 +184,8 @@ class DashboardApp(App[int]):
         return changed
 
     def _json_event(self, path: Path, kind: str) -> dict[str, Any] | None:
-        """plan.json / eval.json as a plan / eval event, when the file is new or changed since the last read."""
+        """plan.json / eval.json / preflight.json as a plan / eval / preflight event, when the file is new or changed
+        since the last read."""
         try:
             mtime = path.stat().st_mtime
         except FileNotFoundError:

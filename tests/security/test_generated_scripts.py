@@ -49,7 +49,7 @@ name = os.path.basename(sys.argv[0])
 log = os.path.join(os.environ["STUB_LOG"], name + ".jsonl")
 with open(log, "a") as out:
     out.write(json.dumps(sys.argv[1:]) + "\\n")
-if "preflight" in sys.argv[1:] and os.environ.get("STUB_PREFLIGHT_EXIT"):
+if "--preflight" in sys.argv[1:] and os.environ.get("STUB_PREFLIGHT_EXIT"):
     sys.exit(int(os.environ["STUB_PREFLIGHT_EXIT"]))
 if name == "scontrol" and sys.argv[1:2] == ["show"]:
     print("node001")
@@ -180,8 +180,8 @@ def _run_train_script(job: SlurmJob, corpus: list[Path], stubs: Stubs, repo: Pat
 
 
 def test_a_plan_that_fails_preflight_stops_the_job_before_any_node_trains(train_env: tuple[Stubs, Path]) -> None:
-    """preflight exits 2 when a role does not fit: the job ends there with its code, srun never starts the agents.
-    The positive control is every other train-script test here, where preflight exits 0 and srun is called."""
+    """The preflight stage exits 2 when a role does not fit: the job ends there with its code, srun never starts the
+    agents. The positive control is every other train-script test here, where it exits 0 and srun is called."""
     stubs, repo = train_env
     job = SlurmJob(run_dir=repo.parent / "run", nodes=2, gpus_per_node=8, cpus_per_task=8, job_name="bloom-1b7")
     script = repo.parent / "train.sbatch"
@@ -190,9 +190,26 @@ def test_a_plan_that_fails_preflight_stops_the_job_before_any_node_trains(train_
            "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node[001-002]"}  # fmt: skip
     done = subprocess.run(["bash", str(script)], cwd=repo.parent, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr
-    prepare, preflight = stubs.calls("python")  # nothing after the preflight: no lock, no export
-    assert "--prepare-only" in prepare and preflight[-3:] == ["preflight", "--run-dir", str(job.run_dir)]
+    (prepare,) = stubs.calls("python")  # nothing after the preflight: no lock, no export
+    assert {"--prepare-only", "--preflight"} <= set(prepare)
     assert stubs.calls("srun") == []
+
+
+def test_the_job_preflights_once_as_a_stage_a_requeue_skips(train_env: tuple[Stubs, Path]) -> None:
+    """The batch shell's `run --prepare-only --preflight` checks the final plan as its `preflight` stage (keyed on
+    plan.json: a requeued job skips it, tests/unit/test_run_preflight.py); nothing else preflights: no `preflight`
+    command of its own, and srun starts the agents, which never do."""
+    from appliance.cli_parser import build_parser
+
+    stubs, repo = train_env
+    job = SlurmJob(run_dir=repo.parent / "run", nodes=2, gpus_per_node=8, cpus_per_task=8, job_name="bloom-1b7")
+    srun = _run_train_script(job, [repo.parent / "corpus"], stubs, repo)
+    calls = stubs.calls("python")
+    checking = [call for call in calls if {"preflight", "--preflight"} & set(call)]
+    assert len(checking) == 1 and checking[0] is calls[0]  # control: the scan sees the run's --preflight
+    args = build_parser().parse_args(calls[0][1:])  # the words after bloom_appliance.py, as `run` reads them
+    assert (args.command, args.prepare_only, args.preflight) == ("run", True, True)
+    assert not {"preflight", "--preflight"} & set(srun)
 
 
 def script_text(root: Path) -> str:
@@ -211,9 +228,9 @@ def test_train_script_passes_a_hostile_run_dir_intact(train_env: tuple[Stubs, Pa
     run = str(run_dir)
     assert srun[srun.index("--run-dir") + 1] == run and f"--log-dir={run}/logs" in srun
     assert "--rdzv-endpoint=node001:29500" in srun and "--rdzv-id=42" in srun  # the job's values, computed there
-    prepare, preflight, lock, export = stubs.calls("python")
+    prepare, lock, export = stubs.calls("python")
     assert prepare[prepare.index("--run-dir") + 1] == run and prepare[-2:] == ["--corpus", str(root / "corpus")]
-    assert preflight[-3:] == ["preflight", "--run-dir", run]  # the plan.json the job trains, checked first
+    assert "--preflight" in prepare  # the plan.json the job trains, checked first
     assert lock[lock.index("--run-dir") + 1] == run and export[-2:] == ["--out", f"{run}/export"]
     output = f"--output={run.replace('%', '%%')}/logs/slurm-%j.out"
     assert output in sbatch_directives(script_text(root))
