@@ -33,6 +33,8 @@ def test_the_panel_shows_each_role_of_preflight_json(finished_run: RunDir, cpu_r
     record = {
         "model": "bloom-176b", "hardware": "jean-zay-a100-48n", "layout": "tp=4,pp=12,dp=8", "plan_feasible": True,
         "roles": [role("first", [0], 70_000, 76_000, 812.0, 790.0), role("last", [11], 80_000, 76_000, 905.0, 850.0)],
+        "unchecked": [{"role": "middle", "stages": [1, 10], "rank": 32, "planned_bytes": 90_000 * MIB,
+                       "free_bytes": 40_000 * MIB}],
     }  # fmt: skip
     finished_run.preflight.write_text(json.dumps(record))
 
@@ -52,3 +54,5 @@ def test_the_panel_shows_each_role_of_preflight_json(finished_run: RunDir, cpu_r
     last = next(line for line in lines if line.lstrip().startswith("last"))
     assert "fits" in first and "73.4 GB of 79.7 GB" in first and "812 / 790 ms" in first
     assert "DOES NOT FIT" in last and "83.9 GB of 79.7 GB" in last and "905 / 850 ms" in last
+    middle = next(line for line in lines if line.lstrip().startswith("middle"))
+    assert "NOT BUILT" in middle and "94.4 GB, 41.9 GB free" in middle

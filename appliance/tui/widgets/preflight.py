@@ -28,6 +28,16 @@ def role_row(role: dict[str, Any]) -> tuple[Text, Text, str, str]:
     )
 
 
+def unchecked_row(role: dict[str, Any]) -> tuple[Text, Text, str, str]:
+    """A role not built where preflight ran (its planned bytes exceed what that device had free)."""
+    return (
+        Text(f"{role.get('role')} (stages {role.get('stages')})"),
+        Text("NOT BUILT", style="yellow"),
+        f"{fmt_bytes(finite(role.get('planned_bytes')))}, {fmt_bytes(finite(role.get('free_bytes')))} free",
+        "-",
+    )
+
+
 class PreflightPanel(Panel):
     SECTIONS: ClassVar[frozenset[str]] = frozenset({"preflight"})
     TITLE = "preflight"
@@ -44,4 +54,6 @@ class PreflightPanel(Panel):
             table.add_column(title, no_wrap=True)
         for role in record["roles"]:
             table.add_row(*role_row(role))
+        for role in record.get("unchecked") or []:
+            table.add_row(*unchecked_row(role))
         self.update(table)
