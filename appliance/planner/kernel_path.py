@@ -15,6 +15,8 @@ Our training path (after appliance/kernels/registry.py picks a backend per tenso
   ranks take chunks of about s b h logits (loss_chunks).
 - LayerNorm: the fused kernel for rows up to LAYER_NORM_MAX_ROW, the torch twin beyond (no rejection either way);
   the elementwise traffic coefficients in calibration.py are not split by it.
+- Bias + GeLU: the fused Triton kernel on GPU ranks (it keeps its input for backward); the torch twin of
+  model/ops.py bias_gelu on CPU ranks, whose chain of elementwise ops keeps intermediates of its own (memory.py).
 - Blocks: each dense block under torch.compile on GPU ranks (TrainSettings.compile, `auto` by default), eager on CPU
   ranks; the host time model (host_time.py) counts the compiled block's launches.
 - ZeRO >= 1 with dp > 1: the engine issues the post-step parameter all-gather per layer, asynchronously, and each
@@ -58,6 +60,7 @@ class KernelPath:
     dropout_masks: bool = False  # 1-byte dropout masks kept per block (Megatron's run); BLOOM's dropout is 0 here
     overlap_param_gather: bool = True  # ZeRO's post-step all-gather hidden under the next forward, layer by layer
     compiled_blocks: bool = False  # each dense block under torch.compile (compile=auto on CUDA ranks, the default)
+    gelu: str = "fused"  # "fused" (Triton, or Megatron's bias_gelu: its input kept) or "torch" (model/ops.py's twin)
 
     @property
     def scores_materialised(self) -> bool:
@@ -106,6 +109,7 @@ def kernels_for(device: Device, model: ModelShape) -> KernelPath:
         triton=gpu,
         overlap_param_gather=OVERLAP_PARAM_GATHER,
         compiled_blocks=gpu,
+        gelu="fused" if gpu else "torch",
     )
 
 

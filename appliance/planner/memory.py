@@ -31,7 +31,17 @@ from appliance.planner.layout import Layout, Partition, pipeline_partition
 from appliance.planner.model_shape import ModelShape
 from appliance.planner.moe_costs import expert_mlp_parameters, expert_parameters_per_rank, moe_shape_for_model
 
-ZERO2_BUCKET_ELEMENTS = 5e8  # DeepSpeed's default reduce_bucket_size: ZeRO-2 keeps this much of the lp gradients
+# DeepSpeed's default reduce_bucket_size (the engine's config sets none). Its ZeRO optimizer (stage_1_and_2.py, at
+# stages 1 and 2) allocates the bucket whole for its contiguous gradients, in the weights' dtype, at each backward,
+# however few parameters the rank holds (0.19.8 setup_buckets, and reduce_gradients under a pipeline:
+# torch.empty(reduce_bucket_size)), and frees it at the backward's end: 2 GB of fp32, 1 GB of bf16 or fp16. A GPU's
+# caching allocator reserves the block whole; on a CPU rank only the pages the gradients are copied into are ever
+# written, so resident: the bucket's first min(parameters, bucket) elements.
+ZERO_BUCKET_ELEMENTS = 5e8
+# The torch twin of bias + GeLU (model/ops.py bias_gelu, CPU ranks) is a chain of elementwise ops, each keeping its
+# operands: of the fc1 output's size it keeps c x and x (for c x * x), sqrt(2/pi) x and 1 + c x^2 (their product),
+# tanh's output, 0.5 x and 1 + tanh (the last product): 7 tensors where the fused kernel keeps 1, its input.
+TORCH_GELU_EXTRA_SAVED = 6
 
 
 @dataclass(frozen=True)
@@ -54,15 +64,26 @@ def layer_parameters_per_rank(model: ModelShape, tp: int) -> float:
     return (4 * h * h + 2 * h * f + 3 * h + f) / tp + 6 * h
 
 
+def layer_parameters_2d(model: ModelShape, q: int) -> float:
+    """A block on one rank of a q x q mesh (tp2d.py): weights split by q^2; the biases (3h + h + f + h) and LayerNorm
+    vectors (4h) by q, repeated in every row."""
+    h, f = model.hidden, model.ffn_hidden
+    return (4 * h * h + 2 * h * f) / q**2 + (9 * h + f) / q
+
+
 def stage_parameters(model: ModelShape, layout: Layout, stage: int, partition: Partition | None = None) -> float:
-    """Parameters held by one rank of a pipeline stage (tied embeddings: both end stages hold a copy)."""
+    """Parameters held by one rank of a pipeline stage (tied embeddings: both end stages hold a copy). On a q x q
+    mesh (tp2d) the word embedding is split over its q^2 ranks and each LayerNorm's 2h over q, as a block's."""
     partition = partition or pipeline_partition(model.layers, layout.pp)
-    params = partition.layers_per_stage[stage] * layer_parameters_per_rank(model, layout.tp)
-    vocab_shard = model.padded_vocab(layout.tp) * model.hidden / layout.tp
+    q = layout.tp2d
+    block = layer_parameters_2d(model, q) if q > 1 else layer_parameters_per_rank(model, layout.tp)
+    params = partition.layers_per_stage[stage] * block
+    vocab_shard = model.padded_vocab(layout.tp) * model.hidden / layout.tp_ranks
+    norm = 2 * model.hidden / q  # one LayerNorm's weight and bias (q = 1 without a mesh)
     if stage == 0:
-        params += vocab_shard + 2 * model.hidden  # word embedding shard + embedding LayerNorm
+        params += vocab_shard + norm  # word embedding shard + embedding LayerNorm
     if stage == layout.pp - 1:
-        params += 2 * model.hidden + (vocab_shard if layout.pp > 1 else 0)  # final LayerNorm + tied LM head copy
+        params += norm + (vocab_shard if layout.pp > 1 else 0)  # final LayerNorm + tied LM head copy
     return params
 
 
@@ -90,37 +111,65 @@ def stage_expert_parameters(model: ModelShape, layout: Layout, stage: int, parti
 
 
 def state_bytes(params: float, zero_stage: int, dp: int, precision: str) -> dict[str, float]:
-    """Model-state bytes for `params` parameters on one rank, training in `precision`.
+    """Model-state bytes for `params` parameters on one rank, training in `precision`, as DeepSpeed's optimizers
+    hold them (the single-replica step's flat optimizer: stage_bytes). Per parameter; ZeRO-2's reduce bucket, one per
+    rank whatever its parameters, is reduce_bucket_bytes.
     bf16 (BLOOM's recipe): bf16 weights 2, bf16 gradients 2, the fp32 gradient-accumulation buffer 4 (BLOOM's
     BF16_Optimizer keeps it whole: "4 bytes * params of additional memory"), fp32 master weights + Adam m and v 12.
-    ZeRO-1 shards the 12 over DP; ZeRO-2 also the fp32 gradients (and keeps one reduce bucket of bf16 gradients).
+    ZeRO-1 shards the 12 over DP; ZeRO-2 also the fp32 gradients (its bf16 gradients live in the reduce bucket).
     fp16 (DeepSpeed's ZeRO fp16 optimizer, dynamic loss scaling): the gradients accumulate in fp16 in place, so
-    there is no 4-byte buffer: weights 2, gradients 2 (ZeRO-2: its fp16 partition 2/d plus one reduce bucket),
-    master + Adam 12 sharded as above. The step's fp32 copy of the gradient partition (4/d) lives only after the
-    last backward has freed the activations, so it never adds to the peak counted here.
-    fp32 (CPU ranks): weights 4, gradients 4, Adam m and v 8, no master copy and no separate buffer."""
+    there is no 4-byte buffer: weights 2, gradients 2 (ZeRO-2: its fp16 partition 2/d), master + Adam 12 sharded as
+    above. The step's fp32 copy of the gradient partition (4/d) lives only after the last backward has freed the
+    activations, so it never adds to the peak counted here.
+    fp32 (CPU ranks): weights 4, gradients 4 (ZeRO-2: its partition 4/d), Adam m and v 8, no separate buffer. At
+    ZeRO >= 1 DeepSpeed's ZeRO optimizer also copies its partition of the fp32 weights into an fp32 master of its
+    own (single_partition_of_fp32_groups), although the weights are fp32 already: 12/d, as for bf16."""
     optimizer_shards = dp if zero_stage >= 1 else 1
-    bucket = min(params, ZERO2_BUCKET_ELEMENTS)
+    gradient_shards = dp if zero_stage >= 2 else 1
     if precision == "bf16":
-        grads = 2.0 * (params if zero_stage < 2 else bucket)
-        accumulation = 4.0 * params / (dp if zero_stage >= 2 else 1)
         return {
             "weights": 2.0 * params,
-            "gradients": grads,
-            "grad_accumulation": accumulation,
+            "gradients": 2.0 * params if zero_stage < 2 else 0.0,
+            "grad_accumulation": 4.0 * params / gradient_shards,
             "optimizer": 12.0 * params / optimizer_shards,
         }
     if precision == "fp16":
-        grads = 2.0 * (params if zero_stage < 2 else params / dp + bucket)
         return {
             "weights": 2.0 * params,
-            "gradients": grads,
+            "gradients": 2.0 * params / gradient_shards,
             "grad_accumulation": 0.0,
             "optimizer": 12.0 * params / optimizer_shards,
         }
-    grads = 4.0 * params / (dp if zero_stage >= 2 else 1)
-    optimizer = 8.0 * params / optimizer_shards
-    return {"weights": 4.0 * params, "gradients": grads, "grad_accumulation": 0.0, "optimizer": optimizer}
+    return {
+        "weights": 4.0 * params,
+        "gradients": 4.0 * params / gradient_shards,
+        "grad_accumulation": 0.0,
+        "optimizer": (12.0 if zero_stage >= 1 else 8.0) * params / optimizer_shards,
+    }
+
+
+def reduce_bucket_bytes(zero_stage: int, precision: str, params: float = ZERO_BUCKET_ELEMENTS) -> float:
+    """The reduce bucket of DeepSpeed's ZeRO optimizer on one rank, in the weights' dtype, where that optimizer runs
+    (fp32 at ZeRO >= 1, fp16 always, bf16 at ZeRO-2: bf16's stage 1 is BF16_Optimizer, which has no bucket); 0
+    elsewhere. ``params``: the rank's parameters, on a CPU rank (only the part they fill is resident); the default
+    is a GPU's whole bucket. The single-replica step runs no DeepSpeed optimizer (stage_bytes)."""
+    runs = {"fp32": zero_stage >= 1, "fp16": True, "bf16": zero_stage >= 2}[precision]
+    elements = min(params, ZERO_BUCKET_ELEMENTS)
+    return elements * (4 if precision == "fp32" else 2) if runs else 0.0
+
+
+def single_replica(layout: Layout, model: ModelShape, precision: str) -> bool:
+    """Whether the layout trains through the single-replica step (parallel/step/build.py single_replica_step, whose
+    rule this repeats: one replica on one stage, dense, bf16 or fp32, ZeRO <= 1, no 2D mesh) rather than DeepSpeed's
+    engine: its flat optimizer keeps no partition and, the fp32 weights being its masters, no master copy."""
+    return (
+        layout.pp == 1
+        and layout.dp_cp == 1
+        and layout.zero_stage <= 1
+        and layout.tp2d <= 1
+        and not model.moe_num_experts
+        and precision in ("bf16", "fp32")
+    )
 
 
 def score_bytes_per_element(kernels: KernelPath, act_bytes: int) -> float:
@@ -168,6 +217,8 @@ def activation_bytes_per_layer(
     masks = 2 if kernels.dropout_masks else 0
     outside_tp = 8 * scale + masks  # LN inputs, QKV and fc1 inputs, two dropout masks
     inside_tp = (8 + 4 * f / h) * scale  # Q, K, V, context, attention-output input; GeLU and fc2 inputs
+    if kernels.gelu == "torch":
+        inside_tp += TORCH_GELU_EXTRA_SAVED * act_bytes * f / h  # the twin's intermediates, each [s, b, f/t]
     per_sbh = (outside_tp / tp if sequence_parallel else outside_tp) + inside_tp / tp
     if kernels.attention == FLASH:
         per_sbh += 4 * a / (h * tp)  # the fp32 logsumexp: 4 b a s / t bytes
@@ -273,6 +324,13 @@ def stage_bytes(
     if experts:  # BLOOM-MoE: E/ep experts per MoE block, ZeRO-sharded over the dp x cp / ep ranks sharing them
         expert_states = state_bytes(experts, layout.zero_stage, max(1, layout.dp_cp // layout.ep), device.dtype)
         states = {key: value + expert_states[key] for key, value in states.items()}
+    if not single_replica(layout, model, device.dtype):
+        filled = dense + experts if device.kind != "gpu" else ZERO_BUCKET_ELEMENTS
+        states["gradients"] += reduce_bucket_bytes(layout.zero_stage, device.dtype, filled)
+    else:
+        accumulation, twin = _single_replica_gradients(dense, m, on_cpu=device.kind != "gpu")
+        states["grad_accumulation"] = accumulation
+        states["gradients"] += twin
     stored = partition.layers_per_stage[stage] * per_layer
     if stage == 0:
         stored += (act + mask) * s_local * b * h / sp_div  # embedding LayerNorm input (and dropout mask)
@@ -289,6 +347,15 @@ def stage_bytes(
         "cp_buffers": context_parallel.buffer_bytes(model, layout, s, act),
         "logits": logits,
     }
+
+
+def _single_replica_gradients(params: float, micro_batches: int, *, on_cpu: bool) -> tuple[float, float]:
+    """(accumulation, twin) bytes: the flat optimizer's gradient buffers (parallel/step/flat_optimizer.py) beside the
+    parameters' own gradients (state_bytes counts those). Its fp32 sum over the step's micro-batches exists only
+    when there are several (4 bytes a parameter, none with one micro-batch); on CPU ranks, where the step runs as its
+    torch twin (no Triton), one more fp32 buffer holds the step's gradient, gathered flat (4 bytes a parameter)."""
+    twin = 4.0 * params if on_cpu else 0.0
+    return (4.0 * params if micro_batches > 1 else 0.0), twin
 
 
 def memory_per_gpu(

@@ -60,7 +60,12 @@ from appliance.planner.context_parallel import local_tokens
 from appliance.planner.device import Device, Link, dp_link, tp_link
 from appliance.planner.kernel_path import KernelPath, kernels_for
 from appliance.planner.layout import Layout, pipeline_partition
-from appliance.planner.memory import activation_bytes_per_layer, layer_parameters_per_rank, state_bytes
+from appliance.planner.memory import (
+    activation_bytes_per_layer,
+    layer_parameters_2d,
+    layer_parameters_per_rank,
+    state_bytes,
+)
 from appliance.planner.model_shape import ModelShape
 from appliance.planner.timing import block_seconds
 
@@ -123,9 +128,7 @@ def parameters_1d(model: ModelShape, t: int) -> float:
 
 
 def parameters_2d(model: ModelShape, q: int) -> float:
-    """Weights split by q^2; the biases (3h + h + f + h) and LayerNorm vectors (4h) by q, repeated in every row."""
-    h, f = model.hidden, model.ffn_hidden
-    return (4 * h * h + 2 * h * f) / q**2 + (9 * h + f) / q
+    return layer_parameters_2d(model, q)
 
 
 @dataclass(frozen=True)

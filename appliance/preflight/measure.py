@@ -24,6 +24,21 @@ def storage_bytes(tensors: Iterable[torch.Tensor], exclude: set[int] | None = No
     return total
 
 
+def reached_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` as far as the tensors reach into each (its first byte to
+    the end of the furthest view): on a CPU rank the pages past them are never written, so never resident. ZeRO's
+    reduce bucket is allocated whole (planner/memory.py ZERO_BUCKET_ELEMENTS) but filled only by the gradients
+    viewing it. Other devices reserve a storage whole: its bytes."""
+    reach: dict[int, int] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        end = storage.nbytes()
+        if tensor.device.type == "cpu":
+            end = int(tensor.storage_offset() + tensor.numel()) * tensor.element_size()
+        reach[storage.data_ptr()] = max(reach.get(storage.data_ptr(), 0), end)
+    return sum(reach.values())
+
+
 def addresses(tensors: Iterable[torch.Tensor]) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in tensors}
 
@@ -65,16 +80,25 @@ def optimizer_tensors(optimizer: Any) -> list[tuple[str, torch.Tensor]]:
     return found
 
 
-# FlatAdamW's torch twin (the CPU path) gathers the gradients into a flat buffer of its own, and its views.
-TWIN_GRADIENT_BUFFERS = ("_twin_flat", "_twin_views")
+# FlatAdamW's torch twin (the CPU path) gathers the gradients into a flat buffer of its own, and its views; the
+# views of its fp32 sum over micro-batches (grad_sum) are named _sum_views.
+TWIN_GRADIENT_BUFFERS = ("_twin_flat", "_twin_views", "_sum_views")
+# FlatAdamW keeps each parameter group's learning rate in a tensor on the device: a scalar a group, as the planner
+# leaves the learning rates out.
+LEARNING_RATES = ("lr",)
 
 
 def is_gradient(path: str) -> bool:
     """A gradient buffer by its name: ``.grad`` itself, and the optimizers' accumulation and reduction buffers
     (bf16's fp32_groups_gradients, ZeRO's averaged_gradients and grads_in_partition, FlatAdamW's grad_sum and its
     twin's flat gradient)."""
-    name = path.rsplit(".", 1)[-1].split("[", 1)[0]
+    name = _name(path)
     return "grad" in name.lower() or name in TWIN_GRADIENT_BUFFERS
+
+
+def _name(path: str) -> str:
+    """The attribute a tensor's path ends in: ``optimizer.ipg_buckets[.].grads[0]`` -> ``grads``."""
+    return path.rsplit(".", 1)[-1].split("[", 1)[0]
 
 
 @dataclass
@@ -90,23 +114,32 @@ class StateBytes:
     optimizer: int = 0
 
 
+# ZeRO-2's optimizer (DeepSpeed 0.19.8) frees its reduce bucket here, at the end of each backward, after copying
+# the bucket's last gradients into its partition: the one moment both are alive.
+RELEASE_BUCKETS = "_release_ipg_buffers"
+
+
 class StateMeter:
-    """Counts ``StateBytes`` of a module and its optimizer: the gradients when the optimizer's step begins and, while
-    ``watching_backward``, after each parameter's gradient is accumulated (ZeRO reduces and frees the module's
-    gradients during backward, so their peak lies there); the largest count seen. The rest whenever ``count`` is
-    called (after a step, when the optimizer's state exists)."""
+    """Counts ``StateBytes`` of a module and its optimizer: the gradients when the optimizer's step begins, when ZeRO
+    is about to free its reduce bucket (RELEASE_BUCKETS) and, while ``watching_backward``, after each parameter's
+    gradient is accumulated (ZeRO reduces and frees the module's gradients during backward, so their peak lies
+    there); the largest count seen. The rest whenever ``count`` is called (after a step, when the optimizer's state
+    exists)."""
 
     def __init__(self, module: torch.nn.Module, optimizer: Any) -> None:
         self.module = module
         self.optimizer = optimizer
         self.gradients = 0
-        step = optimizer.step
+        for name in ("step", RELEASE_BUCKETS):
+            if callable(getattr(optimizer, name, None)):
+                setattr(optimizer, name, self._counted_before(getattr(optimizer, name)))
 
-        def counted_step(*args: Any, **kwargs: Any) -> Any:
+    def _counted_before(self, method: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
             self.gradients = max(self.gradients, self._gradient_bytes())
-            return step(*args, **kwargs)
+            return method(*args, **kwargs)
 
-        optimizer.step = counted_step
+        return counted
 
     @contextlib.contextmanager
     def watching_backward(self) -> Iterator[None]:
@@ -126,12 +159,16 @@ class StateMeter:
     def _gradient_bytes(self) -> int:
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         grads += [t for path, t in optimizer_tensors(self.optimizer) if is_gradient(path) and t.dim() > 0]
-        return storage_bytes(grads)
+        return reached_bytes(grads)
 
     def count(self) -> StateBytes:
         params = list(self.module.parameters())
         module = addresses(params)
-        held = [t for path, t in optimizer_tensors(self.optimizer) if not is_gradient(path) and t.dim() > 0]
+        held = [
+            t
+            for path, t in optimizer_tensors(self.optimizer)
+            if not is_gradient(path) and t.dim() > 0 and _name(path) not in LEARNING_RATES
+        ]
         return StateBytes(storage_bytes(params), self.gradients, storage_bytes(held, module))
 
 

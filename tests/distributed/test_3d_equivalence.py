@@ -301,8 +301,9 @@ def _optimizer_kind(engine: Any) -> dict[str, Any]:
 def layout_run(topology: ParallelTopology, options: dict[str, Any], root: Path) -> dict[str, Any]:
     os.environ.setdefault("LOCAL_RANK", "0")  # read by DeepSpeed's PipelineModule
     engine = _engine(topology, options, "fp32")
+    out_shapes = {name: tuple(p.shape) for name, p in engine.named_parameters()}  # compared with preflight's roles
     before = collective_guard().calls.copy()
-    out: dict[str, Any] = {"first": _train(engine, topology, 0, RESUME_AT, root / "step5")}
+    out: dict[str, Any] = {"shapes": out_shapes, "first": _train(engine, topology, 0, RESUME_AT, root / "step5")}
     out["collectives"] = dict(collective_guard().calls - before)  # ten training steps, saves included
     out["harness"] = _harness(engine)
     _save(engine, root / "final")
@@ -515,3 +516,33 @@ def test_a_non_finite_loss_skips_the_step_on_every_rank_and_changes_nothing(laun
             assert not math.isfinite(step["grad_norm"]), (rank, dtype)  # the norm is global: all ranks see it
             assert step["weights_unchanged"] and step["optimizer_unchanged"], (rank, dtype)
             assert math.isfinite(step["next_step_loss"]), (rank, dtype)
+
+
+def test_every_ranks_shard_shapes_equal_preflights_role_for_its_stage(launch: dict[str, Any], tmp_path: Path) -> None:
+    """preflight (one process, the fake process group) of a plan with this launch's model and layout: every launched
+    rank holds, by Hugging Face name, the parameters and shapes of the role standing for its pipeline stage."""
+    if launch["layout"] != (2, 2, 2):
+        pytest.skip("compared at tp=2, pp=2, dp=2")
+    from appliance.hardware.scaled import hardware_for
+    from appliance.planner import load_model_shape, make_plan
+    from appliance.planner.layout import parse_layout_fields
+    from appliance.preflight.run import preflight
+
+    options = launch["options"]
+    model = tmp_path / "launched.toml"
+    model.write_text(
+        f'name = "launched"\nlayers = {CONFIG.n_layer}\nhidden = {CONFIG.hidden_size}\nheads = {CONFIG.n_head}\n'
+        f"vocab_size = {CONFIG.vocab_size}\nseq_len = {SEQ}\n"
+    )
+    tp, pp, dp = launch["layout"]
+    layout = (
+        f"tp={tp},pp={pp},dp={dp},mbs={MBS},gbs={RAMPUP.final},zero={options['zero']},"
+        f"recompute={options['recompute']},sp={int(options['sp'])}"
+    )
+    spec = make_plan(hardware_for("cpu-laptop-2core"), load_model_shape(str(model)), fixed=parse_layout_fields(layout))
+    roles = preflight(spec.spec(), steps=2)
+    topology = ParallelTopology(tp=tp, pp=pp, dp=dp, world_size=tp * pp * dp)
+    for rank, result in enumerate(launch["ranks"]):
+        (role,) = [r for r in roles if topology.pp_rank(rank) in r.role.stages]
+        assert result["shapes"] == role.shapes, (rank, role.role.name)
+    assert {r.role.name for r in roles} == {"first", "last"} and roles[0].shapes != roles[1].shapes

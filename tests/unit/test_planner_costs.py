@@ -16,6 +16,7 @@ from appliance.planner import (
 )
 from appliance.planner import calibration as cal
 from appliance.planner.kernel_path import MEGATRON_DEEPSPEED
+from appliance.planner.memory import reduce_bucket_bytes
 
 GIB = 2**30
 SBH = 2048 * 1 * 1024  # bloom-560m at micro-batch 1: s * b * h
@@ -58,19 +59,22 @@ def test_state_bytes_per_zero_stage() -> None:
         "grad_accumulation": 4e9,
         "optimizer": 1.5e9,
     }
-    # ZeRO-2: fp32 gradients sharded, one 5e8-element bucket of bf16 gradients.
+    # ZeRO-2: fp32 gradients sharded; the bf16 gradients live in one 5e8-element bucket, counted once a rank.
     assert state_bytes(p, 2, 8, "bf16") == {
         "weights": 2e9,
-        "gradients": 1e9,
+        "gradients": 0.0,
         "grad_accumulation": 0.5e9,
         "optimizer": 1.5e9,
     }
+    assert reduce_bucket_bytes(2, "bf16") == 1e9 and reduce_bucket_bytes(1, "bf16") == 0.0
     assert state_bytes(p, 0, 2, "fp32") == {
         "weights": 4e9,
         "gradients": 4e9,
         "grad_accumulation": 0.0,
         "optimizer": 8e9,
     }
+    # fp32 under DeepSpeed's ZeRO optimizer: an fp32 master partition beside the moments, and its fp32 bucket.
+    assert state_bytes(p, 1, 2, "fp32")["optimizer"] == 6e9 and reduce_bucket_bytes(1, "fp32") == 2e9
 
 
 def test_memory_of_one_gpu_by_hand() -> None:
