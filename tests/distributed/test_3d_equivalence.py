@@ -540,7 +540,7 @@ def test_every_ranks_shard_shapes_equal_preflights_role_for_its_stage(launch: di
         f"recompute={options['recompute']},sp={int(options['sp'])}"
     )
     spec = make_plan(hardware_for("cpu-laptop-2core"), load_model_shape(str(model)), fixed=parse_layout_fields(layout))
-    roles = preflight(spec.spec(), steps=2)
+    roles = preflight(spec.spec(), steps=2).reports
     topology = ParallelTopology(tp=tp, pp=pp, dp=dp, world_size=tp * pp * dp)
     for rank, result in enumerate(launch["ranks"]):
         (role,) = [r for r in roles if topology.pp_rank(rank) in r.role.stages]

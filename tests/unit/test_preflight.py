@@ -1,13 +1,13 @@
 """preflight: each role of a plan built and stepped in one process, its figures beside the planner's.
 
 The tiny model (bloom-micro-test) on cpu-laptop-2core at tp=2, pp=2, dp=2: the first and last stage are built as
-ranks 0 and 4 of an 8-rank emulated world, each in about a second."""
+ranks 0 and 4 of an 8-rank emulated world, each in about a second. Every rank of a real 8-rank launch of that layout
+holds the shapes of its role (tests/distributed/test_3d_equivalence.py); other layouts: test_preflight_layouts.py."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -17,8 +17,6 @@ from appliance.hardware.scaled import hardware_for
 from appliance.model.bloom import BloomForCausalLM
 from appliance.model.config import config_for_shape
 from appliance.parallel.tensor.param_splits import role_of_parameter, shard_from_full
-from appliance.parallel.testing import build_test_engine, run_distributed
-from appliance.parallel.topology import ParallelTopology
 from appliance.planner import load_model_shape, make_plan
 from appliance.planner.layout import Layout, parse_layout_fields, pipeline_partition
 from appliance.planner.runspec import RunSpec
@@ -85,20 +83,6 @@ def test_every_role_holds_the_tp_shards_one_process_would_cut(plan: RunSpec, rep
 def _shard_shape(full: torch.Tensor, name: str, tp: int) -> tuple[int, ...]:
     role, is_bias = role_of_parameter(name)
     return tuple(shard_from_full(full, role, 0, tp, is_bias=is_bias).shape)
-
-
-def _launched_shapes(topology: ParallelTopology, config: Any) -> dict[str, tuple[int, ...]]:
-    engine = build_test_engine(config, topology, micro_batch_size=1, global_batch_size=topology.dp)
-    return {name: tuple(p.shape) for name, p in engine.named_parameters()}
-
-
-@pytest.mark.distributed
-def test_shard_shapes_equal_a_real_two_rank_launch_at_tp2(plan: RunSpec, reports: list[RoleReport]) -> None:
-    """Two gloo ranks at tp=2 build the whole model: every tensor of each role has the shape of rank 0's."""
-    config = config_for_shape(plan.model, plan.model.padded_vocab(2))
-    launched = run_distributed(_launched_shapes, 2, config, tp=2, timeout_s=240)[0]
-    held = {name: shape for report in reports for name, shape in report.shapes.items()}
-    assert held == launched
 
 
 def test_state_bytes_equal_the_planners_and_activations_are_near_them(plan: RunSpec, reports: list[RoleReport]) -> None:

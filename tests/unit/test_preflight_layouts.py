@@ -34,7 +34,7 @@ def _spec(model: str, layout: str, precision: str | None = None) -> RunSpec:
 
 
 def _preflight(model: str, layout: str, precision: str | None = None) -> list[RoleReport]:
-    return preflight(_spec(model, layout, precision), steps=2)
+    return preflight(_spec(model, layout, precision), steps=2).reports
 
 
 def _variant(tmp_path: Path, preset: str, **values: int) -> str:
