@@ -11,7 +11,7 @@ section 4), written for any f and element size below, with the attention and los
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from appliance.hardware.profile import Hardware
 from appliance.hardware.specs import GIB
@@ -307,14 +307,18 @@ def stage_bytes(
     and the fixed overhead: what memory_for_device sums for each stage it compares (and preflight/ compares with
     what a built rank holds). ``s``: the sequence length."""
     partition = pipeline_partition(model.layers, layout.pp)
-    p, b, h, t = layout.pp, layout.micro_batch_size, model.hidden, layout.tp
+    p, b, h = layout.pp, layout.micro_batch_size, model.hidden
     act = device.act_bytes
     m = max(1, layout.micro_batches)
+    # Optimus 2D splits every activation of a block both ways, [b s/q, h/q] on a q x q mesh, and the vocabulary of
+    # the loss over all q^2 ranks: held as by 1D tensor parallelism with sequence parallelism at t = q^2, as the
+    # 1D-vs-2D comparison counts it (tp2d.py cost_2d).
+    held = replace(layout, tp=layout.tp2d**2, tp2d=1, sequence_parallel=True) if layout.tp2d > 1 else layout
     per_layer = activation_bytes_per_layer(
-        model, b, t, layout.recompute, layout.sequence_parallel, act, s, kernels=kernels, cp=layout.cp
+        model, b, held.tp, held.recompute, held.sequence_parallel, act, s, kernels=kernels, cp=held.cp
     )
     per_layer += context_parallel.stored_bytes_per_layer(model, layout, s, act)
-    sp_div = t if layout.sequence_parallel else 1
+    sp_div = held.tp if held.sequence_parallel else 1
     s_local = local_tokens(s, layout.cp)
     mask = 1 if kernels.dropout_masks else 0
     in_flight = min(p - stage, m) if p > 1 else 1  # 1F1B: stage i holds p - i micro-batches
@@ -338,12 +342,12 @@ def stage_bytes(
         stored += act * s_local * b * h / sp_div  # final LayerNorm input
     # DeepSpeed keeps each stage's output for every micro-batch in flight
     pipe_buffers = act * s_local * b * h * in_flight if stage < p - 1 else 0.0
-    logits = logits_bytes(model, layout, act, s_local, kernels) if stage == p - 1 else 0.0
+    logits = logits_bytes(model, held, act, s_local, kernels) if stage == p - 1 else 0.0
     return in_flight, {
         **states,
         "activations": stored * in_flight,
         "pipe_buffers": pipe_buffers,
-        "workspace": _block_workspace(model, layout, act, s, kernels),
+        "workspace": _block_workspace(model, held, act, s, kernels),
         "cp_buffers": context_parallel.buffer_bytes(model, layout, s, act),
         "logits": logits,
     }

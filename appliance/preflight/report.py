@@ -166,21 +166,29 @@ def refuse_what_does_not_fit(*checked: tuple[list[RoleReport], str]) -> None:
 
 @dataclass(frozen=True)
 class Unchecked:
-    """A role not built here: its planned bytes (allocator margin included) exceed what this device has free."""
+    """A role not built here: its planned bytes (allocator margin included) exceed what this device has free, or,
+    ``unfed``, it is a later pipeline stage and the first, whose output it is built to receive, was not built."""
 
     role: Role
     planned_bytes: float
     free_bytes: float
+    unfed: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {"role": self.role.name, "stages": list(self.role.stages), "rank": self.role.rank,
-                "planned_bytes": self.planned_bytes, "free_bytes": self.free_bytes}  # fmt: skip
+                "planned_bytes": self.planned_bytes, "free_bytes": self.free_bytes, "why": self.why}  # fmt: skip
+
+    @property
+    def why(self) -> str:
+        if self.unfed:
+            return "it is built to receive what the first stage sends, and the first stage was not built here"
+        return (
+            f"it needs {self.planned_bytes / GIB:.2f} GiB by the plan and this device has"
+            f" {self.free_bytes / GIB:.2f} GiB free"
+        )
 
     def describe(self) -> str:
-        return (
-            f"role {self.role.describe()}: not built here, it needs {self.planned_bytes / GIB:.2f} GiB by the plan"
-            f" and this device has {self.free_bytes / GIB:.2f} GiB free"
-        )
+        return f"role {self.role.describe()}: not built here, {self.why}"
 
 
 # The estimate's figures set side by side, planned and with what preflight measured in place of the model's.

@@ -54,9 +54,11 @@ def preflight(spec: RunSpec, *, steps: int = STEPS, local: LocalDevice | None = 
         for role in roles(spec.layout):
             planned = _planned(spec, device, role)
             need = _planned_total(planned)
-            # The later stages are fed what the first one sends: without it built, they cannot be either.
-            if need > local.free_bytes or (role.stage > 0 and spec.layout.pp > 1 and handoff.sent is None):
+            if need > local.free_bytes:
                 unchecked.append(Unchecked(role, need, local.free_bytes))
+                continue
+            if role.stage > 0 and handoff.sent is None:  # fed what the first stage sends: it was not built
+                unchecked.append(Unchecked(role, need, local.free_bytes, unfed=True))
                 continue
             reports.append(_role_report(spec, device, config, role, handoff, steps, planned))
     return _with_estimate(spec, device, local, reports, unchecked)

@@ -9,6 +9,7 @@ description instead."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import sys
 from collections.abc import Iterator
@@ -39,13 +40,96 @@ def emulated_world(rank: int, world_size: int) -> Iterator[None]:
     os.environ["LOCAL_RANK"] = "0"
     dist.init_process_group(FAKE_BACKEND, store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        yield
+        with defined_outputs():
+            yield
     finally:
         dist.destroy_process_group()
         if before is None:
             os.environ.pop("LOCAL_RANK", None)
         else:
             os.environ["LOCAL_RANK"] = before
+
+
+def _define(tensor: torch.Tensor) -> None:
+    """What a peer would have sent, as far as a step's cost goes: N(0, 1) floats, zero integers."""
+    if tensor.dtype.is_floating_point:
+        tensor.normal_()
+    else:
+        tensor.zero_()
+
+
+def _after(original: Any, fill: Any) -> Any:
+    """``original``, then ``fill`` with its arguments by name (callers pass them by position or keyword)."""
+    signature = inspect.signature(original)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        fill(signature.bind(*args, **kwargs).arguments)
+        return result
+
+    call.__wrapped__ = original  # type: ignore[attr-defined]
+    return call
+
+
+def _fill_broadcast(arguments: dict[str, Any]) -> None:
+    src, group, group_src = arguments.get("src"), arguments.get("group"), arguments.get("group_src")
+    if src is None and group_src is not None:  # a rank of the group: on the default group, the global rank
+        src = group_src if group is None else dist.get_global_rank(group, group_src)
+    if src != dist.get_rank():
+        _define(arguments["tensor"])
+
+
+def _fill_first(arguments: dict[str, Any]) -> None:
+    """The call's first argument: its output tensor, or list of them."""
+    out = next(iter(arguments.values()))
+    for tensor in out if isinstance(out, list | tuple) else (out,):
+        _define(tensor)
+
+
+def _fill_received(arguments: dict[str, Any]) -> None:
+    for op in arguments["p2p_op_list"]:
+        if getattr(op.op, "__name__", "") == "irecv":
+            _define(op.tensor)
+
+
+# torch.distributed's calls whose output a peer would fill, and how to fill it here; the modules that hold one of
+# them under a name of their own (bound at import) are given the wrapped call too.
+FILLED = {
+    "broadcast": _fill_broadcast,
+    "all_gather": _fill_first,
+    "all_gather_into_tensor": _fill_first,
+    "reduce_scatter_tensor": _fill_first,
+    "all_to_all_single": _fill_first,
+    "recv": _fill_first,
+    "batch_isend_irecv": _fill_received,  # irecv itself stays: P2POp accepts torch's own function only
+}
+BOUND_ELSEWHERE = {
+    "appliance.parallel.tensor.mappings": {"_all_gather_single": _fill_first, "_reduce_scatter_single": _fill_first},
+}
+
+
+@contextlib.contextmanager
+def defined_outputs() -> Iterator[None]:
+    """The fake group's receiving calls leave their output buffers as they were allocated: uninitialised memory,
+    whose NaNs and huge values make a step skip (ring attention's received keys and values, the 2D mesh's broadcast
+    blocks) and its optimizer state never appear. For the block, each such call fills its outputs with finite values
+    after it returns; the bytes and shapes, all that preflight measures, are the real ones."""
+    import importlib
+
+    saved: list[tuple[Any, str, Any]] = []
+    for name, fill in FILLED.items():
+        saved.append((dist, name, getattr(dist, name)))
+        setattr(dist, name, _after(getattr(dist, name), fill))
+    for module_name, aliases in BOUND_ELSEWHERE.items():
+        module = importlib.import_module(module_name)
+        for alias, fill in aliases.items():
+            saved.append((module, alias, getattr(module, alias)))
+            setattr(module, alias, _after(getattr(module, alias), fill))
+    try:
+        yield
+    finally:
+        for owner, name, original in reversed(saved):
+            setattr(owner, name, original)
 
 
 @contextlib.contextmanager

@@ -225,3 +225,32 @@ def test_a_folder_that_is_not_a_runs_is_refused_before_the_build_and_keeps_its_f
     assert main(args) == 2
     assert "not an earlier `run` output" in capsys.readouterr().err
     assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
+
+
+def test_the_emulated_worlds_receiving_calls_define_their_outputs() -> None:
+    """Control: in torch's fake group a received buffer keeps what it held (here NaN, as uninitialised memory may);
+    under emulated_world every call a peer would fill leaves finite values, a broadcast's source keeps its own, and
+    torch.distributed's and the tensor-parallel mappings' calls are torch's own again afterwards."""
+    import torch.distributed as dist
+
+    from appliance.parallel.tensor import mappings
+    from appliance.preflight.world import emulated_world
+
+    original, bound = dist.all_gather_into_tensor, mappings._all_gather_single
+    with emulated_world(rank=0, world_size=4):
+        raw = torch.full((4,), float("nan"))
+        dist.broadcast.__wrapped__(raw, src=1)  # type: ignore[attr-defined]
+        assert raw.isnan().all()  # what the fake group alone leaves
+        received, own = torch.full((4,), float("nan")), torch.full((4,), 7.0)
+        dist.broadcast(received, src=1)
+        dist.broadcast(own, src=0)
+        gathered = torch.full((8,), float("nan"))
+        mappings._all_gather_single(gathered, torch.ones(2))
+        listed = [torch.full((2,), float("nan")) for _ in range(4)]
+        dist.all_gather(listed, torch.ones(2))
+        into = torch.full((4,), float("nan"))
+        dist.batch_isend_irecv([dist.P2POp(dist.irecv, into, 1)])
+        for tensor in (received, gathered, *listed, into):
+            assert tensor.isfinite().all()
+        assert own.eq(7.0).all()
+    assert dist.all_gather_into_tensor is original and mappings._all_gather_single is bound

@@ -93,15 +93,16 @@ def test_plan_preflight_refuses_a_layout_whose_built_ranks_do_not_fit(
 
 
 def test_roles_this_device_cannot_hold_are_listed_and_the_rest_built() -> None:
-    """A device with room for the first stage only: it is built; the last, whose planned bytes exceed what is free,
-    is listed with both figures, and the estimate keeps the planner's memory for it. Control: nothing free, nothing
-    built; everything free, everything built."""
-    spec = _spec(PIPELINE)
+    """One micro-batch a step at tp2 pp2 dp2: the last stage, which adds the loss and the final LayerNorm input,
+    needs more than the first. A device with room for the first stage only: it is built; the last is listed with
+    both figures, and the estimate keeps the planner's memory for it. Controls: nothing free, nothing built (the
+    last stage then for want of the first's output); everything free, everything built."""
+    spec = _spec("tp=2,pp=2,dp=2,mbs=2,gbs=4")
     first, last = roles(spec.layout)
     nothing = preflight(spec, steps=2, local=LocalDevice("cpu", "CPU", 1.0))
     assert nothing.reports == [] and [u.role for u in nothing.unchecked] == [first, last]
     needs = {u.role.name: u.planned_bytes for u in nothing.unchecked}
-    assert needs["first"] < needs["last"]  # the last stage adds the logits and the final LayerNorm input
+    assert needs["first"] < needs["last"]
     room = (needs["first"] + needs["last"]) / 2
     half = preflight(spec, steps=2, local=LocalDevice("cpu", "CPU", room))
     assert [r.role for r in half.reports] == [first] and [u.role for u in half.unchecked] == [last]
@@ -110,6 +111,18 @@ def test_roles_this_device_cannot_hold_are_listed_and_the_rest_built() -> None:
     assert half.measured["memory_gb_per_gpu"] * 2**30 >= needs["last"] + overhead
     everything = preflight(spec, steps=2, local=CPU)
     assert [r.role for r in everything.reports] == [first, last] and everything.unchecked == []
+
+
+def test_a_later_stage_is_not_built_without_the_first_and_says_why() -> None:
+    """Room for the last stage but not the first: the last cannot be fed what the first sends, and says so rather
+    than blaming its own size (the first's need exceeds what is free, its own does not)."""
+    spec = _spec(PIPELINE)  # two micro-batches: the first stage holds both in flight, the last one
+    needs = {u.role.name: u.planned_bytes for u in preflight(spec, local=LocalDevice("cpu", "CPU", 1.0)).unchecked}
+    assert needs["last"] < needs["first"]
+    result = preflight(spec, local=LocalDevice("cpu", "CPU", (needs["first"] + needs["last"]) / 2))
+    first, last = result.unchecked
+    assert result.reports == [] and not first.unfed and last.unfed
+    assert "it needs" in first.why and "first stage was not built" in last.why
 
 
 def test_a_gpu_plan_is_not_built_on_a_machine_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,6 +1,7 @@
 """preflight across layouts: every role's parameter, gradient and optimizer bytes equal to the planner's
 (planner/memory.py stage_bytes), and its activation peak within 25%, at ZeRO 1 and 2, bf16, the single-replica step,
-context parallelism, expert parallelism and the 2D mesh, on the tiny models in one process (cpu-laptop-2core)."""
+context parallelism (ulysses and ring), expert parallelism and the 2D mesh, on the tiny models in one process
+(cpu-laptop-2core)."""
 
 from __future__ import annotations
 
@@ -147,9 +148,27 @@ def test_expert_parallelism_holds_the_planners_states(tmp_path: Path) -> None:
     assert experts, sorted(reports[0].shapes)
 
 
-def test_the_2d_mesh_holds_the_planners_parameters_and_gradients() -> None:
+def test_the_2d_mesh_holds_the_planners_states_and_activations() -> None:
     """tp2d=2 (a 2 x 2 mesh): weights split over 4 ranks, biases and LayerNorms over 2 (the old count held the whole
-    model on each rank: 4 times these)."""
+    model on each rank: 4 times these); every activation split both ways and the loss's vocabulary over all 4, as 1D
+    with sequence parallelism at t = 4 (the old count: as one rank, 0.24 of the planner's). The mesh's broadcast
+    blocks are defined in the fake world (preflight/world.py defined_outputs), so the step runs and Adam's moments
+    exist."""
     (report,) = _preflight("bloom-micro-test", "tp2d=2,pp=1,dp=1,mbs=8,gbs=8,zero=0,recompute=none")
-    _assert_equal(report.parameters, "tp2d")
-    _assert_equal(report.gradients, "tp2d")
+    for figure in (report.parameters, report.gradients, report.optimizer):
+        _assert_equal(figure, "tp2d")
+    _assert_near(report.activations, "tp2d")
+
+
+def test_ring_context_parallelism_steps_and_holds_the_planners_states() -> None:
+    """cp=2 in ring mode under a pipeline: the keys and values each rank receives from its ring neighbour are
+    defined in the fake world, so the step runs and ZeRO-1's fp32 master and moments exist (12 bytes a parameter over
+    dp x cp = 2), equal to the planner's, on both stages; activations near it."""
+    reports = _preflight("bloom-micro-test", "tp=2,pp=2,dp=1,cp=2,cp_mode=ring,mbs=1,gbs=8,zero=1,recompute=none,sp=0")
+    assert [r.role.name for r in reports] == ["first", "last"]
+    for report in reports:
+        what = f"cp ring {report.role.name}"
+        _assert_equal(report.parameters, what)
+        _assert_equal(report.optimizer, what)
+        assert report.optimizer.measured == 1.5 * report.parameters.measured, what
+        _assert_near(report.activations, what)
