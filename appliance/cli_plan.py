@@ -59,7 +59,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         if not args.json:
             print(f"\nPreflight (built on {checked.device}):\n{format_preflight(checked)}")
-        refuse_what_does_not_fit((checked.reports, ""))
+        refuse_what_does_not_fit((checked, ""))
     return 0
 
 

@@ -49,8 +49,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
                   format_preflight(checked)]  # fmt: skip
     print(json.dumps(record, indent=1) if args.json else "\n".join(lines))
     refuse_what_does_not_fit(
-        (result.reports, ""),
-        *((checked.reports, f"the step-down to {down.step_down.nodes} nodes: ") for down, checked in downs),
+        (result, ""), *((checked, f"the step-down to {down.step_down.nodes} nodes: ") for down, checked in downs)
     )
     return 0
 

@@ -144,22 +144,24 @@ def _ms(figure: Figure) -> str:
     return f"{figure.measured:.3g} / {figure.planned:.3g}"
 
 
-def refusal(reports: list[RoleReport], layout: str = "") -> str | None:
-    """The roles whose built rank does not fit the device, with their figures, or None (``layout``: which of the
-    layouts checked, when not the plan's)."""
-    over = [r for r in reports if not r.fits]
-    if not over:
-        return None
-    return f"{layout}does not fit the device's memory: " + "; ".join(
+def refusal(reports: list[RoleReport], layout: str = "", unchecked: list[Unchecked] | None = None) -> str | None:
+    """The roles whose built rank does not fit the device, with their figures, and those that ran out of memory on
+    a device as large as the plan's, or None (``layout``: which of the layouts checked, when not the plan's)."""
+    over = [
         f"role {r.role.describe()} needs {_need(r)} (of which measured"
         f" {(r.measured_bytes - r.unmeasured_bytes) / MIB:.3f} MiB of states and activations)"
-        for r in over
-    )
+        for r in reports
+        if not r.fits
+    ]
+    over += [f"role {u.role.describe()}: {u.why}" for u in unchecked or [] if u.rules_out]
+    if not over:
+        return None
+    return f"{layout}does not fit the device's memory: " + "; ".join(over)
 
 
-def refuse_what_does_not_fit(*checked: tuple[list[RoleReport], str]) -> None:
-    """BadInput naming every role of every layout checked (reports, which layout) that does not fit the device."""
-    found = [text for reports, layout in checked if (text := refusal(reports, layout))]
+def refuse_what_does_not_fit(*checked: tuple[Preflight, str]) -> None:
+    """BadInput naming every role of every layout checked (its result, which layout) that does not fit the device."""
+    found = [text for result, layout in checked if (text := refusal(result.reports, layout, result.unchecked))]
     if found:
         raise BadInput("preflight: " + "; and ".join(found))
 
@@ -173,15 +175,29 @@ class Unchecked:
     planned_bytes: float
     free_bytes: float
     unfed: bool = False
+    out_of_memory_at: float | None = None  # the bytes reserved when building or stepping it ran out of memory
+    capacity_bytes: float = 0.0  # a rank's memory on the plan's device (with out_of_memory_at)
 
     def to_json(self) -> dict[str, Any]:
         return {"role": self.role.name, "stages": list(self.role.stages), "rank": self.role.rank,
-                "planned_bytes": self.planned_bytes, "free_bytes": self.free_bytes, "why": self.why}  # fmt: skip
+                "planned_bytes": self.planned_bytes, "free_bytes": self.free_bytes, "why": self.why,
+                "out_of_memory_at": self.out_of_memory_at, "rules_out": self.rules_out}  # fmt: skip
+
+    @property
+    def rules_out(self) -> bool:
+        """It ran out of memory here with at least a plan rank's memory free: the plan's ranks cannot hold it."""
+        return self.out_of_memory_at is not None and self.free_bytes >= self.capacity_bytes
 
     @property
     def why(self) -> str:
         if self.unfed:
             return "it is built to receive what the first stage sends, and the first stage was not built here"
+        if self.out_of_memory_at is not None:
+            at = f" with {self.out_of_memory_at / GIB:.2f} GiB reserved" if self.out_of_memory_at else ""
+            return (
+                f"it ran out of memory{at}, {self.free_bytes / GIB:.2f} GiB having been free, where the plan"
+                f" counts {self.planned_bytes / GIB:.2f} GiB"
+            )
         return (
             f"it needs {self.planned_bytes / GIB:.2f} GiB by the plan and this device has"
             f" {self.free_bytes / GIB:.2f} GiB free"

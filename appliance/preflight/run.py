@@ -60,7 +60,18 @@ def preflight(spec: RunSpec, *, steps: int = STEPS, local: LocalDevice | None = 
             if role.stage > 0 and handoff.sent is None:  # fed what the first stage sends: it was not built
                 unchecked.append(Unchecked(role, need, local.free_bytes, unfed=True))
                 continue
-            reports.append(_role_report(spec, device, config, role, handoff, steps, planned))
+            try:
+                reports.append(_role_report(spec, device, config, role, handoff, steps, planned))
+            except torch.OutOfMemoryError:
+                # More than the planner's figure, and more than this device had free: on a device at least as
+                # large as the plan's, the plan's ranks cannot hold it either (report.py Unchecked.rules_out).
+                peak = float(torch.cuda.max_memory_reserved()) if torch.cuda.is_available() else 0.0
+                torch.cuda.empty_cache() if torch.cuda.is_available() else None
+                unchecked.append(
+                    Unchecked(
+                        role, need, local.free_bytes, out_of_memory_at=peak, capacity_bytes=device.capacity_gb * GIB
+                    )
+                )
     return _with_estimate(spec, device, local, reports, unchecked)
 
 

@@ -82,14 +82,22 @@ def read_record(run_dir: RunDir) -> dict[str, Any] | None:
 def refusal(record: dict[str, Any], run_dir: RunDir) -> str | None:
     """The line a node prints for a preflight.json in which a role does not fit (each such role, its total and the
     device's capacity); None when every role fits."""
-    over = [r for r in record["roles"] if isinstance(r, dict) and r.get("fits") is False]
-    if not over:
-        return None
-    roles = "; ".join(
+    over = [
         f"role {r.get('role')} (stages {r.get('stages')}) needs {_mib(r.get('total_bytes'))} MiB of"
         f" {_mib(r.get('capacity_bytes'))} MiB"
-        for r in over
-    )
+        for r in record["roles"]
+        if isinstance(r, dict) and r.get("fits") is False
+    ]
+    # a role that ran out of memory on node 0 with a rank's memory free (preflight/report.py Unchecked.rules_out)
+    unchecked = record.get("unchecked")
+    over += [
+        f"role {r.get('role')} (stages {r.get('stages')}): {r.get('why')}"
+        for r in (unchecked if isinstance(unchecked, list) else [])
+        if isinstance(r, dict) and r.get("rules_out") is True
+    ]
+    if not over:
+        return None
+    roles = "; ".join(over)
     return f"{run_dir.preflight}: node 0's preflight: does not fit the device's memory: {roles}"
 
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from appliance.cli import main
 from appliance.errors import BadInput
@@ -21,10 +23,11 @@ from appliance.planner.reprice import plan_device
 from appliance.planner.runspec import RunSpec
 from appliance.planner.shrink import StepDown, step_downs
 from appliance.preflight.local import LocalDevice, available_ram_bytes
-from appliance.preflight.report import DevicePeak, Figure, RoleReport
+from appliance.preflight.report import DevicePeak, Figure, RoleReport, refuse_what_does_not_fit
 from appliance.preflight.roles import roles
 from appliance.preflight.run import built_layout, preflight, time_share
 from appliance.preflight.step_downs import StepDownSpec, step_down_specs
+from appliance.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL, HARDWARE = "bloom-micro-test", "cpu-laptop-2core"
@@ -236,3 +239,43 @@ def test_cutting_the_micro_batches_changes_no_byte_measured(monkeypatch: pytest.
     for a, b in zip(cut, whole, strict=True):
         for name in ("parameters", "gradients", "optimizer", "activations"):
             assert getattr(a, name).measured == getattr(b, name).measured > 0, (a.role.name, name)
+
+
+def test_a_role_that_runs_out_of_memory_is_refused_when_this_device_is_as_large_as_the_plans(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The last stage's build runs out of memory (as a GPU's allocator raises it) though the planner's figure fits:
+    listed with what was free, and, this device having at least a plan rank's memory free, the plan refused with
+    it (exit 2; another node reads the same verdict from preflight.json). On a device smaller than the plan's the
+    same failure proves nothing of the plan: listed, not refused."""
+    import appliance.preflight.run as run
+    from appliance.train.preflight_check import refusal as node_refusal
+
+    build = run.build_engine
+
+    def out_of_memory_on_the_last_stage(*args: Any, **kwargs: Any) -> Any:
+        if torch.distributed.get_rank() == 4:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(run, "build_engine", out_of_memory_on_the_last_stage)
+    spec = _spec(PIPELINE)
+    large = preflight(spec, steps=2, local=CPU)
+    assert [r.role.name for r in large.reports] == ["first"]
+    (last,) = large.unchecked
+    assert last.role.name == "last" and last.rules_out and "ran out of memory" in last.why
+    with pytest.raises(BadInput, match=r"does not fit the device's memory: role last .*ran out of memory"):
+        refuse_what_does_not_fit((large, ""))
+    record = {"roles": [r.to_json() for r in large.reports], "unchecked": [u.to_json() for u in large.unchecked]}
+    assert "ran out of memory" in (node_refusal(record, RunDir(Path("run"))) or "")
+    capacity = plan_device(spec).capacity_gb * 2**30
+    small = preflight(spec, steps=2, local=LocalDevice("cpu", "CPU", capacity / 2 + _needs(spec)))
+    assert not small.unchecked[0].rules_out
+    refuse_what_does_not_fit((small, ""))  # listed, not refused
+    assert main(["preflight", "--hardware", HARDWARE, "--model", MODEL, "--layout", PIPELINE]) == 2
+    assert "role last (stage 1" in capsys.readouterr().err
+
+
+def _needs(spec: RunSpec) -> float:
+    """The largest planned need among the roles (what a device must have free to build them all)."""
+    return max(u.planned_bytes for u in preflight(spec, local=LocalDevice("cpu", "CPU", 1.0)).unchecked)
