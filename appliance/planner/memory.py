@@ -30,6 +30,7 @@ from appliance.planner.kernel_path import (
 from appliance.planner.layout import Layout, Partition, pipeline_partition
 from appliance.planner.model_shape import ModelShape
 from appliance.planner.moe_costs import expert_mlp_parameters, expert_parameters_per_rank, moe_shape_for_model
+from appliance.planner.train_settings import engine_zero_stage
 
 # DeepSpeed's default reduce_bucket_size (the engine's config sets none). Its ZeRO optimizer (stage_1_and_2.py, at
 # stages 1 and 2) allocates the bucket whole for its contiguous gradients, in the weights' dtype, at each backward,
@@ -306,6 +307,7 @@ def stage_bytes(
     """(micro-batches in flight, bytes by term) of one rank of pipeline stage ``stage``, before the allocator margin
     and the fixed overhead: what memory_for_device sums for each stage it compares (and preflight/ compares with
     what a built rank holds). ``s``: the sequence length."""
+    layout = replace(layout, zero_stage=engine_zero_stage(layout.zero_stage, device.dtype))  # what DeepSpeed runs
     partition = pipeline_partition(model.layers, layout.pp)
     p, b, h = layout.pp, layout.micro_batch_size, model.hidden
     act = device.act_bytes

@@ -174,7 +174,8 @@ def search_layouts(
     if hardware.has_gpus:
         tps = _powers_of_two(hardware.gpus_per_node)
         recomputes: tuple[str, ...] = RECOMPUTE_MODES
-        zeros: tuple[int, ...] = (0, 1, 2)
+        # bf16 and fp16 run stage 1 for 0 (train_settings.engine_zero_stage): 0 would be the same run listed twice
+        zeros: tuple[int, ...] = (0, 1, 2) if device.dtype == "fp32" else (1, 2)
     else:
         # CPU ranks: data parallel only (the smoke run's layout), plain gradient all-reduce: gloo has no
         # reduce-scatter and ZeRO's overlap needs CUDA streams. Recompute stays available for big shapes.

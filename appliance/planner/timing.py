@@ -367,6 +367,7 @@ def step_time_for_device(
     the optimizer step measured there, in place of its estimate."""
     kernels = kernels or kernels_for(device, model)
     s = model.seq_len if seq_len is None else seq_len
+    layout = replace(layout, zero_stage=train_settings.engine_zero_stage(layout.zero_stage, device.dtype))
     partition = pipeline_partition(model.layers, layout.pp)
     p, t, d = layout.pp, layout.tp, layout.dp_cp  # gradients reduce over dp x cp ranks
     m = max(1, layout.micro_batches)

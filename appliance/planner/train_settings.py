@@ -19,6 +19,16 @@ DRIFT_CHECK_INTERVAL = 50  # steps between TP-replica drift checks (appliance/pa
 COMPILE_MODES = ("auto", "on", "off")
 
 
+def engine_zero_stage(zero_stage: int, dtype: str) -> int:
+    """The ZeRO stage DeepSpeed runs for a layout's ``zero_stage`` in ``dtype``: bf16 and fp16 at 0 run stage 1.
+    bf16: BLOOM's BF16_Optimizer (fp32 master weights and Adam states sharded over DP, fp32 gradient accumulation)
+    is what DeepSpeed selects for bf16 + fp32 accumulation at stage 1, and its stage 0 has no bf16 path with fp32
+    accumulation. fp16: in DeepSpeed 0.19.8 engine.backward scales the loss for ZeRO optimizers only
+    (deepspeedai/DeepSpeed PR #8393, open), so stage 0's fp16 optimizers would divide unscaled gradients by the
+    scale. The DeepSpeed config (parallel/step/deepspeed_config.py) and the planner's memory and time both use this."""
+    return max(zero_stage, 1) if dtype in ("bf16", "fp16") else zero_stage
+
+
 def overlap_comm(zero_stage: int, dtype: str) -> bool:
     """Whether the run's DeepSpeed config turns ZeRO's overlap_comm on: never, for now.
     parallel/step/deepspeed_config.py writes this into the config and planner/timing.py credits overlap only where it is

@@ -197,3 +197,29 @@ def test_bloom_tp_bytes() -> None:
     counts = communication_bytes_per_rank(Layout(4, 12, 8, 2, 2048, 1, "full"), load_model_shape("bloom-176b"), stage=1)
     assert counts["tp_allreduce"] == pytest.approx(128 * 6 * 6 * 1.5 * 2 * 2048 * 2 * 14336)
     assert counts["pp_p2p"] == pytest.approx(128 * 2 * 2 * 2048 * 2 * 14336)
+
+
+def test_bf16_and_fp16_at_zero_0_are_priced_as_the_stage_1_deepspeed_runs() -> None:
+    """DeepSpeed's config maps ZeRO 0 to stage 1 in bf16 and fp16 (train_settings.engine_zero_stage, the one rule
+    both read): the planner's memory and step time of BLOOM's layout at zero=0 are those at zero=1, in fp32 they
+    differ (its stage 0 runs, unsharded)."""
+    from dataclasses import replace as with_fields
+
+    from appliance.hardware import load_hardware
+    from appliance.parallel.step.deepspeed_config import deepspeed_config
+    from appliance.planner import load_model_shape, memory_per_gpu
+    from appliance.planner.layout import parse_layout
+    from appliance.planner.timing import step_time
+
+    hardware, model = load_hardware("jean-zay-a100-48n"), load_model_shape("bloom-176b")
+    one = parse_layout("tp=4,pp=12,dp=8,mbs=2,gbs=2048,zero=1,recompute=none,sp=1")
+    zero = with_fields(one, zero_stage=0)
+    for dtype in ("bf16", "fp16"):
+        assert memory_per_gpu(zero, model, hardware, precision=dtype) == memory_per_gpu(one, model, hardware,
+                                                                                        precision=dtype)  # fmt: skip
+        assert step_time(zero, model, hardware, precision=dtype) == step_time(one, model, hardware, precision=dtype)
+        config = deepspeed_config(global_batch_size=2048, micro_batch_size=2, dp=8, zero_stage=0, dtype=dtype,
+                                  grad_clip=1.0, pipeline=True)  # fmt: skip
+        assert config["zero_optimization"]["stage"] == 1
+    fp32 = (memory_per_gpu(layout, model, hardware, precision="fp32").total_gb for layout in (zero, one))
+    assert next(fp32) > next(fp32)

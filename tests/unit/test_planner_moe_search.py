@@ -100,14 +100,14 @@ def test_search_offers_cp_with_experts() -> None:
 
 
 def test_cp_neither_splits_nor_repeats_the_experts() -> None:
-    """Experts are whole and replicated over cp: at ZeRO 0 the weights and optimizer states of dp=8, cp=2, ep=4 are
-    those of dp=8, ep=4; at ZeRO 1 the expert states partition over dp x cp / ep, so cp = 2 at dp = 8 keeps what
-    dp = 16 at cp = 1 keeps (the same 4 replicas of each expert share them)."""
+    """Experts are whole and replicated over cp: at ZeRO 0 (fp32: fp16 at 0 runs stage 1) the weights and optimizer
+    states of dp=8, cp=2, ep=4 are those of dp=8, ep=4; at ZeRO 1 the expert states partition over dp x cp / ep, so
+    cp = 2 at dp = 8 keeps what dp = 16 at cp = 1 keeps (the same 4 replicas of each expert share them)."""
     states = ("weights", "gradients", "optimizer")
 
     def breakdown(dp: int, cp: int, zero: int) -> dict[str, float]:
         layout = Layout(1, 24, dp, 1, 2048, zero, "full", False, cp, ep=4)
-        return memory_per_gpu(layout, MOE, HARDWARE, precision="fp16").breakdown_gb
+        return memory_per_gpu(layout, MOE, HARDWARE, precision="fp16" if zero else "fp32").breakdown_gb
 
     at_cp1, at_cp2 = breakdown(8, 1, 0), breakdown(8, 2, 0)
     assert [at_cp2[k] for k in states] == [at_cp1[k] for k in states]

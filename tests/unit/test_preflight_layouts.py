@@ -64,6 +64,9 @@ EXACT = {
     # bf16 under the pipeline's BF16_Optimizer (its last stage's activations measure 0.69 of the planner's, outside
     # the tolerance: BF16_ACTIVATIONS_OFF)
     "tp=2,pp=2,dp=2,mbs=2,gbs=8,zero=1,recompute=selective,sp=1": "bf16",
+    # bf16 at ZeRO 0 is DeepSpeed's stage 1 (train_settings.engine_zero_stage): its fp32 master and moments sharded
+    # over dp (the old count: whole, dp times the built rank's)
+    "tp=1,pp=2,dp=2,mbs=2,gbs=8,zero=0,recompute=none,sp=0": "bf16",
     # the single-replica step on CPU: its twin's flat fp32 gradient, and its fp32 sum over 2 micro-batches
     "tp=2,pp=1,dp=1,mbs=8,gbs=16,zero=0,recompute=none,sp=1": "fp32",
     "tp=1,pp=1,dp=1,mbs=16,gbs=16,zero=0,recompute=none,sp=0": "bf16",
@@ -73,7 +76,10 @@ EXACT = {
 }
 
 
-BF16_ACTIVATIONS_OFF = {"tp=2,pp=2,dp=2,mbs=2,gbs=8,zero=1,recompute=selective,sp=1"}
+BF16_ACTIVATIONS_OFF = {
+    "tp=2,pp=2,dp=2,mbs=2,gbs=8,zero=1,recompute=selective,sp=1",
+    "tp=1,pp=2,dp=2,mbs=2,gbs=8,zero=0,recompute=none,sp=0",
+}
 
 
 @pytest.fixture(scope="module", params=list(EXACT))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from appliance.planner.train_settings import DTYPES, overlap_comm
+from appliance.planner.train_settings import DTYPES, engine_zero_stage, overlap_comm
 
 # Dynamic loss scaling for fp16, as BigScience's fp16 runs configured it (bigscience-workshop/bigscience,
 # train/tr1-13B-base/tr1-13B-round1.slurm: 13B on Jean Zay's V100-32GB, ZeRO stage 1): start at 2^12, halve
@@ -60,19 +60,16 @@ def deepspeed_config(
         # ...and are summed over DP in fp32 too: DeepSpeed would otherwise cast the fp32 accumulation buffers to
         # bf16 for the all-reduce, rounding away what the fp32 accumulation kept.
         config["communication_data_type"] = "fp32"
-        # BLOOM's optimizer: DeepSpeed's BF16_Optimizer (fp32 master weights and Adam states sharded over DP,
-        # fp32 gradient accumulation), which DeepSpeed selects for bf16 + fp32 accumulation at ZeRO stage 1. Its
-        # stage 0 has no bf16 path with fp32 accumulation, so 0 and 1 both mean that optimizer.
-        config["zero_optimization"]["stage"] = max(zero_stage, 1)
+        # BLOOM's optimizer: DeepSpeed's BF16_Optimizer, at stage 1 (engine_zero_stage: 0 and 1 both mean it).
+        config["zero_optimization"]["stage"] = engine_zero_stage(zero_stage, dtype)
     elif dtype == "fp16":
         # fp16 weights and activations, fp32 master weights and Adam states in ZeRO's optimizer, the loss scaled
         # before backward and every step whose scaled gradients overflow skipped (DeepSpeed counts them).
         config["fp16"] = {"enabled": True, **FP16_LOSS_SCALING}
-        # ZeRO's optimizer, as BigScience's fp16 runs used it. Stage 0's fp16 optimizers are not an option: in
-        # DeepSpeed 0.19.8 engine.backward scales the loss for ZeRO optimizers only (deepspeedai/DeepSpeed PR
-        # #8393, open), so they divide unscaled gradients by the scale: updates 4096x too small, clipping that
-        # never acts, no overflow ever detected. So 0 and 1 both mean stage 1 here, as for bf16.
-        config["zero_optimization"]["stage"] = max(zero_stage, 1)
+        # ZeRO's optimizer, as BigScience's fp16 runs used it; stage 0's fp16 optimizers would get unscaled
+        # gradients divided by the scale: updates 4096x too small, clipping that never acts, no overflow ever
+        # detected (engine_zero_stage). So 0 and 1 both mean stage 1 here, as for bf16.
+        config["zero_optimization"]["stage"] = engine_zero_stage(zero_stage, dtype)
     elif dtype != "fp32":
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     return config
