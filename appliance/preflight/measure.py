@@ -174,10 +174,17 @@ class StateMeter:
 
 class _Saved:
     """A tensor autograd keeps for backward, counted while this holder lives (autograd frees it once the node that
-    saved it has run backward, or the graph is dropped)."""
+    saved it has run backward, or the graph is dropped).
+
+    It holds the tensor detached: the same storage and version counter, no grad_fn. Held with its grad_fn, a saved
+    output (GeLU's, softmax's) would point back at the node that saved it, a cycle through autograd's C++ graph that
+    nothing collects. Backward frees a node's saved tensors and breaks it, but a node a backward passes with
+    retain_graph=True keeps them, and DeepSpeed's pipeline backpropagates a stage's several outputs so, all but the
+    last (a BLOOM-MoE stage's hidden states and load-balancing loss): their graphs would stay counted, step after
+    step."""
 
     def __init__(self, meter: ActivationMeter, tensor: torch.Tensor, address: int, size: int) -> None:
-        self.tensor, self._meter, self._address = tensor, meter, address
+        self.tensor, self._meter, self._address = tensor.detach(), meter, address
         meter.hold(address, size)
 
     def __del__(self) -> None:

@@ -135,6 +135,22 @@ def test_the_activation_meter_counts_saved_tensors_once_and_releases_them() -> N
     assert meter.peak == 3 * 1024 and meter.live == 0
 
 
+def test_the_activation_meter_releases_what_a_retained_graph_kept_once_it_is_dropped() -> None:
+    """Control: exp saves its own output. Backpropagated with retain_graph=True (as DeepSpeed's pipeline does all
+    but the last of a stage's outputs) and then dropped, the graph and its saved tensors go; a holder that kept the
+    output with its grad_fn would make a cycle through the graph and count it forever (1 KiB here, a stage's every
+    saved tensor a step in a BLOOM-MoE pipeline)."""
+    meter = ActivationMeter([])
+    x = torch.randn(256, requires_grad=True)
+    with meter.hooks():
+        y = x.exp()
+        total = y.sum()
+    total.backward(retain_graph=True)
+    assert meter.live == 1024
+    del y, total
+    assert meter.live == 0 and meter.peak == 1024
+
+
 def test_the_state_meter_counts_weights_gradients_and_adam_moments() -> None:
     """Control: one Linear under torch's AdamW: its moments are twice its weights, counted after a step; its
     gradients at the step."""
