@@ -12,6 +12,7 @@ import contextlib
 import inspect
 import os
 import sys
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,28 +27,91 @@ FAKE_BACKEND = "fake"  # registered by importing torch's fake_pg module
 @contextlib.contextmanager
 def emulated_world(rank: int, world_size: int) -> Iterator[None]:
     """torch.distributed initialised as rank ``rank`` of ``world_size`` on the fake backend for the block, and torn
-    down after it. LOCAL_RANK is set for the block as a launcher would set it (DeepSpeed's PipelineModule reads it):
-    0, the one device of this process."""
+    down after it, with the process left as it was (``process_state_kept``). LOCAL_RANK is set for the block as a
+    launcher would set it (DeepSpeed's PipelineModule reads it): 0, the one device of this process."""
     if dist.is_initialized():
         raise RuntimeError("preflight builds its ranks in a process of its own: torch.distributed is already running")
     import deepspeed.ops
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    # The fake group is no gloo group, so deepspeed_comm.init_deepspeed_comm would leave DeepSpeed free to compile
-    # its CPU shared-memory all-reduce (a minute of C++, which nothing here uses): keep it off.
-    deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
-    before = os.environ.get("LOCAL_RANK")
-    os.environ["LOCAL_RANK"] = "0"
-    dist.init_process_group(FAKE_BACKEND, store=FakeStore(), rank=rank, world_size=world_size)
+    with process_state_kept():
+        # The fake group is no gloo group, so deepspeed_comm.init_deepspeed_comm would leave DeepSpeed free to
+        # compile its CPU shared-memory all-reduce (a minute of C++, which nothing here uses): keep it off.
+        deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
+        os.environ["LOCAL_RANK"] = "0"
+        dist.init_process_group(FAKE_BACKEND, store=FakeStore(), rank=rank, world_size=world_size)
+        try:
+            with defined_outputs():
+                yield
+        finally:
+            dist.destroy_process_group()
+
+
+# Modules whose globals an engine build sets for its process: DeepSpeed's communication backend (cdb), its
+# pipeline's grid, its parallel-groups registry (mpu and the expert groups), its MoE all-to-all (ours installed),
+# torch's default backend name. Left behind, the next engine or MoE layer built in the same process would use a
+# destroyed fake group's grid and groups.
+PROCESS_STATE = (
+    "deepspeed.comm.comm",
+    "deepspeed.runtime.pipe.p2p",
+    "deepspeed.utils.groups",
+    "deepspeed.moe.sharded_moe",
+    "torch.distributed.distributed_c10d",
+)
+# Classes among them that a build replaces (install_all_to_all: the experts' exchange)
+REPLACED_CLASSES = {"deepspeed.moe.sharded_moe": ("_AllToAll",)}
+
+
+@contextlib.contextmanager
+def process_state_kept() -> Iterator[None]:
+    """The block may build engines in this process: afterwards the environment and the PROCESS_STATE modules'
+    globals are as before it (values set back, names it added removed, dicts and lists refilled in place, for
+    modules that imported them by name)."""
+    import importlib
+
+    import deepspeed.ops
+
+    environment = dict(os.environ)
+    compatible_ops = dict(deepspeed.ops.__compatible_ops__)
+    saved = {}
+    with warnings.catch_warnings():  # looking at torch.distributed's deprecated reduce_op warns
+        warnings.simplefilter("ignore", FutureWarning)
+        for name in PROCESS_STATE:
+            module = importlib.import_module(name)
+            kept = REPLACED_CLASSES.get(name, ())
+            saved[module] = {k: (v, _contents(v)) for k, v in vars(module).items() if _is_state(v) or k in kept}
     try:
-        with defined_outputs():
-            yield
+        yield
     finally:
-        dist.destroy_process_group()
-        if before is None:
-            os.environ.pop("LOCAL_RANK", None)
-        else:
-            os.environ["LOCAL_RANK"] = before
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            for module, state in saved.items():
+                for key in [k for k, v in vars(module).items() if _is_state(v) and k not in state]:
+                    delattr(module, key)
+                for key, (value, contents) in state.items():
+                    setattr(module, key, value)
+                    _refill(value, contents)
+        os.environ.clear()
+        os.environ.update(environment)
+        deepspeed.ops.__compatible_ops__.clear()
+        deepspeed.ops.__compatible_ops__.update(compatible_ops)
+
+
+def _is_state(value: Any) -> bool:
+    """A module global that holds state: not a function, class or module (those are its code)."""
+    return not (inspect.isroutine(value) or inspect.isclass(value) or inspect.ismodule(value))
+
+
+def _contents(value: Any) -> Any:
+    return dict(value) if isinstance(value, dict) else list(value) if isinstance(value, list) else None
+
+
+def _refill(value: Any, contents: Any) -> None:
+    if isinstance(value, dict):
+        value.clear()
+        value.update(contents)
+    elif isinstance(value, list):
+        value[:] = contents
 
 
 def _define(tensor: torch.Tensor) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -270,3 +271,26 @@ def test_the_emulated_worlds_receiving_calls_define_their_outputs() -> None:
             assert tensor.isfinite().all()
         assert own.eq(7.0).all()
     assert dist.all_gather_into_tensor is original and mappings._all_gather_single is bound
+
+
+def test_preflight_leaves_the_process_as_it_found_it() -> None:
+    """An engine build sets DeepSpeed's communication backend, pipeline grid and parallel-groups registry for its
+    process; after preflight they, torch's default backend and the environment are as before, so a model built in the
+    same process afterwards (a test's single-process reference, a second preflight) uses no destroyed fake group."""
+    import os
+
+    import deepspeed.comm.comm as ds_comm
+    import deepspeed.runtime.pipe.p2p as p2p
+    import deepspeed.utils.groups as groups
+    import torch.distributed.distributed_c10d as c10d
+
+    def state() -> tuple[Any, ...]:
+        return ds_comm.cdb, p2p._grid, groups.mpu, dict(vars(groups)).get("_EXPERT_PARALLEL_GROUP"), c10d._backend
+
+    before, environment = state(), dict(os.environ)
+    spec = make_plan(
+        hardware_for(HARDWARE), load_model_shape(MODEL), fixed=parse_layout_fields("tp=1,pp=2,dp=1")
+    ).spec()
+    assert [r.role.name for r in preflight(spec, steps=2).reports] == ["first", "last"]
+    assert state() == before
+    assert dict(os.environ) == environment
