@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_preflight import _hardware_file
 
 from appliance.cli import main
 from appliance.errors import BadInput
@@ -71,21 +72,12 @@ def test_plan_preflight_prints_planned_and_measured_side_by_side(capsys: pytest.
     assert "MFU" not in out.split("Preflight")[1]  # CPU ranks have no measured peak: no utilisation
 
 
-def _small_hardware(tmp_path: Path, ram_gb: float) -> Path:
-    text = (ROOT / "presets" / "hardware" / f"{HARDWARE}.toml").read_text()
-    lines = [f"ram_gb = {ram_gb}" if line.startswith("ram_gb") else line for line in text.splitlines()]
-    lines = [f'name = "{HARDWARE}-small"' if line.startswith("name") else line for line in lines]
-    path = tmp_path / "small.toml"
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
 def test_plan_preflight_refuses_a_layout_whose_built_ranks_do_not_fit(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """4 GB for 8 CPU ranks: 410 MiB a rank, under what a rank process takes. `plan --allow-infeasible` prints it;
     with --preflight the built ranks' figures refuse it, exit 2, naming each role."""
-    small = str(_small_hardware(tmp_path, 4))
+    small = str(_hardware_file(tmp_path, 4))
     args = ["plan", "--hardware", small, "--model", MODEL, "--layout", PIPELINE, "--allow-infeasible"]
     assert main(args) == 0
     capsys.readouterr()
@@ -199,7 +191,7 @@ def test_preflight_step_downs_builds_each_and_refuses_one_that_does_not_fit(
     import appliance.preflight.step_downs as module
 
     fits = _spec("tp=2,pp=1,dp=1")
-    tight = make_plan(hardware_for(str(_small_hardware(tmp_path, 4))), load_model_shape(MODEL),
+    tight = make_plan(hardware_for(str(_hardware_file(tmp_path, 4))), load_model_shape(MODEL),
                       fixed=parse_layout_fields("tp=2,pp=2,dp=2")).spec()  # fmt: skip
     fake = {1: [StepDownSpec(_down(fits, 1), fits)], 2: [StepDownSpec(_down(fits, 1), fits),
                                                          StepDownSpec(_down(tight, 3), tight)]}  # fmt: skip
