@@ -65,8 +65,10 @@ def preflight(spec: RunSpec, *, steps: int = STEPS, local: LocalDevice | None = 
             except torch.OutOfMemoryError:
                 # More than the planner's figure, and more than this device had free: on a device at least as
                 # large as the plan's, the plan's ranks cannot hold it either (report.py Unchecked.rules_out).
-                peak = float(torch.cuda.max_memory_reserved()) if torch.cuda.is_available() else 0.0
-                torch.cuda.empty_cache() if torch.cuda.is_available() else None
+                peak = 0.0
+                if torch.cuda.is_available():
+                    peak = float(torch.cuda.max_memory_reserved())
+                    torch.cuda.empty_cache()
                 unchecked.append(
                     Unchecked(
                         role, need, local.free_bytes, out_of_memory_at=peak, capacity_bytes=device.capacity_gb * GIB
