@@ -190,7 +190,8 @@ def test_optimizer_buffers_are_told_apart_by_name_and_shapes_without_memory_are_
     assert "optimizer.state[bookkeeping][kept]" in paths and not any("shape" in path for path in paths)
 
 
-def _hardware_file(tmp_path: Path, ram_gb: float) -> Path:
+def hardware_with_ram(tmp_path: Path, ram_gb: float) -> Path:
+    """The CPU preset with `ram_gb` GB of memory, as a hardware file (test_preflight_estimate uses it too)."""
     text = (ROOT / "presets" / "hardware" / f"{HARDWARE}.toml").read_text()
     lines = [f"ram_gb = {ram_gb}" if line.startswith("ram_gb") else line for line in text.splitlines()]
     lines = [f'name = "{HARDWARE}-small"' if line.startswith("name") else line for line in lines]
@@ -204,7 +205,7 @@ def test_a_role_that_does_not_fit_the_device_exits_2_naming_it_and_its_figures(
 ) -> None:
     """4 GB of RAM for 8 CPU ranks: 410 MiB a rank, under the 600 MiB every rank's interpreter and libraries take.
     The positive control (the preset's 8 GB: 820 MiB a rank) is the test below, which exits 0."""
-    small = _hardware_file(tmp_path, 4)
+    small = hardware_with_ram(tmp_path, 4)
     assert main(["preflight", "--hardware", str(small), "--model", MODEL, "--layout", LAYOUT]) == 2
     out, err = capsys.readouterr()
     message = err.strip().splitlines()[-1]

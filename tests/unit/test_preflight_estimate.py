@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_preflight import _hardware_file
+from test_preflight import hardware_with_ram
 
 from appliance.cli import main
 from appliance.errors import BadInput
@@ -77,7 +77,7 @@ def test_plan_preflight_refuses_a_layout_whose_built_ranks_do_not_fit(
 ) -> None:
     """4 GB for 8 CPU ranks: 410 MiB a rank, under what a rank process takes. `plan --allow-infeasible` prints it;
     with --preflight the built ranks' figures refuse it, exit 2, naming each role."""
-    small = str(_hardware_file(tmp_path, 4))
+    small = str(hardware_with_ram(tmp_path, 4))
     args = ["plan", "--hardware", small, "--model", MODEL, "--layout", PIPELINE, "--allow-infeasible"]
     assert main(args) == 0
     capsys.readouterr()
@@ -191,7 +191,7 @@ def test_preflight_step_downs_builds_each_and_refuses_one_that_does_not_fit(
     import appliance.preflight.step_downs as module
 
     fits = _spec("tp=2,pp=1,dp=1")
-    tight = make_plan(hardware_for(str(_hardware_file(tmp_path, 4))), load_model_shape(MODEL),
+    tight = make_plan(hardware_for(str(hardware_with_ram(tmp_path, 4))), load_model_shape(MODEL),
                       fixed=parse_layout_fields("tp=2,pp=2,dp=2")).spec()  # fmt: skip
     fake = {1: [StepDownSpec(_down(fits, 1), fits)], 2: [StepDownSpec(_down(fits, 1), fits),
                                                          StepDownSpec(_down(tight, 3), tight)]}  # fmt: skip
